@@ -1,0 +1,65 @@
+// Collectives for CPU tensors over Gloo, through libtorch's c10d process group.
+//
+// Gloo in libtorch 1.13 has no reduce-scatter and no all-gather into one
+// tensor, and rejects bfloat16 tensors. This implementation provides all of
+// them on top of the transfers Gloo does have (NOTE [Gloo algorithms]):
+//   all-gather      Gloo all-gather of byte views: any dtype, (W-1)/W of the
+//                   output crosses the wire per rank.
+//   reduce-scatter  Gloo all-to-all of byte views, then a local sum of the W
+//                   received chunks (in float32 for float16/bfloat16): the
+//                   same (W-1)/W of the input per rank as a ring
+//                   reduce-scatter, instead of the 2(W-1)/W of an all-reduce
+//                   of the whole buffer.
+//   all-reduce      Gloo's ring all-reduce for float32/float64; for
+//                   float16/bfloat16 the reduce-scatter above followed by an
+//                   all-gather, so that sums accumulate in float32 and the
+//                   wire carries 16-bit values.
+//   broadcast       Gloo broadcast of a byte view.
+//
+// This is an adapter file: c10d's types appear here and in gloo_collectives.cc
+// only. Every rank of a group calls CreateGlooCollectives with the same store
+// and group name; creation blocks until all ranks have connected.
+#ifndef FSDP_COMM_GLOO_COLLECTIVES_H_
+#define FSDP_COMM_GLOO_COLLECTIVES_H_
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "comm/collectives.h"
+#include "torch/csrc/distributed/c10d/Store.hpp"
+
+namespace fsdp {
+
+struct GlooOptions {
+  // Bound on every collective and on the connection of the group. A rank
+  // that does not take part in time makes the others fail with an error
+  // that names the operation, instead of hanging.
+  std::chrono::milliseconds timeout = std::chrono::minutes(5);
+
+  // Which local address Gloo listens on: a network interface ("lo",
+  // "eth0"; what GLOO_SOCKET_IFNAME names for PyTorch), else a hostname or
+  // address ("127.0.0.1"); with neither, the address this host's name
+  // resolves to.
+  std::string interface;
+  std::string hostname;
+
+  // Gloo worker threads of this group (each runs one collective at a time).
+  int threads = 2;
+
+  // Prefix of this group's keys in the store; groups sharing a store (the
+  // shard and replicate groups of hybrid sharding) need distinct names.
+  std::string group_name = "world";
+};
+
+// Connects rank `rank` of a group of `world_size` through `store`.
+// Fails with kInvalidArgument for bad arguments and kDeadlineExceeded /
+// kUnavailable when the other ranks do not connect in time.
+absl::StatusOr<std::unique_ptr<Collectives>> CreateGlooCollectives(
+    c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
+    const GlooOptions& options);
+
+}  // namespace fsdp
+
+#endif  // FSDP_COMM_GLOO_COLLECTIVES_H_

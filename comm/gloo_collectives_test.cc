@@ -1,0 +1,272 @@
+#include "comm/gloo_collectives.h"
+
+#include <chrono>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "ATen/ATen.h"
+#include "c10/util/Exception.h"
+#include "comm/collectives.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "testing/multi_rank.h"
+#include "torch/csrc/distributed/c10d/HashStore.hpp"
+
+namespace fsdp {
+namespace {
+
+using ::fsdp::testing::MultiRankOptions;
+using ::fsdp::testing::RunOnProcessRanks;
+using ::fsdp::testing::RunOnThreadRanks;
+using ::testing::HasSubstr;
+
+// Small integers, different on every rank and position, so that sums are
+// exact in every dtype and a misplaced chunk changes the result.
+at::Tensor Pattern(int rank, int64_t numel, at::ScalarType dtype) {
+  at::Tensor i = at::arange(numel, at::kLong);
+  return ((i * 31 + rank * 17 + 3) % 13 - 6).to(dtype);
+}
+
+// What rank `rank` must hold after reducing Pattern(r, numel) over all r.
+at::Tensor ExpectedReduction(int world_size, int64_t numel, at::ScalarType dtype,
+                             ReduceOp op) {
+  at::Tensor sum = at::zeros({numel}, at::kFloat);
+  for (int r = 0; r < world_size; ++r) sum += Pattern(r, numel, at::kFloat);
+  if (op == ReduceOp::kAvg) sum.div_(world_size);
+  return sum.to(dtype);
+}
+
+void ExpectEqualTensors(const at::Tensor& actual, const at::Tensor& expected,
+                        const std::string& what) {
+  ASSERT_EQ(actual.scalar_type(), expected.scalar_type()) << what;
+  ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
+  EXPECT_TRUE(at::equal(actual, expected))
+      << what << "\nactual:   " << actual.slice(0, 0, 12)
+      << "\nexpected: " << expected.slice(0, 0, 12);
+}
+
+// Checks every collective on one rank for several sizes. Sizes per rank
+// include 1, a prime (uneven over 3 ranks) and one above Gloo's small-message
+// range; 0 checks the empty case.
+void CheckAllCollectives(Collectives& comm, at::ScalarType dtype) {
+  const int rank = comm.rank();
+  const int world = comm.world_size();
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{1000}, int64_t{1} << 16}) {
+    SCOPED_TRACE(::testing::Message() << "shard numel " << n << ", dtype " << dtype);
+    // All-gather into one tensor.
+    at::Tensor shard = Pattern(rank, n, dtype);
+    at::Tensor shard_before = shard.clone();
+    at::Tensor full = at::full({world * n}, 99, dtype);
+    comm.AllGatherIntoTensor(full, shard)->Wait();
+    std::vector<at::Tensor> pieces;
+    for (int r = 0; r < world; ++r) pieces.push_back(Pattern(r, n, dtype));
+    ExpectEqualTensors(full, at::cat(pieces), "all-gather output");
+    ExpectEqualTensors(shard, shard_before, "all-gather input is unchanged");
+
+    // Reduce-scatter, sum and average.
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+      at::Tensor input = Pattern(rank, world * n, dtype);
+      at::Tensor input_before = input.clone();
+      at::Tensor output = at::full({n}, 99, dtype);
+      comm.ReduceScatterTensor(output, input, op)->Wait();
+      at::Tensor expected =
+          ExpectedReduction(world, world * n, dtype, op).slice(0, rank * n, (rank + 1) * n);
+      ExpectEqualTensors(output, expected,
+                         std::string("reduce-scatter ") + ReduceOpName(op));
+      ExpectEqualTensors(input, input_before, "reduce-scatter input is unchanged");
+    }
+
+    // All-reduce: any shape and any numel (n + 1 is not a multiple of 2 or 4).
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+      at::Tensor tensor = Pattern(rank, n + 1, dtype).view({1, n + 1});
+      comm.AllReduce(tensor, op)->Wait();
+      ExpectEqualTensors(tensor.view({-1}), ExpectedReduction(world, n + 1, dtype, op),
+                         std::string("all-reduce ") + ReduceOpName(op));
+    }
+
+    // Broadcast from every root.
+    for (int root = 0; root < world; ++root) {
+      at::Tensor tensor = Pattern(rank, n, dtype);
+      comm.Broadcast(tensor, root)->Wait();
+      ExpectEqualTensors(tensor, Pattern(root, n, dtype), "broadcast");
+    }
+  }
+  comm.Barrier();
+}
+
+class CollectivesTest
+    : public ::testing::TestWithParam<std::tuple<int, at::ScalarType>> {};
+
+TEST_P(CollectivesTest, ThreadRanksMatchReference) {
+  const auto [world, dtype] = GetParam();
+  absl::Status status = RunOnThreadRanks(
+      world, [dtype = dtype](Collectives& comm) { CheckAllCollectives(comm, dtype); });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    WorldSizesAndDtypes, CollectivesTest,
+    ::testing::Combine(::testing::Values(1, 2, 3, 4),
+                       ::testing::Values(at::kFloat, at::kHalf, at::kBFloat16)),
+    [](const ::testing::TestParamInfo<CollectivesTest::ParamType>& info) {
+      return "W" + std::to_string(std::get<0>(info.param)) + "_" +
+             c10::toString(std::get<1>(info.param));
+    });
+
+TEST(Collectives, ProcessRanksMatchReference) {
+  for (int world : {2, 3}) {
+    absl::Status status = RunOnProcessRanks(world, [](Collectives& comm) {
+      CheckAllCollectives(comm, at::kFloat);
+      CheckAllCollectives(comm, at::kBFloat16);
+    });
+    EXPECT_TRUE(status.ok()) << "world size " << world << ": " << status;
+  }
+}
+
+TEST(Collectives, CountsCallsAndFullBufferBytes) {
+  absl::Status status = RunOnThreadRanks(3, [](Collectives& comm) {
+    comm.ResetCounters();
+    at::Tensor shard = at::zeros({10}, at::kBFloat16);
+    at::Tensor full = at::zeros({30}, at::kBFloat16);
+    comm.AllGatherIntoTensor(full, shard)->Wait();
+    comm.AllGatherIntoTensor(full, shard)->Wait();
+    comm.ReduceScatterTensor(shard, full, ReduceOp::kAvg)->Wait();
+    comm.AllReduce(at::zeros({5}, at::kFloat), ReduceOp::kSum)->Wait();
+    comm.Broadcast(at::zeros({4}, at::kDouble), 0)->Wait();
+    comm.Barrier();
+    const CollectiveCounters c = comm.counters();
+    EXPECT_EQ(c.Calls(CollectiveOp::kAllGather), 2);
+    EXPECT_EQ(c.Bytes(CollectiveOp::kAllGather), 2 * 30 * 2);
+    EXPECT_EQ(c.Calls(CollectiveOp::kReduceScatter), 1);
+    EXPECT_EQ(c.Bytes(CollectiveOp::kReduceScatter), 30 * 2);
+    EXPECT_EQ(c.Calls(CollectiveOp::kAllReduce), 1);
+    EXPECT_EQ(c.Bytes(CollectiveOp::kAllReduce), 5 * 4);
+    EXPECT_EQ(c.Calls(CollectiveOp::kBroadcast), 1);
+    EXPECT_EQ(c.Bytes(CollectiveOp::kBroadcast), 4 * 8);
+    EXPECT_EQ(c.Calls(CollectiveOp::kBarrier), 1);
+    comm.ResetCounters();
+    EXPECT_EQ(comm.counters().Calls(CollectiveOp::kAllGather), 0);
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+// Every caller mistake is refused on the calling rank, before anything is
+// sent, with a message naming the operation, the rank and the mismatch; the
+// group stays usable afterwards.
+TEST(Collectives, RejectsBadArgumentsWithClearErrors) {
+  absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
+    auto expect_error = [&](const std::function<void()>& call, const std::string& text) {
+      try {
+        call();
+        ADD_FAILURE() << "expected an error containing: " << text;
+      } catch (const c10::Error& e) {
+        EXPECT_THAT(e.msg(), HasSubstr(text));
+        EXPECT_THAT(e.msg(), HasSubstr("rank " + std::to_string(comm.rank()) + " of 2"));
+      }
+    };
+    const at::Tensor shard = at::zeros({4});
+    expect_error([&] { comm.AllGatherIntoTensor(at::zeros({7}), shard); },
+                 "all-gather: output has 7 elements but must have world_size * "
+                 "input.numel() = 2 * 4 = 8");
+    expect_error([&] { comm.ReduceScatterTensor(shard, at::zeros({9}), ReduceOp::kSum); },
+                 "reduce-scatter: input has 9 elements but must have world_size * "
+                 "output.numel() = 2 * 4 = 8");
+    expect_error([&] { comm.AllGatherIntoTensor(at::zeros({8}, at::kHalf), shard); },
+                 "all-gather: output dtype Half does not match input dtype Float");
+    expect_error([&] { comm.AllGatherIntoTensor(at::zeros({8}), at::zeros({4}, at::kLong)); },
+                 "input has dtype Long; supported are Float, Double, Half and BFloat16");
+    expect_error([&] { comm.AllGatherIntoTensor(at::zeros({8}), at::zeros({2, 2})); },
+                 "input must be 1-D (a flat buffer) but has shape [2, 2]");
+    expect_error([&] { comm.AllGatherIntoTensor(at::zeros({16}).slice(0, 0, 16, 2), shard); },
+                 "output must be contiguous");
+    expect_error([&] { comm.ReduceScatterTensor(shard, at::Tensor(), ReduceOp::kSum); },
+                 "input is an undefined tensor");
+    expect_error([&] { comm.ReduceScatterTensor(shard, at::zeros({8}), static_cast<ReduceOp>(7)); },
+                 "invalid ReduceOp 7");
+    expect_error([&] { comm.AllReduce(at::zeros({3}, at::kInt), ReduceOp::kSum); },
+                 "all-reduce: tensor has dtype Int");
+    expect_error([&] { comm.Broadcast(at::zeros({3}), 2); },
+                 "broadcast: root 2 is not a rank of this group (world_size 2)");
+    expect_error([&] { comm.Broadcast(at::zeros({3}), -1); }, "root -1");
+    EXPECT_EQ(comm.counters().Calls(CollectiveOp::kAllGather), 0)
+        << "refused calls must not be counted";
+
+    // The group still works.
+    at::Tensor full = at::zeros({8});
+    comm.AllGatherIntoTensor(full, at::full({4}, comm.rank() + 1.0))->Wait();
+    EXPECT_EQ(full.sum().item<float>(), 4 * 1.0 + 4 * 2.0);
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+TEST(Collectives, RejectsBadGroupArguments) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  GlooOptions options;
+  options.hostname = "127.0.0.1";
+  EXPECT_THAT(CreateGlooCollectives(store, 2, 2, options).status().message(),
+              HasSubstr("rank 2 is not in [0, world_size = 2)"));
+  EXPECT_THAT(CreateGlooCollectives(store, 0, 0, options).status().message(),
+              HasSubstr("rank 0 is not in [0, world_size = 0)"));
+  EXPECT_THAT(CreateGlooCollectives(c10::intrusive_ptr<c10d::Store>(), 0, 1, options).status().message(),
+              HasSubstr("store is null"));
+  GlooOptions both = options;
+  both.interface = "lo";
+  EXPECT_THAT(CreateGlooCollectives(store, 0, 1, both).status().message(),
+              HasSubstr("at most one of interface and hostname"));
+}
+
+// Ranks that disagree on the world size are told so, by rank, instead of
+// waiting for a peer that will never come.
+TEST(Collectives, MismatchedWorldSizesAreNamed) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  GlooOptions options;
+  options.hostname = "127.0.0.1";
+  options.timeout = std::chrono::seconds(5);
+  absl::Status statuses[3];
+  std::vector<std::thread> threads;
+  // Ranks 0 and 1 believe in a world of 3, rank 2 in a world of 4.
+  for (int rank = 0; rank < 3; ++rank) {
+    threads.emplace_back([&, rank] {
+      statuses[rank] =
+          CreateGlooCollectives(store, rank, rank == 2 ? 4 : 3, options).status();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_THAT(statuses[rank].message(),
+                HasSubstr("world size mismatch: this rank was created with world size 3 "
+                          "but rank 2 was created with world size 4"))
+        << "rank " << rank;
+  }
+  EXPECT_THAT(statuses[2].message(),
+              HasSubstr("world size mismatch: this rank was created with world size 4 "
+                        "but rank 0 was created with world size 3"));
+}
+
+// A rank that never joins a collective makes the others fail within the
+// collective timeout, naming the operation, instead of hanging.
+TEST(Collectives, MissingPeerTimesOutWithTheOperationNamed) {
+  MultiRankOptions options;
+  options.collective_timeout = std::chrono::seconds(2);
+  absl::Status status = RunOnThreadRanks(
+      2,
+      [](Collectives& comm) {
+        if (comm.rank() == 1) {
+          std::this_thread::sleep_for(std::chrono::seconds(4));
+          return;
+        }
+        at::Tensor full = at::zeros({8});
+        comm.AllGatherIntoTensor(full, at::zeros({4}))->Wait();
+      },
+      options);
+  ASSERT_FALSE(status.ok());
+  EXPECT_THAT(status.message(), HasSubstr("1 of 2 ranks failed"));
+  EXPECT_THAT(status.message(),
+              HasSubstr("rank 0: rank 0 of 2 of group 'world': all-gather of 8 Float "
+                        "elements failed"));
+}
+
+}  // namespace
+}  // namespace fsdp

@@ -1,0 +1,85 @@
+#include "comm/rendezvous.h"
+
+#include <string>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+#include "torch/csrc/distributed/c10d/TCPStore.hpp"
+
+namespace fsdp {
+namespace {
+
+bool IsLoopback(const std::string& addr) {
+  return addr == "localhost" || addr == "::1" || absl::StartsWith(addr, "127.");
+}
+
+}  // namespace
+
+RendezvousServer::RendezvousServer(c10::intrusive_ptr<c10d::TCPStore> store)
+    : store_(std::move(store)) {}
+
+RendezvousServer::~RendezvousServer() = default;
+
+int RendezvousServer::port() const { return store_->getPort(); }
+
+absl::StatusOr<std::unique_ptr<RendezvousServer>> RendezvousServer::Start(
+    int port, std::chrono::milliseconds timeout) {
+  if (port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("RendezvousServer: port ", port, " is not a TCP port"));
+  }
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<std::uint16_t>(port);
+  options.isServer = true;
+  options.waitWorkers = false;
+  options.timeout = timeout;
+  try {
+    auto store = c10::make_intrusive<c10d::TCPStore>("0.0.0.0", options);
+    return std::unique_ptr<RendezvousServer>(new RendezvousServer(std::move(store)));
+  } catch (...) {
+    absl::Status cause = StatusFromCurrentException(absl::StatusCode::kUnavailable);
+    return absl::Status(cause.code(),
+                        absl::StrCat("RendezvousServer: cannot listen on port ", port,
+                                     ": ", cause.message()));
+  }
+}
+
+absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectRendezvousStore(
+    const LaunchEnvironment& env, std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<std::uint16_t>(env.master_port);
+  options.isServer = env.rank == 0 && !env.store_hosted_by_launcher;
+  options.numWorkers = env.world_size;
+  options.waitWorkers = false;
+  options.timeout = timeout;
+  try {
+    return c10::intrusive_ptr<c10d::Store>(
+        c10::make_intrusive<c10d::TCPStore>(env.master_addr, options));
+  } catch (...) {
+    absl::Status cause = StatusFromCurrentException(absl::StatusCode::kUnavailable);
+    return absl::Status(
+        cause.code(),
+        absl::StrCat("rank ", env.rank, " of ", env.world_size, ": cannot ",
+                     options.isServer ? "serve" : "reach", " the rendezvous store at ",
+                     env.master_addr, ":", env.master_port, " (from ", env.source,
+                     " variables) within ", timeout.count(), " ms: ", cause.message()));
+  }
+}
+
+absl::StatusOr<std::unique_ptr<Collectives>> CreateGlooCollectivesFromEnvironment(
+    const LaunchEnvironment& env, GlooOptions options) {
+  if (options.interface.empty() && options.hostname.empty()) {
+    if (std::optional<std::string> ifname = ProcessEnv("GLOO_SOCKET_IFNAME")) {
+      options.interface = *ifname;
+    } else if (IsLoopback(env.master_addr) && env.local_world_size == env.world_size) {
+      options.hostname = "127.0.0.1";
+    }
+  }
+  FSDP_ASSIGN_OR_RETURN(c10::intrusive_ptr<c10d::Store> store,
+                        ConnectRendezvousStore(env, options.timeout));
+  return CreateGlooCollectives(std::move(store), env.rank, env.world_size, options);
+}
+
+}  // namespace fsdp

@@ -1,0 +1,61 @@
+// Rendezvous of a multi-process job through c10d's TCPStore, and creation of
+// the job's collectives from the launch environment.
+//
+// As with torchrun, either rank 0 serves the store at MASTER_ADDR:MASTER_PORT,
+// or the launcher does (TORCHELASTIC_USE_AGENT_STORE=True; this project's
+// local launcher always does, so that the store outlives any one rank).
+// Adapter file: c10d's Store type appears here.
+#ifndef FSDP_COMM_RENDEZVOUS_H_
+#define FSDP_COMM_RENDEZVOUS_H_
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "comm/collectives.h"
+#include "comm/gloo_collectives.h"
+#include "comm/launch_environment.h"
+#include "torch/csrc/distributed/c10d/Store.hpp"
+
+namespace c10d {
+class TCPStore;
+}  // namespace c10d
+
+namespace fsdp {
+
+// A TCPStore server owned by a launcher. Ranks connect to it as clients.
+class RendezvousServer {
+ public:
+  // Listens on `port` (0: any free port) of all interfaces.
+  static absl::StatusOr<std::unique_ptr<RendezvousServer>> Start(
+      int port, std::chrono::milliseconds timeout);
+
+  RendezvousServer(const RendezvousServer&) = delete;
+  RendezvousServer& operator=(const RendezvousServer&) = delete;
+  ~RendezvousServer();
+
+  int port() const;
+
+ private:
+  explicit RendezvousServer(c10::intrusive_ptr<c10d::TCPStore> store);
+  c10::intrusive_ptr<c10d::TCPStore> store_;
+};
+
+// Connects to the job's store (serving it first if this is rank 0 and the
+// launcher does not). Fails with kUnavailable, naming the address, when the
+// store cannot be reached within `timeout`.
+absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectRendezvousStore(
+    const LaunchEnvironment& env, std::chrono::milliseconds timeout);
+
+// The world group of the job described by `env`, over Gloo. When `options`
+// names no interface or hostname, GLOO_SOCKET_IFNAME is used if set, and
+// 127.0.0.1 if the whole job is on this host (MASTER_ADDR is a loopback
+// address and LOCAL_WORLD_SIZE == WORLD_SIZE).
+absl::StatusOr<std::unique_ptr<Collectives>> CreateGlooCollectivesFromEnvironment(
+    const LaunchEnvironment& env, GlooOptions options = {});
+
+}  // namespace fsdp
+
+#endif  // FSDP_COMM_RENDEZVOUS_H_

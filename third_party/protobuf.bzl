@@ -1,0 +1,35 @@
+"""C++ code generation for .proto files with Debian's protoc.
+
+Bazel 4.2.3's native cc_proto_library wants a @com_google_protobuf source
+repository, which cannot be fetched here; protoc and libprotobuf from Debian
+do the same job through a genrule.
+"""
+
+def fsdp_cc_proto_library(name, src, deps = [], visibility = None, testonly = False):
+    """Generates <src>.pb.{h,cc} with /usr/bin/protoc and wraps them in a cc_library.
+
+    Args:
+      name: name of the resulting cc_library.
+      src: one .proto file in this package.
+      deps: other fsdp_cc_proto_library targets whose .proto files src imports.
+      visibility: visibility of the cc_library.
+      testonly: as for any rule.
+    """
+    base = src[:-len(".proto")]
+    pkg = native.package_name()
+    native.genrule(
+        name = name + "_codegen",
+        srcs = [src],
+        outs = [base + ".pb.h", base + ".pb.cc"],
+        cmd = "protoc --proto_path=. --cpp_out=$(GENDIR) $(location %s)" % src,
+        testonly = testonly,
+        visibility = ["//visibility:private"],
+    )
+    native.cc_library(
+        name = name,
+        srcs = [base + ".pb.cc"],
+        hdrs = [base + ".pb.h"],
+        deps = deps + ["//third_party:protobuf"],
+        testonly = testonly,
+        visibility = visibility,
+    )
