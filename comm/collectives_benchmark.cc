@@ -6,13 +6,17 @@
 //   BM_AllGatherNaive/<bytes>     zero-filled full buffer + all-reduce
 //   BM_ReduceScatter/<bytes>      ReduceScatterTensor (all-to-all + local sum)
 //   BM_ReduceScatterNaive/<bytes> all-reduce of the whole buffer, keep a chunk
+//   BM_AllReduce/bf16/<bytes>     AllReduce (reduce-scatter + all-gather)
+//   BM_AllReduceNaive/bf16/<bytes> float32 copy + Gloo ring all-reduce
 // <bytes> is the full (unsharded) buffer. The naive variants reduce in
 // float32 (Gloo cannot reduce bfloat16), so for bfloat16 they copy to and
 // from a float32 buffer, as a user working around Gloo would.
 //
 // Counters (rank 0): algbw = full bytes / time; busbw = algbw * (W-1)/W, the
 // bytes each rank must move for an optimal all-gather or reduce-scatter
-// (the convention of nccl-tests), comparable across W.
+// (the convention of nccl-tests; an all-reduce moves twice that).
+// Run with OMP_NUM_THREADS=1: W rank threads each running multi-threaded
+// ATen kernels on a 2-core machine oversubscribe it and measure that instead.
 // Results of a run: collectives_benchmark_results.md.
 #include <map>
 #include <memory>
@@ -53,7 +57,14 @@ Collectives& RankGroup(int world_size, int rank) {
   return *ranks[rank];
 }
 
-enum class Algorithm { kAllGather, kAllGatherNaive, kReduceScatter, kReduceScatterNaive };
+enum class Algorithm {
+  kAllGather,
+  kAllGatherNaive,
+  kReduceScatter,
+  kReduceScatterNaive,
+  kAllReduce,
+  kAllReduceNaive,
+};
 
 template <Algorithm kAlgorithm, at::ScalarType kDtype>
 void BM_Collective(benchmark::State& state) {
@@ -86,6 +97,14 @@ void BM_Collective(benchmark::State& state) {
         scratch.copy_(full);
         comm.AllReduce(scratch, ReduceOp::kAvg)->Wait();
         shard.copy_(scratch.narrow(0, rank * shard_numel, shard_numel));
+        break;
+      case Algorithm::kAllReduce:
+        comm.AllReduce(full, ReduceOp::kAvg)->Wait();
+        break;
+      case Algorithm::kAllReduceNaive:
+        scratch.copy_(full);
+        comm.AllReduce(scratch, ReduceOp::kAvg)->Wait();
+        full.copy_(scratch);
         break;
     }
   }
@@ -123,6 +142,10 @@ BENCHMARK_TEMPLATE(BM_Collective, Algorithm::kReduceScatter, at::kBFloat16)
     ->Name("BM_ReduceScatter/bf16")->Apply(Sizes);
 BENCHMARK_TEMPLATE(BM_Collective, Algorithm::kReduceScatterNaive, at::kBFloat16)
     ->Name("BM_ReduceScatterNaive/bf16")->Apply(Sizes);
+BENCHMARK_TEMPLATE(BM_Collective, Algorithm::kAllReduce, at::kBFloat16)
+    ->Name("BM_AllReduce/bf16")->Apply(Sizes);
+BENCHMARK_TEMPLATE(BM_Collective, Algorithm::kAllReduceNaive, at::kBFloat16)
+    ->Name("BM_AllReduceNaive/bf16")->Apply(Sizes);
 
 }  // namespace
 }  // namespace fsdp

@@ -2,19 +2,18 @@
 //
 // Gloo in libtorch 1.13 has no reduce-scatter and no all-gather into one
 // tensor, and rejects bfloat16 tensors. This implementation provides all of
-// them on top of the transfers Gloo does have (NOTE [Gloo algorithms]):
-//   all-gather      Gloo all-gather of byte views: any dtype, (W-1)/W of the
-//                   output crosses the wire per rank.
-//   reduce-scatter  Gloo all-to-all of byte views, then a local sum of the W
-//                   received chunks (in float32 for float16/bfloat16): the
-//                   same (W-1)/W of the input per rank as a ring
-//                   reduce-scatter, instead of the 2(W-1)/W of an all-reduce
-//                   of the whole buffer.
-//   all-reduce      Gloo's ring all-reduce for float32/float64; for
-//                   float16/bfloat16 the reduce-scatter above followed by an
-//                   all-gather, so that sums accumulate in float32 and the
-//                   wire carries 16-bit values.
+// them on top of Gloo's all-to-all (NOTE [Gloo algorithms] in the .cc):
+//   all-gather      all-to-all of W copies of the input, received in place;
+//   reduce-scatter  all-to-all of the input, then a local sum of the W
+//                   received chunks (float32 accumulation for 16-bit types);
+//                   (W-1)/W of the buffer crosses the wire per rank, as in a
+//                   ring reduce-scatter, instead of 2(W-1)/W for an
+//                   all-reduce of the whole buffer;
+//   all-reduce      Gloo's ring for float32/float64; reduce-scatter then
+//                   all-gather for float16/bfloat16;
 //   broadcast       Gloo broadcast of a byte view.
+// The group keeps one all-gather send buffer and one reduce-scatter receive
+// buffer, each as large as the largest call so far, and reuses them.
 //
 // This is an adapter file: c10d's types appear here and in gloo_collectives.cc
 // only. Every rank of a group calls CreateGlooCollectives with the same store

@@ -4,7 +4,9 @@
 // The launcher serves the rendezvous store itself and gives every rank RANK,
 // WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1,
 // MASTER_PORT and TORCHELASTIC_USE_AGENT_STORE=True, so a rank builds its
-// group with CreateGlooCollectivesFromEnvironment (rendezvous.h).
+// group with CreateGlooCollectivesFromEnvironment (rendezvous.h). Unless the
+// launcher's environment sets OMP_NUM_THREADS, each rank gets
+// max(1, cores / world_size) intra-op threads.
 //
 // Nothing is left behind: when a rank fails, the others get `failure_grace`
 // to end on their own (their collectives fail within their timeout and they

@@ -4,6 +4,8 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <algorithm>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -41,19 +43,31 @@ LocalLaunchOptions ShellJob(int world_size, const std::string& script) {
 TEST(LocalLauncher, GivesEveryRankTheRendezvousEnvironment) {
   LocalLaunchOptions options = ShellJob(
       3, "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR "
-         "$TORCHELASTIC_USE_AGENT_STORE $EXTRA ${DROPPED:-unset} $MASTER_PORT");
+         "$TORCHELASTIC_USE_AGENT_STORE $EXTRA ${DROPPED:-unset} omp=$OMP_NUM_THREADS "
+         "$MASTER_PORT");
   options.extra_env = {{"EXTRA", "x"}};
   options.unset_env = {"DROPPED"};
   ::setenv("DROPPED", "leaked", 1);
+  ::setenv("OMP_NUM_THREADS", "5", 1);  // The launcher's own setting wins.
   auto result = LaunchLocalRanks(options);
   ::unsetenv("DROPPED");
+  ::unsetenv("OMP_NUM_THREADS");
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_TRUE(result->ok()) << result->Summary();
   for (int rank = 0; rank < 3; ++rank) {
     const std::string log = ReadFile(result->ranks[rank].log_path);
     EXPECT_THAT(log, HasSubstr(std::to_string(rank) + " 3 " + std::to_string(rank) +
-                               " 3 127.0.0.1 True x unset "));
+                               " 3 127.0.0.1 True x unset omp=5 "));
   }
+}
+
+TEST(LocalLauncher, GivesEachRankItsShareOfTheCores) {
+  ::unsetenv("OMP_NUM_THREADS");
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  auto result = LaunchLocalRanks(ShellJob(2, "echo omp=$OMP_NUM_THREADS"));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_THAT(ReadFile(result->ranks[1].log_path),
+              HasSubstr("omp=" + std::to_string(std::max(1u, cores / 2))));
 }
 
 TEST(LocalLauncher, ReportsExitCodesAndSignals) {

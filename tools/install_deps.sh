@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Installs the Debian packages this project builds and runs with; does
+# nothing when they are all present. Debian bookworm, as root or with sudo.
+# Called by both commands in README.md and by .ci/run.
+set -euo pipefail
+
+packages=(
+  bazel-bootstrap       # Bazel 4.2.3, fully offline
+  bazel-rules-java      # @rules_java for Bazel's built-in tools
+  bazel-platforms       # @platforms
+  g++
+  libtorch-dev          # libtorch 1.13.1, CPU, with c10d
+  libgloo-dev           # Gloo headers that c10d's ProcessGroupGloo.hpp includes
+  libabsl-dev
+  libgtest-dev
+  libgmock-dev
+  libbenchmark-dev
+  libprotobuf-dev
+  protobuf-compiler
+  libopenblas0-pthread  # without it libtorch's matmuls use the reference BLAS (~16x slower)
+  python3-torch         # Debian's Python torch, for checkpoint interoperability tests
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q '^install ok installed$'; then
+    missing+=("$p")
+  fi
+done
+
+if ((${#missing[@]} > 0)); then
+  sudo=()
+  if [[ $(id -u) -ne 0 ]]; then sudo=(sudo); fi
+  echo "install_deps: installing ${missing[*]}" >&2
+  "${sudo[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# libtorch links libblas.so.3, which must resolve to OpenBLAS.
+blas=$(readlink -f /usr/lib/x86_64-linux-gnu/libblas.so.3 || true)
+if [[ "$blas" != *openblas* ]]; then
+  echo "install_deps: libblas.so.3 is $blas, not OpenBLAS; run" \
+       "'update-alternatives --config libblas.so.3-x86_64-linux-gnu'" >&2
+  exit 1
+fi

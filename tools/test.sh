@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Runs the whole test suite: the layering check, then every Bazel test.
+# Arguments are passed to `bazel test`.
+# Ends with "N passed, N failed" over the individual gtest cases.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+# In-repo targets must use real labels; the root aliases are for other
+# workspaces only, and using them would bypass the visibility rules.
+if ! aliases_used=$(bazel query --noshow_progress 'rdeps(//..., //:all, 1) - //:all' 2>&1); then
+  echo "layering: bazel query failed:" >&2
+  echo "$aliases_used" >&2
+  exit 1
+fi
+if [[ -n "$aliases_used" ]]; then
+  echo "layering: these targets depend on the public aliases in //:BUILD.bazel" \
+       "instead of real labels:" >&2
+  echo "$aliases_used" >&2
+  exit 1
+fi
+
+bazel test //... "$@"
+status=$?
+
+# Count gtest cases from the XML reports of the tests in this build.
+passed=0
+failed=0
+while IFS= read -r xml; do
+  header=$(grep -o '<testsuites [^>]*' "$xml" | head -1)
+  count() { grep -o " $1=\"[0-9]*\"" <<<"$header" | grep -o '[0-9]*' || echo 0; }
+  tests=$(count tests); failures=$(count failures); errors=$(count errors)
+  disabled=$(count disabled)
+  failed=$((failed + failures + errors))
+  passed=$((passed + tests - disabled - failures - errors))
+done < <(find -L bazel-testlogs/ -name test.xml 2>/dev/null)
+if [[ $status -ne 0 && $failed -eq 0 ]]; then failed=1; fi  # A crash or a timeout.
+echo "$passed passed, $failed failed"
+exit $status
