@@ -141,8 +141,6 @@ std::unique_ptr<CollectiveWork> Collectives::ReduceScatterTensor(
                 output, "output");
   TORCH_CHECK(op == ReduceOp::kSum || op == ReduceOp::kAvg, Describe(),
               ": reduce-scatter: invalid ReduceOp ", static_cast<int>(op));
-  TORCH_CHECK(output.numel() == 0 || !output.is_same(input), Describe(),
-              ": reduce-scatter: output and input must be different tensors");
   Count(CollectiveOp::kReduceScatter, input.nbytes());
   if (output.numel() == 0) return MakeCompletedWork();
   if (world_size_ == 1) {

@@ -75,8 +75,9 @@ struct CollectiveCounters {
   int64_t Bytes(CollectiveOp op) const { return bytes[static_cast<int>(op)]; }
 };
 
-// A pending collective. Wait() is idempotent: after the first successful
-// call it returns at once. Destroying an unwaited work waits for it (errors
+// A pending collective. Wait() is idempotent: after the first call it
+// returns at once if the work succeeded and throws the same error if it
+// failed. Destroying an unwaited work waits for it (errors
 // are then swallowed, since destructors cannot throw), so that buffers are
 // never released while a transfer still uses them. A work must not outlive
 // the Collectives that issued it.
@@ -111,7 +112,7 @@ class Collectives {
 
   // output = op over ranks r of input_r[rank*n : (rank+1)*n], n = output.numel().
   // REQUIRES: as AllGatherIntoTensor with the roles of input and output
-  //           swapped; output and input do not overlap.
+  //           swapped.
   std::unique_ptr<CollectiveWork> ReduceScatterTensor(const at::Tensor& output,
                                                       const at::Tensor& input,
                                                       ReduceOp op);

@@ -133,18 +133,27 @@ class GlooWork final : public CollectiveWork {
   }
 
   void Wait() override {
-    if (done_) return;
-    done_ = true;  // A failed work is not retried; a second Wait() is a no-op.
+    if (done_) {
+      // A failed work stays failed: its output is not valid.
+      TORCH_CHECK(error_.empty(), error_);
+      return;
+    }
+    done_ = true;
     try {
       work_->wait();
     } catch (const std::exception& e) {
-      TORCH_CHECK(false, what_, " failed: ", StripBacktrace(e));
+      error_ = absl::StrCat(what_, " failed: ", StripBacktrace(e));
     }
     work_.reset();  // c10d's work holds the staging buffers too.
-    if (finish_) {
-      finish_();
-      finish_ = nullptr;  // Releases the staging buffers it held.
+    if (error_.empty() && finish_) {
+      try {
+        finish_();
+      } catch (const std::exception& e) {
+        error_ = StripBacktrace(e);
+      }
     }
+    finish_ = nullptr;  // Releases the staging buffers it held.
+    TORCH_CHECK(error_.empty(), error_);
   }
 
  private:
@@ -159,6 +168,7 @@ class GlooWork final : public CollectiveWork {
   c10::intrusive_ptr<c10d::Work> work_;
   std::function<void()> finish_;
   bool done_ = false;
+  std::string error_;  // Set when the work failed.
 };
 
 class GlooCollectives final : public Collectives {

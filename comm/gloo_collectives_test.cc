@@ -1,6 +1,7 @@
 #include "comm/gloo_collectives.h"
 
 #include <chrono>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -300,7 +301,21 @@ TEST(Collectives, MissingPeerTimesOutWithTheOperationNamed) {
           return;
         }
         at::Tensor full = at::zeros({8});
-        comm.AllGatherIntoTensor(full, at::zeros({4}))->Wait();
+        std::unique_ptr<CollectiveWork> work = comm.AllGatherIntoTensor(full, at::zeros({4}));
+        std::string first_error;
+        try {
+          work->Wait();
+        } catch (const c10::Error& e) {
+          first_error = e.msg();
+        }
+        // A failed work stays failed.
+        try {
+          work->Wait();
+          ADD_FAILURE() << "a second Wait() on a failed work returned normally";
+        } catch (const c10::Error& e) {
+          EXPECT_EQ(e.msg(), first_error);
+        }
+        throw std::runtime_error(first_error);
       },
       options);
   ASSERT_FALSE(status.ok());
