@@ -7,9 +7,12 @@ cd "$(dirname "$0")/.."
 
 # In-repo targets must use real labels; the root aliases are for other
 # workspaces only, and using them would bypass the visibility rules.
-if ! aliases_used=$(bazel query --noshow_progress 'rdeps(//..., //:all, 1) - //:all' 2>&1); then
+query_log=$(mktemp)
+trap 'rm -f "$query_log"' EXIT
+if ! aliases_used=$(bazel query --noshow_progress 'rdeps(//..., //:all, 1) - //:all' \
+                     2>"$query_log"); then
   echo "layering: bazel query failed:" >&2
-  echo "$aliases_used" >&2
+  cat "$query_log" >&2
   exit 1
 fi
 if [[ -n "$aliases_used" ]]; then
