@@ -90,7 +90,7 @@ int RunRank(const LaunchEnvironment& env, at::ScalarType dtype) {
   const int world = comm->world_size();
   const bool print = rank == 0;
   if (print) {
-    std::printf("collectives over Gloo: %d ranks (%s launch), dtype %s\n", world,
+    std::printf("collectives over Gloo: %d ranks (rendezvous from %s variables), dtype %s\n", world,
                 env.source.c_str(), c10::toString(dtype));
     std::printf("%-15s %12s %6s %12s %12s %12s  %s\n", "operation", "bytes", "iters",
                 "time/op(us)", "algbw(GB/s)", "busbw(GB/s)", "result");
