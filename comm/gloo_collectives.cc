@@ -52,8 +52,12 @@ bool IsHalfPrecision(const at::Tensor& t) {
 // the waiting thread).
 class BufferCache {
  public:
-  // A buffer shaped like `like`; a fresh one when the cached one is in use.
+  explicit BufferCache(bool enabled) : enabled_(enabled) {}
+
+  // A buffer shaped like `like`; a fresh one when the cached one is in use
+  // or caching is off.
   at::Tensor Get(const at::Tensor& like) {
+    if (!enabled_) return at::empty_like(like);
     const int64_t bytes = like.nbytes();
     std::lock_guard<std::mutex> lock(mu_);
     if (cached_.defined() && cached_.storage().use_count() > 1) {
@@ -67,6 +71,7 @@ class BufferCache {
   }
 
  private:
+  const bool enabled_;
   std::mutex mu_;
   at::Tensor cached_;  // Bytes.
 };
@@ -173,11 +178,13 @@ class GlooWork final : public CollectiveWork {
 
 class GlooCollectives final : public Collectives {
  public:
-  GlooCollectives(int rank, int world_size, std::string group_name,
+  GlooCollectives(int rank, int world_size, const GlooOptions& options,
                   c10::intrusive_ptr<c10d::ProcessGroupGloo> group)
       : Collectives(rank, world_size),
-        group_name_(std::move(group_name)),
-        group_(std::move(group)) {}
+        group_name_(options.group_name),
+        group_(std::move(group)),
+        send_cache_(options.reuse_staging_buffers),
+        receive_cache_(options.reuse_staging_buffers) {}
 
  protected:
   std::unique_ptr<CollectiveWork> DoAllGather(const at::Tensor& output,
@@ -351,7 +358,7 @@ absl::StatusOr<std::unique_ptr<Collectives>> CreateGlooCollectives(
     auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, world_size,
                                                              gloo_options);
     return std::unique_ptr<Collectives>(
-        new GlooCollectives(rank, world_size, options.group_name, std::move(group)));
+        new GlooCollectives(rank, world_size, options, std::move(group)));
   } catch (...) {
     absl::Status cause = StatusFromCurrentException(absl::StatusCode::kUnavailable);
     return absl::Status(cause.code(),

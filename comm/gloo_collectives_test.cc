@@ -116,6 +116,19 @@ INSTANTIATE_TEST_SUITE_P(
              c10::toString(std::get<1>(info.param));
     });
 
+TEST(Collectives, MatchReferenceWithoutReusedBuffers) {
+  MultiRankOptions options;
+  options.gloo.reuse_staging_buffers = false;
+  absl::Status status = RunOnThreadRanks(
+      3,
+      [](Collectives& comm) {
+        CheckAllCollectives(comm, at::kFloat);
+        CheckAllCollectives(comm, at::kBFloat16);
+      },
+      options);
+  EXPECT_TRUE(status.ok()) << status;
+}
+
 TEST(Collectives, ProcessRanksMatchReference) {
   for (int world : {2, 3}) {
     absl::Status status = RunOnProcessRanks(world, [](Collectives& comm) {

@@ -65,7 +65,7 @@ std::string DescribeCurrentException() {
   int exit_code = 0;
   try {
     LaunchEnvironment env = ValueOrThrow(ReadLaunchEnvironment());
-    GlooOptions gloo;
+    GlooOptions gloo = options.gloo;
     gloo.timeout = options.collective_timeout;
     std::unique_ptr<Collectives> comm =
         ValueOrThrow(CreateGlooCollectivesFromEnvironment(env, gloo));
@@ -110,7 +110,8 @@ absl::Status RunOnThreadRanks(int world_size, const RankBody& body,
       std::string error;
       try {
         SCOPED_TRACE(absl::StrCat("rank ", rank));
-        GlooOptions gloo;
+        GlooOptions gloo = options.gloo;
+        gloo.interface.clear();
         gloo.hostname = "127.0.0.1";
         gloo.timeout = options.collective_timeout;
         std::unique_ptr<Collectives> comm =

@@ -34,6 +34,7 @@
 
 #include "absl/status/status.h"
 #include "comm/collectives.h"
+#include "comm/gloo_collectives.h"
 
 namespace fsdp::testing {
 
@@ -42,6 +43,9 @@ struct MultiRankOptions {
   std::chrono::milliseconds timeout = std::chrono::seconds(120);
   // Bound on each collective (and on connecting the group).
   std::chrono::milliseconds collective_timeout = std::chrono::seconds(60);
+  // Options of every rank's group; the harness sets timeout (from
+  // collective_timeout) and, in thread mode, hostname (loopback).
+  GlooOptions gloo;
 };
 
 using RankBody = std::function<void(Collectives& comm)>;
