@@ -48,7 +48,7 @@ bool IsHalfPrecision(const at::Tensor& t) {
 // A staging buffer that is handed out again once no pending work holds it.
 // The collectives of one FSDP unit repeat every step with the same sizes;
 // the price is one buffer as large as the largest request, kept for the
-// group's life. Thread-safe (a float16 all-reduce takes its second buffer on
+// group's life (GlooOptions::reuse_staging_buffers turns it off). Thread-safe (a float16 all-reduce takes its second buffer on
 // the waiting thread).
 class BufferCache {
  public:
@@ -80,7 +80,7 @@ class BufferCache {
 // stays in cache, large enough to amortize the per-call overhead of ATen.
 constexpr int64_t kReduceSegment = 1 << 18;
 
-// output = op over r of chunk r of `received` (W equal chunks of
+// output = op over r of chunk r of `received` (W >= 2 equal chunks of
 // output.numel() elements). Sums run left to right over ranks, segment by
 // segment, straight into `output`: no buffer as large as the input is
 // allocated (on this class of machine, first-touching a fresh 64 MiB buffer

@@ -49,7 +49,8 @@ struct GlooOptions {
   int threads = 2;
 
   // Prefix of this group's keys in the store; groups sharing a store (the
-  // shard and replicate groups of hybrid sharding) need distinct names.
+  // shard and replicate groups of hybrid sharding) need distinct names, and
+  // a name connects one group per store (its membership keys stay behind).
   std::string group_name = "world";
 
   // Keep the all-gather and reduce-scatter staging buffers between calls.

@@ -114,6 +114,9 @@ absl::StatusOr<pid_t> StartRank(const LocalLaunchOptions& options, int rank, int
       ::dup2(log_fd, STDOUT_FILENO);
       ::dup2(log_fd, STDERR_FILENO);
     }
+    // Nothing else of the launcher's (the rendezvous server's listening
+    // socket among them) may outlive it in a rank.
+    ::close_range(3, ~0U, 0);
     ::execve(argv[0], argv.data(), envp.data());
     const char message[] = "launcher: execve failed\n";
     ssize_t ignored = ::write(STDERR_FILENO, message, sizeof(message) - 1);

@@ -70,6 +70,14 @@ TEST(LocalLauncher, GivesEachRankItsShareOfTheCores) {
               HasSubstr("omp=" + std::to_string(std::max(1u, cores / 2))));
 }
 
+TEST(LocalLauncher, RanksInheritOnlyTheStandardStreams) {
+  // ls of the rank's own descriptors: 0, 1, 2 and the one ls opens for
+  // /proc/self/fd itself.
+  auto result = LaunchLocalRanks(ShellJob(1, "ls /proc/self/fd | tr '\\n' ' '"));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(ReadFile(result->ranks[0].log_path), "0 1 2 3 ");
+}
+
 TEST(LocalLauncher, ReportsExitCodesAndSignals) {
   auto result = LaunchLocalRanks(ShellJob(
       3, "if [ $RANK = 1 ]; then echo boom >&2; exit 3; fi; "
