@@ -16,7 +16,8 @@
 //     modified before then. Implementations may finish part of the work (a
 //     local reduction, a cast) inside Wait(), on the waiting thread.
 //   * Supported dtypes: float32, float64, float16 and bfloat16 for every
-//     operation; reductions of float16/bfloat16 accumulate in float32.
+//     operation. How 16-bit reductions accumulate is the implementation's
+//     (Gloo: float32, see gloo_collectives.h).
 //   * kAvg divides the sum by the group size.
 //
 // Errors
@@ -28,7 +29,8 @@
 //   again.
 //
 // Thread safety: one thread issues the collectives of a Collectives object;
-// counters() may be read from any thread. Collectives are neither copyable
+// a work may be waited on another thread; counters() may be read from any
+// thread. Collectives are neither copyable
 // nor movable.
 //
 // Implementations live in separate targets (gloo_collectives for CPU). They

@@ -16,8 +16,8 @@
 // receive buffer, each as large as the largest call so far (the full size of
 // the largest FSDP unit), and reuses them (GlooOptions::reuse_staging_buffers).
 //
-// This is an adapter file: c10d's types appear here and in gloo_collectives.cc
-// only. Every rank of a group calls CreateGlooCollectives with the same store
+// This is an adapter file: c10d's types appear only here and in the other
+// comm adapters (rendezvous.h, hybrid_groups.h), never above comm/. Every rank of a group calls CreateGlooCollectives with the same store
 // and group name; creation blocks until all ranks have connected.
 #ifndef FSDP_COMM_GLOO_COLLECTIVES_H_
 #define FSDP_COMM_GLOO_COLLECTIVES_H_
