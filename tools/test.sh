@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 # In-repo targets must use real labels; the root aliases are for other
 # workspaces only, and using them would bypass the visibility rules.
 query_log=$(mktemp)
-trap 'rm -f "$query_log"' EXIT
+started=$(mktemp)  # Reports older than this belong to earlier runs.
+trap 'rm -f "$query_log" "$started"' EXIT
 if ! aliases_used=$(bazel query --noshow_progress 'rdeps(//..., //:all, 1) - //:all' \
                      2>"$query_log"); then
   echo "layering: bazel query failed:" >&2
@@ -27,7 +28,7 @@ fi
 bazel test --nocache_test_results //... "$@"
 status=$?
 
-# Count gtest cases from the XML reports of the tests in this build.
+# Count gtest cases from the XML reports this run wrote.
 passed=0
 failed=0
 while IFS= read -r xml; do
@@ -37,7 +38,7 @@ while IFS= read -r xml; do
   disabled=$(count disabled)
   failed=$((failed + failures + errors))
   passed=$((passed + tests - disabled - failures - errors))
-done < <(find -L bazel-testlogs/ -name test.xml 2>/dev/null)
+done < <(find -L bazel-testlogs/ -name test.xml -newer "$started" 2>/dev/null)
 if [[ $status -ne 0 && $failed -eq 0 ]]; then failed=1; fi  # A crash or a timeout.
 echo "$passed passed, $failed failed"
 exit $status

@@ -1,0 +1,298 @@
+#include "fsdp/flat_param_handle.h"
+
+#include <algorithm>
+#include <set>
+#include <utility>
+
+#include "ATen/ATen.h"
+#include "ATen/native/Resize.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "c10/util/Exception.h"
+
+namespace fsdp {
+namespace {
+
+// PyTorch's split of the 1/W gradient scaling: divide by `pre` before the
+// sum and by W/pre after, with pre the largest power of two with
+// pre^2 <= W (roughly sqrt(W)), so that neither the summands nor the sum of
+// a low-precision gradient leave the representable range.
+double PredivideFactor(int world_size) {
+  int factor = 1;
+  while (world_size % factor == 0 && world_size / factor > factor) factor *= 2;
+  return factor;
+}
+
+void FreeStorage(const at::Tensor& t) {
+  at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), 0);
+}
+
+void AllocateStorage(const at::Tensor& t) {
+  at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(),
+                               t.numel() * t.element_size());
+}
+
+}  // namespace
+
+const char* HandleTrainingStateName(HandleTrainingState state) {
+  switch (state) {
+    case HandleTrainingState::kIdle:
+      return "IDLE";
+    case HandleTrainingState::kForward:
+      return "FORWARD";
+    case HandleTrainingState::kBackwardPre:
+      return "BACKWARD_PRE";
+    case HandleTrainingState::kBackwardPost:
+      return "BACKWARD_POST";
+    case HandleTrainingState::kSummonFullParams:
+      return "SUMMON_FULL_PARAMS";
+  }
+  return "invalid";
+}
+
+absl::StatusOr<std::unique_ptr<FlatParamHandle>> FlatParamHandle::Create(
+    std::string unit_name, std::vector<FlatParamEntry> params, Collectives& group,
+    const FlatParamHandleOptions& options) {
+  const std::string who = absl::StrCat("unit '", unit_name, "' on rank ", group.rank(),
+                                       " of ", group.world_size());
+  if (params.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(who, ": a unit needs parameters"));
+  }
+  std::vector<std::string> problems;
+  std::set<const void*> seen;
+  const FlatParamEntry& first = params.front();
+  for (const FlatParamEntry& p : params) {
+    if (!p.param.defined()) {
+      problems.push_back(absl::StrCat("'", p.fqn, "' is an undefined tensor"));
+      continue;
+    }
+    if (!seen.insert(p.param.unsafeGetTensorImpl()).second) {
+      problems.push_back(absl::StrCat(
+          "'", p.fqn, "' is a parameter already in this unit under another name "
+          "(shared parameters belong to one unit, once)"));
+    }
+    if (!p.param.is_leaf()) {
+      problems.push_back(absl::StrCat("'", p.fqn, "' is not a leaf tensor"));
+    }
+    if (!first.param.defined()) continue;
+    if (p.param.requires_grad() != first.param.requires_grad()) {
+      problems.push_back(absl::StrCat(
+          "'", p.fqn, "' has requires_grad=", p.param.requires_grad() ? "true" : "false",
+          " but '", first.fqn, "' has ", first.param.requires_grad() ? "true" : "false",
+          " (a unit's parameters must be all trainable or all frozen)"));
+    }
+    if (p.param.scalar_type() != first.param.scalar_type()) {
+      problems.push_back(absl::StrCat("'", p.fqn, "' has dtype ",
+                                      c10::toString(p.param.scalar_type()), " but '",
+                                      first.fqn, "' has ",
+                                      c10::toString(first.param.scalar_type())));
+    }
+    if (p.param.device() != first.param.device()) {
+      problems.push_back(absl::StrCat("'", p.fqn, "' is on ", p.param.device().str(),
+                                      " but '", first.fqn, "' is on ",
+                                      first.param.device().str()));
+    }
+  }
+  if (!problems.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(who, ": cannot flatten parameters: ",
+                                                   absl::StrJoin(problems, "; ")));
+  }
+  return std::unique_ptr<FlatParamHandle>(
+      new FlatParamHandle(std::move(unit_name), std::move(params), group, options));
+}
+
+FlatParamHandle::FlatParamHandle(std::string unit_name, std::vector<FlatParamEntry> params,
+                                 Collectives& group, const FlatParamHandleOptions& options)
+    : unit_name_(std::move(unit_name)),
+      params_(std::move(params)),
+      group_(group),
+      options_(options) {
+  for (const FlatParamEntry& p : params_) {
+    FlatParamInfo info;
+    info.fqn = p.fqn;
+    info.shape = p.param.sizes().vec();
+    info.offset = flat_numel_;
+    info.numel = p.param.numel();
+    flat_numel_ += info.numel;
+    infos_.push_back(std::move(info));
+  }
+  const int world = uses_sharded_views() ? group_.world_size() : 1;
+  const int rank = uses_sharded_views() ? group_.rank() : 0;
+  const int64_t shard = (flat_numel_ + world - 1) / world;
+  padded_numel_ = shard * world;
+  const int64_t shard_begin = rank * shard;
+  for (FlatParamInfo& info : infos_) {
+    const int64_t begin = std::max(info.offset, shard_begin);
+    const int64_t end = std::min(info.offset + info.numel, shard_begin + shard);
+    info.shard_offset = end > begin ? begin - info.offset : 0;
+    info.shard_numel = std::max<int64_t>(0, end - begin);
+  }
+
+  // Flatten the current values (identical on every rank: the caller's
+  // contract) and keep this rank's part.
+  const at::TensorOptions tensor_options = params_.front().param.options().requires_grad(false);
+  at::Tensor flat = at::zeros({padded_numel_}, tensor_options);
+  {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      flat.narrow(0, infos_[i].offset, infos_[i].numel)
+          .copy_(params_[i].param.detach().reshape({-1}));
+    }
+  }
+  local_shard_ = flat.narrow(0, shard_begin, shard).clone();
+  if (uses_sharded_views()) {
+    full_ = at::empty({padded_numel_}, tensor_options);
+    FreeStorage(full_);
+  }
+  saved_grads_.resize(params_.size());
+  PointParamsAtShard();
+}
+
+FlatParamHandle::~FlatParamHandle() = default;
+
+std::string FlatParamHandle::Describe() const {
+  return absl::StrCat("unit '", unit_name_, "' on rank ", group_.rank(), " of ",
+                      group_.world_size());
+}
+
+void FlatParamHandle::Transition(HandleTrainingState from, HandleTrainingState to) {
+  TORCH_CHECK(training_state_ == from, Describe(), ": cannot enter ",
+              HandleTrainingStateName(to), " from ", HandleTrainingStateName(training_state_),
+              " (expected ", HandleTrainingStateName(from), ")");
+  training_state_ = to;
+}
+
+void FlatParamHandle::PointParamsAtFull() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    params_[i].param.set_data(
+        full_.narrow(0, infos_[i].offset, infos_[i].numel).view(infos_[i].shape));
+  }
+}
+
+at::Tensor FlatParamHandle::ShardView(const at::Tensor& flat, size_t i) const {
+  const FlatParamInfo& info = infos_[i];
+  if (!uses_sharded_views()) return flat.narrow(0, info.offset, info.numel).view(info.shape);
+  if (info.shard_numel == 0) return flat.narrow(0, 0, 0);
+  const int64_t shard_begin = group_.rank() * local_shard_.numel();
+  return flat.narrow(0, info.offset + info.shard_offset - shard_begin, info.shard_numel);
+}
+
+void FlatParamHandle::PointParamsAtShard() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    params_[i].param.set_data(ShardView(local_shard_, i));
+  }
+}
+
+void FlatParamHandle::ApplyReducedGradients() {
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor part = ShardView(reduced_, i);
+    at::Tensor& saved = saved_grads_[i];
+    if (saved.defined()) {
+      saved.add_(part.view(saved.sizes()));
+      params_[i].param.mutable_grad() = saved;
+    } else {
+      params_[i].param.mutable_grad() = part.clone();
+    }
+    saved = at::Tensor();
+  }
+  reduced_ = at::Tensor();
+}
+
+int64_t FlatParamHandle::full_param_bytes() const {
+  return full_.defined() ? static_cast<int64_t>(full_.storage().nbytes()) : 0;
+}
+
+void FlatParamHandle::StartUnshard() {
+  if (!uses_sharded_views() || unsharded_ || pending_unshard_) return;
+  AllocateStorage(full_);
+  pending_unshard_ = group_.AllGatherIntoTensor(full_, local_shard_);
+}
+
+void FlatParamHandle::FinishUnshard() {
+  if (!uses_sharded_views() || unsharded_) return;
+  TORCH_CHECK(pending_unshard_ != nullptr, Describe(),
+              ": FinishUnshard without a pending all-gather (call StartUnshard first); "
+              "training state ", HandleTrainingStateName(training_state_));
+  pending_unshard_->Wait();
+  pending_unshard_.reset();
+  PointParamsAtFull();
+  unsharded_ = true;
+}
+
+void FlatParamHandle::Unshard() {
+  StartUnshard();
+  FinishUnshard();
+}
+
+void FlatParamHandle::Reshard() {
+  if (uses_sharded_views()) {
+    TORCH_CHECK(pending_unshard_ == nullptr, Describe(),
+                ": Reshard while an all-gather is pending (call FinishUnshard first)");
+    if (unsharded_) {
+      FreeStorage(full_);
+      unsharded_ = false;
+    }
+  }
+  PointParamsAtShard();
+  if (reduced_.defined()) ApplyReducedGradients();
+}
+
+void FlatParamHandle::PrepareGradientsForBackward() {
+  TORCH_CHECK(unsharded_ || !uses_sharded_views(), Describe(),
+              ": PrepareGradientsForBackward needs the unit unsharded; training state ",
+              HandleTrainingStateName(training_state_));
+  // A reduced gradient still pending (two backward passes without a Reshard
+  // between) means the accumulated gradients are already set aside.
+  if (reduced_.defined()) return;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor grad = params_[i].param.grad();
+    if (grad.defined()) {
+      const int64_t owned = uses_sharded_views() ? infos_[i].shard_numel : infos_[i].numel;
+      TORCH_CHECK(grad.numel() == owned, Describe(), ": the gradient of '", infos_[i].fqn,
+                  "' has ", grad.numel(), " elements but this rank owns ", owned,
+                  " of the parameter (PrepareGradientsForBackward twice in one backward?)");
+    }
+    saved_grads_[i] = grad;
+    params_[i].param.mutable_grad() = at::Tensor();
+  }
+}
+
+void FlatParamHandle::ReduceGradients() {
+  TORCH_CHECK(unsharded_ || !uses_sharded_views(), Describe(),
+              ": ReduceGradients needs the unit unsharded; training state ",
+              HandleTrainingStateName(training_state_));
+  at::NoGradGuard no_grad;
+  at::Tensor flat_grad = at::zeros({padded_numel_}, local_shard_.options());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor grad = params_[i].param.grad();
+    if (!grad.defined()) continue;  // Unused in this backward: contributes zero.
+    TORCH_CHECK(grad.sizes().vec() == infos_[i].shape, Describe(), ": the gradient of '",
+                infos_[i].fqn, "' has shape ", grad.sizes(), " but the parameter has shape ",
+                at::IntArrayRef(infos_[i].shape),
+                " (was PrepareGradientsForBackward called before backward?)");
+    flat_grad.narrow(0, infos_[i].offset, infos_[i].numel).copy_(grad.reshape({-1}));
+    params_[i].param.mutable_grad() = at::Tensor();
+  }
+  const int world = group_.world_size();
+  const double predivide = PredivideFactor(world);
+  const double postdivide = world / predivide;
+  if (predivide != 1) flat_grad.div_(predivide);
+  at::Tensor reduced;
+  if (uses_sharded_views()) {
+    reduced = at::empty_like(local_shard_);
+    group_.ReduceScatterTensor(reduced, flat_grad, ReduceOp::kSum)->Wait();
+  } else {
+    group_.AllReduce(flat_grad, ReduceOp::kSum)->Wait();
+    reduced = flat_grad;
+  }
+  if (postdivide != 1) reduced.div_(postdivide);
+  if (reduced_.defined()) {
+    reduced_.add_(reduced);  // Two backward passes without a Reshard between.
+  } else {
+    reduced_ = reduced;
+  }
+  if (!uses_sharded_views()) ApplyReducedGradients();  // Shapes already match.
+}
+
+}  // namespace fsdp

@@ -1,0 +1,184 @@
+// FlatParamHandle: the parameters of one FSDP unit as one flat, sharded
+// tensor. NOTE [Flat parameter] below is the layout; everything else in FSDP
+// (the runtime's hooks, state dicts, optimizer state) works through it.
+//
+// NOTE [Flat parameter]
+// The unit's parameters p_0 .. p_{k-1} (in the order given, which is module
+// registration order) are laid end to end in one flat buffer of
+// F = sum numel(p_i) elements, padded with zeros to P = W * S elements, where
+// W is the shard group's size and S = ceil(F / W). Rank r owns elements
+// [r*S, (r+1)*S): its *shard*, the only persistent parameter storage the
+// unit has on that rank (S elements, padding included).
+//
+//   unsharded:  a full buffer of P elements is all-gathered; p_i's data is
+//               the view full[o_i, o_i + numel(p_i)) in p_i's shape.
+//   resharded:  the full buffer's storage is freed (resized to 0 bytes, the
+//               storage object kept, so every view of it, including views
+//               autograd saved during forward, is valid again after the next
+//               unshard); p_i's data is the 1-D view of the shard that
+//               intersects [o_i, o_i + numel(p_i)) — possibly empty.
+//
+// The parameter tensors keep their identity (set_data swaps their data), so
+// modules still hold them, their names stay those of the unwrapped model,
+// and an optimizer built over them after wrapping steps this rank's shard.
+//
+// Gradients: after backward, ReduceGradients flattens the parameters' full
+// gradients, reduce-scatters them (sum, divided by W in two steps — a
+// pre-divide before and a post-divide after the collective, as PyTorch does,
+// so that low-precision sums neither overflow nor underflow). At the next
+// Reshard each p_i.grad becomes p_i's part of the result, shaped like p_i's
+// data; an existing p_i.grad is added to in place, so gradients accumulate
+// across backward passes until the optimizer steps and zero_grad() clears
+// them. Each p_i.grad is a tensor of its own, not a view of a flat buffer:
+// libtorch's Optimizer::zero_grad() detaches gradients in place, which
+// views forbid. PrepareGradientsForBackward sets the accumulated gradients
+// aside so that autograd accumulates fresh full-shape ones; what the user
+// did to p_i.grad in between (zeroed it, cleared it, replaced it) is what
+// accumulation continues from.
+//
+// NO_SHARD: the shard is the whole unpadded flat buffer, the parameters
+// always view it, and gradients are all-reduced instead.
+//
+// Thread safety: none; the runtime drives a handle from one thread.
+#ifndef FSDP_FSDP_FLAT_PARAM_HANDLE_H_
+#define FSDP_FSDP_FLAT_PARAM_HANDLE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ATen/core/Tensor.h"
+#include "absl/status/statusor.h"
+#include "comm/collectives.h"
+#include "fsdp/fsdp_options.h"
+
+namespace fsdp {
+
+// Where the runtime is with one handle (checked at every transition).
+enum class HandleTrainingState {
+  kIdle,
+  kForward,
+  kBackwardPre,
+  kBackwardPost,
+  kSummonFullParams,
+};
+
+const char* HandleTrainingStateName(HandleTrainingState state);
+
+// One original parameter of a unit.
+struct FlatParamEntry {
+  std::string fqn;     // Name in the unwrapped model, e.g. "h.0.attn.c_attn.weight".
+  at::Tensor param;    // The module's parameter (a leaf that requires grad).
+};
+
+// Where one original parameter lies in the flat parameter and in this
+// rank's shard.
+struct FlatParamInfo {
+  std::string fqn;
+  std::vector<int64_t> shape;
+  int64_t offset = 0;        // First element in the flat parameter.
+  int64_t numel = 0;
+  int64_t shard_offset = 0;  // First element of the part this rank owns,
+                             // relative to the start of p_i.
+  int64_t shard_numel = 0;   // Elements of p_i this rank owns (may be 0).
+};
+
+struct FlatParamHandleOptions {
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+};
+
+class FlatParamHandle {
+ public:
+  // Flattens `params` into this rank's shard of `unit_name`. `group` is the
+  // shard group (its size is W); it must outlive the handle. Fails with
+  // kInvalidArgument naming the parameters when they are empty, repeated,
+  // not leaves requiring grad uniformly, or of mixed dtype or device.
+  // All ranks of the group must call it with the same parameter layout.
+  static absl::StatusOr<std::unique_ptr<FlatParamHandle>> Create(
+      std::string unit_name, std::vector<FlatParamEntry> params, Collectives& group,
+      const FlatParamHandleOptions& options = {});
+
+  FlatParamHandle(const FlatParamHandle&) = delete;
+  FlatParamHandle& operator=(const FlatParamHandle&) = delete;
+  ~FlatParamHandle();
+
+  // All-gathers the full parameter and points the parameters at it.
+  // StartUnshard issues the all-gather; FinishUnshard waits for it and
+  // swaps the parameters' data (so another unit's compute can run between
+  // them). No-ops when already unsharded or under NO_SHARD.
+  void StartUnshard();
+  void FinishUnshard();
+  void Unshard();
+
+  // Frees the full parameter, points the parameters at this rank's shard
+  // and, after ReduceGradients, their gradients at this rank's part of the
+  // reduced gradient. No-op when already resharded and nothing is pending.
+  void Reshard();
+
+  // Once before each backward pass through this unit: sets the parameters'
+  // accumulated .grad aside and clears them, so that autograd accumulates
+  // fresh full-shape gradients. REQUIRES: unsharded (or NO_SHARD).
+  void PrepareGradientsForBackward();
+
+  // After that backward: reduce-scatters (all-reduces for NO_SHARD) the
+  // parameters' full gradients, missing ones counting as zero. The result
+  // reaches .grad at the next Reshard (at once for NO_SHARD).
+  // REQUIRES: unsharded (or NO_SHARD).
+  void ReduceGradients();
+
+  HandleTrainingState training_state() const { return training_state_; }
+  // Moves to `to`, checking that `from` is the current state; the error
+  // names the unit, the rank and both states.
+  void Transition(HandleTrainingState from, HandleTrainingState to);
+
+  const std::string& unit_name() const { return unit_name_; }
+  ShardingStrategy strategy() const { return options_.strategy; }
+  bool is_unsharded() const { return unsharded_; }
+  bool uses_sharded_views() const { return options_.strategy != ShardingStrategy::kNoShard; }
+  const std::vector<FlatParamInfo>& params_info() const { return infos_; }
+  int64_t flat_numel() const { return flat_numel_; }      // F, unpadded.
+  int64_t padded_numel() const { return padded_numel_; }  // P = W * S.
+  int64_t shard_numel() const { return local_shard_.numel(); }
+
+  // This rank's shard (S elements, padding included).
+  const at::Tensor& local_shard() const { return local_shard_; }
+
+  // Bytes currently allocated for the full parameter (0 when resharded):
+  // what the memory tests sample.
+  int64_t full_param_bytes() const;
+
+ private:
+  FlatParamHandle(std::string unit_name, std::vector<FlatParamEntry> params,
+                  Collectives& group, const FlatParamHandleOptions& options);
+
+  // Parameter i's part of a tensor laid out like local_shard_ (the shard or
+  // the sharded gradient): 1-D and possibly empty, or for NO_SHARD the
+  // whole parameter in its shape.
+  at::Tensor ShardView(const at::Tensor& flat, size_t i) const;
+  void PointParamsAtFull();
+  void PointParamsAtShard();
+  // Moves reduced_ into the parameters' .grad (see NOTE [Flat parameter]).
+  void ApplyReducedGradients();
+  std::string Describe() const;  // "unit 'h.0' on rank 1 of 4"
+
+  const std::string unit_name_;
+  std::vector<FlatParamEntry> params_;
+  std::vector<FlatParamInfo> infos_;
+  Collectives& group_;
+  const FlatParamHandleOptions options_;
+  int64_t flat_numel_ = 0;
+  int64_t padded_numel_ = 0;
+
+  at::Tensor local_shard_;   // S elements; NO_SHARD: F elements.
+  at::Tensor full_;          // P elements; storage freed while resharded.
+  at::Tensor reduced_;       // Like local_shard_: a reduced gradient not yet in .grad.
+  std::vector<at::Tensor> saved_grads_;  // Set aside by PrepareGradientsForBackward.
+  std::unique_ptr<CollectiveWork> pending_unshard_;
+  bool unsharded_ = false;
+  HandleTrainingState training_state_ = HandleTrainingState::kIdle;
+};
+
+}  // namespace fsdp
+
+#endif  // FSDP_FSDP_FLAT_PARAM_HANDLE_H_
