@@ -140,11 +140,17 @@ FlatParamHandle::FlatParamHandle(std::string unit_name, std::vector<FlatParamEnt
     }
   }
   local_shard_ = flat.narrow(0, shard_begin, shard).clone();
+  // The views parameters swap between are made once: building a view costs
+  // about as much as the swap itself, and views of full_ stay valid while
+  // its storage is freed and reallocated.
+  for (size_t i = 0; i < params_.size(); ++i) shard_views_.push_back(ShardView(local_shard_, i));
   if (uses_sharded_views()) {
     full_ = at::empty({padded_numel_}, tensor_options);
+    for (const FlatParamInfo& info : infos_) {  // Views need the storage allocated.
+      full_views_.push_back(full_.narrow(0, info.offset, info.numel).view(info.shape));
+    }
     FreeStorage(full_);
   }
-  saved_grads_.resize(params_.size());
   PointParamsAtShard();
 }
 
@@ -163,10 +169,7 @@ void FlatParamHandle::Transition(HandleTrainingState from, HandleTrainingState t
 }
 
 void FlatParamHandle::PointParamsAtFull() {
-  for (size_t i = 0; i < params_.size(); ++i) {
-    params_[i].param.set_data(
-        full_.narrow(0, infos_[i].offset, infos_[i].numel).view(infos_[i].shape));
-  }
+  for (size_t i = 0; i < params_.size(); ++i) params_[i].param.set_data(full_views_[i]);
 }
 
 at::Tensor FlatParamHandle::ShardView(const at::Tensor& flat, size_t i) const {
@@ -178,25 +181,25 @@ at::Tensor FlatParamHandle::ShardView(const at::Tensor& flat, size_t i) const {
 }
 
 void FlatParamHandle::PointParamsAtShard() {
+  for (size_t i = 0; i < params_.size(); ++i) params_[i].param.set_data(shard_views_[i]);
+}
+
+void FlatParamHandle::AllocateShardedGrad(at::Tensor initial) {
+  sharded_grad_ = initial.defined() ? std::move(initial) : at::zeros_like(local_shard_);
+  grad_aliases_.clear();
   for (size_t i = 0; i < params_.size(); ++i) {
-    params_[i].param.set_data(ShardView(local_shard_, i));
+    const at::Tensor part = ShardView(sharded_grad_, i);
+    grad_aliases_.push_back(at::empty({0}, part.options())
+                                .set_(part.storage(), part.storage_offset(), part.sizes(),
+                                      part.strides()));
   }
 }
 
-void FlatParamHandle::ApplyReducedGradients() {
-  at::NoGradGuard no_grad;
+void FlatParamHandle::PublishGradients() {
   for (size_t i = 0; i < params_.size(); ++i) {
-    const at::Tensor part = ShardView(reduced_, i);
-    at::Tensor& saved = saved_grads_[i];
-    if (saved.defined()) {
-      saved.add_(part.view(saved.sizes()));
-      params_[i].param.mutable_grad() = saved;
-    } else {
-      params_[i].param.mutable_grad() = part.clone();
-    }
-    saved = at::Tensor();
+    params_[i].param.mutable_grad() = grad_aliases_[i];
   }
-  reduced_ = at::Tensor();
+  gradients_pending_ = false;
 }
 
 int64_t FlatParamHandle::full_param_bytes() const {
@@ -235,25 +238,30 @@ void FlatParamHandle::Reshard() {
     }
   }
   PointParamsAtShard();
-  if (reduced_.defined()) ApplyReducedGradients();
+  if (gradients_pending_) PublishGradients();
 }
 
 void FlatParamHandle::PrepareGradientsForBackward() {
   TORCH_CHECK(unsharded_ || !uses_sharded_views(), Describe(),
               ": PrepareGradientsForBackward needs the unit unsharded; training state ",
               HandleTrainingStateName(training_state_));
-  // A reduced gradient still pending (two backward passes without a Reshard
-  // between) means the accumulated gradients are already set aside.
-  if (reduced_.defined()) return;
+  // Reduced but not yet published (two backward passes without a Reshard
+  // between): the accumulated gradient is in sharded_grad_ already.
+  if (gradients_pending_) return;
+  at::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor grad = params_[i].param.grad();
-    if (grad.defined()) {
-      const int64_t owned = uses_sharded_views() ? infos_[i].shard_numel : infos_[i].numel;
-      TORCH_CHECK(grad.numel() == owned, Describe(), ": the gradient of '", infos_[i].fqn,
-                  "' has ", grad.numel(), " elements but this rank owns ", owned,
-                  " of the parameter (PrepareGradientsForBackward twice in one backward?)");
+    if (!grad.defined() && !sharded_grad_.defined()) continue;  // Nothing yet.
+    if (!sharded_grad_.defined()) AllocateShardedGrad(at::Tensor());
+    const at::Tensor& alias = grad_aliases_[i];
+    if (!grad.defined()) {
+      alias.zero_();  // Cleared by the user: accumulation restarts at zero.
+    } else if (!grad.is_alias_of(alias) || grad.sizes() != alias.sizes()) {
+      TORCH_CHECK(grad.numel() == alias.numel(), Describe(), ": the gradient of '",
+                  infos_[i].fqn, "' has ", grad.numel(), " elements but this rank owns ",
+                  alias.numel(), " of the parameter");
+      alias.copy_(grad.reshape(alias.sizes()));  // Replaced by the user.
     }
-    saved_grads_[i] = grad;
     params_[i].param.mutable_grad() = at::Tensor();
   }
 }
@@ -287,12 +295,13 @@ void FlatParamHandle::ReduceGradients() {
     reduced = flat_grad;
   }
   if (postdivide != 1) reduced.div_(postdivide);
-  if (reduced_.defined()) {
-    reduced_.add_(reduced);  // Two backward passes without a Reshard between.
+  if (sharded_grad_.defined()) {
+    sharded_grad_.add_(reduced);
   } else {
-    reduced_ = reduced;
+    AllocateShardedGrad(std::move(reduced));
   }
-  if (!uses_sharded_views()) ApplyReducedGradients();  // Shapes already match.
+  gradients_pending_ = true;
+  if (!uses_sharded_views()) PublishGradients();  // Shapes already match.
 }
 
 }  // namespace fsdp

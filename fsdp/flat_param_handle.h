@@ -23,15 +23,16 @@
 // and an optimizer built over them after wrapping steps this rank's shard.
 //
 // Gradients: after backward, ReduceGradients flattens the parameters' full
-// gradients, reduce-scatters them (sum, divided by W in two steps — a
+// gradients and reduce-scatters them (sum, divided by W in two steps — a
 // pre-divide before and a post-divide after the collective, as PyTorch does,
-// so that low-precision sums neither overflow nor underflow). At the next
-// Reshard each p_i.grad becomes p_i's part of the result, shaped like p_i's
-// data; an existing p_i.grad is added to in place, so gradients accumulate
-// across backward passes until the optimizer steps and zero_grad() clears
-// them. Each p_i.grad is a tensor of its own, not a view of a flat buffer:
-// libtorch's Optimizer::zero_grad() detaches gradients in place, which
-// views forbid. PrepareGradientsForBackward sets the accumulated gradients
+// so that low-precision sums neither overflow nor underflow), adding the
+// result to the unit's *sharded gradient*: one flat buffer laid out like the
+// shard, which accumulates across backward passes until the optimizer steps.
+// From the next Reshard on, p_i.grad is p_i's part of it, shaped like p_i's
+// data. These gradients share the buffer's memory but are not autograd views
+// (they are made with set_): libtorch's Optimizer::zero_grad() detaches
+// gradients in place, which views forbid, and zeroes them — the buffer
+// with them. PrepareGradientsForBackward sets the accumulated gradients
 // aside so that autograd accumulates fresh full-shape ones; what the user
 // did to p_i.grad in between (zeroed it, cleared it, replaced it) is what
 // accumulation continues from.
@@ -158,8 +159,10 @@ class FlatParamHandle {
   at::Tensor ShardView(const at::Tensor& flat, size_t i) const;
   void PointParamsAtFull();
   void PointParamsAtShard();
-  // Moves reduced_ into the parameters' .grad (see NOTE [Flat parameter]).
-  void ApplyReducedGradients();
+  // Points the parameters' .grad at their parts of sharded_grad_.
+  void PublishGradients();
+  // Allocates sharded_grad_ (zeroed, or adopting `initial`) and its aliases.
+  void AllocateShardedGrad(at::Tensor initial);
   std::string Describe() const;  // "unit 'h.0' on rank 1 of 4"
 
   const std::string unit_name_;
@@ -172,8 +175,11 @@ class FlatParamHandle {
 
   at::Tensor local_shard_;   // S elements; NO_SHARD: F elements.
   at::Tensor full_;          // P elements; storage freed while resharded.
-  at::Tensor reduced_;       // Like local_shard_: a reduced gradient not yet in .grad.
-  std::vector<at::Tensor> saved_grads_;  // Set aside by PrepareGradientsForBackward.
+  std::vector<at::Tensor> full_views_;   // Parameter i's view of full_.
+  std::vector<at::Tensor> shard_views_;  // Parameter i's view of local_shard_.
+  at::Tensor sharded_grad_;  // Like local_shard_; undefined until first needed.
+  std::vector<at::Tensor> grad_aliases_;  // Parameter i's part of sharded_grad_.
+  bool gradients_pending_ = false;  // Reduced into sharded_grad_, not yet in .grad.
   std::unique_ptr<CollectiveWork> pending_unshard_;
   bool unsharded_ = false;
   HandleTrainingState training_state_ = HandleTrainingState::kIdle;

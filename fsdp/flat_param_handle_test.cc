@@ -291,9 +291,10 @@ TEST(FlatParamHandle, ShardsWithPaddingAndKeepsParameterIdentity) {
   EXPECT_TRUE(status.ok()) << status;
 }
 
-// A gradient the user cleared (set undefined) is not accumulated into; the
-// others are.
-TEST(FlatParamHandle, ClearedGradientRestartsAccumulation) {
+// Gradients accumulate across backward passes; one the user cleared (set
+// undefined) restarts from zero, one the user replaced continues from the
+// replacement.
+TEST(FlatParamHandle, AccumulationFollowsWhatTheUserDidToGrad) {
   absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
     at::Tensor w = at::ones({4}).requires_grad_();
     at::Tensor v = at::ones({2}).requires_grad_();
@@ -316,6 +317,11 @@ TEST(FlatParamHandle, ClearedGradientRestartsAccumulation) {
     pass();
     EXPECT_TRUE(at::allclose(w.grad(), at::full({comm.rank() == 0 ? 3 : 1}, 2.0)));
     if (comm.rank() == 1) EXPECT_TRUE(at::allclose(v.grad(), at::full({2}, 9.0)));
+    // A gradient the user replaced is what accumulation continues from.
+    if (comm.rank() == 1) v.mutable_grad() = at::full({2}, 10.0);
+    pass();
+    if (comm.rank() == 1) EXPECT_TRUE(at::allclose(v.grad(), at::full({2}, 13.0)));
+    EXPECT_TRUE(at::allclose(w.grad(), at::full({comm.rank() == 0 ? 3 : 1}, 4.0)));
   });
   EXPECT_TRUE(status.ok()) << status;
 }
