@@ -138,6 +138,7 @@ class FlatParamHandle {
   bool is_unsharded() const { return unsharded_; }
   bool uses_sharded_views() const { return options_.strategy != ShardingStrategy::kNoShard; }
   const std::vector<FlatParamInfo>& params_info() const { return infos_; }
+  const std::vector<FlatParamEntry>& entries() const { return params_; }
   int64_t flat_numel() const { return flat_numel_; }      // F, unpadded.
   int64_t padded_numel() const { return padded_numel_; }  // P = W * S.
   int64_t shard_numel() const { return local_shard_.numel(); }

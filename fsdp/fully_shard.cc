@@ -1,0 +1,301 @@
+#include "fsdp/fully_shard.h"
+
+#include <map>
+#include <mutex>
+#include <set>
+#include <unordered_map>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "c10/core/GradMode.h"
+#include "c10/util/Exception.h"
+#include "torch/csrc/autograd/engine.h"
+#include "torch/csrc/autograd/function.h"
+#include "torch/csrc/autograd/function_hook.h"
+#include "torch/csrc/autograd/variable.h"
+
+namespace fsdp {
+namespace {
+
+std::mutex& RegistryMutex() {
+  static std::mutex mu;
+  return mu;
+}
+
+std::unordered_map<const torch::nn::Module*, FsdpUnit*>& Registry() {
+  static auto* registry = new std::unordered_map<const torch::nn::Module*, FsdpUnit*>();
+  return *registry;
+}
+
+// Runs `fn` after a gradient accumulator has added a gradient to .grad.
+class AccumulatorPostHook final : public torch::autograd::FunctionPostHook {
+ public:
+  explicit AccumulatorPostHook(std::function<void()> fn) : fn_(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    fn_();
+    return outputs;
+  }
+
+ private:
+  std::function<void()> fn_;
+};
+
+bool IsPrefixOf(const std::string& unit_fqn, const std::string& fqn) {
+  return unit_fqn.empty() || fqn.rfind(unit_fqn + ".", 0) == 0;
+}
+
+}  // namespace
+
+FsdpUnit* GetModuleUnit(const torch::nn::Module* module) {
+  std::lock_guard<std::mutex> lock(RegistryMutex());
+  auto it = Registry().find(module);
+  return it == Registry().end() ? nullptr : it->second;
+}
+
+FullyShardedModel::FullyShardedModel(std::shared_ptr<torch::nn::Module> root,
+                                     Collectives& group, const FsdpOptions& options)
+    : root_(std::move(root)), group_(group), options_(options) {}
+
+FullyShardedModel::~FullyShardedModel() {
+  std::lock_guard<std::mutex> lock(RegistryMutex());
+  for (auto& unit : units_) {
+    Registry().erase(unit->module_);
+    for (auto& [node, key] : unit->accumulators_) node->del_post_hook(key);
+  }
+}
+
+absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
+    std::shared_ptr<torch::nn::Module> root, Collectives& group, const FsdpOptions& options,
+    const UnitSelector& select) {
+  if (!root) return absl::InvalidArgumentError("FullyShardedModel::Wrap: root is null");
+  const std::string who = absl::StrCat("rank ", group.rank(), " of ", group.world_size());
+  std::unique_ptr<FullyShardedModel> model(new FullyShardedModel(root, group, options));
+
+  // Units in pre-order, root first.
+  auto root_unit = std::make_unique<FsdpUnit>();
+  root_unit->module_ = root.get();
+  root_unit->is_root_ = true;
+  model->units_.push_back(std::move(root_unit));
+  for (const auto& item : root->named_modules("", /*include_self=*/false)) {
+    if (!select(item.key(), *item.value())) continue;
+    if (dynamic_cast<ShardableModule*>(item.value().get()) == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          who, ": module '", item.key(), "' (", item.value()->name(),
+          ") was selected as an FSDP unit but FSDP cannot hook its forward: derive its "
+          "type from fsdp::ShardableModule and open a fsdp::UnitForward scope in its "
+          "forward (fsdp/fully_shard.h)"));
+    }
+    auto unit = std::make_unique<FsdpUnit>();
+    unit->fqn_ = item.key();
+    unit->module_ = item.value().get();
+    model->units_.push_back(std::move(unit));
+  }
+  {
+    std::lock_guard<std::mutex> lock(RegistryMutex());
+    for (const auto& unit : model->units_) {
+      if (Registry().count(unit->module_) != 0) {
+        return absl::AlreadyExistsError(absl::StrCat(
+            who, ": module '", unit->fqn_.empty() ? "<root>" : unit->fqn_,
+            "' is already part of a wrapped model"));
+      }
+    }
+  }
+
+  // Each parameter belongs to the deepest unit whose subtree holds it. A
+  // parameter reachable under two names must belong to one unit.
+  std::map<const void*, std::vector<std::string>> names;
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  for (const auto& item : root->named_parameters(/*recurse=*/true)) {
+    auto& list = names[item.value().unsafeGetTensorImpl()];
+    if (list.empty()) params.emplace_back(item.key(), item.value());
+    list.push_back(item.key());
+  }
+  auto owner = [&](const std::string& fqn) -> size_t {
+    size_t best = 0;
+    for (size_t u = 1; u < model->units_.size(); ++u) {
+      const std::string& unit_fqn = model->units_[u]->fqn_;
+      if (IsPrefixOf(unit_fqn, fqn) &&
+          unit_fqn.size() > model->units_[best]->fqn_.size()) {
+        best = u;
+      }
+    }
+    return best;
+  };
+  std::vector<std::vector<FlatParamEntry>> entries(model->units_.size());
+  for (const auto& [fqn, param] : params) {
+    const std::vector<std::string>& all = names[param.unsafeGetTensorImpl()];
+    std::set<size_t> owners;
+    for (const std::string& name : all) owners.insert(owner(name));
+    if (owners.size() > 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          who, ": parameter shared as '", absl::StrJoin(all, "' and '"),
+          "' is used by different units; shared parameters must belong to one unit "
+          "that contains every use (wrap their lowest common ancestor instead)"));
+    }
+    entries[*owners.begin()].push_back({fqn, param});
+  }
+  FlatParamHandleOptions handle_options;
+  handle_options.strategy = options.strategy;
+  for (size_t u = 0; u < model->units_.size(); ++u) {
+    FsdpUnit& unit = *model->units_[u];
+    unit.model_ = model.get();
+    if (entries[u].empty()) continue;
+    auto handle = FlatParamHandle::Create(unit.fqn_.empty() ? "<root>" : unit.fqn_,
+                                          std::move(entries[u]), group, handle_options);
+    if (!handle.ok()) return handle.status();
+    unit.handle_ = std::move(*handle);
+  }
+  std::lock_guard<std::mutex> lock(RegistryMutex());
+  for (const auto& unit : model->units_) Registry()[unit->module_] = unit.get();
+  return model;
+}
+
+std::string FullyShardedModel::Describe(const FsdpUnit& unit) const {
+  return absl::StrCat("unit '", unit.fqn_.empty() ? "<root>" : unit.fqn_, "' on rank ",
+                      group_.rank(), " of ", group_.world_size());
+}
+
+int64_t FullyShardedModel::FullParamBytes() const {
+  int64_t bytes = 0;
+  for (const auto& unit : units_) {
+    if (unit->handle_) bytes += unit->handle_->full_param_bytes();
+  }
+  return bytes;
+}
+
+void FullyShardedModel::PreForward(FsdpUnit& unit) {
+  training_state_ = ModelTrainingState::kForwardBackward;
+  FlatParamHandle* handle = unit.handle_.get();
+  if (handle == nullptr) return;
+  handle->Transition(HandleTrainingState::kIdle, HandleTrainingState::kForward);
+  handle->Unshard();
+  if (unit.accumulators_.empty()) {
+    // Created while unsharded: an accumulator records the parameter's shape
+    // when it is made, and backward delivers full-shape gradients.
+    for (const FlatParamEntry& entry : handle->entries()) {
+      if (!entry.param.requires_grad()) continue;
+      std::shared_ptr<torch::autograd::Node> node =
+          torch::autograd::impl::grad_accumulator(entry.param);
+      FsdpUnit* u = &unit;
+      const uintptr_t key = node->add_post_hook(
+          std::make_unique<AccumulatorPostHook>([this, u] { PostBackward(*u); }));
+      unit.accumulators_.emplace_back(std::move(node), key);
+    }
+  }
+}
+
+void FullyShardedModel::PostForward(FsdpUnit& unit, const std::vector<at::Tensor>& outputs) {
+  bool backward_follows = false;
+  if (c10::GradMode::is_enabled()) {
+    for (const at::Tensor& out : outputs) {
+      backward_follows = backward_follows || (out.defined() && out.requires_grad());
+    }
+  }
+  FlatParamHandle* handle = unit.handle_.get();
+  if (handle != nullptr) {
+    handle->Transition(HandleTrainingState::kForward, HandleTrainingState::kIdle);
+    // FULL_SHARD frees parameters after forward; the root keeps them, since
+    // its backward starts right away (as in PyTorch). Without a backward to
+    // come, every strategy frees them now.
+    const bool reshard = !backward_follows || (options_.strategy == ShardingStrategy::kFullShard &&
+                                               !unit.is_root_);
+    if (reshard) handle->Reshard();
+  }
+  if (!backward_follows) {
+    if (unit.is_root_) training_state_ = ModelTrainingState::kIdle;
+    return;
+  }
+  FsdpUnit* u = &unit;
+  for (const at::Tensor& out : outputs) {
+    if (!out.defined() || !out.requires_grad()) continue;
+    out.register_hook([this, u](const at::Tensor& grad) {
+      PreBackward(*u);
+      return grad;
+    });
+  }
+}
+
+void FullyShardedModel::PreBackward(FsdpUnit& unit) {
+  if (unit.pre_backward_done_) return;
+  unit.pre_backward_done_ = true;
+  if (!backward_callback_queued_) {
+    backward_callback_queued_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { FinishBackward(); });
+  }
+  FlatParamHandle* handle = unit.handle_.get();
+  if (handle == nullptr) return;
+  handle->Transition(HandleTrainingState::kIdle, HandleTrainingState::kBackwardPre);
+  handle->Unshard();
+  handle->PrepareGradientsForBackward();
+}
+
+void FullyShardedModel::PostBackward(FsdpUnit& unit) {
+  FlatParamHandle* handle = unit.handle_.get();
+  TORCH_CHECK(handle->training_state() == HandleTrainingState::kBackwardPre, Describe(unit),
+              ": a gradient arrived before the unit's pre-backward hook ran (state ",
+              HandleTrainingStateName(handle->training_state()),
+              "); was one of its parameters used outside its forward?");
+  if (++unit.gradients_ready_ < static_cast<int>(unit.accumulators_.size())) return;
+  handle->Transition(HandleTrainingState::kBackwardPre, HandleTrainingState::kBackwardPost);
+  handle->ReduceGradients();
+  handle->Reshard();
+}
+
+void FullyShardedModel::FinishBackward() {
+  // Units some of whose parameters got no gradient have not reduced yet;
+  // every rank reaches here with the same units in that state, in the same
+  // (pre-)order.
+  for (auto& unit : units_) {
+    FlatParamHandle* handle = unit->handle_.get();
+    if (handle != nullptr) {
+      if (handle->training_state() == HandleTrainingState::kBackwardPre) {
+        handle->Transition(HandleTrainingState::kBackwardPre,
+                           HandleTrainingState::kBackwardPost);
+        handle->ReduceGradients();
+      }
+      handle->Reshard();
+      if (handle->training_state() == HandleTrainingState::kBackwardPost) {
+        handle->Transition(HandleTrainingState::kBackwardPost, HandleTrainingState::kIdle);
+      }
+    }
+    unit->pre_backward_done_ = false;
+    unit->gradients_ready_ = 0;
+  }
+  backward_callback_queued_ = false;
+  training_state_ = ModelTrainingState::kIdle;
+}
+
+UnitForward::UnitForward(const torch::nn::Module* module) : unit_(GetModuleUnit(module)) {
+  if (unit_ != nullptr) unit_->model_->PreForward(*unit_);
+}
+
+UnitForward::~UnitForward() {
+  if (unit_ == nullptr || returned_) return;
+  // The forward threw: leave the unit resharded and idle.
+  FlatParamHandle* handle = unit_->handle_.get();
+  if (handle == nullptr) return;
+  try {
+    if (handle->training_state() == HandleTrainingState::kForward) {
+      handle->Transition(HandleTrainingState::kForward, HandleTrainingState::kIdle);
+    }
+    handle->Reshard();
+  } catch (...) {
+    // Destructors cannot throw; the forward's exception is the one to see.
+  }
+}
+
+at::Tensor UnitForward::Return(at::Tensor output) {
+  if (unit_ != nullptr) unit_->model_->PostForward(*unit_, {output});
+  returned_ = true;
+  return output;
+}
+
+std::vector<at::Tensor> UnitForward::Return(std::vector<at::Tensor> outputs) {
+  if (unit_ != nullptr) unit_->model_->PostForward(*unit_, outputs);
+  returned_ = true;
+  return outputs;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,183 @@
+// Fully sharded training of a libtorch module: wrapping, the per-unit
+// runtime, and the registry from modules to their FSDP state.
+// fsdp/RUNTIME_DESIGN.md explains the design; in short:
+//
+//   struct BlockImpl : torch::nn::Module, fsdp::ShardableModule {
+//     at::Tensor forward(at::Tensor x) {
+//       fsdp::UnitForward unit(this);     // unshard this unit
+//       ...the block's math, unchanged...
+//       return unit.Return(x);            // reshard, arm the backward hooks
+//     }
+//   };
+//
+//   auto wrapped = fsdp::FullyShardedModel::Wrap(
+//       model.ptr(), group, options, fsdp::SelectModulesOfType<BlockImpl>());
+//   torch::optim::AdamW optimizer(model->parameters(), ...);  // sees the shards
+//   ... loss = ...model->forward(x)...; loss.backward(); optimizer.step(); ...
+//
+// Each selected submodule becomes a *unit* with one FlatParamHandle over its
+// parameters that no nested unit holds; the root holds the rest. In forward,
+// a unit's scope all-gathers its parameters and, after its forward, frees
+// them again (FULL_SHARD). In backward, a hook on the unit's outputs
+// all-gathers them again before the unit's backward runs, hooks on the
+// parameters' gradient accumulators reduce-scatter the gradients as soon as
+// all of them are in, and a callback at the end of backward handles units
+// whose parameters went unused and resets every state to IDLE.
+//
+// Current limits (core issue): no prefetching or rate limiter yet (each
+// unit's all-gather is issued when it is needed), no no_sync,
+// clip_grad_norm_ or summon_full_params, no execution-order check across
+// ranks.
+#ifndef FSDP_FSDP_FULLY_SHARD_H_
+#define FSDP_FSDP_FULLY_SHARD_H_
+
+#include <cstdint>
+#include <functional>
+#include <utility>
+#include <memory>
+#include <string>
+#include <typeinfo>
+#include <vector>
+
+#include "ATen/core/Tensor.h"
+#include "absl/status/statusor.h"
+#include "comm/collectives.h"
+#include "fsdp/flat_param_handle.h"
+#include "fsdp/fsdp_options.h"
+#include "torch/nn/module.h"
+
+namespace torch::autograd {
+struct Node;
+}  // namespace torch::autograd
+
+namespace fsdp {
+
+// Marks a module type whose forward opens a UnitForward scope: only such
+// modules can be units, since FSDP cannot interpose on a C++ forward call.
+class ShardableModule {
+ public:
+  virtual ~ShardableModule() = default;
+};
+
+struct FsdpOptions {
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+};
+
+// Decides which submodules become units; called in pre-order with each
+// submodule's FQN (the root is always a unit of its own).
+using UnitSelector =
+    std::function<bool(const std::string& fqn, const torch::nn::Module& module)>;
+
+// Every submodule whose dynamic type is T.
+template <typename T>
+UnitSelector SelectModulesOfType() {
+  return [](const std::string&, const torch::nn::Module& module) {
+    return dynamic_cast<const T*>(&module) != nullptr;
+  };
+}
+
+// Where the whole model is (per FSDP state in PyTorch's terms).
+enum class ModelTrainingState { kIdle, kForwardBackward };
+
+// One unit: a module, its handle (null if it holds no parameters of its
+// own) and its place in the runtime.
+class FsdpUnit {
+ public:
+  const std::string& fqn() const { return fqn_; }  // "" for the root.
+  const torch::nn::Module& module() const { return *module_; }
+  FlatParamHandle* handle() const { return handle_.get(); }
+  bool is_root() const { return is_root_; }
+
+ private:
+  friend class FullyShardedModel;
+  friend class UnitForward;
+
+  std::string fqn_;
+  torch::nn::Module* module_ = nullptr;
+  std::unique_ptr<FlatParamHandle> handle_;
+  bool is_root_ = false;
+  class FullyShardedModel* model_ = nullptr;
+  // Per backward pass.
+  bool pre_backward_done_ = false;
+  int gradients_ready_ = 0;
+  // The parameters' gradient accumulators, with the key of FSDP's post hook.
+  std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> accumulators_;
+};
+
+// The root's state: owns every unit's state (pre-order, root first) and
+// the registry entries of the model's modules. Keep it alive while the model
+// trains; destroying it unregisters the modules (their parameters stay
+// sharded).
+class FullyShardedModel {
+ public:
+  // Wraps `root`: every module `select` picks (and the root) becomes a unit
+  // and its parameters are sharded over `group`, which must outlive the
+  // model. Fails with kInvalidArgument naming the module when a selected
+  // module is not a ShardableModule, or when the handle cannot flatten its
+  // parameters, and kAlreadyExists when a module is already wrapped.
+  static absl::StatusOr<std::unique_ptr<FullyShardedModel>> Wrap(
+      std::shared_ptr<torch::nn::Module> root, Collectives& group,
+      const FsdpOptions& options, const UnitSelector& select);
+
+  FullyShardedModel(const FullyShardedModel&) = delete;
+  FullyShardedModel& operator=(const FullyShardedModel&) = delete;
+  ~FullyShardedModel();
+
+  const std::vector<std::unique_ptr<FsdpUnit>>& units() const { return units_; }
+  ModelTrainingState training_state() const { return training_state_; }
+  const FsdpOptions& options() const { return options_; }
+  Collectives& group() const { return group_; }
+
+  // Bytes of full (all-gathered) parameters allocated right now, over all
+  // units: what the memory tests sample.
+  int64_t FullParamBytes() const;
+
+ private:
+  friend class UnitForward;
+  FullyShardedModel(std::shared_ptr<torch::nn::Module> root, Collectives& group,
+                    const FsdpOptions& options);
+
+  void LazyInit();
+  void PreForward(FsdpUnit& unit);
+  void PostForward(FsdpUnit& unit, const std::vector<at::Tensor>& outputs);
+  void PreBackward(FsdpUnit& unit);
+  void PostBackward(FsdpUnit& unit);
+  void FinishBackward();
+  std::string Describe(const FsdpUnit& unit) const;
+
+  std::shared_ptr<torch::nn::Module> root_;
+  Collectives& group_;
+  const FsdpOptions options_;
+  std::vector<std::unique_ptr<FsdpUnit>> units_;
+  bool initialized_ = false;
+  bool backward_callback_queued_ = false;
+  ModelTrainingState training_state_ = ModelTrainingState::kIdle;
+};
+
+// The registry: the FSDP unit `module` is, or null.
+FsdpUnit* GetModuleUnit(const torch::nn::Module* module);
+
+// Opens a unit's forward (see the example at the top). A module that is not
+// a wrapped unit gets a scope that does nothing, so a block type can be used
+// with and without FSDP.
+class UnitForward {
+ public:
+  explicit UnitForward(const torch::nn::Module* module);
+  UnitForward(const UnitForward&) = delete;
+  UnitForward& operator=(const UnitForward&) = delete;
+  // Reshards if Return was never reached (an exception in forward).
+  ~UnitForward();
+
+  // Ends the forward: reshards by strategy and arms the pre-backward hook
+  // on every output that requires grad. Returns its argument.
+  at::Tensor Return(at::Tensor output);
+  std::vector<at::Tensor> Return(std::vector<at::Tensor> outputs);
+
+ private:
+  FsdpUnit* unit_;
+  bool returned_ = false;
+};
+
+}  // namespace fsdp
+
+#endif  // FSDP_FSDP_FULLY_SHARD_H_

@@ -1,0 +1,350 @@
+#include "fsdp/fully_shard.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ATen/ATen.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "testing/multi_rank.h"
+#include "torch/nn/module.h"
+#include "torch/nn/modules/container/modulelist.h"
+#include "torch/nn/modules/linear.h"
+#include "torch/optim/adam.h"
+#include "torch/optim/sgd.h"
+
+namespace fsdp {
+namespace {
+
+using ::fsdp::testing::RunOnThreadRanks;
+using ::testing::HasSubstr;
+
+// Called inside every block's forward with the block's index; the memory
+// test samples there.
+thread_local std::function<void(int)> g_in_block_forward;
+
+// A block: its forward opens a UnitForward scope; its math is plain.
+struct BlockImpl : torch::nn::Module, ShardableModule {
+  BlockImpl(int64_t in, int64_t out, int index) : index(index) {
+    fc = register_module("fc", torch::nn::Linear(in, out));
+  }
+  at::Tensor forward(at::Tensor x) {
+    UnitForward unit(this);
+    if (g_in_block_forward) g_in_block_forward(index);
+    return unit.Return(at::tanh(fc->forward(x)));
+  }
+  torch::nn::Linear fc{nullptr};
+  int index;
+};
+TORCH_MODULE(Block);
+
+// Three blocks in a ModuleList and a head the root holds itself.
+struct NetImpl : torch::nn::Module, ShardableModule {
+  NetImpl() {
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    blocks->push_back(Block(7, 13, 0));
+    blocks->push_back(Block(13, 11, 1));
+    blocks->push_back(Block(11, 9, 2));
+    head = register_module("head", torch::nn::Linear(9, 5));
+    torch::NoGradGuard no_grad;
+    int k = 0;
+    for (auto& p : parameters()) {
+      ++k;
+      p.copy_(at::sin(at::arange(p.numel(), at::kFloat) * (0.7 + 0.1 * k) + k)
+                  .view(p.sizes()) * 0.4);
+    }
+  }
+  at::Tensor forward(at::Tensor x) {
+    UnitForward unit(this);
+    for (const auto& block : *blocks) x = block->as<BlockImpl>()->forward(x);
+    return unit.Return(head->forward(x));
+  }
+  torch::nn::ModuleList blocks{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(Net);
+
+constexpr int kGlobalBatch = 12;
+constexpr int kSteps = 5;
+
+at::Tensor Inputs(int step, int micro) {
+  return at::sin(at::arange(kGlobalBatch * 7, at::kFloat) * 0.37 + step + 0.5 * micro)
+      .view({kGlobalBatch, 7});
+}
+at::Tensor Targets(int step, int micro) {
+  return at::cos(at::arange(kGlobalBatch * 5, at::kFloat) * 0.21 - step + 0.3 * micro)
+      .view({kGlobalBatch, 5});
+}
+
+enum class Optim { kSgdMomentum, kAdam };
+
+std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(Optim kind,
+                                                       std::vector<at::Tensor> params) {
+  if (kind == Optim::kSgdMomentum) {
+    return std::make_unique<torch::optim::SGD>(params,
+                                               torch::optim::SGDOptions(0.1).momentum(0.9));
+  }
+  return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01));
+}
+
+struct Trajectory {
+  std::vector<float> losses;
+  std::map<std::string, at::Tensor> params;
+};
+
+Trajectory TrainLocally(Optim kind, int micro_batches) {
+  Net model;
+  auto optimizer = MakeOptimizer(kind, model->parameters());
+  Trajectory t;
+  for (int step = 0; step < kSteps; ++step) {
+    float loss_sum = 0;
+    for (int micro = 0; micro < micro_batches; ++micro) {
+      at::Tensor loss = at::mse_loss(model->forward(Inputs(step, micro)), Targets(step, micro));
+      loss.backward();
+      loss_sum += loss.item<float>();
+    }
+    t.losses.push_back(loss_sum / micro_batches);
+    optimizer->step();
+    optimizer->zero_grad();
+  }
+  for (const auto& item : model->named_parameters()) {
+    t.params[item.key()] = item.value().detach().clone();
+  }
+  return t;
+}
+
+struct Case {
+  int world_size;
+  ShardingStrategy strategy;
+  Optim optim;
+  int micro_batches;
+};
+
+class FullyShardParity : public ::testing::TestWithParam<Case> {};
+
+// The model trains through the runtime's hooks only (no handle is touched
+// by the test): every step's loss, the final parameters, the collectives of
+// each step and the full-parameter memory seen inside each block's forward.
+TEST_P(FullyShardParity, MatchesLocalTraining) {
+  const Case c = GetParam();
+  const Trajectory expected = TrainLocally(c.optim, c.micro_batches);
+  absl::Status status = RunOnThreadRanks(c.world_size, [&](Collectives& comm) {
+    Net model;
+    FsdpOptions options;
+    options.strategy = c.strategy;
+    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
+                                           SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+    FullyShardedModel& fsdp = **wrapped;
+    ASSERT_EQ(fsdp.units().size(), 4u);  // Root (head) and three blocks.
+    auto optimizer = MakeOptimizer(c.optim, model->parameters());
+
+    // Largest full size of one block and of the root, for the memory bound.
+    int64_t root_bytes = fsdp.units()[0]->handle()->padded_numel() * 4;
+    int64_t max_block_bytes = 0;
+    for (size_t u = 1; u < fsdp.units().size(); ++u) {
+      max_block_bytes =
+          std::max(max_block_bytes, fsdp.units()[u]->handle()->padded_numel() * 4);
+    }
+    int64_t peak_in_forward = 0;
+    g_in_block_forward = [&](int) {
+      peak_in_forward = std::max(peak_in_forward, fsdp.FullParamBytes());
+    };
+
+    const int64_t rows = kGlobalBatch / comm.world_size();
+    const bool sharded = c.strategy != ShardingStrategy::kNoShard;
+    for (int step = 0; step < kSteps; ++step) {
+      comm.ResetCounters();
+      at::Tensor loss_sum = at::zeros({1});
+      for (int micro = 0; micro < c.micro_batches; ++micro) {
+        at::Tensor x = Inputs(step, micro).narrow(0, comm.rank() * rows, rows);
+        at::Tensor y = Targets(step, micro).narrow(0, comm.rank() * rows, rows);
+        at::Tensor loss = at::mse_loss(model->forward(x), y);
+        loss.backward();
+        loss_sum += loss.detach();
+        EXPECT_EQ(fsdp.training_state(), ModelTrainingState::kIdle);
+        if (sharded) EXPECT_EQ(fsdp.FullParamBytes(), 0) << "all resharded after backward";
+      }
+      const CollectiveCounters counted = comm.counters();
+      // FULL_SHARD: blocks gather in forward and again in backward; the root
+      // keeps its parameters from forward to backward. SHARD_GRAD_OP: once
+      // per unit. NO_SHARD: no gathers, one all-reduce per unit.
+      const int64_t gathers =
+          c.strategy == ShardingStrategy::kFullShard ? 3 * 2 + 1 : (sharded ? 4 : 0);
+      EXPECT_EQ(counted.Calls(CollectiveOp::kAllGather), gathers * c.micro_batches);
+      EXPECT_EQ(counted.Calls(CollectiveOp::kReduceScatter), (sharded ? 4 : 0) * c.micro_batches);
+      EXPECT_EQ(counted.Calls(CollectiveOp::kAllReduce), (sharded ? 0 : 4) * c.micro_batches);
+
+      optimizer->step();
+      optimizer->zero_grad();
+      comm.AllReduce(loss_sum, ReduceOp::kAvg)->Wait();
+      const float loss = loss_sum.item<float>() / c.micro_batches;
+      // Tolerance as in flat_param_handle_test.cc: float32 rounding of the
+      // cross-rank sum, far below the effect of a wrong gradient.
+      EXPECT_NEAR(loss, expected.losses[step], 1e-5 * std::abs(expected.losses[step]) + 1e-7)
+          << "step " << step;
+    }
+    g_in_block_forward = nullptr;
+    // Memory, sampled inside each block's forward: FULL_SHARD holds the root
+    // and the one block running; SHARD_GRAD_OP accumulates blocks.
+    if (c.strategy == ShardingStrategy::kFullShard) {
+      EXPECT_LE(peak_in_forward, root_bytes + max_block_bytes);
+      EXPECT_GT(peak_in_forward, 0);
+    }
+    for (const auto& unit : fsdp.units()) unit->handle()->Unshard();
+    for (const auto& item : model->named_parameters()) {
+      const at::Tensor& want = expected.params.at(item.key());
+      EXPECT_TRUE(at::allclose(item.value().detach(), want, 1e-5, 1e-6))
+          << item.key() << " max diff "
+          << (item.value().detach() - want).abs().max().item<float>();
+    }
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+std::vector<Case> Cases() {
+  std::vector<Case> cases;
+  for (int w : {1, 2, 3, 4}) {
+    for (ShardingStrategy s : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                               ShardingStrategy::kNoShard}) {
+      for (Optim o : {Optim::kSgdMomentum, Optim::kAdam}) cases.push_back({w, s, o, 1});
+    }
+  }
+  for (ShardingStrategy s : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
+    cases.push_back({3, s, Optim::kAdam, 2});  // Gradient accumulation.
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, FullyShardParity, ::testing::ValuesIn(Cases()),
+    [](const ::testing::TestParamInfo<Case>& info) {
+      const Case& c = info.param;
+      return "W" + std::to_string(c.world_size) + "_" + ShardingStrategyName(c.strategy) +
+             (c.optim == Optim::kSgdMomentum ? "_SgdMomentum" : "_Adam") +
+             (c.micro_batches > 1 ? "_Accumulate2" : "");
+    });
+
+TEST(FullyShard, ParameterNamesAndIdentityAreThoseOfTheUnwrappedModel) {
+  absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
+    Net model;
+    std::vector<std::string> names_before;
+    std::vector<const void*> impls_before;
+    for (const auto& item : model->named_parameters()) {
+      names_before.push_back(item.key());
+      impls_before.push_back(item.value().unsafeGetTensorImpl());
+    }
+    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {},
+                                           SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+    std::vector<std::string> names_after;
+    std::vector<const void*> impls_after;
+    for (const auto& item : model->named_parameters()) {
+      names_after.push_back(item.key());
+      impls_after.push_back(item.value().unsafeGetTensorImpl());
+    }
+    EXPECT_EQ(names_after, names_before);
+    EXPECT_EQ(impls_after, impls_before);
+    EXPECT_EQ(GetModuleUnit(model->blocks[1].get())->fqn(), "blocks.1");
+    EXPECT_TRUE(GetModuleUnit(model.get())->is_root());
+    EXPECT_EQ(GetModuleUnit(model->head.get()), nullptr) << "the head is not a unit";
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+TEST(FullyShard, SelectingAModuleFsdpCannotHookIsAnErrorNamingIt) {
+  absl::Status status = RunOnThreadRanks(1, [](Collectives& comm) {
+    Net model;
+    auto wrapped = FullyShardedModel::Wrap(
+        model.ptr(), comm, {},
+        SelectModulesOfType<torch::nn::LinearImpl>());
+    ASSERT_FALSE(wrapped.ok());
+    EXPECT_THAT(std::string(wrapped.status().message()),
+                ::testing::ContainsRegex("module 'blocks.0.fc' \\([^)]*Linear[^)]*\\) was "
+                                         "selected as an FSDP unit but FSDP cannot hook its "
+                                         "forward"));
+    // Nothing was registered by the failed wrap.
+    EXPECT_EQ(GetModuleUnit(model.get()), nullptr);
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+TEST(FullyShard, WrappingTwiceIsAnError) {
+  absl::Status status = RunOnThreadRanks(1, [](Collectives& comm) {
+    Net model;
+    auto first = FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(first.ok()) << first.status();
+    auto second =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    EXPECT_EQ(second.status().code(), absl::StatusCode::kAlreadyExists);
+    EXPECT_THAT(second.status().message(), HasSubstr("is already part of a wrapped model"));
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+// A parameter used by two sibling units cannot be sharded by either.
+struct SharedWeightBlockImpl : torch::nn::Module, ShardableModule {
+  explicit SharedWeightBlockImpl(at::Tensor shared) {
+    weight = register_parameter("weight", shared);
+  }
+  at::Tensor weight;
+};
+TORCH_MODULE(SharedWeightBlock);
+
+struct TiedImpl : torch::nn::Module, ShardableModule {
+  TiedImpl() {
+    at::Tensor shared = at::ones({4, 4});
+    a = register_module("a", SharedWeightBlock(shared));
+    b = register_module("b", SharedWeightBlock(shared));
+  }
+  SharedWeightBlock a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(Tied);
+
+TEST(FullyShard, ParameterSharedAcrossUnitsIsAnError) {
+  absl::Status status = RunOnThreadRanks(1, [](Collectives& comm) {
+    Tied model;
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {},
+                                SelectModulesOfType<SharedWeightBlockImpl>());
+    ASSERT_FALSE(wrapped.ok());
+    EXPECT_THAT(wrapped.status().message(),
+                HasSubstr("parameter shared as 'a.weight' and 'b.weight' is used by "
+                          "different units"));
+    // Wrapping only the root, which contains both uses, works.
+    auto root_only = FullyShardedModel::Wrap(
+        model.ptr(), comm, {}, [](const std::string&, const torch::nn::Module&) { return false; });
+    EXPECT_TRUE(root_only.ok()) << root_only.status();
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+// Without grad, every unit frees its parameters after its forward and the
+// model returns to IDLE; a later training step is unaffected.
+TEST(FullyShard, NoGradForwardLeavesNothingUnsharded) {
+  absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
+    Net model;
+    FsdpOptions options;
+    options.strategy = ShardingStrategy::kShardGradOp;
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+    {
+      torch::NoGradGuard no_grad;
+      model->forward(Inputs(0, 0));
+    }
+    EXPECT_EQ((*wrapped)->FullParamBytes(), 0);
+    EXPECT_EQ((*wrapped)->training_state(), ModelTrainingState::kIdle);
+    at::mse_loss(model->forward(Inputs(0, 0)), Targets(0, 0)).backward();
+    EXPECT_EQ((*wrapped)->FullParamBytes(), 0);
+    for (const auto& p : model->parameters()) EXPECT_TRUE(p.grad().defined());
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+}  // namespace
+}  // namespace fsdp
