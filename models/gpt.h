@@ -1,0 +1,93 @@
+// A GPT-2 style decoder language model with nanoGPT's module layout and
+// parameter names (transformer.wte, transformer.wpe, transformer.h.{i}.ln_1,
+// .attn.c_attn, .attn.c_proj, .ln_2, .mlp.c_fc, .mlp.c_proj,
+// transformer.ln_f, lm_head tied to transformer.wte), exact (erf) GELU,
+// LayerNorm with bias, no dropout.
+//
+// FSDP-ready: Block and Gpt are fsdp::ShardableModule and open a
+// fsdp::UnitForward scope in forward — the only FSDP lines in the model; the
+// scopes do nothing when the model is not wrapped. Wrap per block with
+// fsdp::SelectModulesOfType<models::BlockImpl>(); the embeddings, the final
+// LayerNorm and the tied head stay with the root.
+#ifndef FSDP_MODELS_GPT_H_
+#define FSDP_MODELS_GPT_H_
+
+#include <cstdint>
+
+#include "ATen/core/Tensor.h"
+#include "fsdp/fully_shard.h"
+#include "torch/nn/module.h"
+#include "torch/nn/modules/container/modulelist.h"
+#include "torch/nn/modules/embedding.h"
+#include "torch/nn/modules/linear.h"
+#include "torch/nn/modules/normalization.h"
+
+namespace models {
+
+struct GptConfig {
+  int64_t vocab_size = 256;  // Bytes.
+  int64_t block_size = 64;   // Context length.
+  int64_t n_layer = 2;
+  int64_t n_head = 2;
+  int64_t n_embd = 64;
+  uint64_t seed = 0;  // Initialization (nanoGPT's: N(0, 0.02), scaled c_proj).
+};
+
+struct CausalSelfAttentionImpl : torch::nn::Module {
+  explicit CausalSelfAttentionImpl(const GptConfig& config);
+  at::Tensor forward(const at::Tensor& x);
+  int64_t n_head;
+  torch::nn::Linear c_attn{nullptr}, c_proj{nullptr};
+};
+TORCH_MODULE(CausalSelfAttention);
+
+struct MlpImpl : torch::nn::Module {
+  explicit MlpImpl(const GptConfig& config);
+  at::Tensor forward(const at::Tensor& x);
+  torch::nn::Linear c_fc{nullptr}, c_proj{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+struct BlockImpl : torch::nn::Module, fsdp::ShardableModule {
+  explicit BlockImpl(const GptConfig& config);
+  at::Tensor forward(at::Tensor x);
+  torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
+  CausalSelfAttention attn{nullptr};
+  Mlp mlp{nullptr};
+};
+TORCH_MODULE(Block);
+
+// nanoGPT's `transformer` ModuleDict.
+struct TransformerImpl : torch::nn::Module {
+  explicit TransformerImpl(const GptConfig& config);
+  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  torch::nn::ModuleList h{nullptr};
+  torch::nn::LayerNorm ln_f{nullptr};
+};
+TORCH_MODULE(Transformer);
+
+// The output projection, whose weight is the token embedding's.
+struct TiedLinearImpl : torch::nn::Module {
+  explicit TiedLinearImpl(const at::Tensor& weight);
+  at::Tensor forward(const at::Tensor& x) const;
+  at::Tensor weight;
+};
+TORCH_MODULE(TiedLinear);
+
+struct GptImpl : torch::nn::Module, fsdp::ShardableModule {
+  explicit GptImpl(const GptConfig& config);
+  // idx: [batch, time] int64 token ids, time <= block_size. Returns logits
+  // [batch, time, vocab_size].
+  at::Tensor forward(const at::Tensor& idx);
+  GptConfig config;
+  Transformer transformer{nullptr};
+  TiedLinear lm_head{nullptr};
+};
+TORCH_MODULE(Gpt);
+
+// Mean next-token cross-entropy of logits [B, T, V] against targets [B, T].
+at::Tensor LanguageModelLoss(const at::Tensor& logits, const at::Tensor& targets);
+
+}  // namespace models
+
+#endif  // FSDP_MODELS_GPT_H_
