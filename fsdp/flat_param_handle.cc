@@ -246,8 +246,9 @@ void FlatParamHandle::PrepareGradientsForBackward() {
               ": PrepareGradientsForBackward needs the unit unsharded; training state ",
               HandleTrainingStateName(training_state_));
   // Reduced but not yet published (two backward passes without a Reshard
-  // between): the accumulated gradient is in sharded_grad_ already.
-  if (gradients_pending_) return;
+  // between): the accumulated gradient is in sharded_grad_ already. Or
+  // no_sync: .grad holds full gradients that this backward adds to.
+  if (gradients_pending_ || holds_unreduced_) return;
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor grad = params_[i].param.grad();
@@ -301,7 +302,14 @@ void FlatParamHandle::ReduceGradients() {
     AllocateShardedGrad(std::move(reduced));
   }
   gradients_pending_ = true;
+  holds_unreduced_ = false;
   if (!uses_sharded_views()) PublishGradients();  // Shapes already match.
+}
+
+void FlatParamHandle::KeepGradientsUnreduced() {
+  TORCH_CHECK(!gradients_pending_, Describe(),
+              ": KeepGradientsUnreduced after ReduceGradients in the same backward");
+  holds_unreduced_ = true;
 }
 
 }  // namespace fsdp

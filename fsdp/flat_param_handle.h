@@ -128,6 +128,12 @@ class FlatParamHandle {
   // REQUIRES: unsharded (or NO_SHARD).
   void ReduceGradients();
 
+  // Instead of ReduceGradients, under no_sync: the full gradients stay in
+  // .grad (full shape, even after Reshard) and later backward passes add to
+  // them, until a ReduceGradients reduces their sum. No communication.
+  void KeepGradientsUnreduced();
+  bool holds_unreduced_gradients() const { return holds_unreduced_; }
+
   HandleTrainingState training_state() const { return training_state_; }
   // Moves to `to`, checking that `from` is the current state; the error
   // names the unit, the rank and both states.
@@ -181,6 +187,7 @@ class FlatParamHandle {
   at::Tensor sharded_grad_;  // Like local_shard_; undefined until first needed.
   std::vector<at::Tensor> grad_aliases_;  // Parameter i's part of sharded_grad_.
   bool gradients_pending_ = false;  // Reduced into sharded_grad_, not yet in .grad.
+  bool holds_unreduced_ = false;    // .grad holds full, unreduced gradients.
   std::unique_ptr<CollectiveWork> pending_unshard_;
   bool unsharded_ = false;
   HandleTrainingState training_state_ = HandleTrainingState::kIdle;

@@ -1,5 +1,6 @@
 #include "fsdp/fully_shard.h"
 
+#include <cmath>
 #include <map>
 #include <mutex>
 #include <set>
@@ -239,8 +240,16 @@ void FullyShardedModel::PostBackward(FsdpUnit& unit) {
               "); was one of its parameters used outside its forward?");
   if (++unit.gradients_ready_ < static_cast<int>(unit.accumulators_.size())) return;
   handle->Transition(HandleTrainingState::kBackwardPre, HandleTrainingState::kBackwardPost);
-  handle->ReduceGradients();
+  ReduceOrKeep(*handle);
   handle->Reshard();
+}
+
+void FullyShardedModel::ReduceOrKeep(FlatParamHandle& handle) {
+  if (no_sync_) {
+    handle.KeepGradientsUnreduced();
+  } else {
+    handle.ReduceGradients();
+  }
 }
 
 void FullyShardedModel::FinishBackward() {
@@ -253,7 +262,7 @@ void FullyShardedModel::FinishBackward() {
       if (handle->training_state() == HandleTrainingState::kBackwardPre) {
         handle->Transition(HandleTrainingState::kBackwardPre,
                            HandleTrainingState::kBackwardPost);
-        handle->ReduceGradients();
+        ReduceOrKeep(*handle);
       }
       handle->Reshard();
       if (handle->training_state() == HandleTrainingState::kBackwardPost) {
@@ -266,6 +275,62 @@ void FullyShardedModel::FinishBackward() {
   backward_callback_queued_ = false;
   training_state_ = ModelTrainingState::kIdle;
 }
+
+at::Tensor FullyShardedModel::ClipGradNorm(double max_norm, double norm_type) {
+  TORCH_CHECK(training_state_ == ModelTrainingState::kIdle,
+              "ClipGradNorm on rank ", group_.rank(),
+              ": the model is in forward or backward; call it after backward");
+  TORCH_CHECK(norm_type >= 1.0, "ClipGradNorm: norm_type ", norm_type,
+              " must be >= 1 or infinity");
+  TORCH_CHECK(max_norm >= 0, "ClipGradNorm: max_norm ", max_norm, " must be >= 0");
+  const bool infinity = std::isinf(norm_type);
+  std::vector<at::Tensor> grads;
+  for (const auto& unit : units_) {
+    if (!unit->handle_) continue;
+    TORCH_CHECK(!unit->handle_->holds_unreduced_gradients(), Describe(*unit),
+                ": ClipGradNorm inside NoSync (gradients are not reduced yet)");
+    for (const FlatParamEntry& entry : unit->handle_->entries()) {
+      if (entry.param.grad().defined()) grads.push_back(entry.param.grad());
+    }
+  }
+  // This rank's part: the sum of |g|^p (or max |g|) over its shards, which
+  // partition the unsharded gradients; under NO_SHARD every rank holds the
+  // whole and no communication is needed.
+  at::Tensor local = at::zeros({1}, at::kDouble);
+  for (const at::Tensor& g : grads) {
+    if (g.numel() == 0) continue;
+    const at::Tensor n = g.detach().abs().to(at::kDouble);
+    local = infinity ? at::maximum(local, n.max().view({1}))
+                     : local + n.pow(norm_type).sum().view({1});
+  }
+  const bool sharded = options_.strategy != ShardingStrategy::kNoShard && group_.world_size() > 1;
+  at::Tensor total;
+  if (!sharded) {
+    total = infinity ? local : local.pow(1.0 / norm_type);
+  } else if (infinity) {
+    at::Tensor all = at::empty({group_.world_size()}, at::kDouble);
+    group_.AllGatherIntoTensor(all, local)->Wait();
+    total = all.max().view({1});
+  } else {
+    group_.AllReduce(local, ReduceOp::kSum)->Wait();
+    total = local.pow(1.0 / norm_type);
+  }
+  const double norm = total.item<double>();
+  const double clip_coef = max_norm / (norm + 1e-6);
+  if (clip_coef < 1.0) {
+    at::NoGradGuard no_grad;
+    for (const at::Tensor& g : grads) g.mul_(clip_coef);
+  }
+  return at::scalar_tensor(norm, at::kFloat);
+}
+
+NoSync::NoSync(FullyShardedModel& model) : model_(model), previous_(model.no_sync_) {
+  TORCH_CHECK(model.training_state_ == ModelTrainingState::kIdle, "NoSync on rank ",
+              model.group_.rank(), ": enter it between steps, not during forward or backward");
+  model_.no_sync_ = true;
+}
+
+NoSync::~NoSync() { model_.no_sync_ = previous_; }
 
 UnitForward::UnitForward(const torch::nn::Module* module) : unit_(GetModuleUnit(module)) {
   if (unit_ != nullptr) unit_->model_->PreForward(*unit_);

@@ -24,10 +24,12 @@
 // all of them are in, and a callback at the end of backward handles units
 // whose parameters went unused and resets every state to IDLE.
 //
+// Utilities: NoSync (accumulate gradients without communication),
+// ClipGradNorm (clip the whole model's gradient norm across ranks).
+//
 // Current limits (core issue): no prefetching or rate limiter yet (each
-// unit's all-gather is issued when it is needed), no no_sync,
-// clip_grad_norm_ or summon_full_params, no execution-order check across
-// ranks.
+// unit's all-gather is issued when it is needed), no summon_full_params, no
+// execution-order check across ranks.
 #ifndef FSDP_FSDP_FULLY_SHARD_H_
 #define FSDP_FSDP_FULLY_SHARD_H_
 
@@ -132,8 +134,16 @@ class FullyShardedModel {
   // units: what the memory tests sample.
   int64_t FullParamBytes() const;
 
+  // Scales every gradient of the model so that their joint norm (of the
+  // unsharded gradients, `norm_type` >= 1 or infinity) is at most
+  // `max_norm`, as torch::nn::utils::clip_grad_norm_ does on the unwrapped
+  // model, and returns that norm before clipping; every rank of the group
+  // must call it. REQUIRES: IDLE, gradients reduced (not inside NoSync).
+  at::Tensor ClipGradNorm(double max_norm, double norm_type = 2.0);
+
  private:
   friend class UnitForward;
+  friend class NoSync;
   FullyShardedModel(std::shared_ptr<torch::nn::Module> root, Collectives& group,
                     const FsdpOptions& options);
 
@@ -143,6 +153,7 @@ class FullyShardedModel {
   void PreBackward(FsdpUnit& unit);
   void PostBackward(FsdpUnit& unit);
   void FinishBackward();
+  void ReduceOrKeep(FlatParamHandle& handle);
   std::string Describe(const FsdpUnit& unit) const;
 
   std::shared_ptr<torch::nn::Module> root_;
@@ -150,8 +161,24 @@ class FullyShardedModel {
   const FsdpOptions options_;
   std::vector<std::unique_ptr<FsdpUnit>> units_;
   bool initialized_ = false;
+  bool no_sync_ = false;
   bool backward_callback_queued_ = false;
   ModelTrainingState training_state_ = ModelTrainingState::kIdle;
+};
+
+// While alive, backward passes of `model` accumulate full gradients locally
+// without communicating; the first backward after it reduces their sum.
+// Costs unsharded gradient memory for every unit. REQUIRES: the model IDLE.
+class NoSync {
+ public:
+  explicit NoSync(FullyShardedModel& model);
+  NoSync(const NoSync&) = delete;
+  NoSync& operator=(const NoSync&) = delete;
+  ~NoSync();
+
+ private:
+  FullyShardedModel& model_;
+  bool previous_;
 };
 
 // The registry: the FSDP unit `module` is, or null.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -15,6 +16,7 @@
 #include "torch/nn/modules/container/modulelist.h"
 #include "torch/nn/modules/linear.h"
 #include "torch/optim/adam.h"
+#include "torch/nn/utils/clip_grad.h"
 #include "torch/optim/sgd.h"
 
 namespace fsdp {
@@ -93,10 +95,14 @@ std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(Optim kind,
 
 struct Trajectory {
   std::vector<float> losses;
+  std::vector<double> grad_norms;  // Before clipping, when clipping.
   std::map<std::string, at::Tensor> params;
 };
 
-Trajectory TrainLocally(Optim kind, int micro_batches) {
+constexpr double kMaxNorm = 0.05;  // Small enough that every step clips.
+
+// clip_norm_type 0: no clipping.
+Trajectory TrainLocally(Optim kind, int micro_batches, double clip_norm_type = 0) {
   Net model;
   auto optimizer = MakeOptimizer(kind, model->parameters());
   Trajectory t;
@@ -108,6 +114,10 @@ Trajectory TrainLocally(Optim kind, int micro_batches) {
       loss_sum += loss.item<float>();
     }
     t.losses.push_back(loss_sum / micro_batches);
+    if (clip_norm_type != 0) {
+      t.grad_norms.push_back(
+          torch::nn::utils::clip_grad_norm_(model->parameters(), kMaxNorm, clip_norm_type));
+    }
     optimizer->step();
     optimizer->zero_grad();
   }
@@ -228,6 +238,134 @@ INSTANTIATE_TEST_SUITE_P(
              (c.optim == Optim::kSgdMomentum ? "_SgdMomentum" : "_Adam") +
              (c.micro_batches > 1 ? "_Accumulate2" : "");
     });
+
+struct UtilityCase {
+  int world_size;
+  ShardingStrategy strategy;
+  double clip_norm_type;  // 0: no clipping.
+  bool no_sync_first_micro_batch;
+};
+
+class FullyShardUtilities : public ::testing::TestWithParam<UtilityCase> {};
+
+// ClipGradNorm matches torch::nn::utils::clip_grad_norm_ on the unwrapped
+// model (the norm it reports and the training it produces), and NoSync over
+// the first of two micro-batches matches accumulating both, with no
+// communication for the first.
+TEST_P(FullyShardUtilities, MatchLocalTraining) {
+  const UtilityCase c = GetParam();
+  const int micro_batches = c.no_sync_first_micro_batch ? 2 : 1;
+  const Trajectory expected = TrainLocally(Optim::kSgdMomentum, micro_batches, c.clip_norm_type);
+  absl::Status status = RunOnThreadRanks(c.world_size, [&](Collectives& comm) {
+    Net model;
+    FsdpOptions options;
+    options.strategy = c.strategy;
+    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
+                                           SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+    FullyShardedModel& fsdp = **wrapped;
+    auto optimizer = MakeOptimizer(Optim::kSgdMomentum, model->parameters());
+    const int64_t rows = kGlobalBatch / comm.world_size();
+    for (int step = 0; step < kSteps; ++step) {
+      at::Tensor loss_sum = at::zeros({1});
+      for (int micro = 0; micro < micro_batches; ++micro) {
+        at::Tensor x = Inputs(step, micro).narrow(0, comm.rank() * rows, rows);
+        at::Tensor y = Targets(step, micro).narrow(0, comm.rank() * rows, rows);
+        comm.ResetCounters();
+        if (c.no_sync_first_micro_batch && micro == 0) {
+          NoSync no_sync(fsdp);
+          at::Tensor loss = at::mse_loss(model->forward(x), y);
+          loss.backward();
+          loss_sum += loss.detach();
+          const CollectiveCounters counted = comm.counters();
+          EXPECT_EQ(counted.Calls(CollectiveOp::kReduceScatter), 0);
+          EXPECT_EQ(counted.Calls(CollectiveOp::kAllReduce), 0);
+          continue;
+        }
+        at::Tensor loss = at::mse_loss(model->forward(x), y);
+        loss.backward();
+        loss_sum += loss.detach();
+      }
+      if (c.clip_norm_type != 0) {
+        const double norm = fsdp.ClipGradNorm(kMaxNorm, c.clip_norm_type).item<double>();
+        EXPECT_NEAR(norm, expected.grad_norms[step], 1e-5 * expected.grad_norms[step])
+            << "step " << step;
+      }
+      optimizer->step();
+      optimizer->zero_grad();
+      comm.AllReduce(loss_sum, ReduceOp::kAvg)->Wait();
+      EXPECT_NEAR(loss_sum.item<float>() / micro_batches, expected.losses[step],
+                  1e-5 * std::abs(expected.losses[step]) + 1e-7)
+          << "step " << step;
+    }
+    for (const auto& unit : fsdp.units()) unit->handle()->Unshard();
+    for (const auto& item : model->named_parameters()) {
+      const at::Tensor& want = expected.params.at(item.key());
+      EXPECT_TRUE(at::allclose(item.value().detach(), want, 1e-5, 1e-6))
+          << item.key() << " max diff "
+          << (item.value().detach() - want).abs().max().item<float>();
+    }
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+std::vector<UtilityCase> UtilityCases() {
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<UtilityCase> cases;
+  for (int w : {1, 2, 3, 4}) {
+    for (double norm : {2.0, 1.0, inf}) {
+      cases.push_back({w, ShardingStrategy::kFullShard, norm, false});
+    }
+  }
+  cases.push_back({3, ShardingStrategy::kShardGradOp, 2.0, false});
+  cases.push_back({3, ShardingStrategy::kNoShard, 2.0, false});
+  cases.push_back({2, ShardingStrategy::kNoShard, inf, false});
+  for (ShardingStrategy s : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                             ShardingStrategy::kNoShard}) {
+    cases.push_back({3, s, 0, true});
+    cases.push_back({2, s, 2.0, true});
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, FullyShardUtilities, ::testing::ValuesIn(UtilityCases()),
+    [](const ::testing::TestParamInfo<UtilityCase>& info) {
+      const UtilityCase& c = info.param;
+      std::string clip = c.clip_norm_type == 0 ? "NoClip"
+                         : std::isinf(c.clip_norm_type)
+                             ? "ClipInf"
+                             : "Clip" + std::to_string(static_cast<int>(c.clip_norm_type));
+      return "W" + std::to_string(c.world_size) + "_" + ShardingStrategyName(c.strategy) + "_" +
+             clip + (c.no_sync_first_micro_batch ? "_NoSync" : "");
+    });
+
+TEST(FullyShard, ClipGradNormAndNoSyncRefuseMisuse) {
+  absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
+    Net model;
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+    FullyShardedModel& fsdp = **wrapped;
+    {
+      NoSync no_sync(fsdp);
+      at::mse_loss(model->forward(Inputs(0, 0)), Targets(0, 0)).backward();
+      try {
+        fsdp.ClipGradNorm(1.0);
+        ADD_FAILURE() << "ClipGradNorm inside NoSync did not throw";
+      } catch (const c10::Error& e) {
+        EXPECT_THAT(e.msg(), HasSubstr("ClipGradNorm inside NoSync"));
+      }
+    }
+    try {
+      fsdp.ClipGradNorm(1.0, 0.5);
+      ADD_FAILURE() << "norm_type 0.5 did not throw";
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.msg(), HasSubstr("norm_type 0.5 must be >= 1 or infinity"));
+    }
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
 
 TEST(FullyShard, ParameterNamesAndIdentityAreThoseOfTheUnwrappedModel) {
   absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
