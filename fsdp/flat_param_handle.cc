@@ -306,6 +306,36 @@ void FlatParamHandle::ReduceGradients() {
   if (!uses_sharded_views()) PublishGradients();  // Shapes already match.
 }
 
+void FlatParamHandle::WritebackShard() {
+  if (!uses_sharded_views()) return;  // The parameters view the shard itself.
+  TORCH_CHECK(unsharded_, Describe(), ": WritebackShard needs the unit unsharded");
+  at::NoGradGuard no_grad;
+  local_shard_.copy_(full_.narrow(0, group_.rank() * local_shard_.numel(), local_shard_.numel()));
+}
+
+void FlatParamHandle::UnshardGradients() {
+  if (!uses_sharded_views() || !sharded_grad_.defined()) return;
+  TORCH_CHECK(!holds_unreduced_ && !gradients_pending_, Describe(),
+              ": gradients are not reduced yet (inside no_sync or backward)");
+  full_grad_ = at::empty({padded_numel_}, local_shard_.options());
+  group_.AllGatherIntoTensor(full_grad_, sharded_grad_)->Wait();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    params_[i].param.mutable_grad() =
+        full_grad_.narrow(0, infos_[i].offset, infos_[i].numel).view(infos_[i].shape);
+  }
+}
+
+void FlatParamHandle::ReshardGradients(bool writeback) {
+  if (!full_grad_.defined()) return;
+  if (writeback) {
+    at::NoGradGuard no_grad;
+    sharded_grad_.copy_(
+        full_grad_.narrow(0, group_.rank() * local_shard_.numel(), local_shard_.numel()));
+  }
+  full_grad_ = at::Tensor();
+  PublishGradients();
+}
+
 void FlatParamHandle::KeepGradientsUnreduced() {
   TORCH_CHECK(!gradients_pending_, Describe(),
               ": KeepGradientsUnreduced after ReduceGradients in the same backward");

@@ -134,6 +134,18 @@ class FlatParamHandle {
   void KeepGradientsUnreduced();
   bool holds_unreduced_gradients() const { return holds_unreduced_; }
 
+  // For summon_full_params. WritebackShard copies this rank's part of the
+  // full parameter (which the caller may have modified in place) into the
+  // shard. REQUIRES: unsharded.
+  void WritebackShard();
+  // Points .grad of every parameter at its full gradient, all-gathered from
+  // the sharded gradients (no-op without gradients, and under NO_SHARD).
+  // REQUIRES: gradients reduced.
+  void UnshardGradients();
+  // Undoes UnshardGradients, first copying this rank's part of the full
+  // gradients back into the sharded gradient when `writeback`.
+  void ReshardGradients(bool writeback);
+
   HandleTrainingState training_state() const { return training_state_; }
   // Moves to `to`, checking that `from` is the current state; the error
   // names the unit, the rank and both states.
@@ -185,6 +197,7 @@ class FlatParamHandle {
   std::vector<at::Tensor> full_views_;   // Parameter i's view of full_.
   std::vector<at::Tensor> shard_views_;  // Parameter i's view of local_shard_.
   at::Tensor sharded_grad_;  // Like local_shard_; undefined until first needed.
+  at::Tensor full_grad_;     // P elements while UnshardGradients is in effect.
   std::vector<at::Tensor> grad_aliases_;  // Parameter i's part of sharded_grad_.
   bool gradients_pending_ = false;  // Reduced into sharded_grad_, not yet in .grad.
   bool holds_unreduced_ = false;    // .grad holds full, unreduced gradients.

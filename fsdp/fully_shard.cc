@@ -1,6 +1,7 @@
 #include "fsdp/fully_shard.h"
 
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <mutex>
 #include <set>
@@ -167,10 +168,13 @@ int64_t FullyShardedModel::FullParamBytes() const {
 }
 
 void FullyShardedModel::PreForward(FsdpUnit& unit) {
-  training_state_ = ModelTrainingState::kForwardBackward;
   FlatParamHandle* handle = unit.handle_.get();
-  if (handle == nullptr) return;
+  if (handle == nullptr) {
+    training_state_ = ModelTrainingState::kForwardBackward;
+    return;
+  }
   handle->Transition(HandleTrainingState::kIdle, HandleTrainingState::kForward);
+  training_state_ = ModelTrainingState::kForwardBackward;  // Only once admitted.
   handle->Unshard();
   if (unit.accumulators_.empty()) {
     // Created while unsharded: an accumulator records the parameter's shape
@@ -322,6 +326,43 @@ at::Tensor FullyShardedModel::ClipGradNorm(double max_norm, double norm_type) {
     for (const at::Tensor& g : grads) g.mul_(clip_coef);
   }
   return at::scalar_tensor(norm, at::kFloat);
+}
+
+SummonFullParams::SummonFullParams(FullyShardedModel& model, const SummonOptions& options)
+    : options_(options), rank_(model.group().rank()) {
+  TORCH_CHECK(!(options.writeback && options.rank0_only), "SummonFullParams on rank ", rank_,
+              ": writeback and rank0_only together are not supported (the other ranks' "
+              "shards would not see rank 0's changes)");
+  TORCH_CHECK(model.training_state() == ModelTrainingState::kIdle, "SummonFullParams on rank ",
+              rank_, ": the model is in forward or backward");
+  for (const auto& unit : model.units()) {
+    if (!options.recurse && !unit->is_root()) continue;
+    if (unit->handle() != nullptr) handles_.push_back(unit->handle());
+  }
+  for (FlatParamHandle* handle : handles_) {
+    handle->Transition(HandleTrainingState::kIdle, HandleTrainingState::kSummonFullParams);
+    handle->Unshard();
+    if (options.with_grads) handle->UnshardGradients();
+    if (options.rank0_only && rank_ != 0) {
+      handle->ReshardGradients(/*writeback=*/false);
+      handle->Reshard();
+    }
+  }
+}
+
+SummonFullParams::~SummonFullParams() {
+  for (FlatParamHandle* handle : handles_) {
+    try {
+      if (options_.writeback && handle->is_unsharded()) handle->WritebackShard();
+      handle->ReshardGradients(options_.writeback);
+      handle->Reshard();
+      handle->Transition(HandleTrainingState::kSummonFullParams, HandleTrainingState::kIdle);
+    } catch (const std::exception& e) {
+      // Destructors cannot throw; nothing above communicates, so this is a
+      // broken invariant worth a loud message.
+      std::fprintf(stderr, "SummonFullParams on rank %d: leaving failed: %s\n", rank_, e.what());
+    }
+  }
 }
 
 NoSync::NoSync(FullyShardedModel& model) : model_(model), previous_(model.no_sync_) {

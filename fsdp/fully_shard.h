@@ -181,6 +181,41 @@ class NoSync {
   bool previous_;
 };
 
+struct SummonOptions {
+  // Copy in-place changes of the full parameters (and, with with_grads, of
+  // the full gradients) back into the shards at the end.
+  bool writeback = true;
+  // Only rank 0 keeps the full parameters; the others see their shards.
+  // Not with writeback (the other ranks' shards would not see rank 0's
+  // changes).
+  bool rank0_only = false;
+  // Full parameters in CPU memory: they always are in this CPU build, so
+  // this is accepted and changes nothing.
+  bool offload_to_cpu = false;
+  // Also all-gather the gradients into .grad (full shape).
+  bool with_grads = false;
+  // All units (true) or only the root's own parameters (false).
+  bool recurse = true;
+};
+
+// While alive, the model's parameters are full (unsharded), as in PyTorch's
+// summon_full_params; the destructor writes back (if asked) and reshards.
+// Every rank of the group must enter and leave it. REQUIRES: the model
+// IDLE. Forward and backward inside it are errors (the units' state is
+// SUMMON_FULL_PARAMS).
+class SummonFullParams {
+ public:
+  explicit SummonFullParams(FullyShardedModel& model, const SummonOptions& options = {});
+  SummonFullParams(const SummonFullParams&) = delete;
+  SummonFullParams& operator=(const SummonFullParams&) = delete;
+  ~SummonFullParams();
+
+ private:
+  std::vector<FlatParamHandle*> handles_;
+  SummonOptions options_;
+  int rank_;
+};
+
 // The registry: the FSDP unit `module` is, or null.
 FsdpUnit* GetModuleUnit(const torch::nn::Module* module);
 

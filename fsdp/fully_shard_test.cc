@@ -367,6 +367,125 @@ TEST(FullyShard, ClipGradNormAndNoSyncRefuseMisuse) {
   EXPECT_TRUE(status.ok()) << status;
 }
 
+TEST(SummonFullParams, ShowsFullParametersAndWritesBack) {
+  absl::Status status = RunOnThreadRanks(3, [](Collectives& comm) {
+    Net reference;
+    Net model;
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+    FullyShardedModel& fsdp = **wrapped;
+    auto ref_params = reference->named_parameters();
+    {
+      SummonFullParams full(fsdp);
+      for (const auto& item : model->named_parameters()) {
+        EXPECT_TRUE(at::equal(item.value(), ref_params[item.key()])) << item.key();
+      }
+      torch::NoGradGuard no_grad;
+      model->blocks[1]->as<BlockImpl>()->fc->weight.fill_(0.5);  // Same on every rank.
+    }
+    EXPECT_EQ(fsdp.FullParamBytes(), 0);
+    {
+      SummonOptions options;
+      options.writeback = false;
+      SummonFullParams full(fsdp, options);
+      EXPECT_TRUE(at::equal(model->blocks[1]->as<BlockImpl>()->fc->weight,
+                            at::full({11, 13}, 0.5)))
+          << "the first scope wrote its change back";
+      torch::NoGradGuard no_grad;
+      model->head->weight.fill_(7);
+    }
+    {
+      SummonFullParams full(fsdp);
+      EXPECT_TRUE(at::equal(model->head->weight, ref_params["head.weight"]))
+          << "without writeback the change is dropped";
+    }
+    {
+      SummonOptions options;
+      options.writeback = false;
+      options.rank0_only = true;
+      SummonFullParams full(fsdp, options);
+      const int64_t numel = model->blocks[0]->as<BlockImpl>()->fc->weight.numel();
+      if (comm.rank() == 0) {
+        EXPECT_EQ(numel, 13 * 7);
+      } else {
+        EXPECT_LT(numel, 13 * 7) << "other ranks keep their shards";
+      }
+    }
+    {
+      SummonOptions options;
+      options.recurse = false;
+      SummonFullParams full(fsdp, options);
+      EXPECT_EQ(model->head->weight.sizes(), (std::vector<int64_t>{5, 9}));
+      EXPECT_EQ(model->blocks[0]->as<BlockImpl>()->fc->weight.dim(), 1)
+          << "recurse=false leaves the blocks sharded";
+    }
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+TEST(SummonFullParams, WithGradsShowsTheUnshardedGradients) {
+  // The gradients of the unwrapped model on the global batch.
+  Net reference;
+  at::mse_loss(reference->forward(Inputs(0, 0)), Targets(0, 0)).backward();
+  std::map<std::string, at::Tensor> expected;
+  for (const auto& item : reference->named_parameters()) {
+    expected[item.key()] = item.value().grad().clone();
+  }
+  absl::Status status = RunOnThreadRanks(4, [&](Collectives& comm) {
+    Net model;
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+    const int64_t rows = kGlobalBatch / comm.world_size();
+    at::mse_loss(model->forward(Inputs(0, 0).narrow(0, comm.rank() * rows, rows)),
+                 Targets(0, 0).narrow(0, comm.rank() * rows, rows))
+        .backward();
+    SummonOptions options;
+    options.with_grads = true;
+    {
+      SummonFullParams full(**wrapped, options);
+      for (const auto& item : model->named_parameters()) {
+        EXPECT_TRUE(at::allclose(item.value().grad(), expected.at(item.key()), 1e-5, 1e-7))
+            << item.key();
+      }
+      model->head->weight.grad().zero_();  // Written back to the shards.
+    }
+    SummonFullParams again(**wrapped, options);
+    EXPECT_EQ(model->head->weight.grad().abs().sum().item<float>(), 0);
+    EXPECT_GT(model->head->bias.grad().abs().sum().item<float>(), 0);
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+TEST(SummonFullParams, RefusesMisuse) {
+  absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
+    Net model;
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+    SummonOptions both;
+    both.rank0_only = true;
+    try {
+      SummonFullParams full(**wrapped, both);
+      ADD_FAILURE() << "writeback with rank0_only did not throw";
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.msg(), HasSubstr("writeback and rank0_only together are not supported"));
+    }
+    SummonFullParams full(**wrapped);
+    try {
+      model->forward(Inputs(0, 0));
+      ADD_FAILURE() << "forward inside SummonFullParams did not throw";
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.msg(), HasSubstr("unit '<root>' on rank " + std::to_string(comm.rank()) +
+                                     " of 2: cannot enter FORWARD from SUMMON_FULL_PARAMS"));
+    }
+    EXPECT_EQ((*wrapped)->training_state(), ModelTrainingState::kIdle)
+        << "a refused forward leaves the model as it was";
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
 TEST(FullyShard, ParameterNamesAndIdentityAreThoseOfTheUnwrappedModel) {
   absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
     Net model;
