@@ -228,6 +228,13 @@ void FlatParamHandle::Unshard() {
   FinishUnshard();
 }
 
+void FlatParamHandle::DiscardPendingUnshard() {
+  if (pending_unshard_ == nullptr) return;
+  pending_unshard_->Wait();
+  pending_unshard_.reset();
+  if (!unsharded_) FreeStorage(full_);
+}
+
 void FlatParamHandle::Reshard() {
   if (uses_sharded_views()) {
     TORCH_CHECK(pending_unshard_ == nullptr, Describe(),

@@ -112,6 +112,11 @@ class FlatParamHandle {
   void FinishUnshard();
   void Unshard();
 
+  // Waits for a pending StartUnshard (a prefetch that turned out not to be
+  // needed) and frees its buffer; no-op without one.
+  void DiscardPendingUnshard();
+  bool has_pending_unshard() const { return pending_unshard_ != nullptr; }
+
   // Frees the full parameter, points the parameters at this rank's shard
   // and, after ReduceGradients, their gradients at this rank's part of the
   // reduced gradient. No-op when already resharded and nothing is pending.

@@ -14,6 +14,11 @@ enum class ShardingStrategy {
 
 const char* ShardingStrategyName(ShardingStrategy strategy);
 
+// When, in backward, the next unit's all-gather is issued (PyTorch's
+// BackwardPrefetch): at the start of the current unit's backward, or after
+// its gradients are reduced.
+enum class BackwardPrefetch { kNone, kBackwardPre, kBackwardPost };
+
 }  // namespace fsdp
 
 #endif  // FSDP_FSDP_FSDP_OPTIONS_H_

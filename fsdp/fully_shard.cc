@@ -171,11 +171,14 @@ void FullyShardedModel::PreForward(FsdpUnit& unit) {
   FlatParamHandle* handle = unit.handle_.get();
   if (handle == nullptr) {
     training_state_ = ModelTrainingState::kForwardBackward;
+    if (!order_recorded_) pre_forward_order_.push_back(IndexOf(unit));
     return;
   }
   handle->Transition(HandleTrainingState::kIdle, HandleTrainingState::kForward);
   training_state_ = ModelTrainingState::kForwardBackward;  // Only once admitted.
+  if (!order_recorded_) pre_forward_order_.push_back(IndexOf(unit));
   handle->Unshard();
+  if (options_.forward_prefetch) Prefetch(unit.forward_prefetch_);
   if (unit.accumulators_.empty()) {
     // Created while unsharded: an accumulator records the parameter's shape
     // when it is made, and backward delivers full-shape gradients.
@@ -192,6 +195,10 @@ void FullyShardedModel::PreForward(FsdpUnit& unit) {
 }
 
 void FullyShardedModel::PostForward(FsdpUnit& unit, const std::vector<at::Tensor>& outputs) {
+  if (!order_recorded_) {
+    post_forward_order_.push_back(IndexOf(unit));
+    if (unit.is_root_) RecordExecutionOrder();
+  }
   bool backward_follows = false;
   if (c10::GradMode::is_enabled()) {
     for (const at::Tensor& out : outputs) {
@@ -209,7 +216,12 @@ void FullyShardedModel::PostForward(FsdpUnit& unit, const std::vector<at::Tensor
     if (reshard) handle->Reshard();
   }
   if (!backward_follows) {
-    if (unit.is_root_) training_state_ = ModelTrainingState::kIdle;
+    if (unit.is_root_) {
+      for (auto& u : units_) {
+        if (u->handle_) u->handle_->DiscardPendingUnshard();  // Unused prefetches.
+      }
+      training_state_ = ModelTrainingState::kIdle;
+    }
     return;
   }
   FsdpUnit* u = &unit;
@@ -234,6 +246,9 @@ void FullyShardedModel::PreBackward(FsdpUnit& unit) {
   handle->Transition(HandleTrainingState::kIdle, HandleTrainingState::kBackwardPre);
   handle->Unshard();
   handle->PrepareGradientsForBackward();
+  if (options_.backward_prefetch == BackwardPrefetch::kBackwardPre) {
+    Prefetch(unit.backward_prefetch_);
+  }
 }
 
 void FullyShardedModel::PostBackward(FsdpUnit& unit) {
@@ -246,6 +261,9 @@ void FullyShardedModel::PostBackward(FsdpUnit& unit) {
   handle->Transition(HandleTrainingState::kBackwardPre, HandleTrainingState::kBackwardPost);
   ReduceOrKeep(*handle);
   handle->Reshard();
+  if (options_.backward_prefetch == BackwardPrefetch::kBackwardPost) {
+    Prefetch(unit.backward_prefetch_);
+  }
 }
 
 void FullyShardedModel::ReduceOrKeep(FlatParamHandle& handle) {
@@ -268,6 +286,7 @@ void FullyShardedModel::FinishBackward() {
                            HandleTrainingState::kBackwardPost);
         ReduceOrKeep(*handle);
       }
+      handle->DiscardPendingUnshard();  // A prefetch whose unit took no part.
       handle->Reshard();
       if (handle->training_state() == HandleTrainingState::kBackwardPost) {
         handle->Transition(HandleTrainingState::kBackwardPost, HandleTrainingState::kIdle);
@@ -278,6 +297,69 @@ void FullyShardedModel::FinishBackward() {
   }
   backward_callback_queued_ = false;
   training_state_ = ModelTrainingState::kIdle;
+}
+
+int FullyShardedModel::IndexOf(const FsdpUnit& unit) const {
+  for (size_t i = 0; i < units_.size(); ++i) {
+    if (units_[i].get() == &unit) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+void FullyShardedModel::Prefetch(int unit_index) {
+  if (unit_index < 0) return;
+  FlatParamHandle* handle = units_[unit_index]->handle_.get();
+  // Only a unit that is idle (not yet run in this pass) and resharded.
+  if (handle == nullptr || handle->training_state() != HandleTrainingState::kIdle) return;
+  handle->StartUnshard();
+}
+
+void FullyShardedModel::RecordExecutionOrder() {
+  order_recorded_ = true;
+  if (options_.check_execution_order) CheckExecutionOrderAcrossRanks(post_forward_order_);
+  // Forward: the unit that entered forward next. Backward runs units in the
+  // reverse of the order their forwards ended, so a unit's backward is
+  // followed by that of the unit whose forward ended just before its own.
+  for (size_t i = 0; i + 1 < pre_forward_order_.size(); ++i) {
+    FsdpUnit& unit = *units_[pre_forward_order_[i]];
+    if (unit.forward_prefetch_ < 0) unit.forward_prefetch_ = pre_forward_order_[i + 1];
+  }
+  for (size_t i = 1; i < post_forward_order_.size(); ++i) {
+    units_[post_forward_order_[i]]->backward_prefetch_ = post_forward_order_[i - 1];
+  }
+}
+
+void FullyShardedModel::CheckExecutionOrderAcrossRanks(const std::vector<int>& order) {
+  const int world = group_.world_size();
+  at::Tensor lengths = at::empty({world}, at::kDouble);
+  group_.AllGatherIntoTensor(lengths, at::full({1}, static_cast<double>(order.size()),
+                                               at::kDouble))
+      ->Wait();
+  const int64_t longest = static_cast<int64_t>(lengths.max().item<double>());
+  at::Tensor mine = at::full({longest}, -1.0, at::kDouble);
+  for (size_t i = 0; i < order.size(); ++i) mine[i] = order[i];
+  at::Tensor all = at::empty({world * longest}, at::kDouble);
+  group_.AllGatherIntoTensor(all, mine)->Wait();
+  at::Tensor table = all.view({world, longest});
+  for (int64_t pos = 0; pos < longest; ++pos) {
+    at::Tensor column = table.select(1, pos);
+    if (at::equal(column, column[0].expand({world}))) continue;
+    std::string ranks;
+    for (int r = 0; r < world; ++r) {
+      const int index = static_cast<int>(column[r].item<double>());
+      absl::StrAppend(&ranks, r == 0 ? "" : ", ", "rank ", r, " ",
+                      index < 0 ? std::string("had finished its forward")
+                                : absl::StrCat("ran '", units_[index]->fqn_.empty()
+                                                             ? std::string("<root>")
+                                                             : units_[index]->fqn_,
+                                               "'"));
+    }
+    TORCH_CHECK(false, "rank ", group_.rank(), " of ", world,
+                ": FSDP units ran in different orders on different ranks in the first "
+                "forward; at position ", pos + 1, " of the order in which units finished "
+                "their forward, ", ranks, ". Every rank must run the same units in the "
+                "same order.");
+  }
 }
 
 at::Tensor FullyShardedModel::ClipGradNorm(double max_norm, double norm_type) {
@@ -379,7 +461,9 @@ UnitForward::UnitForward(const torch::nn::Module* module) : unit_(GetModuleUnit(
 
 UnitForward::~UnitForward() {
   if (unit_ == nullptr || returned_) return;
-  // The forward threw: leave the unit resharded and idle.
+  // The forward threw: leave the unit resharded and idle (and the model,
+  // if this is the root).
+  if (unit_->is_root_) unit_->model_->training_state_ = ModelTrainingState::kIdle;
   FlatParamHandle* handle = unit_->handle_.get();
   if (handle == nullptr) return;
   try {

@@ -25,11 +25,8 @@
 // whose parameters went unused and resets every state to IDLE.
 //
 // Utilities: NoSync (accumulate gradients without communication),
-// ClipGradNorm (clip the whole model's gradient norm across ranks).
-//
-// Current limits (core issue): no prefetching or rate limiter yet (each
-// unit's all-gather is issued when it is needed), no summon_full_params, no
-// execution-order check across ranks.
+// ClipGradNorm (clip the whole model's gradient norm across ranks),
+// SummonFullParams (full parameters, and gradients, for a scope).
 #ifndef FSDP_FSDP_FULLY_SHARD_H_
 #define FSDP_FSDP_FULLY_SHARD_H_
 
@@ -63,6 +60,17 @@ class ShardableModule {
 
 struct FsdpOptions {
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  // Prefetching follows the order units ran in on the first iteration. At
+  // most one unit is prefetched at a time, so at most two units' all-gathers
+  // are in flight (the bound PyTorch's limit_all_gathers enforces).
+  BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
+  bool forward_prefetch = false;
+  // At the end of the first forward, compare the order units ran in across
+  // ranks (two all-gathers, once) and fail on every rank, naming the first
+  // diverging unit and the ranks, if it differs: otherwise equal-sized units
+  // run in different orders exchange the wrong shards without any error.
+  // Needs the root's forward to open a UnitForward scope.
+  bool check_execution_order = true;
 };
 
 // Decides which submodules become units; called in pre-order with each
@@ -99,6 +107,10 @@ class FsdpUnit {
   std::unique_ptr<FlatParamHandle> handle_;
   bool is_root_ = false;
   class FullyShardedModel* model_ = nullptr;
+  // From the first iteration's order: the unit to prefetch (index in
+  // FullyShardedModel::units_, -1 for none) in forward and in backward.
+  int forward_prefetch_ = -1;
+  int backward_prefetch_ = -1;
   // Per backward pass.
   bool pre_backward_done_ = false;
   int gradients_ready_ = 0;
@@ -154,6 +166,12 @@ class FullyShardedModel {
   void PostBackward(FsdpUnit& unit);
   void FinishBackward();
   void ReduceOrKeep(FlatParamHandle& handle);
+  // Ends the first forward: fixes the prefetch targets and checks the order
+  // across ranks.
+  void RecordExecutionOrder();
+  void CheckExecutionOrderAcrossRanks(const std::vector<int>& order);
+  void Prefetch(int unit_index);
+  int IndexOf(const FsdpUnit& unit) const;
   std::string Describe(const FsdpUnit& unit) const;
 
   std::shared_ptr<torch::nn::Module> root_;
@@ -161,6 +179,9 @@ class FullyShardedModel {
   const FsdpOptions options_;
   std::vector<std::unique_ptr<FsdpUnit>> units_;
   bool initialized_ = false;
+  bool order_recorded_ = false;
+  std::vector<int> pre_forward_order_;   // First iteration, unit indices.
+  std::vector<int> post_forward_order_;  // First iteration, unit indices.
   bool no_sync_ = false;
   bool backward_callback_queued_ = false;
   ModelTrainingState training_state_ = ModelTrainingState::kIdle;

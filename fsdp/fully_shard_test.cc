@@ -132,6 +132,8 @@ struct Case {
   ShardingStrategy strategy;
   Optim optim;
   int micro_batches;
+  BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
+  bool forward_prefetch = false;
 };
 
 class FullyShardParity : public ::testing::TestWithParam<Case> {};
@@ -146,6 +148,8 @@ TEST_P(FullyShardParity, MatchesLocalTraining) {
     Net model;
     FsdpOptions options;
     options.strategy = c.strategy;
+    options.backward_prefetch = c.backward_prefetch;
+    options.forward_prefetch = c.forward_prefetch;
     auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
                                            SelectModulesOfType<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
@@ -185,7 +189,10 @@ TEST_P(FullyShardParity, MatchesLocalTraining) {
       // per unit. NO_SHARD: no gathers, one all-reduce per unit.
       const int64_t gathers =
           c.strategy == ShardingStrategy::kFullShard ? 3 * 2 + 1 : (sharded ? 4 : 0);
-      EXPECT_EQ(counted.Calls(CollectiveOp::kAllGather), gathers * c.micro_batches);
+      // Prefetching moves all-gathers earlier, never adds any; the first
+      // step adds the two of the execution-order check.
+      EXPECT_EQ(counted.Calls(CollectiveOp::kAllGather),
+                gathers * c.micro_batches + (step == 0 ? 2 : 0));
       EXPECT_EQ(counted.Calls(CollectiveOp::kReduceScatter), (sharded ? 4 : 0) * c.micro_batches);
       EXPECT_EQ(counted.Calls(CollectiveOp::kAllReduce), (sharded ? 0 : 4) * c.micro_batches);
 
@@ -200,9 +207,11 @@ TEST_P(FullyShardParity, MatchesLocalTraining) {
     }
     g_in_block_forward = nullptr;
     // Memory, sampled inside each block's forward: FULL_SHARD holds the root
-    // and the one block running; SHARD_GRAD_OP accumulates blocks.
+    // and the block running, plus the next block when prefetching forward
+    // (which the sample then shows); SHARD_GRAD_OP accumulates blocks.
     if (c.strategy == ShardingStrategy::kFullShard) {
-      EXPECT_LE(peak_in_forward, root_bytes + max_block_bytes);
+      EXPECT_LE(peak_in_forward, root_bytes + (c.forward_prefetch ? 2 : 1) * max_block_bytes);
+      if (c.forward_prefetch) EXPECT_GT(peak_in_forward, root_bytes + max_block_bytes);
       EXPECT_GT(peak_in_forward, 0);
     }
     for (const auto& unit : fsdp.units()) unit->handle()->Unshard();
@@ -227,17 +236,31 @@ std::vector<Case> Cases() {
   for (ShardingStrategy s : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
     cases.push_back({3, s, Optim::kAdam, 2});  // Gradient accumulation.
   }
+  // Prefetch settings (the cases above use the default, BACKWARD_PRE).
+  cases.push_back({2, ShardingStrategy::kFullShard, Optim::kSgdMomentum, 1,
+                   BackwardPrefetch::kNone, false});
+  cases.push_back({3, ShardingStrategy::kFullShard, Optim::kAdam, 1,
+                   BackwardPrefetch::kBackwardPost, false});
+  cases.push_back({3, ShardingStrategy::kFullShard, Optim::kAdam, 1,
+                   BackwardPrefetch::kBackwardPre, true});
+  cases.push_back({4, ShardingStrategy::kFullShard, Optim::kSgdMomentum, 2,
+                   BackwardPrefetch::kBackwardPost, true});
+  cases.push_back({4, ShardingStrategy::kShardGradOp, Optim::kSgdMomentum, 1,
+                   BackwardPrefetch::kBackwardPre, true});
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Cases, FullyShardParity, ::testing::ValuesIn(Cases()),
-    [](const ::testing::TestParamInfo<Case>& info) {
-      const Case& c = info.param;
-      return "W" + std::to_string(c.world_size) + "_" + ShardingStrategyName(c.strategy) +
-             (c.optim == Optim::kSgdMomentum ? "_SgdMomentum" : "_Adam") +
-             (c.micro_batches > 1 ? "_Accumulate2" : "");
-    });
+std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  const char* prefetch[] = {"_NoBackwardPrefetch", "", "_BackwardPost"};
+  return "W" + std::to_string(c.world_size) + "_" + ShardingStrategyName(c.strategy) +
+         (c.optim == Optim::kSgdMomentum ? "_SgdMomentum" : "_Adam") +
+         (c.micro_batches > 1 ? "_Accumulate2" : "") +
+         prefetch[static_cast<int>(c.backward_prefetch)] +
+         (c.forward_prefetch ? "_ForwardPrefetch" : "");
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, FullyShardParity, ::testing::ValuesIn(Cases()), CaseName);
 
 struct UtilityCase {
   int world_size;
@@ -482,6 +505,46 @@ TEST(SummonFullParams, RefusesMisuse) {
     }
     EXPECT_EQ((*wrapped)->training_state(), ModelTrainingState::kIdle)
         << "a refused forward leaves the model as it was";
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+// Three blocks of one shape whose order depends on the rank: without the
+// check, ranks would exchange the wrong blocks' shards without any error.
+struct RankOrderedNetImpl : torch::nn::Module, ShardableModule {
+  explicit RankOrderedNetImpl(int rank) : rank(rank) {
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int i = 0; i < 3; ++i) blocks->push_back(Block(6, 6, i));
+  }
+  at::Tensor forward(at::Tensor x) {
+    UnitForward unit(this);
+    const std::vector<int> order = rank == 1 ? std::vector<int>{0, 2, 1}
+                                             : std::vector<int>{0, 1, 2};
+    for (int i : order) x = blocks[i]->as<BlockImpl>()->forward(x);
+    return unit.Return(x);
+  }
+  torch::nn::ModuleList blocks{nullptr};
+  int rank;
+};
+TORCH_MODULE(RankOrderedNet);
+
+TEST(FullyShard, DifferentUnitOrderAcrossRanksIsNamedOnEveryRank) {
+  absl::Status status = RunOnThreadRanks(3, [](Collectives& comm) {
+    RankOrderedNet model(comm.rank());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+    try {
+      model->forward(at::ones({2, 6}));
+      ADD_FAILURE() << "a different unit order on rank 1 was not detected";
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.msg(), HasSubstr("FSDP units ran in different orders on different ranks"));
+      EXPECT_THAT(e.msg(), HasSubstr("at position 2 of the order in which units finished "
+                                     "their forward, rank 0 ran 'blocks.1', rank 1 ran "
+                                     "'blocks.2', rank 2 ran 'blocks.1'"));
+    }
+    EXPECT_EQ((*wrapped)->training_state(), ModelTrainingState::kIdle);
+    EXPECT_EQ((*wrapped)->FullParamBytes(), 0);
   });
   EXPECT_TRUE(status.ok()) << status;
 }
