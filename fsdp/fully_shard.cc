@@ -447,6 +447,14 @@ SummonFullParams::~SummonFullParams() {
   }
 }
 
+void FullyShardedModel::Apply(const std::function<void(torch::nn::Module&)>& fn) {
+  SummonFullParams full(*this);
+  at::NoGradGuard no_grad;
+  // Children before parents, as torch::nn::Module::apply's post-order.
+  const auto modules = root_->modules(/*include_self=*/true);
+  for (auto it = modules.rbegin(); it != modules.rend(); ++it) fn(**it);
+}
+
 NoSync::NoSync(FullyShardedModel& model) : model_(model), previous_(model.no_sync_) {
   TORCH_CHECK(model.training_state_ == ModelTrainingState::kIdle, "NoSync on rank ",
               model.group_.rank(), ": enter it between steps, not during forward or backward");

@@ -26,7 +26,9 @@
 //
 // Utilities: NoSync (accumulate gradients without communication),
 // ClipGradNorm (clip the whole model's gradient norm across ranks),
-// SummonFullParams (full parameters, and gradients, for a scope).
+// SummonFullParams (full parameters, and gradients, for a scope), Apply.
+// Traversal: FullyShardedModel::units() (PyTorch's fsdp_modules, pre-order,
+// root first), GetModuleUnit(module) (the registry) and FsdpUnit::is_root().
 #ifndef FSDP_FSDP_FULLY_SHARD_H_
 #define FSDP_FSDP_FULLY_SHARD_H_
 
@@ -152,6 +154,12 @@ class FullyShardedModel {
   // model, and returns that norm before clipping; every rank of the group
   // must call it. REQUIRES: IDLE, gradients reduced (not inside NoSync).
   at::Tensor ClipGradNorm(double max_norm, double norm_type = 2.0);
+
+  // Calls `fn` on every module of the model (children before parents, root
+  // last, as torch::nn::Module::apply) with the full parameters in place and
+  // writes in-place changes back to the shards: for initialization after
+  // wrapping. Every rank must call it with the same `fn`.
+  void Apply(const std::function<void(torch::nn::Module&)>& fn);
 
  private:
   friend class UnitForward;

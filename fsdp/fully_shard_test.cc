@@ -25,9 +25,10 @@ namespace {
 using ::fsdp::testing::RunOnThreadRanks;
 using ::testing::HasSubstr;
 
-// Called inside every block's forward with the block's index; the memory
-// test samples there.
+// Called inside every block's forward, and in backward right after each
+// block's backward, with the block's index; the memory test samples there.
 thread_local std::function<void(int)> g_in_block_forward;
+thread_local std::function<void(int)> g_after_block_backward;
 
 // A block: its forward opens a UnitForward scope; its math is plain.
 struct BlockImpl : torch::nn::Module, ShardableModule {
@@ -37,6 +38,13 @@ struct BlockImpl : torch::nn::Module, ShardableModule {
   at::Tensor forward(at::Tensor x) {
     UnitForward unit(this);
     if (g_in_block_forward) g_in_block_forward(index);
+    if (g_after_block_backward && x.requires_grad()) {
+      // The gradient of the block's input is ready once its backward ran.
+      x.register_hook([i = index](const at::Tensor& g) {
+        if (g_after_block_backward) g_after_block_backward(i);
+        return g;
+      });
+    }
     return unit.Return(at::tanh(fc->forward(x)));
   }
   torch::nn::Linear fc{nullptr};
@@ -164,9 +172,12 @@ TEST_P(FullyShardParity, MatchesLocalTraining) {
       max_block_bytes =
           std::max(max_block_bytes, fsdp.units()[u]->handle()->padded_numel() * 4);
     }
-    int64_t peak_in_forward = 0;
+    int64_t peak_in_forward = 0, peak_in_backward = 0;
     g_in_block_forward = [&](int) {
       peak_in_forward = std::max(peak_in_forward, fsdp.FullParamBytes());
+    };
+    g_after_block_backward = [&](int) {
+      peak_in_backward = std::max(peak_in_backward, fsdp.FullParamBytes());
     };
 
     const int64_t rows = kGlobalBatch / comm.world_size();
@@ -206,6 +217,14 @@ TEST_P(FullyShardParity, MatchesLocalTraining) {
           << "step " << step;
     }
     g_in_block_forward = nullptr;
+    g_after_block_backward = nullptr;
+    // In backward, after a block's backward: the root, that block (until its
+    // gradients are reduced) and, when prefetching, the next block.
+    if (c.strategy == ShardingStrategy::kFullShard) {
+      const bool prefetching = c.backward_prefetch != BackwardPrefetch::kNone;
+      EXPECT_LE(peak_in_backward, root_bytes + (prefetching ? 2 : 1) * max_block_bytes);
+      EXPECT_GT(peak_in_backward, 0);
+    }
     // Memory, sampled inside each block's forward: FULL_SHARD holds the root
     // and the block running, plus the next block when prefetching forward
     // (which the sample then shows); SHARD_GRAD_OP accumulates blocks.
@@ -545,6 +564,32 @@ TEST(FullyShard, DifferentUnitOrderAcrossRanksIsNamedOnEveryRank) {
     }
     EXPECT_EQ((*wrapped)->training_state(), ModelTrainingState::kIdle);
     EXPECT_EQ((*wrapped)->FullParamBytes(), 0);
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+TEST(FullyShard, ApplyInitializesThroughTheShards) {
+  absl::Status status = RunOnThreadRanks(3, [](Collectives& comm) {
+    Net model;
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+    int visited = 0;
+    (*wrapped)->Apply([&](torch::nn::Module& module) {
+      ++visited;
+      if (auto* linear = dynamic_cast<torch::nn::LinearImpl*>(&module)) {
+        linear->weight.fill_(0.125);
+        linear->bias.zero_();
+      }
+    });
+    EXPECT_EQ(visited, 9);  // The root, the ModuleList, 3 blocks, their Linears, the head.
+    EXPECT_EQ((*wrapped)->FullParamBytes(), 0);
+    SummonFullParams full(**wrapped);
+    for (const auto& item : model->named_parameters()) {
+      const bool weight = item.key().find("weight") != std::string::npos;
+      EXPECT_TRUE(at::equal(item.value(), at::full_like(item.value(), weight ? 0.125 : 0.0)))
+          << item.key();
+    }
   });
   EXPECT_TRUE(status.ok()) << status;
 }

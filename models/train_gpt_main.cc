@@ -40,6 +40,9 @@ ABSL_FLAG(double, lr, 3e-3, "AdamW learning rate.");
 ABSL_FLAG(double, weight_decay, 0.01, "AdamW weight decay.");
 ABSL_FLAG(std::string, sharding_strategy, "full_shard",
           "full_shard, shard_grad_op or no_shard.");
+ABSL_FLAG(std::string, backward_prefetch, "backward_pre",
+          "none, backward_pre or backward_post.");
+ABSL_FLAG(bool, forward_prefetch, false, "All-gather the next unit during forward.");
 ABSL_FLAG(uint64_t, seed, 1234, "Model initialization and batch sampling.");
 ABSL_FLAG(int, log_every, 25, "Print progress every this many steps.");
 ABSL_FLAG(int, timeout_s, 600, "Whole-job timeout (launcher mode).");
@@ -67,7 +70,15 @@ std::string MakeCorpus(uint64_t seed, size_t bytes) {
   return text;
 }
 
-int RunRank(const fsdp::LaunchEnvironment& env, fsdp::ShardingStrategy strategy) {
+absl::StatusOr<fsdp::BackwardPrefetch> ParseBackwardPrefetch(const std::string& name) {
+  if (name == "none") return fsdp::BackwardPrefetch::kNone;
+  if (name == "backward_pre") return fsdp::BackwardPrefetch::kBackwardPre;
+  if (name == "backward_post") return fsdp::BackwardPrefetch::kBackwardPost;
+  return absl::InvalidArgumentError("--backward_prefetch=" + name +
+                                    ": expected none, backward_pre or backward_post");
+}
+
+int RunRank(const fsdp::LaunchEnvironment& env, const fsdp::FsdpOptions& options) {
   fsdp::GlooOptions gloo;
   gloo.timeout = std::chrono::seconds(120);
   std::unique_ptr<fsdp::Collectives> comm =
@@ -86,8 +97,6 @@ int RunRank(const fsdp::LaunchEnvironment& env, fsdp::ShardingStrategy strategy)
   for (const auto& p : model->parameters()) unsharded_param_bytes += p.nbytes();
   unsharded_param_bytes -= model->lm_head->weight.nbytes();  // Tied: counted once.
 
-  fsdp::FsdpOptions options;
-  options.strategy = strategy;
   std::unique_ptr<fsdp::FullyShardedModel> fsdp_model = fsdp::ValueOrThrow(
       fsdp::FullyShardedModel::Wrap(model.ptr(), *comm, options,
                                     fsdp::SelectModulesOfType<models::BlockImpl>()));
@@ -114,7 +123,7 @@ int RunRank(const fsdp::LaunchEnvironment& env, fsdp::ShardingStrategy strategy)
         "global batch %lld x %lld tokens\n",
         static_cast<long long>(config.n_layer), static_cast<long long>(config.n_head),
         static_cast<long long>(config.n_embd), unsharded_param_bytes / 4 / 1e6, world,
-        fsdp::ShardingStrategyName(strategy), static_cast<long long>(per_rank * world),
+        fsdp::ShardingStrategyName(options.strategy), static_cast<long long>(per_rank * world),
         static_cast<long long>(t));
     std::fflush(stdout);
   }
@@ -191,10 +200,18 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   absl::StatusOr<fsdp::ShardingStrategy> strategy =
       ParseStrategy(absl::GetFlag(FLAGS_sharding_strategy));
-  if (!strategy.ok()) {
-    std::fprintf(stderr, "train_gpt: %s\n", strategy.status().ToString().c_str());
-    return 2;
+  absl::StatusOr<fsdp::BackwardPrefetch> prefetch =
+      ParseBackwardPrefetch(absl::GetFlag(FLAGS_backward_prefetch));
+  for (const absl::Status& s : {strategy.status(), prefetch.status()}) {
+    if (!s.ok()) {
+      std::fprintf(stderr, "train_gpt: %s\n", s.ToString().c_str());
+      return 2;
+    }
   }
+  fsdp::FsdpOptions options;
+  options.strategy = *strategy;
+  options.backward_prefetch = *prefetch;
+  options.forward_prefetch = absl::GetFlag(FLAGS_forward_prefetch);
   if (absl::GetFlag(FLAGS_world_size) < 1 || absl::GetFlag(FLAGS_steps) < 1 ||
       absl::GetFlag(FLAGS_batch_size) < 1 || absl::GetFlag(FLAGS_block_size) < 2 ||
       absl::GetFlag(FLAGS_log_every) < 1) {
@@ -210,7 +227,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    return RunRank(*env, *strategy);
+    return RunRank(*env, options);
   } catch (...) {
     std::fprintf(stderr, "train_gpt rank %d: %s\n", env->rank,
                  std::string(fsdp::StatusFromCurrentException().message()).c_str());
