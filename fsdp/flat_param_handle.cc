@@ -8,6 +8,7 @@
 #include "ATen/native/Resize.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/status.h"
 #include "c10/util/Exception.h"
 
 namespace fsdp {
@@ -50,9 +51,9 @@ const char* HandleTrainingStateName(HandleTrainingState state) {
   return "invalid";
 }
 
-absl::StatusOr<std::unique_ptr<FlatParamHandle>> FlatParamHandle::Create(
-    std::string unit_name, std::vector<FlatParamEntry> params, Collectives& group,
-    const FlatParamHandleOptions& options) {
+absl::Status FlatParamHandle::CheckParams(const std::string& unit_name,
+                                          const std::vector<FlatParamEntry>& params,
+                                          const Collectives& group) {
   const std::string who = absl::StrCat("unit '", unit_name, "' on rank ", group.rank(),
                                        " of ", group.world_size());
   if (params.empty()) {
@@ -97,6 +98,13 @@ absl::StatusOr<std::unique_ptr<FlatParamHandle>> FlatParamHandle::Create(
     return absl::InvalidArgumentError(absl::StrCat(who, ": cannot flatten parameters: ",
                                                    absl::StrJoin(problems, "; ")));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<FlatParamHandle>> FlatParamHandle::Create(
+    std::string unit_name, std::vector<FlatParamEntry> params, Collectives& group,
+    const FlatParamHandleOptions& options) {
+  FSDP_RETURN_IF_ERROR(CheckParams(unit_name, params, group));
   return std::unique_ptr<FlatParamHandle>(
       new FlatParamHandle(std::move(unit_name), std::move(params), group, options));
 }

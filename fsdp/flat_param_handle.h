@@ -100,6 +100,12 @@ class FlatParamHandle {
       std::string unit_name, std::vector<FlatParamEntry> params, Collectives& group,
       const FlatParamHandleOptions& options = {});
 
+  // The checks of Create, without touching the parameters: lets a caller
+  // that creates several handles fail before changing any.
+  static absl::Status CheckParams(const std::string& unit_name,
+                                  const std::vector<FlatParamEntry>& params,
+                                  const Collectives& group);
+
   FlatParamHandle(const FlatParamHandle&) = delete;
   FlatParamHandle& operator=(const FlatParamHandle&) = delete;
   ~FlatParamHandle();

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/status.h"
 #include "c10/core/GradMode.h"
 #include "c10/util/Exception.h"
 #include "torch/csrc/autograd/engine.h"
@@ -137,6 +138,21 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
           "that contains every use (wrap their lowest common ancestor instead)"));
     }
     entries[*owners.begin()].push_back({fqn, param});
+  }
+  if (!entries[0].empty() && dynamic_cast<ShardableModule*>(root.get()) == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, ": the root module (", root->name(), ") holds parameters of its own ('",
+        entries[0].front().fqn, "', ...) but FSDP cannot hook its forward to unshard them: "
+        "derive its type from fsdp::ShardableModule and open a fsdp::UnitForward scope in "
+        "its forward, or select the submodules that hold them as units"));
+  }
+  // Every unit's parameters are checked before any handle swaps them to
+  // shards: a failed Wrap leaves the model as it was.
+  for (size_t u = 0; u < model->units_.size(); ++u) {
+    if (entries[u].empty()) continue;
+    const std::string& fqn = model->units_[u]->fqn_;
+    FSDP_RETURN_IF_ERROR(
+        FlatParamHandle::CheckParams(fqn.empty() ? "<root>" : fqn, entries[u], group));
   }
   FlatParamHandleOptions handle_options;
   handle_options.strategy = options.strategy;
@@ -275,6 +291,8 @@ void FullyShardedModel::ReduceOrKeep(FlatParamHandle& handle) {
 }
 
 void FullyShardedModel::FinishBackward() {
+  // A root without a forward scope never ends the first forward for us.
+  if (!order_recorded_) RecordExecutionOrder();
   // Units some of whose parameters got no gradient have not reduced yet;
   // every rank reaches here with the same units in that state, in the same
   // (pre-)order.

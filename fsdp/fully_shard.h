@@ -71,7 +71,8 @@ struct FsdpOptions {
   // ranks (two all-gathers, once) and fail on every rank, naming the first
   // diverging unit and the ranks, if it differs: otherwise equal-sized units
   // run in different orders exchange the wrong shards without any error.
-  // Needs the root's forward to open a UnitForward scope.
+  // If the root's forward opens no UnitForward scope, the check runs at the
+  // end of the first backward instead.
   bool check_execution_order = true;
 };
 
@@ -129,8 +130,10 @@ class FullyShardedModel {
   // Wraps `root`: every module `select` picks (and the root) becomes a unit
   // and its parameters are sharded over `group`, which must outlive the
   // model. Fails with kInvalidArgument naming the module when a selected
-  // module is not a ShardableModule, or when the handle cannot flatten its
-  // parameters, and kAlreadyExists when a module is already wrapped.
+  // module is not a ShardableModule (nor the root, if it holds parameters of
+  // its own), when a parameter is shared by two units, or when a handle
+  // cannot flatten its parameters; kAlreadyExists when a module is already
+  // wrapped.
   static absl::StatusOr<std::unique_ptr<FullyShardedModel>> Wrap(
       std::shared_ptr<torch::nn::Module> root, Collectives& group,
       const FsdpOptions& options, const UnitSelector& select);

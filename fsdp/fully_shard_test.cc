@@ -638,6 +638,55 @@ TEST(FullyShard, SelectingAModuleFsdpCannotHookIsAnErrorNamingIt) {
   EXPECT_TRUE(status.ok()) << status;
 }
 
+// A root FSDP cannot hook may hold no parameters of its own.
+struct PlainRootImpl : torch::nn::Module {
+  PlainRootImpl() {
+    block = register_module("block", Block(4, 4, 0));
+    scale = register_parameter("scale", at::ones({4}));
+  }
+  Block block{nullptr};
+  at::Tensor scale;
+};
+TORCH_MODULE(PlainRoot);
+
+TEST(FullyShard, RootWithOwnParametersMustBeHookable) {
+  absl::Status status = RunOnThreadRanks(1, [](Collectives& comm) {
+    PlainRoot model;
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    ASSERT_FALSE(wrapped.ok());
+    EXPECT_THAT(wrapped.status().message(),
+                HasSubstr("holds parameters of its own ('scale', ...) but FSDP cannot hook "
+                          "its forward"));
+    EXPECT_EQ(GetModuleUnit(model->block.get()), nullptr) << "nothing registered";
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+TEST(FullyShard, FailedWrapLeavesTheModelUntouched) {
+  absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
+    Net model;
+    // The last block's bias is float64: that unit cannot be flattened.
+    auto& fc = model->blocks[2]->as<BlockImpl>()->fc;
+    fc->bias.set_data(fc->bias.detach().to(at::kDouble));
+    std::vector<at::Tensor> before;
+    for (const auto& p : model->parameters()) before.push_back(p.detach().clone());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    ASSERT_FALSE(wrapped.ok());
+    EXPECT_THAT(wrapped.status().message(),
+                HasSubstr("unit 'blocks.2' on rank " + std::to_string(comm.rank()) +
+                          " of 2: cannot flatten parameters: 'blocks.2.fc.bias' has dtype "
+                          "Double but 'blocks.2.fc.weight' has Float"));
+    const auto after = model->parameters();
+    ASSERT_EQ(after.size(), before.size());
+    for (size_t i = 0; i < before.size(); ++i) {
+      EXPECT_TRUE(at::equal(after[i], before[i])) << "parameter " << i << " was changed";
+    }
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
 TEST(FullyShard, WrappingTwiceIsAnError) {
   absl::Status status = RunOnThreadRanks(1, [](Collectives& comm) {
     Net model;
