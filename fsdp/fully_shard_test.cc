@@ -142,6 +142,7 @@ struct Case {
   int micro_batches;
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
   bool forward_prefetch = false;
+  bool flat = false;  // The whole model one unit (the root) instead of per block.
 };
 
 class FullyShardParity : public ::testing::TestWithParam<Case> {};
@@ -158,11 +159,13 @@ TEST_P(FullyShardParity, MatchesLocalTraining) {
     options.strategy = c.strategy;
     options.backward_prefetch = c.backward_prefetch;
     options.forward_prefetch = c.forward_prefetch;
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
-                                           SelectModulesOfType<BlockImpl>());
+    const UnitSelector per_block = SelectModulesOfType<BlockImpl>();
+    const UnitSelector none = [](const std::string&, const torch::nn::Module&) { return false; };
+    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options, c.flat ? none : per_block);
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     FullyShardedModel& fsdp = **wrapped;
-    ASSERT_EQ(fsdp.units().size(), 4u);  // Root (head) and three blocks.
+    const int64_t units = c.flat ? 1 : 4;  // The root (head) and three blocks.
+    ASSERT_EQ(static_cast<int64_t>(fsdp.units().size()), units);
     auto optimizer = MakeOptimizer(c.optim, model->parameters());
 
     // Largest full size of one block and of the root, for the memory bound.
@@ -198,14 +201,17 @@ TEST_P(FullyShardParity, MatchesLocalTraining) {
       // FULL_SHARD: blocks gather in forward and again in backward; the root
       // keeps its parameters from forward to backward. SHARD_GRAD_OP: once
       // per unit. NO_SHARD: no gathers, one all-reduce per unit.
-      const int64_t gathers =
-          c.strategy == ShardingStrategy::kFullShard ? 3 * 2 + 1 : (sharded ? 4 : 0);
+      const int64_t blocks = units - 1;
+      const int64_t gathers = c.strategy == ShardingStrategy::kFullShard
+                                  ? blocks * 2 + 1
+                                  : (sharded ? units : 0);
       // Prefetching moves all-gathers earlier, never adds any; the first
       // step adds the two of the execution-order check.
       EXPECT_EQ(counted.Calls(CollectiveOp::kAllGather),
                 gathers * c.micro_batches + (step == 0 ? 2 : 0));
-      EXPECT_EQ(counted.Calls(CollectiveOp::kReduceScatter), (sharded ? 4 : 0) * c.micro_batches);
-      EXPECT_EQ(counted.Calls(CollectiveOp::kAllReduce), (sharded ? 0 : 4) * c.micro_batches);
+      EXPECT_EQ(counted.Calls(CollectiveOp::kReduceScatter),
+                (sharded ? units : 0) * c.micro_batches);
+      EXPECT_EQ(counted.Calls(CollectiveOp::kAllReduce), (sharded ? 0 : units) * c.micro_batches);
 
       optimizer->step();
       optimizer->zero_grad();
@@ -220,7 +226,7 @@ TEST_P(FullyShardParity, MatchesLocalTraining) {
     g_after_block_backward = nullptr;
     // In backward, after a block's backward: the root, that block (until its
     // gradients are reduced) and, when prefetching, the next block.
-    if (c.strategy == ShardingStrategy::kFullShard) {
+    if (c.strategy == ShardingStrategy::kFullShard && !c.flat) {
       const bool prefetching = c.backward_prefetch != BackwardPrefetch::kNone;
       EXPECT_LE(peak_in_backward, root_bytes + (prefetching ? 2 : 1) * max_block_bytes);
       EXPECT_GT(peak_in_backward, 0);
@@ -228,7 +234,7 @@ TEST_P(FullyShardParity, MatchesLocalTraining) {
     // Memory, sampled inside each block's forward: FULL_SHARD holds the root
     // and the block running, plus the next block when prefetching forward
     // (which the sample then shows); SHARD_GRAD_OP accumulates blocks.
-    if (c.strategy == ShardingStrategy::kFullShard) {
+    if (c.strategy == ShardingStrategy::kFullShard && !c.flat) {
       EXPECT_LE(peak_in_forward, root_bytes + (c.forward_prefetch ? 2 : 1) * max_block_bytes);
       if (c.forward_prefetch) EXPECT_GT(peak_in_forward, root_bytes + max_block_bytes);
       EXPECT_GT(peak_in_forward, 0);
@@ -266,6 +272,14 @@ std::vector<Case> Cases() {
                    BackwardPrefetch::kBackwardPost, true});
   cases.push_back({4, ShardingStrategy::kShardGradOp, Optim::kSgdMomentum, 1,
                    BackwardPrefetch::kBackwardPre, true});
+  // Flat wrapping: the whole model one unit.
+  for (int w : {1, 2, 3, 4}) {
+    for (ShardingStrategy s : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                               ShardingStrategy::kNoShard}) {
+      cases.push_back({w, s, w % 2 == 0 ? Optim::kAdam : Optim::kSgdMomentum, 1,
+                       BackwardPrefetch::kBackwardPre, false, /*flat=*/true});
+    }
+  }
   return cases;
 }
 
@@ -276,7 +290,7 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
          (c.optim == Optim::kSgdMomentum ? "_SgdMomentum" : "_Adam") +
          (c.micro_batches > 1 ? "_Accumulate2" : "") +
          prefetch[static_cast<int>(c.backward_prefetch)] +
-         (c.forward_prefetch ? "_ForwardPrefetch" : "");
+         (c.forward_prefetch ? "_ForwardPrefetch" : "") + (c.flat ? "_Flat" : "");
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, FullyShardParity, ::testing::ValuesIn(Cases()), CaseName);
