@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -253,6 +254,29 @@ absl::StatusOr<LaunchResult> LaunchLocalRanks(const LocalLaunchOptions& options)
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   return result;
+}
+
+int LaunchSelfAndReport(int argc, char** argv, int world_size,
+                        std::chrono::milliseconds timeout, const std::string& program_name) {
+  LocalLaunchOptions options;
+  options.world_size = world_size;
+  options.program = "/proc/self/exe";
+  options.args.assign(argv + 1, argv + argc);
+  options.timeout = timeout;
+  std::printf("launching %d local ranks\n", world_size);
+  std::fflush(stdout);
+  absl::StatusOr<LaunchResult> result = LaunchLocalRanks(options);
+  if (!result.ok()) {
+    std::fprintf(stderr, "%s: %s\n", program_name.c_str(), result.status().ToString().c_str());
+    return 2;
+  }
+  if (!result->ok()) {
+    std::fprintf(stderr, "%s: the job failed:\n%s", program_name.c_str(),
+                 result->Summary().c_str());
+    return 1;
+  }
+  std::printf("all %d ranks succeeded\n", world_size);
+  return 0;
 }
 
 }  // namespace fsdp

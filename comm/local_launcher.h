@@ -68,6 +68,14 @@ struct LaunchResult {
 // how the ranks ended is in the result.
 absl::StatusOr<LaunchResult> LaunchLocalRanks(const LocalLaunchOptions& options);
 
+// For a program that is its own launcher (the main jobs): runs `world_size`
+// copies of the current executable with argv[1:], reports on stdout and
+// stderr under `program_name`, and returns main()'s exit code: 0 when every
+// rank succeeded, 1 when one failed (each failure named, with the tail of
+// its output), 2 when the job could not start.
+int LaunchSelfAndReport(int argc, char** argv, int world_size,
+                        std::chrono::milliseconds timeout, const std::string& program_name);
+
 }  // namespace fsdp
 
 #endif  // FSDP_COMM_LOCAL_LAUNCHER_H_

@@ -11,6 +11,7 @@
 #include "c10/util/Exception.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "fsdp/test_util.h"
 #include "testing/multi_rank.h"
 #include "torch/nn/module.h"
 #include "torch/nn/modules/linear.h"
@@ -20,7 +21,12 @@
 namespace fsdp {
 namespace {
 
+using ::fsdp::testing::kGlobalBatch;
+using ::fsdp::testing::Inputs;
+using ::fsdp::testing::MakeOptimizer;
+using ::fsdp::testing::Optim;
 using ::fsdp::testing::RunOnThreadRanks;
+using ::fsdp::testing::Targets;
 using ::testing::HasSubstr;
 
 // A small MLP with odd sizes, so that flat parameters need padding at every
@@ -31,13 +37,7 @@ struct MlpImpl : torch::nn::Module {
     fc1 = register_module("fc1", torch::nn::Linear(7, 13));
     fc2 = register_module("fc2", torch::nn::Linear(13, 11));
     fc3 = register_module("fc3", torch::nn::Linear(11, 5));
-    torch::NoGradGuard no_grad;
-    int k = 0;
-    for (auto& p : parameters()) {
-      ++k;
-      p.copy_(at::sin(at::arange(p.numel(), at::kFloat) * (0.7 + 0.1 * k) + k)
-                  .view(p.sizes()) * 0.4);
-    }
+    testing::FillDeterministically(*this);
   }
   at::Tensor forward(at::Tensor x) {
     x = at::tanh(fc1->forward(x));
@@ -48,28 +48,6 @@ struct MlpImpl : torch::nn::Module {
 };
 TORCH_MODULE(Mlp);
 
-constexpr int kGlobalBatch = 12;  // Divisible by W = 1, 2, 3, 4.
-
-at::Tensor Inputs(int step, int micro) {
-  return at::sin(at::arange(kGlobalBatch * 7, at::kFloat) * 0.37 + step + 0.5 * micro)
-      .view({kGlobalBatch, 7});
-}
-
-at::Tensor Targets(int step, int micro) {
-  return at::cos(at::arange(kGlobalBatch * 5, at::kFloat) * 0.21 - step + 0.3 * micro)
-      .view({kGlobalBatch, 5});
-}
-
-enum class Optim { kSgdMomentum, kAdam };
-
-std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(Optim kind,
-                                                       std::vector<at::Tensor> params) {
-  if (kind == Optim::kSgdMomentum) {
-    return std::make_unique<torch::optim::SGD>(
-        params, torch::optim::SGDOptions(0.1).momentum(0.9));
-  }
-  return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01));
-}
 
 // Units: one per Linear ("per-layer") or one for the whole model.
 std::vector<std::vector<std::string>> UnitPrefixes(bool per_layer) {

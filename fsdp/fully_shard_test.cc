@@ -11,6 +11,7 @@
 #include "ATen/ATen.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "fsdp/test_util.h"
 #include "testing/multi_rank.h"
 #include "torch/nn/module.h"
 #include "torch/nn/modules/container/modulelist.h"
@@ -22,7 +23,12 @@
 namespace fsdp {
 namespace {
 
+using ::fsdp::testing::kGlobalBatch;
+using ::fsdp::testing::Inputs;
+using ::fsdp::testing::MakeOptimizer;
+using ::fsdp::testing::Optim;
 using ::fsdp::testing::RunOnThreadRanks;
+using ::fsdp::testing::Targets;
 using ::testing::HasSubstr;
 
 // Called inside every block's forward, and in backward right after each
@@ -60,13 +66,7 @@ struct NetImpl : torch::nn::Module, ShardableModule {
     blocks->push_back(Block(13, 11, 1));
     blocks->push_back(Block(11, 9, 2));
     head = register_module("head", torch::nn::Linear(9, 5));
-    torch::NoGradGuard no_grad;
-    int k = 0;
-    for (auto& p : parameters()) {
-      ++k;
-      p.copy_(at::sin(at::arange(p.numel(), at::kFloat) * (0.7 + 0.1 * k) + k)
-                  .view(p.sizes()) * 0.4);
-    }
+    testing::FillDeterministically(*this);
   }
   at::Tensor forward(at::Tensor x) {
     UnitForward unit(this);
@@ -78,28 +78,7 @@ struct NetImpl : torch::nn::Module, ShardableModule {
 };
 TORCH_MODULE(Net);
 
-constexpr int kGlobalBatch = 12;
 constexpr int kSteps = 5;
-
-at::Tensor Inputs(int step, int micro) {
-  return at::sin(at::arange(kGlobalBatch * 7, at::kFloat) * 0.37 + step + 0.5 * micro)
-      .view({kGlobalBatch, 7});
-}
-at::Tensor Targets(int step, int micro) {
-  return at::cos(at::arange(kGlobalBatch * 5, at::kFloat) * 0.21 - step + 0.3 * micro)
-      .view({kGlobalBatch, 5});
-}
-
-enum class Optim { kSgdMomentum, kAdam };
-
-std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(Optim kind,
-                                                       std::vector<at::Tensor> params) {
-  if (kind == Optim::kSgdMomentum) {
-    return std::make_unique<torch::optim::SGD>(params,
-                                               torch::optim::SGDOptions(0.1).momentum(0.9));
-  }
-  return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01));
-}
 
 struct Trajectory {
   std::vector<float> losses;

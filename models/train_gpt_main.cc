@@ -173,26 +173,6 @@ int RunRank(const fsdp::LaunchEnvironment& env, const fsdp::FsdpOptions& options
   return last_loss < first_loss ? 0 : 1;
 }
 
-int Launch(int argc, char** argv) {
-  fsdp::LocalLaunchOptions options;
-  options.world_size = absl::GetFlag(FLAGS_world_size);
-  options.program = "/proc/self/exe";
-  options.args.assign(argv + 1, argv + argc);
-  options.timeout = std::chrono::seconds(absl::GetFlag(FLAGS_timeout_s));
-  std::printf("launching %d local ranks\n", options.world_size);
-  std::fflush(stdout);
-  absl::StatusOr<fsdp::LaunchResult> result = fsdp::LaunchLocalRanks(options);
-  if (!result.ok()) {
-    std::fprintf(stderr, "train_gpt: %s\n", result.status().ToString().c_str());
-    return 2;
-  }
-  if (!result->ok()) {
-    std::fprintf(stderr, "train_gpt: the job failed:\n%s", result->Summary().c_str());
-    return 1;
-  }
-  std::printf("all %d ranks succeeded\n", options.world_size);
-  return 0;
-}
 
 }  // namespace
 
@@ -221,7 +201,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   absl::StatusOr<fsdp::LaunchEnvironment> env = fsdp::ReadLaunchEnvironment();
-  if (absl::IsNotFound(env.status())) return Launch(argc, argv);
+  if (absl::IsNotFound(env.status())) {
+    return fsdp::LaunchSelfAndReport(argc, argv, absl::GetFlag(FLAGS_world_size),
+                                     std::chrono::seconds(absl::GetFlag(FLAGS_timeout_s)),
+                                     "train_gpt");
+  }
   if (!env.ok()) {
     std::fprintf(stderr, "train_gpt: %s\n", env.status().ToString().c_str());
     return 2;
