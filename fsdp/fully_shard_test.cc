@@ -15,6 +15,7 @@
 #include "testing/multi_rank.h"
 #include "torch/nn/module.h"
 #include "torch/nn/modules/container/modulelist.h"
+#include "torch/nn/modules/container/sequential.h"
 #include "torch/nn/modules/linear.h"
 #include "torch/optim/adam.h"
 #include "torch/nn/utils/clip_grad.h"
@@ -582,6 +583,62 @@ TEST(FullyShard, ApplyInitializesThroughTheShards) {
       const bool weight = item.key().find("weight") != std::string::npos;
       EXPECT_TRUE(at::equal(item.value(), at::full_like(item.value(), weight ? 0.125 : 0.0)))
           << item.key();
+    }
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+// Blocks inside a torch::nn::Sequential, whose forward libtorch dispatches
+// through AnyModule: the blocks' scopes still run.
+struct SequentialNetImpl : torch::nn::Module, ShardableModule {
+  SequentialNetImpl() {
+    body = register_module("body", torch::nn::Sequential(Block(7, 13, 0), Block(13, 11, 1),
+                                                         Block(11, 5, 2)));
+    testing::FillDeterministically(*this);
+  }
+  at::Tensor forward(at::Tensor x) {
+    UnitForward unit(this);
+    return unit.Return(body->forward(x));
+  }
+  torch::nn::Sequential body{nullptr};
+};
+TORCH_MODULE(SequentialNet);
+
+TEST(FullyShard, BlocksInsideSequentialAreUnits) {
+  std::vector<float> expected;
+  {
+    SequentialNet model;
+    auto optimizer = MakeOptimizer(Optim::kAdam, model->parameters());
+    for (int step = 0; step < 3; ++step) {
+      at::Tensor loss = at::mse_loss(model->forward(Inputs(step, 0)), Targets(step, 0));
+      loss.backward();
+      expected.push_back(loss.item<float>());
+      optimizer->step();
+      optimizer->zero_grad();
+    }
+  }
+  absl::Status status = RunOnThreadRanks(3, [&](Collectives& comm) {
+    SequentialNet model;
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+    EXPECT_EQ((*wrapped)->units().size(), 4u);
+    EXPECT_EQ((*wrapped)->units()[1]->fqn(), "body.0");
+    auto optimizer = MakeOptimizer(Optim::kAdam, model->parameters());
+    const int64_t rows = kGlobalBatch / comm.world_size();
+    for (int step = 0; step < 3; ++step) {
+      comm.ResetCounters();
+      at::Tensor loss =
+          at::mse_loss(model->forward(Inputs(step, 0).narrow(0, comm.rank() * rows, rows)),
+                       Targets(step, 0).narrow(0, comm.rank() * rows, rows));
+      loss.backward();
+      optimizer->step();
+      optimizer->zero_grad();
+      // Three blocks gathered twice; the root holds no parameters.
+      EXPECT_EQ(comm.counters().Calls(CollectiveOp::kAllGather), 6 + (step == 0 ? 2 : 0));
+      at::Tensor global = loss.detach().clone();
+      comm.AllReduce(global, ReduceOp::kAvg)->Wait();
+      EXPECT_NEAR(global.item<float>(), expected[step], 1e-5 * std::abs(expected[step]));
     }
   });
   EXPECT_TRUE(status.ok()) << status;

@@ -9,7 +9,9 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "testing/multi_rank.h"
+#include "torch/optim/adam.h"
 #include "torch/optim/adamw.h"
+#include "torch/optim/sgd.h"
 
 namespace models {
 namespace {
@@ -65,30 +67,48 @@ at::Tensor Tokens(int step) {
       {kGlobalBatch, 9});
 }
 
+enum class Optim { kSgdMomentum, kAdam, kAdamW };
+
+std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(Optim kind,
+                                                       std::vector<at::Tensor> params) {
+  switch (kind) {
+    case Optim::kSgdMomentum:
+      return std::make_unique<torch::optim::SGD>(params,
+                                                 torch::optim::SGDOptions(0.1).momentum(0.9));
+    case Optim::kAdam:
+      return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(3e-3));
+    case Optim::kAdamW:
+      break;
+  }
+  return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(3e-3));
+}
+
 struct Case {
   int world_size;
   fsdp::ShardingStrategy strategy;
+  Optim optim;
+  bool flat;  // The whole model one unit instead of one unit per block.
 };
 
 class GptFsdpParity : public ::testing::TestWithParam<Case> {};
 
-// Per-block FSDP units on the GPT, AdamW: every step's loss and the final
-// parameters match single-process training on the global batch.
+// The GPT trained through FSDP: every step's loss and the final parameters
+// match single-process training on the global batch.
 TEST_P(GptFsdpParity, MatchesLocalTraining) {
   const Case c = GetParam();
   std::vector<float> expected_losses;
   std::map<std::string, at::Tensor> expected_params;
   {
     Gpt model(TinyConfig());
-    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(3e-3));
+    auto optimizer = MakeOptimizer(c.optim, model->parameters());
     for (int step = 0; step < kSteps; ++step) {
       at::Tensor tokens = Tokens(step);
       at::Tensor loss = LanguageModelLoss(model->forward(tokens.narrow(1, 0, 8)),
                                           tokens.narrow(1, 1, 8));
       loss.backward();
       expected_losses.push_back(loss.item<float>());
-      optimizer.step();
-      optimizer.zero_grad();
+      optimizer->step();
+      optimizer->zero_grad();
     }
     for (const auto& item : model->named_parameters()) {
       expected_params[item.key()] = item.value().detach().clone();
@@ -98,11 +118,14 @@ TEST_P(GptFsdpParity, MatchesLocalTraining) {
     Gpt model(TinyConfig());
     fsdp::FsdpOptions options;
     options.strategy = c.strategy;
-    auto wrapped = fsdp::FullyShardedModel::Wrap(model.ptr(), comm, options,
-                                                 fsdp::SelectModulesOfType<BlockImpl>());
+    const fsdp::UnitSelector none = [](const std::string&, const torch::nn::Module&) {
+      return false;
+    };
+    auto wrapped = fsdp::FullyShardedModel::Wrap(
+        model.ptr(), comm, options, c.flat ? none : fsdp::SelectModulesOfType<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
-    ASSERT_EQ((*wrapped)->units().size(), 3u);  // Root and two blocks.
-    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(3e-3));
+    ASSERT_EQ((*wrapped)->units().size(), c.flat ? 1u : 3u);  // Root and two blocks.
+    auto optimizer = MakeOptimizer(c.optim, model->parameters());
     const int64_t rows = kGlobalBatch / comm.world_size();
     for (int step = 0; step < kSteps; ++step) {
       comm.ResetCounters();
@@ -110,10 +133,10 @@ TEST_P(GptFsdpParity, MatchesLocalTraining) {
       at::Tensor loss = LanguageModelLoss(model->forward(tokens.narrow(1, 0, 8)),
                                           tokens.narrow(1, 1, 8));
       loss.backward();
-      optimizer.step();
-      optimizer.zero_grad();
+      optimizer->step();
+      optimizer->zero_grad();
       const fsdp::CollectiveCounters counted = comm.counters();
-      if (c.strategy == fsdp::ShardingStrategy::kFullShard) {
+      if (c.strategy == fsdp::ShardingStrategy::kFullShard && !c.flat) {
         // Plus, on the first step, the two of the execution-order check.
         EXPECT_EQ(counted.Calls(fsdp::CollectiveOp::kAllGather), 2 * 2 + 1 + (step == 0 ? 2 : 0));
         EXPECT_EQ(counted.Calls(fsdp::CollectiveOp::kReduceScatter), 3);
@@ -142,20 +165,29 @@ TEST_P(GptFsdpParity, MatchesLocalTraining) {
   EXPECT_TRUE(status.ok()) << status;
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Cases, GptFsdpParity,
-    ::testing::Values(Case{1, fsdp::ShardingStrategy::kFullShard},
-                      Case{2, fsdp::ShardingStrategy::kFullShard},
-                      Case{3, fsdp::ShardingStrategy::kFullShard},
-                      Case{4, fsdp::ShardingStrategy::kFullShard},
-                      Case{2, fsdp::ShardingStrategy::kShardGradOp},
-                      Case{3, fsdp::ShardingStrategy::kShardGradOp},
-                      Case{2, fsdp::ShardingStrategy::kNoShard},
-                      Case{4, fsdp::ShardingStrategy::kNoShard}),
-    [](const ::testing::TestParamInfo<Case>& info) {
-      return "W" + std::to_string(info.param.world_size) + "_" +
-             fsdp::ShardingStrategyName(info.param.strategy);
-    });
+std::vector<Case> Cases() {
+  std::vector<Case> cases;
+  for (int w : {1, 2, 3, 4}) {
+    for (fsdp::ShardingStrategy s :
+         {fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kShardGradOp,
+          fsdp::ShardingStrategy::kNoShard}) {
+      for (Optim o : {Optim::kSgdMomentum, Optim::kAdam, Optim::kAdamW}) {
+        cases.push_back({w, s, o, /*flat=*/false});
+      }
+      cases.push_back({w, s, w % 2 == 0 ? Optim::kAdam : Optim::kSgdMomentum, /*flat=*/true});
+    }
+  }
+  return cases;
+}
+
+std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
+  const char* optim[] = {"SgdMomentum", "Adam", "AdamW"};
+  return "W" + std::to_string(info.param.world_size) + "_" +
+         fsdp::ShardingStrategyName(info.param.strategy) + "_" +
+         optim[static_cast<int>(info.param.optim)] + (info.param.flat ? "_Flat" : "");
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, GptFsdpParity, ::testing::ValuesIn(Cases()), CaseName);
 
 }  // namespace
 }  // namespace models
