@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "base/status.h"
 #include "c10/core/GradMode.h"
+#include "c10/core/StreamGuard.h"
 #include "c10/util/Exception.h"
 #include "torch/csrc/autograd/engine.h"
 #include "torch/csrc/autograd/function.h"
@@ -59,7 +60,10 @@ FsdpUnit* GetModuleUnit(const torch::nn::Module* module) {
 
 FullyShardedModel::FullyShardedModel(std::shared_ptr<torch::nn::Module> root,
                                      Collectives& group, const FsdpOptions& options)
-    : root_(std::move(root)), group_(group), options_(options) {}
+    : root_(std::move(root)),
+      group_(group),
+      options_(options),
+      limiter_(options.limit_all_gathers ? 2 : 0) {}
 
 FullyShardedModel::~FullyShardedModel() {
   std::lock_guard<std::mutex> lock(RegistryMutex());
@@ -154,6 +158,11 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
     FSDP_RETURN_IF_ERROR(
         FlatParamHandle::CheckParams(fqn.empty() ? "<root>" : fqn, entries[u], group));
   }
+  c10::Device device(c10::DeviceType::CPU);
+  for (const auto& unit_entries : entries) {
+    if (!unit_entries.empty()) device = unit_entries.front().param.device();
+  }
+  model->streams_ = std::make_unique<RuntimeStreams>(device);
   FlatParamHandleOptions handle_options;
   handle_options.strategy = options.strategy;
   for (size_t u = 0; u < model->units_.size(); ++u) {
@@ -183,7 +192,54 @@ int64_t FullyShardedModel::FullParamBytes() const {
   return bytes;
 }
 
+void FullyShardedModel::LazyInit() {
+  // Ranks that wrapped different models, or the same model with different
+  // units, options or world sizes, would pair collectives of different units
+  // and hang or exchange wrong shards. One all-gather of a fingerprint of
+  // the wrap plan per rank catches that before the first collective of
+  // training.
+  uint64_t hash = 1469598103934665603ull;  // FNV-1a.
+  auto mix = [&hash](const std::string& text) {
+    for (unsigned char c : text) hash = (hash ^ c) * 1099511628211ull;
+  };
+  int64_t elements = 0;
+  mix(absl::StrCat("strategy=", static_cast<int>(options_.strategy),
+                   ",backward_prefetch=", static_cast<int>(options_.backward_prefetch),
+                   ",forward_prefetch=", options_.forward_prefetch,
+                   ",limit_all_gathers=", options_.limit_all_gathers,
+                   ",check_execution_order=", options_.check_execution_order, ";"));
+  for (const auto& unit : units_) {
+    const int64_t numel = unit->handle_ ? unit->handle_->flat_numel() : 0;
+    elements += numel;
+    mix(absl::StrCat(unit->fqn_, ":", numel, ";"));
+  }
+  const int world = group_.world_size();
+  at::Tensor mine = at::tensor({static_cast<double>(units_.size()), static_cast<double>(elements),
+                                static_cast<double>(hash >> 12)},
+                               at::kDouble);
+  at::Tensor all = at::empty({world * 3}, at::kDouble);
+  group_.AllGatherIntoTensor(all, mine)->Wait();
+  at::Tensor table = all.view({world, 3});
+  if (at::equal(table, table[0].expand({world, 3}))) {
+    initialized_ = true;
+    return;
+  }
+  std::string ranks;
+  for (int r = 0; r < world; ++r) {
+    absl::StrAppend(&ranks, r == 0 ? "" : "; ", "rank ", r, ": ",
+                    static_cast<int64_t>(table[r][0].item<double>()), " units, ",
+                    static_cast<int64_t>(table[r][1].item<double>()),
+                    " parameter elements, plan fingerprint ",
+                    static_cast<int64_t>(table[r][2].item<double>()));
+  }
+  TORCH_CHECK(false, "rank ", group_.rank(), " of ", world,
+              ": ranks wrapped the model differently (units, their parameters, or FSDP "
+              "options differ) — ", ranks,
+              ". Every rank must wrap the same model with the same policy and options.");
+}
+
 void FullyShardedModel::PreForward(FsdpUnit& unit) {
+  if (!initialized_) LazyInit();
   FlatParamHandle* handle = unit.handle_.get();
   if (handle == nullptr) {
     training_state_ = ModelTrainingState::kForwardBackward;
@@ -193,7 +249,7 @@ void FullyShardedModel::PreForward(FsdpUnit& unit) {
   handle->Transition(HandleTrainingState::kIdle, HandleTrainingState::kForward);
   training_state_ = ModelTrainingState::kForwardBackward;  // Only once admitted.
   if (!order_recorded_) pre_forward_order_.push_back(IndexOf(unit));
-  handle->Unshard();
+  Unshard(*handle);
   if (options_.forward_prefetch) Prefetch(unit.forward_prefetch_);
   if (unit.accumulators_.empty()) {
     // Created while unsharded: an accumulator records the parameter's shape
@@ -229,7 +285,7 @@ void FullyShardedModel::PostForward(FsdpUnit& unit, const std::vector<at::Tensor
     // come, every strategy frees them now.
     const bool reshard = !backward_follows || (options_.strategy == ShardingStrategy::kFullShard &&
                                                !unit.is_root_);
-    if (reshard) handle->Reshard();
+    if (reshard) Reshard(*handle);
   }
   if (!backward_follows) {
     if (unit.is_root_) {
@@ -260,7 +316,7 @@ void FullyShardedModel::PreBackward(FsdpUnit& unit) {
   FlatParamHandle* handle = unit.handle_.get();
   if (handle == nullptr) return;
   handle->Transition(HandleTrainingState::kIdle, HandleTrainingState::kBackwardPre);
-  handle->Unshard();
+  Unshard(*handle);
   handle->PrepareGradientsForBackward();
   if (options_.backward_prefetch == BackwardPrefetch::kBackwardPre) {
     Prefetch(unit.backward_prefetch_);
@@ -276,7 +332,7 @@ void FullyShardedModel::PostBackward(FsdpUnit& unit) {
   if (++unit.gradients_ready_ < static_cast<int>(unit.accumulators_.size())) return;
   handle->Transition(HandleTrainingState::kBackwardPre, HandleTrainingState::kBackwardPost);
   ReduceOrKeep(*handle);
-  handle->Reshard();
+  Reshard(*handle);
   if (options_.backward_prefetch == BackwardPrefetch::kBackwardPost) {
     Prefetch(unit.backward_prefetch_);
   }
@@ -285,14 +341,43 @@ void FullyShardedModel::PostBackward(FsdpUnit& unit) {
 void FullyShardedModel::ReduceOrKeep(FlatParamHandle& handle) {
   if (no_sync_) {
     handle.KeepGradientsUnreduced();
-  } else {
-    handle.ReduceGradients();
+    return;
   }
+  // The gradients were produced on compute; the reduction runs beside the
+  // rest of backward, which waits for it at the end (FinishBackward).
+  RuntimeStreams::WaitStream(streams_->reduce_scatter(), streams_->compute());
+  c10::StreamGuard on_reduce_scatter(streams_->reduce_scatter());
+  handle.ReduceGradients();
+}
+
+void FullyShardedModel::IssueUnshard(FlatParamHandle& handle) {
+  if (!handle.uses_sharded_views() || handle.is_unsharded() || handle.has_pending_unshard()) {
+    return;
+  }
+  limiter_.BeforeAllGather();
+  c10::StreamGuard on_all_gather(streams_->all_gather());
+  handle.StartUnshard();
+}
+
+void FullyShardedModel::Unshard(FlatParamHandle& handle) {
+  IssueUnshard(handle);
+  {
+    c10::StreamGuard on_all_gather(streams_->all_gather());
+    handle.FinishUnshard();
+  }
+  RuntimeStreams::WaitStream(streams_->compute(), streams_->all_gather());
+}
+
+void FullyShardedModel::Reshard(FlatParamHandle& handle) {
+  const bool frees = handle.uses_sharded_views() && handle.is_unsharded();
+  handle.Reshard();
+  if (frees) limiter_.OnReshard(DeviceEvent::RecordOn(streams_->compute()));
 }
 
 void FullyShardedModel::FinishBackward() {
   // A root without a forward scope never ends the first forward for us.
   if (!order_recorded_) RecordExecutionOrder();
+  RuntimeStreams::WaitStream(streams_->compute(), streams_->reduce_scatter());
   // Units some of whose parameters got no gradient have not reduced yet;
   // every rank reaches here with the same units in that state, in the same
   // (pre-)order.
@@ -305,7 +390,7 @@ void FullyShardedModel::FinishBackward() {
         ReduceOrKeep(*handle);
       }
       handle->DiscardPendingUnshard();  // A prefetch whose unit took no part.
-      handle->Reshard();
+      Reshard(*handle);
       if (handle->training_state() == HandleTrainingState::kBackwardPost) {
         handle->Transition(HandleTrainingState::kBackwardPost, HandleTrainingState::kIdle);
       }
@@ -329,7 +414,7 @@ void FullyShardedModel::Prefetch(int unit_index) {
   FlatParamHandle* handle = units_[unit_index]->handle_.get();
   // Only a unit that is idle (not yet run in this pass) and resharded.
   if (handle == nullptr || handle->training_state() != HandleTrainingState::kIdle) return;
-  handle->StartUnshard();
+  IssueUnshard(*handle);
 }
 
 void FullyShardedModel::RecordExecutionOrder() {

@@ -45,6 +45,7 @@
 #include "comm/collectives.h"
 #include "fsdp/flat_param_handle.h"
 #include "fsdp/fsdp_options.h"
+#include "fsdp/runtime_streams.h"
 #include "torch/nn/module.h"
 
 namespace torch::autograd {
@@ -62,11 +63,15 @@ class ShardableModule {
 
 struct FsdpOptions {
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
-  // Prefetching follows the order units ran in on the first iteration. At
-  // most one unit is prefetched at a time, so at most two units' all-gathers
-  // are in flight (the bound PyTorch's limit_all_gathers enforces).
+  // Prefetching follows the order units ran in on the first iteration; at
+  // most one unit is prefetched at a time.
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
   bool forward_prefetch = false;
+  // PyTorch's limit_all_gathers: before issuing an all-gather, wait on the
+  // host until at most one earlier reshard is still pending on the device,
+  // so that at most two units' all-gathers are in flight
+  // (fsdp/runtime_streams.h). Free on CPU, where frees are synchronous.
+  bool limit_all_gathers = true;
   // At the end of the first forward, compare the order units ran in across
   // ranks (two all-gathers, once) and fail on every rank, naming the first
   // diverging unit and the ranks, if it differs: otherwise equal-sized units
@@ -146,6 +151,8 @@ class FullyShardedModel {
   ModelTrainingState training_state() const { return training_state_; }
   const FsdpOptions& options() const { return options_; }
   Collectives& group() const { return group_; }
+  const RuntimeStreams& streams() const { return *streams_; }
+  const AllGatherRateLimiter& rate_limiter() const { return limiter_; }
 
   // Bytes of full (all-gathered) parameters allocated right now, over all
   // units: what the memory tests sample.
@@ -170,6 +177,8 @@ class FullyShardedModel {
   FullyShardedModel(std::shared_ptr<torch::nn::Module> root, Collectives& group,
                     const FsdpOptions& options);
 
+  // At the first forward: checks that every rank wrapped the same plan
+  // with the same options (one all-gather).
   void LazyInit();
   void PreForward(FsdpUnit& unit);
   void PostForward(FsdpUnit& unit, const std::vector<at::Tensor>& outputs);
@@ -182,6 +191,11 @@ class FullyShardedModel {
   void RecordExecutionOrder();
   void CheckExecutionOrderAcrossRanks(const std::vector<int>& order);
   void Prefetch(int unit_index);
+  // The handle operations, ordered on the runtime's streams and counted by
+  // the rate limiter.
+  void IssueUnshard(FlatParamHandle& handle);
+  void Unshard(FlatParamHandle& handle);
+  void Reshard(FlatParamHandle& handle);
   int IndexOf(const FsdpUnit& unit) const;
   std::string Describe(const FsdpUnit& unit) const;
 
@@ -189,6 +203,8 @@ class FullyShardedModel {
   Collectives& group_;
   const FsdpOptions options_;
   std::vector<std::unique_ptr<FsdpUnit>> units_;
+  std::unique_ptr<RuntimeStreams> streams_;
+  AllGatherRateLimiter limiter_;
   bool initialized_ = false;
   bool order_recorded_ = false;
   std::vector<int> pre_forward_order_;   // First iteration, unit indices.

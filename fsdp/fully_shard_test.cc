@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "fsdp/test_util.h"
@@ -175,7 +176,9 @@ TEST_P(FullyShardParity, MatchesLocalTraining) {
         loss.backward();
         loss_sum += loss.detach();
         EXPECT_EQ(fsdp.training_state(), ModelTrainingState::kIdle);
-        if (sharded) EXPECT_EQ(fsdp.FullParamBytes(), 0) << "all resharded after backward";
+        if (sharded) {
+          EXPECT_EQ(fsdp.FullParamBytes(), 0) << "all resharded after backward";
+        }
       }
       const CollectiveCounters counted = comm.counters();
       // FULL_SHARD: blocks gather in forward and again in backward; the root
@@ -186,9 +189,9 @@ TEST_P(FullyShardParity, MatchesLocalTraining) {
                                   ? blocks * 2 + 1
                                   : (sharded ? units : 0);
       // Prefetching moves all-gathers earlier, never adds any; the first
-      // step adds the two of the execution-order check.
+      // step adds the wrap-plan check at lazy init and the two of the execution-order check.
       EXPECT_EQ(counted.Calls(CollectiveOp::kAllGather),
-                gathers * c.micro_batches + (step == 0 ? 2 : 0));
+                gathers * c.micro_batches + (step == 0 ? 3 : 0));
       EXPECT_EQ(counted.Calls(CollectiveOp::kReduceScatter),
                 (sharded ? units : 0) * c.micro_batches);
       EXPECT_EQ(counted.Calls(CollectiveOp::kAllReduce), (sharded ? 0 : units) * c.micro_batches);
@@ -216,7 +219,9 @@ TEST_P(FullyShardParity, MatchesLocalTraining) {
     // (which the sample then shows); SHARD_GRAD_OP accumulates blocks.
     if (c.strategy == ShardingStrategy::kFullShard && !c.flat) {
       EXPECT_LE(peak_in_forward, root_bytes + (c.forward_prefetch ? 2 : 1) * max_block_bytes);
-      if (c.forward_prefetch) EXPECT_GT(peak_in_forward, root_bytes + max_block_bytes);
+      if (c.forward_prefetch) {
+        EXPECT_GT(peak_in_forward, root_bytes + max_block_bytes);
+      }
       EXPECT_GT(peak_in_forward, 0);
     }
     for (const auto& unit : fsdp.units()) unit->handle()->Unshard();
@@ -635,7 +640,7 @@ TEST(FullyShard, BlocksInsideSequentialAreUnits) {
       optimizer->step();
       optimizer->zero_grad();
       // Three blocks gathered twice; the root holds no parameters.
-      EXPECT_EQ(comm.counters().Calls(CollectiveOp::kAllGather), 6 + (step == 0 ? 2 : 0));
+      EXPECT_EQ(comm.counters().Calls(CollectiveOp::kAllGather), 6 + (step == 0 ? 3 : 0));
       at::Tensor global = loss.detach().clone();
       comm.AllReduce(global, ReduceOp::kAvg)->Wait();
       EXPECT_NEAR(global.item<float>(), expected[step], 1e-5 * std::abs(expected[step]));
@@ -806,6 +811,232 @@ TEST(FullyShard, NoGradForwardLeavesNothingUnsharded) {
     at::mse_loss(model->forward(Inputs(0, 0)), Targets(0, 0)).backward();
     EXPECT_EQ((*wrapped)->FullParamBytes(), 0);
     for (const auto& p : model->parameters()) EXPECT_TRUE(p.grad().defined());
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+
+namespace nested {
+
+// A unit that holds parameters of its own and a nested unit: the nested
+// block's parameters belong to the block, the rest to the outer unit.
+struct OuterImpl : torch::nn::Module, ShardableModule {
+  OuterImpl(int64_t in, int64_t mid, int64_t out, int index) {
+    fc = register_module("fc", torch::nn::Linear(in, mid));
+    inner = register_module("inner", Block(mid, out, index));
+  }
+  at::Tensor forward(at::Tensor x) {
+    UnitForward unit(this);
+    return unit.Return(inner->forward(at::tanh(fc->forward(x))));
+  }
+  torch::nn::Linear fc{nullptr};
+  Block inner{nullptr};
+};
+TORCH_MODULE(Outer);
+
+struct NestedNetImpl : torch::nn::Module, ShardableModule {
+  NestedNetImpl() {
+    outers = register_module("outers", torch::nn::ModuleList());
+    outers->push_back(Outer(7, 13, 11, 0));
+    outers->push_back(Outer(11, 9, 5, 1));
+    testing::FillDeterministically(*this);
+  }
+  at::Tensor forward(at::Tensor x) {
+    UnitForward unit(this);
+    for (const auto& outer : *outers) x = outer->as<OuterImpl>()->forward(x);
+    return unit.Return(x);
+  }
+  torch::nn::ModuleList outers{nullptr};
+};
+TORCH_MODULE(NestedNet);
+
+struct NestedCase {
+  int world_size;
+  ShardingStrategy strategy;
+};
+
+class NestedUnits : public ::testing::TestWithParam<NestedCase> {};
+
+TEST_P(NestedUnits, MatchLocalTrainingWithCountedCollectivesAndBoundedMemory) {
+  const NestedCase c = GetParam();
+  std::vector<float> expected_losses;
+  std::map<std::string, at::Tensor> expected_params;
+  {
+    NestedNet model;
+    auto optimizer = MakeOptimizer(Optim::kAdam, model->parameters());
+    for (int step = 0; step < kSteps; ++step) {
+      at::Tensor loss = at::mse_loss(model->forward(Inputs(step, 0)), Targets(step, 0));
+      loss.backward();
+      expected_losses.push_back(loss.item<float>());
+      optimizer->step();
+      optimizer->zero_grad();
+    }
+    for (const auto& item : model->named_parameters()) {
+      expected_params[item.key()] = item.value().detach().clone();
+    }
+  }
+  absl::Status status = RunOnThreadRanks(c.world_size, [&](Collectives& comm) {
+    NestedNet model;
+    FsdpOptions options;
+    options.strategy = c.strategy;
+    auto wrapped = FullyShardedModel::Wrap(
+        model.ptr(), comm, options, [](const std::string&, const torch::nn::Module& m) {
+          return dynamic_cast<const OuterImpl*>(&m) != nullptr ||
+                 dynamic_cast<const BlockImpl*>(&m) != nullptr;
+        });
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+    FullyShardedModel& fsdp = **wrapped;
+    std::vector<std::string> fqns;
+    for (const auto& unit : fsdp.units()) fqns.push_back(unit->fqn());
+    EXPECT_THAT(fqns, ::testing::ElementsAre("", "outers.0", "outers.0.inner", "outers.1",
+                                             "outers.1.inner"));
+    EXPECT_EQ(fsdp.units()[0]->handle(), nullptr) << "the root holds no parameters";
+    EXPECT_EQ(fsdp.units()[1]->handle()->flat_numel(), 7 * 13 + 13) << "outer's own Linear only";
+    // Inside an inner block's forward, FULL_SHARD holds exactly that block
+    // and its outer unit; no other unit's parameters.
+    int64_t max_pair_bytes = 0;
+    for (size_t u : {1, 3}) {
+      max_pair_bytes = std::max(max_pair_bytes, (fsdp.units()[u]->handle()->padded_numel() +
+                                                 fsdp.units()[u + 1]->handle()->padded_numel()) *
+                                                    4);
+    }
+    int64_t peak_in_forward = 0;
+    g_in_block_forward = [&](int) {
+      peak_in_forward = std::max(peak_in_forward, fsdp.FullParamBytes());
+    };
+    auto optimizer = MakeOptimizer(Optim::kAdam, model->parameters());
+    const int64_t rows = kGlobalBatch / comm.world_size();
+    const bool sharded = c.strategy != ShardingStrategy::kNoShard;
+    for (int step = 0; step < kSteps; ++step) {
+      comm.ResetCounters();
+      at::Tensor loss =
+          at::mse_loss(model->forward(Inputs(step, 0).narrow(0, comm.rank() * rows, rows)),
+                       Targets(step, 0).narrow(0, comm.rank() * rows, rows));
+      loss.backward();
+      optimizer->step();
+      optimizer->zero_grad();
+      const int64_t units_with_params = 4;
+      const int64_t gathers = c.strategy == ShardingStrategy::kFullShard
+                                  ? 2 * units_with_params
+                                  : (sharded ? units_with_params : 0);
+      EXPECT_EQ(comm.counters().Calls(CollectiveOp::kAllGather),
+                gathers + (step == 0 ? 3 : 0));
+      EXPECT_EQ(comm.counters().Calls(CollectiveOp::kReduceScatter),
+                sharded ? units_with_params : 0);
+      if (sharded) {
+        EXPECT_EQ(fsdp.FullParamBytes(), 0);
+      }
+      at::Tensor global = loss.detach().clone();
+      comm.AllReduce(global, ReduceOp::kAvg)->Wait();
+      EXPECT_NEAR(global.item<float>(), expected_losses[step],
+                  1e-5 * std::abs(expected_losses[step]) + 1e-7)
+          << "step " << step;
+    }
+    g_in_block_forward = nullptr;
+    if (c.strategy == ShardingStrategy::kFullShard) {
+      EXPECT_EQ(peak_in_forward, max_pair_bytes);
+    }
+    SummonFullParams full(fsdp);
+    for (const auto& item : model->named_parameters()) {
+      EXPECT_TRUE(at::allclose(item.value(), expected_params.at(item.key()), 1e-5, 1e-6))
+          << item.key();
+    }
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+std::string NestedCaseName(const ::testing::TestParamInfo<NestedCase>& info) {
+  return "W" + std::to_string(info.param.world_size) + "_" +
+         ShardingStrategyName(info.param.strategy);
+}
+
+std::vector<NestedCase> NestedCases() {
+  std::vector<NestedCase> cases;
+  for (int w : {2, 3}) {
+    for (ShardingStrategy s : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                               ShardingStrategy::kNoShard}) {
+      cases.push_back({w, s});
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, NestedUnits, ::testing::ValuesIn(NestedCases()),
+                         NestedCaseName);
+
+}  // namespace nested
+
+TEST(FullyShard, DifferentWrapPlansAcrossRanksAreNamedAtTheFirstForward) {
+  absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
+    Net model;
+    const UnitSelector flat = [](const std::string&, const torch::nn::Module&) { return false; };
+    auto wrapped = FullyShardedModel::Wrap(
+        model.ptr(), comm, {}, comm.rank() == 0 ? SelectModulesOfType<BlockImpl>() : flat);
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+    try {
+      model->forward(at::ones({2, 7}));
+      ADD_FAILURE() << "different wrap plans were not detected";
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.msg(), HasSubstr(absl::StrCat("rank ", comm.rank(),
+                                                  " of 2: ranks wrapped the model differently")));
+      EXPECT_THAT(e.msg(), HasSubstr("rank 0: 4 units, "));
+      EXPECT_THAT(e.msg(), HasSubstr("rank 1: 1 units, "));
+    }
+    EXPECT_EQ((*wrapped)->training_state(), ModelTrainingState::kIdle);
+    EXPECT_EQ((*wrapped)->FullParamBytes(), 0);
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+TEST(FullyShard, DifferentOptionsAcrossRanksAreNamedAtTheFirstForward) {
+  absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
+    Net model;
+    FsdpOptions options;
+    options.forward_prefetch = comm.rank() == 1;
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+    try {
+      model->forward(at::ones({2, 7}));
+      ADD_FAILURE() << "different options were not detected";
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.msg(), HasSubstr("ranks wrapped the model differently (units, their "
+                                     "parameters, or FSDP options differ)"));
+    }
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+// Uses a block's parameter in the root's own forward, outside the block's
+// scope, and none of the block's output: its gradient reaches the
+// accumulator before the block's pre-backward hook ever ran.
+struct ParameterUsedOutsideItsUnitImpl : torch::nn::Module, ShardableModule {
+  ParameterUsedOutsideItsUnitImpl() { block = register_module("block", Block(7, 5, 0)); }
+  at::Tensor forward(at::Tensor x) {
+    UnitForward unit(this);
+    at::Tensor y = block->forward(x).detach();
+    return unit.Return(y.sum() + block->fc->weight.sum());
+  }
+  Block block{nullptr};
+};
+TORCH_MODULE(ParameterUsedOutsideItsUnit);
+
+TEST(FullyShard, GradientBeforeItsUnitsPreBackwardIsNamed) {
+  absl::Status status = RunOnThreadRanks(1, [](Collectives& comm) {
+    ParameterUsedOutsideItsUnit model;
+    FsdpOptions options;
+    options.strategy = ShardingStrategy::kShardGradOp;  // Full parameters until backward.
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+    at::Tensor loss = model->forward(at::ones({2, 7}));
+    try {
+      loss.backward();
+      ADD_FAILURE() << "a gradient outside the unit's backward was not detected";
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.msg(), HasSubstr("unit 'block' on rank 0 of 1: a gradient arrived before "
+                                     "the unit's pre-backward hook ran (state IDLE)"));
+    }
   });
   EXPECT_TRUE(status.ok()) << status;
 }

@@ -137,8 +137,8 @@ TEST_P(GptFsdpParity, MatchesLocalTraining) {
       optimizer->zero_grad();
       const fsdp::CollectiveCounters counted = comm.counters();
       if (c.strategy == fsdp::ShardingStrategy::kFullShard && !c.flat) {
-        // Plus, on the first step, the two of the execution-order check.
-        EXPECT_EQ(counted.Calls(fsdp::CollectiveOp::kAllGather), 2 * 2 + 1 + (step == 0 ? 2 : 0));
+        // Plus, on the first step, the wrap-plan check and the two of the execution-order check.
+        EXPECT_EQ(counted.Calls(fsdp::CollectiveOp::kAllGather), 2 * 2 + 1 + (step == 0 ? 3 : 0));
         EXPECT_EQ(counted.Calls(fsdp::CollectiveOp::kReduceScatter), 3);
       }
       at::Tensor global = loss.detach().clone();

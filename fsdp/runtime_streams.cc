@@ -1,0 +1,73 @@
+#include "fsdp/runtime_streams.h"
+
+#include <chrono>
+#include <thread>
+#include <utility>
+
+#include "c10/core/impl/VirtualGuardImpl.h"
+#include "torch/version.h"
+
+namespace fsdp {
+
+bool DeviceHasStreams(c10::DeviceType type) {
+  return type != c10::DeviceType::CPU && type != c10::DeviceType::Meta;
+}
+
+DeviceEvent DeviceEvent::RecordOn(const c10::Stream& stream) {
+  DeviceEvent event;
+  if (!DeviceHasStreams(stream.device_type())) return event;
+  event.event_ = std::make_unique<c10::Event>(stream.device_type());
+  event.event_->record(stream);
+  return event;
+}
+
+bool DeviceEvent::Query() const { return event_ == nullptr || event_->query(); }
+
+void DeviceEvent::BlockStream(const c10::Stream& stream) const {
+  if (event_ != nullptr) event_->block(stream);
+}
+
+void DeviceEvent::Synchronize() const {
+  if (event_ == nullptr) return;
+#if TORCH_VERSION_MAJOR >= 2
+  event_->synchronize();
+#else
+  // libtorch 1.x's c10::Event has no host wait.
+  while (!event_->query()) std::this_thread::sleep_for(std::chrono::microseconds(20));
+#endif
+}
+
+RuntimeStreams::RuntimeStreams(c10::Device device)
+    : asynchronous_(DeviceHasStreams(device.type())),
+      compute_(c10::impl::VirtualGuardImpl(device.type()).getStream(device)),
+      all_gather_(compute_),
+      reduce_scatter_(compute_) {
+  if (!asynchronous_) return;
+  c10::impl::VirtualGuardImpl guard(device.type());
+  all_gather_ = guard.getStreamFromGlobalPool(device, /*isHighPriority=*/true);
+  reduce_scatter_ = guard.getStreamFromGlobalPool(device, /*isHighPriority=*/false);
+}
+
+void RuntimeStreams::WaitStream(const c10::Stream& waiter, const c10::Stream& producer) {
+  if (waiter == producer) return;
+  DeviceEvent::RecordOn(producer).BlockStream(waiter);
+}
+
+void AllGatherRateLimiter::OnReshard(DeviceEvent freed) {
+  if (max_in_flight_ <= 0) return;
+  free_events_.push_back(std::move(freed));
+}
+
+void AllGatherRateLimiter::BeforeAllGather() {
+  if (max_in_flight_ <= 0) return;
+  while (static_cast<int>(free_events_.size()) >= max_in_flight_) {
+    DeviceEvent oldest = std::move(free_events_.front());
+    free_events_.pop_front();
+    if (!oldest.Query()) {
+      ++host_waits_;
+      oldest.Synchronize();
+    }
+  }
+}
+
+}  // namespace fsdp
