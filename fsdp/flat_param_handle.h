@@ -165,6 +165,8 @@ class FlatParamHandle {
   const std::string& unit_name() const { return unit_name_; }
   ShardingStrategy strategy() const { return options_.strategy; }
   bool is_unsharded() const { return unsharded_; }
+  // Trainable (every parameter requires grad) or frozen (none does).
+  bool requires_grad() const { return params_.front().param.requires_grad(); }
   bool uses_sharded_views() const { return options_.strategy != ShardingStrategy::kNoShard; }
   const std::vector<FlatParamInfo>& params_info() const { return infos_; }
   const std::vector<FlatParamEntry>& entries() const { return params_; }

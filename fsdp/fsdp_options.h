@@ -1,23 +1,50 @@
-// Options shared by every layer of FSDP; the bottom of the fsdp package, so
-// that no two places define a sharding strategy.
+// Options shared by every layer of FSDP; the bottom of the fsdp package.
+// ShardingStrategy itself lives in policies/unit_options.h, since policies
+// choose it per unit without depending on the core.
 #ifndef FSDP_FSDP_FSDP_OPTIONS_H_
 #define FSDP_FSDP_FSDP_OPTIONS_H_
 
+#include <vector>
+
+#include "policies/unit_options.h"
+
+namespace torch::nn {
+class Module;
+}  // namespace torch::nn
+
 namespace fsdp {
-
-// How a unit's parameters, gradients and optimizer state are split.
-enum class ShardingStrategy {
-  kFullShard,    // Shard all three; reshard after forward, re-gather for backward.
-  kShardGradOp,  // Shard all three; keep full parameters from forward to backward.
-  kNoShard,      // Replicate; all-reduce gradients (DDP semantics).
-};
-
-const char* ShardingStrategyName(ShardingStrategy strategy);
 
 // When, in backward, the next unit's all-gather is issued (PyTorch's
 // BackwardPrefetch): at the start of the current unit's backward, or after
 // its gradients are reduced.
 enum class BackwardPrefetch { kNone, kBackwardPre, kBackwardPost };
+
+// The root's options; a wrap policy may override the per-unit ones
+// (policies/unit_options.h) for the units it chooses.
+struct FsdpOptions {
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  // Prefetching follows the order units ran in on the first iteration; at
+  // most one unit is prefetched at a time.
+  BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
+  bool forward_prefetch = false;
+  // PyTorch's limit_all_gathers: before issuing an all-gather, wait on the
+  // host until at most one earlier reshard is still pending on the device,
+  // so that at most two units' all-gathers are in flight
+  // (fsdp/runtime_streams.h). Free on CPU, where frees are synchronous.
+  bool limit_all_gathers = true;
+  // At the end of the first forward, compare the order units ran in across
+  // ranks (two all-gathers, once) and fail on every rank, naming the first
+  // diverging unit and the ranks, if it differs: otherwise equal-sized units
+  // run in different orders exchange the wrong shards without any error.
+  // If the root's forward opens no UnitForward scope, the check runs at the
+  // end of the first backward instead.
+  bool check_execution_order = true;
+  // Subtrees FSDP leaves alone: no policy looks into them and their
+  // parameters are neither sharded nor reduced (each rank keeps and trains
+  // its own copy, as PyTorch's ignored_modules). They must outlive the
+  // model.
+  std::vector<const torch::nn::Module*> ignored_modules;
+};
 
 }  // namespace fsdp
 

@@ -46,10 +46,6 @@ class AccumulatorPostHook final : public torch::autograd::FunctionPostHook {
   std::function<void()> fn_;
 };
 
-bool IsPrefixOf(const std::string& unit_fqn, const std::string& fqn) {
-  return unit_fqn.empty() || fqn.rfind(unit_fqn + ".", 0) == 0;
-}
-
 }  // namespace
 
 FsdpUnit* GetModuleUnit(const torch::nn::Module* module) {
@@ -76,105 +72,65 @@ FullyShardedModel::~FullyShardedModel() {
 absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
     std::shared_ptr<torch::nn::Module> root, Collectives& group, const FsdpOptions& options,
     const UnitSelector& select) {
+  return Wrap(std::move(root), group, options, LambdaPolicy(select, {}, "selector"));
+}
+
+absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
+    std::shared_ptr<torch::nn::Module> root, Collectives& group, const FsdpOptions& options,
+    const WrapPolicy& policy) {
   if (!root) return absl::InvalidArgumentError("FullyShardedModel::Wrap: root is null");
-  const std::string who = absl::StrCat("rank ", group.rank(), " of ", group.world_size());
+  const std::string who = absl::StrCat("rank ", group.rank(), " of ", group.world_size(), ": ");
+  absl::StatusOr<WrapPlan> plan = PlanWrap(*root, group.world_size(), options, policy);
+  if (!plan.ok()) {
+    return absl::Status(plan.status().code(), absl::StrCat(who, plan.status().message()));
+  }
   std::unique_ptr<FullyShardedModel> model(new FullyShardedModel(root, group, options));
-
-  // Units in pre-order, root first.
-  auto root_unit = std::make_unique<FsdpUnit>();
-  root_unit->module_ = root.get();
-  root_unit->is_root_ = true;
-  model->units_.push_back(std::move(root_unit));
-  for (const auto& item : root->named_modules("", /*include_self=*/false)) {
-    if (!select(item.key(), *item.value())) continue;
-    if (dynamic_cast<ShardableModule*>(item.value().get()) == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          who, ": module '", item.key(), "' (", item.value()->name(),
-          ") was selected as an FSDP unit but FSDP cannot hook its forward: derive its "
-          "type from fsdp::ShardableModule and open a fsdp::UnitForward scope in its "
-          "forward (fsdp/fully_shard.h)"));
-    }
-    auto unit = std::make_unique<FsdpUnit>();
-    unit->fqn_ = item.key();
-    unit->module_ = item.value().get();
-    model->units_.push_back(std::move(unit));
-  }
-  {
-    std::lock_guard<std::mutex> lock(RegistryMutex());
-    for (const auto& unit : model->units_) {
-      if (Registry().count(unit->module_) != 0) {
-        return absl::AlreadyExistsError(absl::StrCat(
-            who, ": module '", unit->fqn_.empty() ? "<root>" : unit->fqn_,
-            "' is already part of a wrapped model"));
-      }
-    }
-  }
-
-  // Each parameter belongs to the deepest unit whose subtree holds it. A
-  // parameter reachable under two names must belong to one unit.
-  std::map<const void*, std::vector<std::string>> names;
-  std::vector<std::pair<std::string, at::Tensor>> params;
-  for (const auto& item : root->named_parameters(/*recurse=*/true)) {
-    auto& list = names[item.value().unsafeGetTensorImpl()];
-    if (list.empty()) params.emplace_back(item.key(), item.value());
-    list.push_back(item.key());
-  }
-  auto owner = [&](const std::string& fqn) -> size_t {
-    size_t best = 0;
-    for (size_t u = 1; u < model->units_.size(); ++u) {
-      const std::string& unit_fqn = model->units_[u]->fqn_;
-      if (IsPrefixOf(unit_fqn, fqn) &&
-          unit_fqn.size() > model->units_[best]->fqn_.size()) {
-        best = u;
-      }
-    }
-    return best;
-  };
-  std::vector<std::vector<FlatParamEntry>> entries(model->units_.size());
-  for (const auto& [fqn, param] : params) {
-    const std::vector<std::string>& all = names[param.unsafeGetTensorImpl()];
-    std::set<size_t> owners;
-    for (const std::string& name : all) owners.insert(owner(name));
-    if (owners.size() > 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          who, ": parameter shared as '", absl::StrJoin(all, "' and '"),
-          "' is used by different units; shared parameters must belong to one unit "
-          "that contains every use (wrap their lowest common ancestor instead)"));
-    }
-    entries[*owners.begin()].push_back({fqn, param});
-  }
-  if (!entries[0].empty() && dynamic_cast<ShardableModule*>(root.get()) == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        who, ": the root module (", root->name(), ") holds parameters of its own ('",
-        entries[0].front().fqn, "', ...) but FSDP cannot hook its forward to unshard them: "
-        "derive its type from fsdp::ShardableModule and open a fsdp::UnitForward scope in "
-        "its forward, or select the submodules that hold them as units"));
-  }
   // Every unit's parameters are checked before any handle swaps them to
   // shards: a failed Wrap leaves the model as it was.
-  for (size_t u = 0; u < model->units_.size(); ++u) {
-    if (entries[u].empty()) continue;
-    const std::string& fqn = model->units_[u]->fqn_;
+  std::vector<std::vector<FlatParamEntry>> entries;
+  for (const PlannedUnit& planned : plan->units) {
+    entries.emplace_back();
+    for (size_t i = 0; i < planned.params.size(); ++i) {
+      entries.back().push_back({planned.param_fqns[i], planned.params[i]});
+    }
+    if (entries.back().empty()) continue;
     FSDP_RETURN_IF_ERROR(
-        FlatParamHandle::CheckParams(fqn.empty() ? "<root>" : fqn, entries[u], group));
+        FlatParamHandle::CheckParams(planned.fqn.empty() ? "<root>" : planned.fqn,
+                                     entries.back(), group));
   }
   c10::Device device(c10::DeviceType::CPU);
   for (const auto& unit_entries : entries) {
     if (!unit_entries.empty()) device = unit_entries.front().param.device();
   }
   model->streams_ = std::make_unique<RuntimeStreams>(device);
-  FlatParamHandleOptions handle_options;
-  handle_options.strategy = options.strategy;
-  for (size_t u = 0; u < model->units_.size(); ++u) {
-    FsdpUnit& unit = *model->units_[u];
-    unit.model_ = model.get();
-    if (entries[u].empty()) continue;
-    auto handle = FlatParamHandle::Create(unit.fqn_.empty() ? "<root>" : unit.fqn_,
-                                          std::move(entries[u]), group, handle_options);
-    if (!handle.ok()) return handle.status();
-    unit.handle_ = std::move(*handle);
+  for (size_t u = 0; u < plan->units.size(); ++u) {
+    const PlannedUnit& planned = plan->units[u];
+    auto unit = std::make_unique<FsdpUnit>();
+    unit->fqn_ = planned.fqn;
+    unit->module_ = planned.module;
+    unit->is_root_ = u == 0;
+    unit->strategy_ = planned.strategy;
+    unit->model_ = model.get();
+    if (!entries[u].empty()) {
+      FlatParamHandleOptions handle_options;
+      handle_options.strategy = planned.strategy;
+      auto handle = FlatParamHandle::Create(planned.fqn.empty() ? "<root>" : planned.fqn,
+                                            std::move(entries[u]), group, handle_options);
+      if (!handle.ok()) return handle.status();
+      unit->handle_ = std::move(*handle);
+    }
+    model->units_.push_back(std::move(unit));
   }
+  for (PlannedUnit& planned : plan->units) planned.params.clear();  // No extra references.
+  model->plan_ = std::move(*plan);
   std::lock_guard<std::mutex> lock(RegistryMutex());
+  for (const auto& unit : model->units_) {
+    if (Registry().count(unit->module_) != 0) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          who, "module '", unit->fqn_.empty() ? "<root>" : unit->fqn_,
+          "' was wrapped by another model while this one was being wrapped"));
+    }
+  }
   for (const auto& unit : model->units_) Registry()[unit->module_] = unit.get();
   return model;
 }
@@ -211,7 +167,7 @@ void FullyShardedModel::LazyInit() {
   for (const auto& unit : units_) {
     const int64_t numel = unit->handle_ ? unit->handle_->flat_numel() : 0;
     elements += numel;
-    mix(absl::StrCat(unit->fqn_, ":", numel, ";"));
+    mix(absl::StrCat(unit->fqn_, ":", numel, ":", static_cast<int>(unit->strategy_), ";"));
   }
   const int world = group_.world_size();
   at::Tensor mine = at::tensor({static_cast<double>(units_.size()), static_cast<double>(elements),
@@ -283,8 +239,8 @@ void FullyShardedModel::PostForward(FsdpUnit& unit, const std::vector<at::Tensor
     // FULL_SHARD frees parameters after forward; the root keeps them, since
     // its backward starts right away (as in PyTorch). Without a backward to
     // come, every strategy frees them now.
-    const bool reshard = !backward_follows || (options_.strategy == ShardingStrategy::kFullShard &&
-                                               !unit.is_root_);
+    const bool reshard = !backward_follows ||
+                         (unit.strategy_ == ShardingStrategy::kFullShard && !unit.is_root_);
     if (reshard) Reshard(*handle);
   }
   if (!backward_follows) {
@@ -339,6 +295,7 @@ void FullyShardedModel::PostBackward(FsdpUnit& unit) {
 }
 
 void FullyShardedModel::ReduceOrKeep(FlatParamHandle& handle) {
+  if (!handle.requires_grad()) return;  // A frozen unit has no gradients.
   if (no_sync_) {
     handle.KeepGradientsUnreduced();
     return;
@@ -473,37 +430,40 @@ at::Tensor FullyShardedModel::ClipGradNorm(double max_norm, double norm_type) {
               " must be >= 1 or infinity");
   TORCH_CHECK(max_norm >= 0, "ClipGradNorm: max_norm ", max_norm, " must be >= 0");
   const bool infinity = std::isinf(norm_type);
+  // Sharded units' gradients partition the unsharded ones across ranks;
+  // NO_SHARD units' gradients are whole (and equal) on every rank.
   std::vector<at::Tensor> grads;
+  at::Tensor sharded = at::zeros({1}, at::kDouble);
+  at::Tensor replicated = at::zeros({1}, at::kDouble);
+  bool any_sharded = false;  // The same on every rank (the plan is).
   for (const auto& unit : units_) {
     if (!unit->handle_) continue;
     TORCH_CHECK(!unit->handle_->holds_unreduced_gradients(), Describe(*unit),
                 ": ClipGradNorm inside NoSync (gradients are not reduced yet)");
+    const bool is_sharded = unit->strategy_ != ShardingStrategy::kNoShard;
+    any_sharded = any_sharded || is_sharded;
+    at::Tensor& part = is_sharded ? sharded : replicated;
     for (const FlatParamEntry& entry : unit->handle_->entries()) {
-      if (entry.param.grad().defined()) grads.push_back(entry.param.grad());
+      const at::Tensor& g = entry.param.grad();
+      if (!g.defined()) continue;
+      grads.push_back(g);
+      if (g.numel() == 0) continue;
+      const at::Tensor n = g.detach().abs().to(at::kDouble);
+      part = infinity ? at::maximum(part, n.max().view({1}))
+                      : part + n.pow(norm_type).sum().view({1});
     }
   }
-  // This rank's part: the sum of |g|^p (or max |g|) over its shards, which
-  // partition the unsharded gradients; under NO_SHARD every rank holds the
-  // whole and no communication is needed.
-  at::Tensor local = at::zeros({1}, at::kDouble);
-  for (const at::Tensor& g : grads) {
-    if (g.numel() == 0) continue;
-    const at::Tensor n = g.detach().abs().to(at::kDouble);
-    local = infinity ? at::maximum(local, n.max().view({1}))
-                     : local + n.pow(norm_type).sum().view({1});
+  if (any_sharded && group_.world_size() > 1) {
+    if (infinity) {
+      at::Tensor all = at::empty({group_.world_size()}, at::kDouble);
+      group_.AllGatherIntoTensor(all, sharded)->Wait();
+      sharded = all.max().view({1});
+    } else {
+      group_.AllReduce(sharded, ReduceOp::kSum)->Wait();
+    }
   }
-  const bool sharded = options_.strategy != ShardingStrategy::kNoShard && group_.world_size() > 1;
-  at::Tensor total;
-  if (!sharded) {
-    total = infinity ? local : local.pow(1.0 / norm_type);
-  } else if (infinity) {
-    at::Tensor all = at::empty({group_.world_size()}, at::kDouble);
-    group_.AllGatherIntoTensor(all, local)->Wait();
-    total = all.max().view({1});
-  } else {
-    group_.AllReduce(local, ReduceOp::kSum)->Wait();
-    total = local.pow(1.0 / norm_type);
-  }
+  const at::Tensor total = infinity ? at::maximum(sharded, replicated)
+                                    : (sharded + replicated).pow(1.0 / norm_type);
   const double norm = total.item<double>();
   const double clip_coef = max_norm / (norm + 1e-6);
   if (clip_coef < 1.0) {

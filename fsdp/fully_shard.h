@@ -46,6 +46,8 @@
 #include "fsdp/flat_param_handle.h"
 #include "fsdp/fsdp_options.h"
 #include "fsdp/runtime_streams.h"
+#include "fsdp/wrap_plan.h"
+#include "policies/wrap_policy.h"
 #include "torch/nn/module.h"
 
 namespace torch::autograd {
@@ -54,32 +56,6 @@ struct Node;
 
 namespace fsdp {
 
-// Marks a module type whose forward opens a UnitForward scope: only such
-// modules can be units, since FSDP cannot interpose on a C++ forward call.
-class ShardableModule {
- public:
-  virtual ~ShardableModule() = default;
-};
-
-struct FsdpOptions {
-  ShardingStrategy strategy = ShardingStrategy::kFullShard;
-  // Prefetching follows the order units ran in on the first iteration; at
-  // most one unit is prefetched at a time.
-  BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
-  bool forward_prefetch = false;
-  // PyTorch's limit_all_gathers: before issuing an all-gather, wait on the
-  // host until at most one earlier reshard is still pending on the device,
-  // so that at most two units' all-gathers are in flight
-  // (fsdp/runtime_streams.h). Free on CPU, where frees are synchronous.
-  bool limit_all_gathers = true;
-  // At the end of the first forward, compare the order units ran in across
-  // ranks (two all-gathers, once) and fail on every rank, naming the first
-  // diverging unit and the ranks, if it differs: otherwise equal-sized units
-  // run in different orders exchange the wrong shards without any error.
-  // If the root's forward opens no UnitForward scope, the check runs at the
-  // end of the first backward instead.
-  bool check_execution_order = true;
-};
 
 // Decides which submodules become units; called in pre-order with each
 // submodule's FQN (the root is always a unit of its own).
@@ -105,6 +81,8 @@ class FsdpUnit {
   const torch::nn::Module& module() const { return *module_; }
   FlatParamHandle* handle() const { return handle_.get(); }
   bool is_root() const { return is_root_; }
+  // The root's strategy or the policy's override for this unit.
+  ShardingStrategy strategy() const { return strategy_; }
 
  private:
   friend class FullyShardedModel;
@@ -114,6 +92,7 @@ class FsdpUnit {
   torch::nn::Module* module_ = nullptr;
   std::unique_ptr<FlatParamHandle> handle_;
   bool is_root_ = false;
+  ShardingStrategy strategy_ = ShardingStrategy::kFullShard;
   class FullyShardedModel* model_ = nullptr;
   // From the first iteration's order: the unit to prefetch (index in
   // FullyShardedModel::units_, -1 for none) in forward and in backward.
@@ -132,13 +111,16 @@ class FsdpUnit {
 // sharded).
 class FullyShardedModel {
  public:
-  // Wraps `root`: every module `select` picks (and the root) becomes a unit
-  // and its parameters are sharded over `group`, which must outlive the
-  // model. Fails with kInvalidArgument naming the module when a selected
-  // module is not a ShardableModule (nor the root, if it holds parameters of
-  // its own), when a parameter is shared by two units, or when a handle
-  // cannot flatten its parameters; kAlreadyExists when a module is already
-  // wrapped.
+  // Wraps `root` as the policy plans it (fsdp/wrap_plan.h has the rules):
+  // the root and every module the policy chooses become units with their
+  // options, and their parameters are sharded over `group`, which must
+  // outlive the model. Fails, leaving the model untouched, with PlanWrap's
+  // errors or when a handle cannot flatten its parameters. Every rank must
+  // wrap the same plan (checked at the first forward).
+  static absl::StatusOr<std::unique_ptr<FullyShardedModel>> Wrap(
+      std::shared_ptr<torch::nn::Module> root, Collectives& group,
+      const FsdpOptions& options, const WrapPolicy& policy);
+  // The same with a selector as the policy (a LambdaPolicy).
   static absl::StatusOr<std::unique_ptr<FullyShardedModel>> Wrap(
       std::shared_ptr<torch::nn::Module> root, Collectives& group,
       const FsdpOptions& options, const UnitSelector& select);
@@ -150,6 +132,8 @@ class FullyShardedModel {
   const std::vector<std::unique_ptr<FsdpUnit>>& units() const { return units_; }
   ModelTrainingState training_state() const { return training_state_; }
   const FsdpOptions& options() const { return options_; }
+  // The plan the model was wrapped with (parameter lists without tensors).
+  const WrapPlan& plan() const { return plan_; }
   Collectives& group() const { return group_; }
   const RuntimeStreams& streams() const { return *streams_; }
   const AllGatherRateLimiter& rate_limiter() const { return limiter_; }
@@ -203,6 +187,7 @@ class FullyShardedModel {
   Collectives& group_;
   const FsdpOptions options_;
   std::vector<std::unique_ptr<FsdpUnit>> units_;
+  WrapPlan plan_;
   std::unique_ptr<RuntimeStreams> streams_;
   AllGatherRateLimiter limiter_;
   bool initialized_ = false;

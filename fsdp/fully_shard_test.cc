@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
 #include "testing/multi_rank.h"
 #include "torch/nn/module.h"
@@ -25,60 +26,19 @@
 namespace fsdp {
 namespace {
 
+using ::fsdp::testing::Block;
+using ::fsdp::testing::BlockImpl;
+using ::fsdp::testing::g_after_block_backward;
+using ::fsdp::testing::g_in_block_forward;
 using ::fsdp::testing::kGlobalBatch;
+using ::fsdp::testing::Net;
+using ::fsdp::testing::NetImpl;
 using ::fsdp::testing::Inputs;
 using ::fsdp::testing::MakeOptimizer;
 using ::fsdp::testing::Optim;
 using ::fsdp::testing::RunOnThreadRanks;
 using ::fsdp::testing::Targets;
 using ::testing::HasSubstr;
-
-// Called inside every block's forward, and in backward right after each
-// block's backward, with the block's index; the memory test samples there.
-thread_local std::function<void(int)> g_in_block_forward;
-thread_local std::function<void(int)> g_after_block_backward;
-
-// A block: its forward opens a UnitForward scope; its math is plain.
-struct BlockImpl : torch::nn::Module, ShardableModule {
-  BlockImpl(int64_t in, int64_t out, int index) : index(index) {
-    fc = register_module("fc", torch::nn::Linear(in, out));
-  }
-  at::Tensor forward(at::Tensor x) {
-    UnitForward unit(this);
-    if (g_in_block_forward) g_in_block_forward(index);
-    if (g_after_block_backward && x.requires_grad()) {
-      // The gradient of the block's input is ready once its backward ran.
-      x.register_hook([i = index](const at::Tensor& g) {
-        if (g_after_block_backward) g_after_block_backward(i);
-        return g;
-      });
-    }
-    return unit.Return(at::tanh(fc->forward(x)));
-  }
-  torch::nn::Linear fc{nullptr};
-  int index;
-};
-TORCH_MODULE(Block);
-
-// Three blocks in a ModuleList and a head the root holds itself.
-struct NetImpl : torch::nn::Module, ShardableModule {
-  NetImpl() {
-    blocks = register_module("blocks", torch::nn::ModuleList());
-    blocks->push_back(Block(7, 13, 0));
-    blocks->push_back(Block(13, 11, 1));
-    blocks->push_back(Block(11, 9, 2));
-    head = register_module("head", torch::nn::Linear(9, 5));
-    testing::FillDeterministically(*this);
-  }
-  at::Tensor forward(at::Tensor x) {
-    UnitForward unit(this);
-    for (const auto& block : *blocks) x = block->as<BlockImpl>()->forward(x);
-    return unit.Return(head->forward(x));
-  }
-  torch::nn::ModuleList blocks{nullptr};
-  torch::nn::Linear head{nullptr};
-};
-TORCH_MODULE(Net);
 
 constexpr int kSteps = 5;
 
@@ -684,9 +644,8 @@ TEST(FullyShard, SelectingAModuleFsdpCannotHookIsAnErrorNamingIt) {
         SelectModulesOfType<torch::nn::LinearImpl>());
     ASSERT_FALSE(wrapped.ok());
     EXPECT_THAT(std::string(wrapped.status().message()),
-                ::testing::ContainsRegex("module 'blocks.0.fc' \\([^)]*Linear[^)]*\\) was "
-                                         "selected as an FSDP unit but FSDP cannot hook its "
-                                         "forward"));
+                ::testing::ContainsRegex("chose module 'blocks.0.fc' \\([^)]*Linear[^)]*\\) "
+                                         "as an FSDP unit but FSDP cannot hook its forward"));
     // Nothing was registered by the failed wrap.
     EXPECT_EQ(GetModuleUnit(model.get()), nullptr);
   });
@@ -774,26 +733,28 @@ struct TiedImpl : torch::nn::Module, ShardableModule {
 };
 TORCH_MODULE(Tied);
 
-TEST(FullyShard, ParameterSharedAcrossUnitsIsAnError) {
-  absl::Status status = RunOnThreadRanks(1, [](Collectives& comm) {
+// A parameter registered by two units goes to the lowest unit holding both
+// (here the root), which is unsharded whenever either runs.
+TEST(FullyShard, SharedParameterGoesToTheLowestUnitHoldingAllItsUsers) {
+  absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
     Tied model;
     auto wrapped =
         FullyShardedModel::Wrap(model.ptr(), comm, {},
                                 SelectModulesOfType<SharedWeightBlockImpl>());
-    ASSERT_FALSE(wrapped.ok());
-    EXPECT_THAT(wrapped.status().message(),
-                HasSubstr("parameter shared as 'a.weight' and 'b.weight' is used by "
-                          "different units"));
-    // Wrapping only the root, which contains both uses, works.
-    auto root_only = FullyShardedModel::Wrap(
-        model.ptr(), comm, {}, [](const std::string&, const torch::nn::Module&) { return false; });
-    EXPECT_TRUE(root_only.ok()) << root_only.status();
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+    const WrapPlan& plan = (*wrapped)->plan();
+    ASSERT_EQ(plan.units.size(), 3u);
+    EXPECT_THAT(plan.units[0].param_fqns, ::testing::ElementsAre("a.weight"));
+    EXPECT_TRUE(plan.units[1].param_fqns.empty());
+    EXPECT_TRUE(plan.units[2].param_fqns.empty());
+    EXPECT_NE((*wrapped)->units()[0]->handle(), nullptr);
+    EXPECT_EQ((*wrapped)->units()[1]->handle(), nullptr);
+    EXPECT_EQ(model->a->weight.numel(), 8) << "the root's shard of 16 elements";
+    EXPECT_TRUE(model->a->weight.is_same(model->b->weight));
   });
   EXPECT_TRUE(status.ok()) << status;
 }
 
-// Without grad, every unit frees its parameters after its forward and the
-// model returns to IDLE; a later training step is unaffected.
 TEST(FullyShard, NoGradForwardLeavesNothingUnsharded) {
   absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
     Net model;

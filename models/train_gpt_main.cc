@@ -27,6 +27,7 @@
 #include "comm/rendezvous.h"
 #include "fsdp/fully_shard.h"
 #include "models/gpt.h"
+#include "policies/registry.h"
 #include "torch/optim/adamw.h"
 
 ABSL_FLAG(int, world_size, 2, "Ranks to launch on this host (launcher mode).");
@@ -43,6 +44,14 @@ ABSL_FLAG(std::string, sharding_strategy, "full_shard",
 ABSL_FLAG(std::string, backward_prefetch, "backward_pre",
           "none, backward_pre or backward_post.");
 ABSL_FLAG(bool, forward_prefetch, false, "All-gather the next unit during forward.");
+ABSL_FLAG(std::string, wrap_policy, "module:Block",
+          "Which modules become FSDP units: a policy spec (policies/policy_spec.h), e.g. "
+          "'module:Block', 'module:Block,strategy=shard_grad_op', 'none', or a plugin's "
+          "policy such as 'fqn_glob:transformer.h.*'.");
+ABSL_FLAG(std::string, policy_plugin, "",
+          "Path of a wrap-policy plugin (a shared object, policies/policy_plugin.h) to load "
+          "before building --wrap_policy.");
+ABSL_FLAG(bool, print_plan, true, "Print the wrap plan (rank 0) before training.");
 ABSL_FLAG(uint64_t, seed, 1234, "Model initialization and batch sampling.");
 ABSL_FLAG(int, log_every, 25, "Print progress every this many steps.");
 ABSL_FLAG(int, timeout_s, 600, "Whole-job timeout (launcher mode).");
@@ -51,12 +60,13 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-absl::StatusOr<fsdp::ShardingStrategy> ParseStrategy(const std::string& name) {
-  if (name == "full_shard") return fsdp::ShardingStrategy::kFullShard;
-  if (name == "shard_grad_op") return fsdp::ShardingStrategy::kShardGradOp;
-  if (name == "no_shard") return fsdp::ShardingStrategy::kNoShard;
-  return absl::InvalidArgumentError("--sharding_strategy=" + name +
-                                    ": expected full_shard, shard_grad_op or no_shard");
+// Loads --policy_plugin (if any) and builds --wrap_policy.
+absl::StatusOr<std::unique_ptr<fsdp::WrapPolicy>> BuildWrapPolicy() {
+  const std::string plugin = absl::GetFlag(FLAGS_policy_plugin);
+  if (!plugin.empty()) {
+    if (absl::Status s = fsdp::LoadPolicyPlugin(plugin); !s.ok()) return s;
+  }
+  return fsdp::PolicyRegistry::Global().Build(absl::GetFlag(FLAGS_wrap_policy));
 }
 
 // A byte-level corpus with structure to learn: lines of sums, "17+25=42".
@@ -78,7 +88,8 @@ absl::StatusOr<fsdp::BackwardPrefetch> ParseBackwardPrefetch(const std::string& 
                                     ": expected none, backward_pre or backward_post");
 }
 
-int RunRank(const fsdp::LaunchEnvironment& env, const fsdp::FsdpOptions& options) {
+int RunRank(const fsdp::LaunchEnvironment& env, const fsdp::FsdpOptions& options,
+            const fsdp::WrapPolicy& policy) {
   fsdp::GlooOptions gloo;
   gloo.timeout = std::chrono::seconds(120);
   std::unique_ptr<fsdp::Collectives> comm =
@@ -97,9 +108,11 @@ int RunRank(const fsdp::LaunchEnvironment& env, const fsdp::FsdpOptions& options
   for (const auto& p : model->parameters()) unsharded_param_bytes += p.nbytes();
   unsharded_param_bytes -= model->lm_head->weight.nbytes();  // Tied: counted once.
 
-  std::unique_ptr<fsdp::FullyShardedModel> fsdp_model = fsdp::ValueOrThrow(
-      fsdp::FullyShardedModel::Wrap(model.ptr(), *comm, options,
-                                    fsdp::SelectModulesOfType<models::BlockImpl>()));
+  std::unique_ptr<fsdp::FullyShardedModel> fsdp_model =
+      fsdp::ValueOrThrow(fsdp::FullyShardedModel::Wrap(model.ptr(), *comm, options, policy));
+  if (print && absl::GetFlag(FLAGS_print_plan)) {
+    std::printf("%s", fsdp_model->plan().ToString().c_str());
+  }
   int64_t shard_param_bytes = 0;
   for (const auto& unit : fsdp_model->units()) {
     if (unit->handle() != nullptr) shard_param_bytes += unit->handle()->local_shard().nbytes();
@@ -179,10 +192,13 @@ int RunRank(const fsdp::LaunchEnvironment& env, const fsdp::FsdpOptions& options
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   absl::StatusOr<fsdp::ShardingStrategy> strategy =
-      ParseStrategy(absl::GetFlag(FLAGS_sharding_strategy));
+      fsdp::ParseShardingStrategy(absl::GetFlag(FLAGS_sharding_strategy));
   absl::StatusOr<fsdp::BackwardPrefetch> prefetch =
       ParseBackwardPrefetch(absl::GetFlag(FLAGS_backward_prefetch));
-  for (const absl::Status& s : {strategy.status(), prefetch.status()}) {
+  // Checked here too, so that a bad spec or plugin fails before any rank
+  // starts.
+  absl::StatusOr<std::unique_ptr<fsdp::WrapPolicy>> policy = BuildWrapPolicy();
+  for (const absl::Status& s : {strategy.status(), prefetch.status(), policy.status()}) {
     if (!s.ok()) {
       std::fprintf(stderr, "train_gpt: %s\n", s.ToString().c_str());
       return 2;
@@ -211,7 +227,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    return RunRank(*env, options);
+    return RunRank(*env, options, **policy);
   } catch (...) {
     std::fprintf(stderr, "train_gpt rank %d: %s\n", env->rank,
                  std::string(fsdp::StatusFromCurrentException().message()).c_str());

@@ -1,0 +1,232 @@
+#include "fsdp/wrap_plan.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "fsdp/fully_shard.h"
+
+namespace fsdp {
+namespace {
+
+bool IsPrefixOf(const std::string& unit_fqn, const std::string& fqn) {
+  return unit_fqn.empty() || fqn == unit_fqn || fqn.rfind(unit_fqn + ".", 0) == 0;
+}
+
+std::string UnitName(const std::string& fqn) { return fqn.empty() ? "<root>" : fqn; }
+
+}  // namespace
+
+absl::StatusOr<WrapPlan> PlanWrap(torch::nn::Module& root, int world_size,
+                                  const FsdpOptions& options, const WrapPolicy& policy) {
+  if (world_size < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("PlanWrap: world size ", world_size));
+  }
+  if (GetModuleUnit(&root) != nullptr) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("the root module (", root.name(), ") is already part of a wrapped model"));
+  }
+  WrapPlan plan;
+  plan.policy = policy.Describe();
+  plan.world_size = world_size;
+  plan.root_strategy = options.strategy;
+
+  // Subtrees left alone: ignored modules and modules another model wraps.
+  std::set<const torch::nn::Module*> ignored(options.ignored_modules.begin(),
+                                             options.ignored_modules.end());
+  std::vector<std::string> excluded_fqns;
+  std::map<const torch::nn::Module*, std::string> fqn_of;
+  std::set<const torch::nn::Module*> inside_excluded;
+  for (const auto& item : root.named_modules("", /*include_self=*/false)) {
+    const torch::nn::Module* module = item.value().get();
+    if (fqn_of.count(module) != 0) continue;  // A module reachable twice keeps its first name.
+    fqn_of[module] = item.key();
+    bool under = false;
+    for (const std::string& e : excluded_fqns) under = under || IsPrefixOf(e, item.key());
+    if (under) {
+      inside_excluded.insert(module);
+      continue;
+    }
+    if (ignored.count(module) != 0) {
+      excluded_fqns.push_back(item.key());
+      inside_excluded.insert(module);
+    } else if (GetModuleUnit(module) != nullptr) {
+      excluded_fqns.push_back(item.key());
+      inside_excluded.insert(module);
+      plan.left_alone.push_back(item.key());
+    }
+  }
+  for (const torch::nn::Module* module : options.ignored_modules) {
+    if (module == &root) {
+      return absl::InvalidArgumentError("the root module cannot be an ignored module");
+    }
+    if (fqn_of.count(module) == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "an ignored module (", module == nullptr ? "null" : module->name(),
+          ") is not a submodule of the root"));
+    }
+  }
+
+  PolicyInput input;
+  input.root = &root;
+  input.root_options.strategy = options.strategy;
+  input.can_be_unit = [](const torch::nn::Module& m) {
+    return dynamic_cast<const ShardableModule*>(&m) != nullptr;
+  };
+  input.is_excluded = [&inside_excluded](const torch::nn::Module& m) {
+    return inside_excluded.count(&m) != 0;
+  };
+  absl::StatusOr<std::vector<UnitTarget>> targets = policy.Targets(input);
+  if (!targets.ok()) return targets.status();
+
+  std::map<const torch::nn::Module*, UnitOptions> chosen;
+  for (const UnitTarget& target : *targets) {
+    const std::string where = absl::StrCat("wrap policy '", plan.policy, "' chose ");
+    if (target.module == &root) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, "the root, which is always a unit; return only submodules"));
+    }
+    auto it = fqn_of.find(target.module);
+    if (target.module == nullptr || it == fqn_of.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, "module '", target.fqn, "', which is not a submodule of the root"));
+    }
+    if (inside_excluded.count(target.module) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, "module '", it->second, "', which is ignored or inside an ignored or "
+          "already wrapped subtree"));
+    }
+    if (!chosen.emplace(target.module, target.options).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, "module '", it->second, "' twice"));
+    }
+    if (dynamic_cast<const ShardableModule*>(target.module) == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, "module '", it->second, "' (", target.module->name(),
+          ") as an FSDP unit but FSDP cannot hook its forward: derive its type from "
+          "fsdp::ShardableModule and open a fsdp::UnitForward scope in its forward "
+          "(fsdp/fully_shard.h)"));
+    }
+  }
+
+  // Units in pre-order, root first.
+  PlannedUnit root_unit;
+  root_unit.type = root.name();
+  root_unit.module = &root;
+  root_unit.strategy = options.strategy;
+  plan.units.push_back(std::move(root_unit));
+  for (const auto& item : root.named_modules("", /*include_self=*/false)) {
+    auto it = chosen.find(item.value().get());
+    if (it == chosen.end() || fqn_of[it->first] != item.key()) continue;
+    PlannedUnit unit;
+    unit.fqn = item.key();
+    unit.type = item.value()->name();
+    unit.module = item.value().get();
+    unit.overrides = it->second;
+    unit.strategy = it->second.strategy.value_or(options.strategy);
+    for (const PlannedUnit& other : plan.units) {
+      if (!other.fqn.empty() && IsPrefixOf(other.fqn, unit.fqn)) ++unit.depth;
+    }
+    ++unit.depth;  // Below the root.
+    plan.units.push_back(std::move(unit));
+  }
+
+  // Each parameter goes to the deepest unit containing all its names.
+  std::map<const void*, std::vector<std::string>> names;
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  for (const auto& item : root.named_parameters(/*recurse=*/true)) {
+    auto& list = names[item.value().unsafeGetTensorImpl()];
+    if (list.empty()) params.emplace_back(item.key(), item.value());
+    list.push_back(item.key());
+  }
+  for (const auto& [fqn, param] : params) {
+    const std::vector<std::string>& all = names[param.unsafeGetTensorImpl()];
+    bool excluded = false;
+    for (const std::string& name : all) {
+      for (const std::string& e : excluded_fqns) excluded = excluded || IsPrefixOf(e, name);
+    }
+    if (excluded) {
+      // Under an ignored module (or another model, which reports its own).
+      bool in_ignored = false;
+      for (const std::string& name : all) {
+        for (const std::string& e : excluded_fqns) {
+          const bool left_alone = std::find(plan.left_alone.begin(), plan.left_alone.end(),
+                                            e) != plan.left_alone.end();
+          in_ignored = in_ignored || (!left_alone && IsPrefixOf(e, name));
+        }
+      }
+      if (in_ignored) plan.ignored_params.push_back(absl::StrJoin(all, " = "));
+      continue;
+    }
+    size_t best = 0;
+    for (size_t u = 1; u < plan.units.size(); ++u) {
+      bool holds_all = true;
+      for (const std::string& name : all) {
+        holds_all = holds_all && IsPrefixOf(plan.units[u].fqn, name);
+      }
+      if (holds_all && plan.units[u].fqn.size() > plan.units[best].fqn.size()) best = u;
+    }
+    plan.units[best].param_fqns.push_back(fqn);
+    plan.units[best].params.push_back(param);
+  }
+
+  for (PlannedUnit& unit : plan.units) {
+    std::vector<std::string> frozen, trainable;
+    for (size_t i = 0; i < unit.params.size(); ++i) {
+      (unit.params[i].requires_grad() ? trainable : frozen).push_back(unit.param_fqns[i]);
+      unit.numel += unit.params[i].numel();
+    }
+    if (!frozen.empty() && !trainable.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unit '", UnitName(unit.fqn), "' (", unit.type,
+          ") mixes frozen and trainable parameters, but its flat parameter has one "
+          "requires_grad: frozen: ", absl::StrJoin(frozen, ", "),
+          "; trainable: ", absl::StrJoin(trainable, ", "),
+          ". Make the frozen (or trainable) part a unit of its own, or freeze the whole unit."));
+    }
+    unit.frozen = !frozen.empty();
+    const int64_t w = unit.strategy == ShardingStrategy::kNoShard ? 1 : world_size;
+    unit.shard_numel = (unit.numel + w - 1) / w;
+  }
+  if (!plan.units.front().params.empty() &&
+      dynamic_cast<ShardableModule*>(&root) == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the root module (", root.name(), ") holds parameters of its own ('",
+        plan.units.front().param_fqns.front(),
+        "', ...) but FSDP cannot hook its forward to unshard them: derive its type from "
+        "fsdp::ShardableModule and open a fsdp::UnitForward scope in its forward, or "
+        "choose the submodules that hold them as units"));
+  }
+  return plan;
+}
+
+std::string WrapPlan::ToString() const {
+  std::string out = absl::StrCat("FSDP wrap plan: policy '", policy, "', world size ",
+                                 world_size, ", root strategy ",
+                                 ShardingStrategyName(root_strategy), "\n");
+  int64_t total = 0, per_rank = 0;
+  for (const PlannedUnit& unit : units) {
+    total += unit.numel;
+    per_rank += unit.shard_numel;
+    absl::StrAppend(
+        &out, std::string(2 + 2 * unit.depth, ' '), UnitName(unit.fqn), " (", unit.type, "): ",
+        ShardingStrategyName(unit.strategy), unit.overrides.empty() ? "" : " (override)",
+        unit.frozen ? ", frozen" : "", ", ", unit.param_fqns.size(), " params, ", unit.numel,
+        " elements, shard ", unit.shard_numel, " per rank\n");
+  }
+  for (const std::string& p : ignored_params) absl::StrAppend(&out, "  ignored: ", p, "\n");
+  for (const std::string& m : left_alone) {
+    absl::StrAppend(&out, "  left alone (wrapped by another model): ", m, "\n");
+  }
+  absl::StrAppend(&out, "  total: ", units.size(), " units, ", total,
+                  " elements; persistent per rank: ", per_rank, " elements (",
+                  absl::StrFormat("%.1f", total > 0 ? 100.0 * per_rank / total : 0.0),
+                  "% of unsharded)\n");
+  return out;
+}
+
+}  // namespace fsdp

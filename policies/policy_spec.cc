@@ -1,0 +1,130 @@
+#include "policies/policy_spec.h"
+
+#include <set>
+
+#include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+
+namespace fsdp {
+namespace {
+
+bool IsIdentifier(absl::string_view text) {
+  if (text.empty()) return false;
+  for (char c : text) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '_' && c != '.' && c != '-') {
+      return false;
+    }
+  }
+  return true;
+}
+
+absl::Status SpecError(absl::string_view spec, absl::string_view problem) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("wrap policy spec '", spec, "': ", problem,
+                   " (grammar: name[:arg,key=value,...][+name...]; see policies/policy_spec.h)"));
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<PolicySpec>> ParsePolicySpecs(absl::string_view spec) {
+  std::vector<PolicySpec> specs;
+  if (absl::StripAsciiWhitespace(spec).empty()) return SpecError(spec, "empty spec");
+  for (absl::string_view part : absl::StrSplit(spec, '+')) {
+    part = absl::StripAsciiWhitespace(part);
+    if (part.empty()) return SpecError(spec, "empty policy between '+'");
+    PolicySpec parsed;
+    parsed.text = std::string(part);
+    const size_t colon = part.find(':');
+    parsed.name = std::string(absl::StripAsciiWhitespace(part.substr(0, colon)));
+    if (!IsIdentifier(parsed.name)) {
+      return SpecError(spec, absl::StrCat("bad policy name '", parsed.name, "'"));
+    }
+    if (colon != absl::string_view::npos) {
+      for (absl::string_view arg : absl::StrSplit(part.substr(colon + 1), ',')) {
+        arg = absl::StripAsciiWhitespace(arg);
+        if (arg.empty()) {
+          return SpecError(spec, absl::StrCat("empty argument in '", part, "'"));
+        }
+        const size_t eq = arg.find('=');
+        if (eq == absl::string_view::npos) {
+          parsed.positional.emplace_back(arg);
+          continue;
+        }
+        absl::string_view key = absl::StripAsciiWhitespace(arg.substr(0, eq));
+        absl::string_view value = absl::StripAsciiWhitespace(arg.substr(eq + 1));
+        if (!IsIdentifier(key)) return SpecError(spec, absl::StrCat("bad key in '", arg, "'"));
+        if (value.empty()) return SpecError(spec, absl::StrCat("no value in '", arg, "'"));
+        parsed.named.emplace_back(std::string(key), std::string(value));
+      }
+    }
+    specs.push_back(std::move(parsed));
+  }
+  return specs;
+}
+
+absl::Status PolicySpec::CheckKeys(const std::vector<std::string>& known) const {
+  std::set<std::string> seen;
+  for (const auto& [key, value] : named) {
+    if (!seen.insert(key).second) {
+      return SpecError(text, absl::StrCat("'", key, "' given twice"));
+    }
+    bool ok = key == "strategy";
+    for (const std::string& k : known) ok = ok || k == key;
+    if (!ok) {
+      std::string valid = "strategy";
+      for (const std::string& k : known) absl::StrAppend(&valid, ", ", k);
+      return SpecError(text, absl::StrCat("policy '", name, "' has no argument '", key,
+                                          "' (it takes: ", valid, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PolicySpec::CheckNoPositional() const {
+  if (positional.empty()) return absl::OkStatus();
+  return SpecError(text, absl::StrCat("policy '", name, "' takes only key=value arguments, got '",
+                                      positional.front(), "'"));
+}
+
+const std::string* PolicySpec::Find(const std::string& key) const {
+  for (const auto& [k, v] : named) {
+    if (k == key) return &v;
+  }
+  return nullptr;
+}
+
+absl::StatusOr<int64_t> PolicySpec::GetInt(const std::string& key, int64_t default_value) const {
+  const std::string* value = Find(key);
+  if (value == nullptr) return default_value;
+  int64_t parsed = 0;
+  if (!absl::SimpleAtoi(*value, &parsed)) {
+    return SpecError(text, absl::StrCat("'", key, "' must be an integer, got '", *value, "'"));
+  }
+  return parsed;
+}
+
+std::vector<std::string> PolicySpec::GetList(const std::string& key,
+                                             std::vector<std::string> default_value) const {
+  const std::string* value = Find(key);
+  if (value == nullptr) return default_value;
+  std::vector<std::string> items;
+  for (absl::string_view item : absl::StrSplit(*value, '|', absl::SkipWhitespace())) {
+    items.emplace_back(absl::StripAsciiWhitespace(item));
+  }
+  return items;
+}
+
+absl::StatusOr<UnitOptions> PolicySpec::GetUnitOptions() const {
+  UnitOptions options;
+  if (const std::string* value = Find("strategy")) {
+    absl::StatusOr<ShardingStrategy> strategy = ParseShardingStrategy(*value);
+    if (!strategy.ok()) return SpecError(text, strategy.status().message());
+    options.strategy = *strategy;
+  }
+  return options;
+}
+
+}  // namespace fsdp
