@@ -51,6 +51,8 @@ ABSL_FLAG(std::string, wrap_policy, "module:Block",
 ABSL_FLAG(std::string, policy_plugin, "",
           "Path of a wrap-policy plugin (a shared object, policies/policy_plugin.h) to load "
           "before building --wrap_policy.");
+ABSL_FLAG(bool, list_policies, false,
+          "Print the registered wrap policies (after loading --policy_plugin) and exit.");
 ABSL_FLAG(bool, print_plan, true, "Print the wrap plan (rank 0) before training.");
 ABSL_FLAG(uint64_t, seed, 1234, "Model initialization and batch sampling.");
 ABSL_FLAG(int, log_every, 25, "Print progress every this many steps.");
@@ -198,6 +200,13 @@ int main(int argc, char** argv) {
   // Checked here too, so that a bad spec or plugin fails before any rank
   // starts.
   absl::StatusOr<std::unique_ptr<fsdp::WrapPolicy>> policy = BuildWrapPolicy();
+  if (absl::GetFlag(FLAGS_list_policies)) {
+    for (const auto& entry : fsdp::PolicyRegistry::Global().List()) {
+      std::printf("%-10s %s (%s)\n", entry.name.c_str(), entry.help.c_str(),
+                  entry.origin.c_str());
+    }
+    return policy.ok() ? 0 : 2;
+  }
   for (const absl::Status& s : {strategy.status(), prefetch.status(), policy.status()}) {
     if (!s.ok()) {
       std::fprintf(stderr, "train_gpt: %s\n", s.ToString().c_str());
