@@ -176,6 +176,11 @@ class FlatParamHandle {
 
   // This rank's shard (S elements, padding included).
   const at::Tensor& local_shard() const { return local_shard_; }
+  // Parameter i's part of this rank's shard: 1-D and possibly empty (the
+  // elements [shard_offset, shard_offset + shard_numel) of the flattened
+  // parameter), or under NO_SHARD the whole parameter in its shape. Writing
+  // into it writes the shard (what state dict loading does).
+  at::Tensor LocalShardOf(size_t i) const { return ShardView(local_shard_, i); }
 
   // Bytes currently allocated for the full parameter (0 when resharded):
   // what the memory tests sample.

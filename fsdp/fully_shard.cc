@@ -1,5 +1,6 @@
 #include "fsdp/fully_shard.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -46,6 +47,11 @@ class AccumulatorPostHook final : public torch::autograd::FunctionPostHook {
   std::function<void()> fn_;
 };
 
+uint64_t NextModelId() {
+  static std::atomic<uint64_t> next{1};
+  return next++;
+}
+
 }  // namespace
 
 FsdpUnit* GetModuleUnit(const torch::nn::Module* module) {
@@ -59,6 +65,7 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<torch::nn::Module> root,
     : root_(std::move(root)),
       group_(group),
       options_(options),
+      id_(NextModelId()),
       limiter_(options.limit_all_gathers ? 2 : 0) {}
 
 FullyShardedModel::~FullyShardedModel() {

@@ -130,6 +130,9 @@ class FullyShardedModel {
   ~FullyShardedModel();
 
   const std::vector<std::unique_ptr<FsdpUnit>>& units() const { return units_; }
+  // Unique in the process, never reused: a key for side tables of layers
+  // above the core (state dict settings).
+  uint64_t id() const { return id_; }
   ModelTrainingState training_state() const { return training_state_; }
   const FsdpOptions& options() const { return options_; }
   // The plan the model was wrapped with (parameter lists without tensors).
@@ -186,6 +189,7 @@ class FullyShardedModel {
   std::shared_ptr<torch::nn::Module> root_;
   Collectives& group_;
   const FsdpOptions options_;
+  const uint64_t id_;
   std::vector<std::unique_ptr<FsdpUnit>> units_;
   WrapPlan plan_;
   std::unique_ptr<RuntimeStreams> streams_;

@@ -1,0 +1,239 @@
+#include "statedict/state_dict.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "ATen/ATen.h"
+#include "absl/strings/str_cat.h"
+#include "fsdp/fully_shard.h"
+#include "fsdp/test_models.h"
+#include "fsdp/test_util.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "statedict/torch_file.h"
+#include "testing/multi_rank.h"
+
+namespace fsdp {
+namespace {
+
+using ::fsdp::testing::BlockImpl;
+using ::fsdp::testing::Inputs;
+using ::fsdp::testing::kGlobalBatch;
+using ::fsdp::testing::MakeOptimizer;
+using ::fsdp::testing::Net;
+using ::fsdp::testing::Optim;
+using ::fsdp::testing::RunOnThreadRanks;
+using ::fsdp::testing::Targets;
+using ::testing::ElementsAreArray;
+using ::testing::HasSubstr;
+
+std::string TempDir() {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  return dir != nullptr ? dir : "/tmp";
+}
+
+std::vector<std::string> Keys(const StateDict& state) {
+  std::vector<std::string> keys;
+  for (const auto& [name, tensor] : state) keys.push_back(name);
+  return keys;
+}
+
+// Every rank's persistent storage: its shards, as copies.
+std::vector<at::Tensor> Shards(const FullyShardedModel& model) {
+  std::vector<at::Tensor> shards;
+  for (const auto& unit : model.units()) {
+    if (unit->handle() != nullptr) shards.push_back(unit->handle()->local_shard().clone());
+  }
+  return shards;
+}
+
+struct Case {
+  int world_size;
+  ShardingStrategy strategy;
+};
+
+class FullStateDict : public ::testing::TestWithParam<Case> {};
+
+// The gathered state dict equals the unwrapped model's, key for key, while
+// no rank ever holds more than one unit's full parameters.
+TEST_P(FullStateDict, EqualsTheUnwrappedModelsAndGathersOneUnitAtATime) {
+  const Case c = GetParam();
+  Net reference;
+  const StateDict want = ModuleStateDict(*reference);
+  absl::Status status = RunOnThreadRanks(c.world_size, [&](Collectives& comm) {
+    Net model;
+    FsdpOptions options;
+    options.strategy = c.strategy;
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+    int64_t largest_unit = 0;
+    for (const auto& unit : (*wrapped)->units()) {
+      largest_unit = std::max(largest_unit, unit->handle()->padded_numel() * 4);
+    }
+    FullStateDictStats stats;
+    auto state = StateDictOf(**wrapped, &stats);
+    ASSERT_TRUE(state.ok()) << state.status();
+    EXPECT_THAT(Keys(*state), ElementsAreArray(Keys(want)));
+    for (size_t k = 0; k < want.size(); ++k) {
+      EXPECT_TRUE(at::equal((*state)[k].second, want[k].second)) << want[k].first;
+    }
+    if (c.strategy != ShardingStrategy::kNoShard) {
+      EXPECT_GT(stats.peak_full_param_bytes, 0);
+      EXPECT_LE(stats.peak_full_param_bytes, largest_unit) << "more than one unit at a time";
+    }
+    EXPECT_EQ((*wrapped)->FullParamBytes(), 0);
+
+    // rank0_only: the other ranks take part but get nothing.
+    StateDictTypeScope scope(**wrapped, {StateDictType::kFull, /*rank0_only=*/true});
+    auto rank0 = StateDictOf(**wrapped);
+    ASSERT_TRUE(rank0.ok()) << rank0.status();
+    EXPECT_EQ(rank0->size(), comm.rank() == 0 ? want.size() : 0u);
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+std::vector<Case> Cases() {
+  std::vector<Case> cases;
+  for (int w : {1, 2, 3, 4}) {
+    for (ShardingStrategy s : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                               ShardingStrategy::kNoShard}) {
+      cases.push_back({w, s});
+    }
+  }
+  return cases;
+}
+
+std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
+  return absl::StrCat("W", info.param.world_size, "_", ShardingStrategyName(info.param.strategy));
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, FullStateDict, ::testing::ValuesIn(Cases()), CaseName);
+
+// Train at W = 3, save on rank 0 through a torch.save file, load at W = 2
+// and into the unwrapped model: all three compute the same outputs.
+TEST(FullStateDictFile, SavedAtOneWorldSizeLoadsAtAnotherAndIntoThePlainModule) {
+  const std::string path = TempDir() + "/net_w3.pt";
+  absl::Status trained = RunOnThreadRanks(3, [&](Collectives& comm) {
+    Net model;
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok());
+    auto optimizer = MakeOptimizer(Optim::kAdam, model->parameters());
+    const int64_t rows = kGlobalBatch / 3;
+    for (int step = 0; step < 3; ++step) {
+      at::mse_loss(model->forward(Inputs(step, 0).narrow(0, comm.rank() * rows, rows)),
+                   Targets(step, 0).narrow(0, comm.rank() * rows, rows))
+          .backward();
+      optimizer->step();
+      optimizer->zero_grad();
+    }
+    StateDictTypeScope scope(**wrapped, {StateDictType::kFull, /*rank0_only=*/true});
+    auto state = StateDictOf(**wrapped);
+    ASSERT_TRUE(state.ok()) << state.status();
+    if (comm.rank() == 0) ASSERT_TRUE(SaveTorchStateDict(path, *state).ok());
+  });
+  ASSERT_TRUE(trained.ok()) << trained;
+
+  auto state = LoadTorchStateDict(path);
+  ASSERT_TRUE(state.ok()) << state.status();
+  Net plain;
+  ASSERT_TRUE(LoadModuleStateDict(*plain, *state).ok());
+  const at::Tensor x = Inputs(9, 0);
+  const at::Tensor want = plain->forward(x).detach();
+  EXPECT_FALSE(at::equal(want, Net()->forward(x).detach())) << "training changed nothing?";
+
+  absl::Status loaded = RunOnThreadRanks(2, [&](Collectives& comm) {
+    Net model;
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok());
+    auto from_file = LoadTorchStateDict(path);  // Every rank reads the file.
+    ASSERT_TRUE(from_file.ok());
+    ASSERT_TRUE(LoadStateDict(**wrapped, *from_file).ok());
+    at::Tensor out;
+    {
+      at::NoGradGuard no_grad;
+      out = model->forward(x);
+    }
+    EXPECT_TRUE(at::allclose(out, want, 1e-6, 1e-7));
+  });
+  EXPECT_TRUE(loaded.ok()) << loaded;
+}
+
+TEST(FullStateDictLoad, EveryProblemIsListedAndTheModelIsUntouched) {
+  absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
+    Net model;
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok());
+    const std::vector<at::Tensor> before = Shards(**wrapped);
+    Net other;
+    StateDict bad = ModuleStateDict(*other);
+    for (auto& [name, tensor] : bad) tensor = tensor + 1;  // Would change every value.
+    auto find = [&bad](const std::string& name) -> at::Tensor& {
+      for (auto& [k, v] : bad) {
+        if (k == name) return v;
+      }
+      ADD_FAILURE() << "no " << name;
+      return bad.front().second;
+    };
+    find("blocks.1.fc.weight") = at::zeros({3, 3});
+    find("blocks.1.fc.bias") = find("blocks.1.fc.bias").to(at::kDouble);
+    bad.erase(std::find_if(bad.begin(), bad.end(),
+                           [](const auto& kv) { return kv.first == "blocks.0.fc.bias"; }));
+    bad.emplace_back("extra.weight", at::zeros({1}));
+    absl::Status load = LoadStateDict(**wrapped, bad);
+    ASSERT_FALSE(load.ok());
+    EXPECT_EQ(load.code(), absl::StatusCode::kInvalidArgument);
+    const std::string message(load.message());
+    EXPECT_THAT(message, HasSubstr(absl::StrCat("rank ", comm.rank(), " of 2: cannot load the "
+                                                "state dict (nothing was changed)")));
+    EXPECT_THAT(message, HasSubstr("'blocks.1.fc.weight' has shape [3, 3], the model's is [11, 13]"));
+    EXPECT_THAT(message, HasSubstr("'blocks.1.fc.bias' has dtype Double, the model's is Float"));
+    EXPECT_THAT(message, HasSubstr("missing keys: blocks.0.fc.bias"));
+    EXPECT_THAT(message, HasSubstr("unexpected keys: extra.weight"));
+    const std::vector<at::Tensor> after = Shards(**wrapped);
+    for (size_t i = 0; i < before.size(); ++i) {
+      EXPECT_TRUE(at::equal(before[i], after[i])) << "unit " << i << " changed";
+    }
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+TEST(FullStateDictLoad, RefusedInsideSummonFullParams) {
+  absl::Status status = RunOnThreadRanks(1, [](Collectives& comm) {
+    Net model;
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok());
+    SummonFullParams full(**wrapped);
+    auto state = StateDictOf(**wrapped);
+    EXPECT_EQ(state.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(state.status().message(), HasSubstr("(inside SummonFullParams?)"));
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+TEST(StateDictType, ScopeRestoresThePreviousSettingAndOtherTypesSayTheyAreMissing) {
+  absl::Status status = RunOnThreadRanks(1, [](Collectives& comm) {
+    Net model;
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok());
+    EXPECT_EQ(GetStateDictSettings(**wrapped).type, StateDictType::kFull);
+    {
+      StateDictTypeScope scope(**wrapped, {StateDictType::kSharded});
+      EXPECT_EQ(GetStateDictSettings(**wrapped).type, StateDictType::kSharded);
+      auto state = StateDictOf(**wrapped);
+      EXPECT_EQ(state.status().code(), absl::StatusCode::kUnimplemented);
+    }
+    EXPECT_EQ(GetStateDictSettings(**wrapped).type, StateDictType::kFull);
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+}  // namespace
+}  // namespace fsdp

@@ -1,0 +1,49 @@
+// State dicts in the file format of Python's torch.save (a zip archive with
+// a pickle, data.pkl, and one record per tensor storage), so that
+// checkpoints move between this project and PyTorch both ways:
+//
+//   C++ SaveTorchStateDict  ->  Python torch.load(path) -> dict of tensors
+//   Python torch.save(model.state_dict(), path)  ->  C++ LoadTorchStateDict
+//
+// Writing uses libtorch's own pickler and archive writer, streaming into an
+// atomically committed file (statedict/atomic_file.h). Reading cannot use
+// libtorch 1.13's unpickler, which rejects what Python's pickler writes for
+// a state dict (an OrderedDict with a _metadata attribute, SETITEMS); this
+// file has its own reader for the subset torch.save produces for tensors in
+// (nested) dicts, lists and tuples. It never executes anything: a pickle
+// that names any global but the few tensor and container constructors below
+// is an error naming it.
+#ifndef FSDP_STATEDICT_TORCH_FILE_H_
+#define FSDP_STATEDICT_TORCH_FILE_H_
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ATen/core/Tensor.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace fsdp {
+
+// An ordered state dict: names (FQNs) and tensors. A tensor may appear
+// under several names (tied parameters); the file then stores it once.
+using StateDict = std::vector<std::pair<std::string, at::Tensor>>;
+
+// Writes `state` as a dict {name: tensor}, readable by torch.load. Tensors
+// must be on CPU (the caller offloads).
+absl::Status SaveTorchStateDict(const std::string& path, const StateDict& state);
+
+// Reads the dict of tensors at `path` (written by torch.save or by
+// SaveTorchStateDict). `entry` selects a nested dict of tensors inside the
+// top-level dict (e.g. "model" for nanoGPT's ckpt.pt); "" means the top
+// level itself. Tensors come back contiguous, on CPU, not requiring grad.
+// Fails, naming the file, on anything else: not a zip archive, a truncated
+// or corrupt archive, a pickle feature or global outside the subset, a
+// missing storage record, a non-tensor value in the selected dict.
+absl::StatusOr<StateDict> LoadTorchStateDict(const std::string& path,
+                                             const std::string& entry = "");
+
+}  // namespace fsdp
+
+#endif  // FSDP_STATEDICT_TORCH_FILE_H_

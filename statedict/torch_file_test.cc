@@ -1,0 +1,190 @@
+#include "statedict/torch_file.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <string>
+
+#include "ATen/ATen.h"
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "statedict/atomic_file.h"
+
+namespace fsdp {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Debian's python3-torch belongs to Debian's own Python.
+constexpr char kPython[] = "/usr/bin/python3";
+constexpr char kScript[] = "statedict/torch_file_interop.py";
+
+std::string TempDir() {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  return dir != nullptr ? dir : "/tmp";
+}
+
+int RunPython(const std::string& mode, const std::string& path) {
+  const std::string command =
+      absl::StrCat("timeout 120 ", kPython, " ", kScript, " ", mode, " '", path, "'");
+  return std::system(command.c_str());
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+void WriteFile(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary).write(bytes.data(), bytes.size());
+}
+
+StateDict Sample() {
+  at::Tensor w = at::arange(6, at::kFloat).view({2, 3});
+  at::Tensor flat = at::arange(6, at::kFloat);
+  return {{"a.weight", w},
+          {"b.weight", w},  // Tied.
+          {"c.bias", at::full({3}, 1.5, at::kBFloat16)},
+          {"d.half", at::ones({2, 2}, at::kHalf)},
+          {"e.shard", flat.narrow(0, 3, 2)}};  // A view into a larger buffer.
+}
+
+TEST(TorchFile, RoundTripKeepsNamesOrderDtypesAndValues) {
+  const std::string path = TempDir() + "/round_trip.pt";
+  ASSERT_TRUE(SaveTorchStateDict(path, Sample()).ok());
+  auto loaded = LoadTorchStateDict(path);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  const StateDict want = Sample();
+  ASSERT_EQ(loaded->size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ((*loaded)[i].first, want[i].first);
+    EXPECT_EQ((*loaded)[i].second.scalar_type(), want[i].second.scalar_type());
+    EXPECT_TRUE(at::equal((*loaded)[i].second, want[i].second)) << want[i].first;
+  }
+}
+
+TEST(TorchFile, PythonTorchLoadReadsWhatWeWrite) {
+  const std::string path = TempDir() + "/for_python.pt";
+  ASSERT_TRUE(SaveTorchStateDict(path, Sample()).ok());
+  EXPECT_EQ(RunPython("check_written_by_cpp", path), 0);
+}
+
+TEST(TorchFile, WeReadWhatPythonTorchSaveWrites) {
+  const std::string dir = TempDir();
+  ASSERT_EQ(RunPython("write_for_cpp", dir), 0);
+
+  auto sequential = LoadTorchStateDict(dir + "/sequential.pt");
+  ASSERT_TRUE(sequential.ok()) << sequential.status();
+  ASSERT_EQ(sequential->size(), 4u);
+  EXPECT_EQ((*sequential)[0].first, "0.weight");
+  EXPECT_EQ((*sequential)[3].first, "1.bias");
+  EXPECT_TRUE(at::equal((*sequential)[0].second, at::arange(6, at::kFloat).view({2, 3})));
+  EXPECT_TRUE(at::equal((*sequential)[3].second, at::arange(2, at::kFloat) + 30));
+
+  auto model = LoadTorchStateDict(dir + "/checkpoint.pt", "model");
+  ASSERT_TRUE(model.ok()) << model.status();
+  ASSERT_EQ(model->size(), 6u);
+  EXPECT_TRUE(at::equal((*model)[0].second,
+                        at::arange(4, at::kDouble).view({2, 2}).t().contiguous()));
+  EXPECT_EQ((*model)[1].second.scalar_type(), at::kHalf);
+  EXPECT_TRUE(at::equal((*model)[2].second, at::full({2}, 2.5, at::kBFloat16)));
+  EXPECT_EQ((*model)[3].second.item<int64_t>(), 7);
+  EXPECT_EQ((*model)[4].second.scalar_type(), at::kBool);
+  EXPECT_TRUE(at::equal((*model)[5].second, at::arange(100000, at::kFloat)));
+
+  auto top = LoadTorchStateDict(dir + "/checkpoint.pt");
+  ASSERT_FALSE(top.ok());
+  EXPECT_THAT(top.status().message(), HasSubstr("is not a dict of tensors: 'model' is a dict; "
+                                                "'iter_num' is a int"));
+  auto no_entry = LoadTorchStateDict(dir + "/checkpoint.pt", "optimizer");
+  EXPECT_THAT(no_entry.status().message(),
+              HasSubstr("has no dict under 'optimizer' (top-level keys: model, iter_num, "
+                        "best_val_loss, config, shapes)"));
+
+  auto parameter = LoadTorchStateDict(dir + "/parameter.pt");
+  ASSERT_TRUE(parameter.ok()) << parameter.status();
+  EXPECT_FALSE((*parameter)[0].second.requires_grad());
+}
+
+TEST(TorchFile, BadFilesAreErrorsNamingTheFile) {
+  const std::string dir = TempDir();
+  auto missing = LoadTorchStateDict(dir + "/no_such.pt");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_THAT(missing.status().message(), HasSubstr("no_such.pt"));
+
+  WriteFile(dir + "/not_zip.pt", "this is not a zip archive at all");
+  auto not_zip = LoadTorchStateDict(dir + "/not_zip.pt");
+  ASSERT_FALSE(not_zip.ok());
+  EXPECT_THAT(not_zip.status().message(),
+              HasSubstr("cannot read '" + dir + "/not_zip.pt' as a torch.save archive"));
+
+  const std::string good = dir + "/good.pt";
+  ASSERT_TRUE(SaveTorchStateDict(good, Sample()).ok());
+  const std::string bytes = ReadFile(good);
+  WriteFile(dir + "/truncated.pt", bytes.substr(0, bytes.size() / 2));
+  auto truncated = LoadTorchStateDict(dir + "/truncated.pt");
+  ASSERT_FALSE(truncated.ok());
+  EXPECT_THAT(truncated.status().message(), HasSubstr("truncated.pt"));
+
+  // A pickle that would call something other than the tensor constructors.
+  ASSERT_EQ(std::system(absl::StrCat(
+                            "timeout 120 ", kPython,
+                            " -c \"import torch, os\n"
+                            "class Evil:\n"
+                            "  def __reduce__(self): return (os.system, ('echo pwned',))\n"
+                            "torch.save({'x': Evil()}, '", dir, "/evil.pt')\"")
+                            .c_str()),
+            0);
+  auto evil = LoadTorchStateDict(dir + "/evil.pt");
+  ASSERT_FALSE(evil.ok());
+  EXPECT_THAT(evil.status().message(),
+              HasSubstr("the pickle calls posix.system, which a state dict file never needs"));
+}
+
+TEST(TorchFile, FlippedStorageBytesAreDetected) {
+  const std::string dir = TempDir();
+  const std::string good = dir + "/flip.pt";
+  StateDict state = {{"x", at::arange(4096, at::kFloat)}};
+  ASSERT_TRUE(SaveTorchStateDict(good, state).ok());
+  std::string bytes = ReadFile(good);
+  // The storage record sits after the pickle; flip a byte in its middle.
+  const size_t at = bytes.find("data/0") + 64 + 8192;
+  ASSERT_LT(at, bytes.size());
+  bytes[at] = static_cast<char>(bytes[at] ^ 0x5a);
+  WriteFile(dir + "/flipped.pt", bytes);
+  auto flipped = LoadTorchStateDict(dir + "/flipped.pt");
+  ASSERT_FALSE(flipped.ok()) << "a flipped byte in a storage went unnoticed";
+  EXPECT_THAT(flipped.status().message(), HasSubstr("flipped.pt"));
+}
+
+TEST(TorchFile, SaveIsAtomicAndRefusesBadInput) {
+  const std::string dir = TempDir();
+  const std::string path = dir + "/atomic.pt";
+  ASSERT_TRUE(SaveTorchStateDict(path, Sample()).ok());
+  const std::string before = ReadFile(path);
+  // A failing save (duplicate name) leaves the previous file as it was.
+  StateDict bad = Sample();
+  bad.push_back(bad.front());
+  absl::Status status = SaveTorchStateDict(path, bad);
+  EXPECT_THAT(status.message(), HasSubstr("'a.weight' appears twice"));
+  EXPECT_EQ(ReadFile(path), before);
+  EXPECT_THAT(SaveTorchStateDict(path, {{"u", at::Tensor()}}).message(),
+              HasSubstr("'u' is an undefined tensor"));
+  EXPECT_FALSE(SaveTorchStateDict("/nonexistent_dir/x.pt", Sample()).ok());
+  // No temporary file is left behind by a writer that never commits.
+  {
+    auto writer = AtomicFileWriter::Open(dir + "/uncommitted.bin");
+    ASSERT_TRUE(writer.ok());
+    ASSERT_TRUE(writer->Write("abc", 3).ok());
+  }
+  struct stat st;
+  EXPECT_NE(stat((dir + "/uncommitted.bin").c_str(), &st), 0);
+}
+
+}  // namespace
+}  // namespace fsdp
