@@ -13,9 +13,15 @@
 #include "absl/strings/str_join.h"
 #include "base/status.h"
 #include "c10/core/GradMode.h"
+#include "statedict/model_tensors.h"
 
 namespace fsdp {
 namespace {
+
+using statedict_internal::NamedTensors;
+using statedict_internal::Placements;
+using statedict_internal::PlacementsOf;
+using statedict_internal::RequireIdle;
 
 std::mutex& SettingsMutex() {
   static std::mutex mu;
@@ -25,28 +31,6 @@ std::mutex& SettingsMutex() {
 std::map<uint64_t, StateDictSettings>& Settings() {
   static auto* settings = new std::map<uint64_t, StateDictSettings>();
   return *settings;
-}
-
-// PyTorch's state_dict order: a module's own parameters, its own buffers,
-// then its children's, recursively (a shared child under each of its
-// names).
-void CollectTensors(const torch::nn::Module& module, const std::string& prefix,
-                    StateDict& out) {
-  for (const auto& item : module.named_parameters(/*recurse=*/false)) {
-    out.emplace_back(prefix + item.key(), item.value());
-  }
-  for (const auto& item : module.named_buffers(/*recurse=*/false)) {
-    out.emplace_back(prefix + item.key(), item.value());
-  }
-  for (const auto& child : module.named_children()) {
-    CollectTensors(*child.value(), prefix + child.key() + ".", out);
-  }
-}
-
-StateDict NamedTensors(const torch::nn::Module& module) {
-  StateDict out;
-  CollectTensors(module, "", out);
-  return out;
 }
 
 std::string ShapeString(at::IntArrayRef shape) {
@@ -120,47 +104,11 @@ absl::StatusOr<std::vector<at::Tensor>> MatchStateDict(
   return values;
 }
 
-// Where an original parameter lives: unit index and entry index.
-struct Placement {
-  FlatParamHandle* handle = nullptr;
-  size_t entry = 0;
-};
-
-std::unordered_map<const void*, Placement> Placements(const FullyShardedModel& model) {
-  std::unordered_map<const void*, Placement> placements;
-  for (const auto& unit : model.units()) {
-    FlatParamHandle* handle = unit->handle();
-    if (handle == nullptr) continue;
-    for (size_t i = 0; i < handle->entries().size(); ++i) {
-      placements[handle->entries()[i].param.unsafeGetTensorImpl()] = {handle, i};
-    }
-  }
-  return placements;
-}
-
-absl::Status RequireIdle(const FullyShardedModel& model, const char* what) {
-  if (model.training_state() != ModelTrainingState::kIdle) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(what, " on rank ", model.group().rank(),
-                     ": the model is in forward or backward; call it between steps"));
-  }
-  for (const auto& unit : model.units()) {
-    if (unit->handle() != nullptr && unit->handle()->training_state() != HandleTrainingState::kIdle) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          what, " on rank ", model.group().rank(), ": unit '",
-          unit->fqn().empty() ? "<root>" : unit->fqn(), "' is in state ",
-          HandleTrainingStateName(unit->handle()->training_state()),
-          " (inside SummonFullParams?)"));
-    }
-  }
-  return absl::OkStatus();
-}
-
 absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model, const StateDictSettings& settings,
                                         FullStateDictStats* stats) {
   FSDP_RETURN_IF_ERROR(RequireIdle(model, "FULL state dict"));
   const StateDict named = NamedTensors(model.units().front()->module());
-  const std::unordered_map<const void*, Placement> placements = Placements(model);
+  const Placements placements = PlacementsOf(model);
   const bool keep = !settings.rank0_only || model.group().rank() == 0;
   std::vector<at::Tensor> values(named.size());
   std::unordered_map<const void*, at::Tensor> copies;  // Tied names share one copy.
@@ -214,7 +162,7 @@ absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model, const StateDic
 absl::Status LoadFullStateDict(FullyShardedModel& model, const StateDict& state) {
   FSDP_RETURN_IF_ERROR(RequireIdle(model, "loading a FULL state dict"));
   const StateDict named = NamedTensors(model.units().front()->module());
-  const std::unordered_map<const void*, Placement> placements = Placements(model);
+  const Placements placements = PlacementsOf(model);
   std::vector<std::vector<int64_t>> shapes;
   for (const auto& [name, tensor] : named) {
     auto it = placements.find(tensor.unsafeGetTensorImpl());
@@ -247,6 +195,116 @@ absl::Status LoadFullStateDict(FullyShardedModel& model, const StateDict& state)
   return absl::OkStatus();
 }
 
+// LOCAL: per unit, "<unit>.flat_param" (this rank's shard as it is) and
+// "<unit>.flat_param_layout" (what the shard's layout depends on); buffers
+// and ignored parameters under their own names.
+std::string LocalKey(const FsdpUnit& unit) {
+  return unit.fqn().empty() ? "flat_param" : unit.fqn() + ".flat_param";
+}
+
+at::Tensor LocalLayout(const FullyShardedModel& model, const FlatParamHandle& handle) {
+  std::vector<int64_t> layout = {model.group().world_size(), model.group().rank(),
+                                 static_cast<int64_t>(handle.strategy()), handle.flat_numel(),
+                                 handle.padded_numel(),
+                                 static_cast<int64_t>(handle.params_info().size())};
+  for (const FlatParamInfo& info : handle.params_info()) layout.push_back(info.numel);
+  return at::tensor(layout, at::kLong);
+}
+
+std::string DescribeLayout(const at::Tensor& layout) {
+  if (layout.dim() != 1 || layout.numel() < 6 || layout.scalar_type() != at::kLong) {
+    return "an unreadable layout";
+  }
+  const int64_t* v = layout.data_ptr<int64_t>();
+  return absl::StrCat("rank ", v[1], " of ", v[0], ", ",
+                      ShardingStrategyName(static_cast<ShardingStrategy>(v[2])), ", ", v[5],
+                      " parameters of ", v[3], " elements");
+}
+
+StateDict LocalStateDict(const FullyShardedModel& model) {
+  StateDict out;
+  for (const auto& unit : model.units()) {
+    const FlatParamHandle* handle = unit->handle();
+    if (handle == nullptr) continue;
+    out.emplace_back(LocalKey(*unit), handle->local_shard().detach().clone());
+    out.emplace_back(LocalKey(*unit) + "_layout", LocalLayout(model, *handle));
+  }
+  const Placements placements = PlacementsOf(model);
+  for (const auto& [name, tensor] : NamedTensors(model.units().front()->module())) {
+    if (placements.count(tensor.unsafeGetTensorImpl()) == 0) {
+      out.emplace_back(name, tensor.detach().clone());
+    }
+  }
+  return out;
+}
+
+absl::Status LoadLocalStateDict(FullyShardedModel& model, const StateDict& state) {
+  FSDP_RETURN_IF_ERROR(RequireIdle(model, "loading a LOCAL state dict"));
+  const std::string who =
+      absl::StrCat("rank ", model.group().rank(), " of ", model.group().world_size());
+  std::unordered_map<std::string, const at::Tensor*> given;
+  for (const auto& [name, tensor] : state) given[name] = &tensor;
+  std::vector<std::string> problems;
+  std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (target, source)
+  for (const auto& unit : model.units()) {
+    const FlatParamHandle* handle = unit->handle();
+    if (handle == nullptr) continue;
+    const std::string key = LocalKey(*unit);
+    auto flat = given.find(key);
+    auto layout = given.find(key + "_layout");
+    if (flat == given.end() || layout == given.end()) {
+      problems.push_back(absl::StrCat("missing '", key, "' or its layout"));
+      continue;
+    }
+    const at::Tensor mine = LocalLayout(model, *handle);
+    const at::Tensor& theirs = *layout->second;
+    if (!theirs.defined() || theirs.scalar_type() != at::kLong || !at::equal(theirs, mine)) {
+      problems.push_back(absl::StrCat(
+          "'", key, "' was saved as ",
+          theirs.defined() ? DescribeLayout(theirs) : std::string("nothing"), ", but here it is ",
+          DescribeLayout(mine),
+          "; a LOCAL state dict loads only into the same layout (use FULL or a SHARDED "
+          "checkpoint to change the world size or wrapping)"));
+      continue;
+    }
+    const at::Tensor& shard = *flat->second;
+    if (shard.sizes() != handle->local_shard().sizes() ||
+        shard.scalar_type() != handle->local_shard().scalar_type()) {
+      problems.push_back(absl::StrCat("'", key, "' does not match its layout"));
+      continue;
+    }
+    given.erase(flat);
+    given.erase(given.find(key + "_layout"));
+    copies.emplace_back(handle->local_shard(), shard);
+  }
+  const Placements placements = PlacementsOf(model);
+  for (const auto& [name, tensor] : NamedTensors(model.units().front()->module())) {
+    if (placements.count(tensor.unsafeGetTensorImpl()) != 0) continue;
+    auto it = given.find(name);
+    if (it == given.end()) {
+      problems.push_back(absl::StrCat("missing '", name, "'"));
+    } else if (it->second->sizes() != tensor.sizes() ||
+               it->second->scalar_type() != tensor.scalar_type()) {
+      problems.push_back(absl::StrCat("'", name, "' has another shape or dtype"));
+      given.erase(it);
+    } else {
+      copies.emplace_back(tensor, *it->second);
+      given.erase(it);
+    }
+  }
+  for (const auto& [name, tensor] : state) {
+    if (given.count(name) != 0) problems.push_back(absl::StrCat("unexpected '", name, "'"));
+  }
+  if (!problems.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, ": cannot load the LOCAL state dict (nothing was changed): ",
+        absl::StrJoin(problems, "; ")));
+  }
+  at::NoGradGuard no_grad;
+  for (auto& [target, source] : copies) target.copy_(source);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 StateDictSettings GetStateDictSettings(const FullyShardedModel& model) {
@@ -273,19 +331,24 @@ absl::StatusOr<StateDict> StateDictOf(FullyShardedModel& model, FullStateDictSta
   switch (settings.type) {
     case StateDictType::kFull:
       return FullStateDict(model, settings, stats);
-    case StateDictType::kSharded:
     case StateDictType::kLocal:
+      FSDP_RETURN_IF_ERROR(RequireIdle(model, "LOCAL state dict"));
+      return LocalStateDict(model);
+    case StateDictType::kSharded:
       break;
   }
-  return absl::UnimplementedError(
-      "SHARDED and LOCAL state dicts are not implemented yet; use FULL");
+  return absl::InvalidArgumentError(
+      "a SHARDED state dict is a checkpoint directory: use SaveShardedCheckpoint and "
+      "LoadShardedCheckpoint (statedict/sharded_checkpoint.h)");
 }
 
 absl::Status LoadStateDict(FullyShardedModel& model, const StateDict& state) {
   const StateDictSettings settings = GetStateDictSettings(model);
   if (settings.type == StateDictType::kFull) return LoadFullStateDict(model, state);
-  return absl::UnimplementedError(
-      "SHARDED and LOCAL state dicts are not implemented yet; use FULL");
+  if (settings.type == StateDictType::kLocal) return LoadLocalStateDict(model, state);
+  return absl::InvalidArgumentError(
+      "a SHARDED state dict is a checkpoint directory: use SaveShardedCheckpoint and "
+      "LoadShardedCheckpoint (statedict/sharded_checkpoint.h)");
 }
 
 StateDict ModuleStateDict(const torch::nn::Module& module) {

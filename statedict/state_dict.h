@@ -11,9 +11,15 @@
 // units at once — SetStateDictType, or the scoped StateDictTypeScope:
 //   FULL     the unsharded tensors, gathered unit by unit (below); loads from
 //            a state dict of any world size, or of the unwrapped module.
-//   SHARDED  not implemented yet (the manifest-based, resharding checkpoint
-//            of the state-dict issue); StateDictOf fails saying so.
-//   LOCAL    not implemented yet; StateDictOf fails saying so.
+//   SHARDED  every rank's own shards, as a checkpoint directory with a
+//            manifest: SaveShardedCheckpoint / LoadShardedCheckpoint
+//            (statedict/sharded_checkpoint.h) load at any world size.
+//            StateDictOf and LoadStateDict refuse this type, pointing there.
+//   LOCAL    the flat shards as they are: "<unit>.flat_param" and
+//            "<unit>.flat_param_layout" (world size, rank, strategy, the
+//            parameters' sizes) per unit, plus buffers and ignored
+//            parameters by name. Loads only into the same layout; anything
+//            else is an error naming the unit and both layouts.
 //
 // FULL, gathering: every rank must call. Units are all-gathered one at a
 // time, in pre-order, and each is resharded before the next is gathered, so

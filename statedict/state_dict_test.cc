@@ -217,7 +217,7 @@ TEST(FullStateDictLoad, RefusedInsideSummonFullParams) {
   EXPECT_TRUE(status.ok()) << status;
 }
 
-TEST(StateDictType, ScopeRestoresThePreviousSettingAndOtherTypesSayTheyAreMissing) {
+TEST(StateDictType, ScopeRestoresThePreviousSettingAndShardedPointsToCheckpoints) {
   absl::Status status = RunOnThreadRanks(1, [](Collectives& comm) {
     Net model;
     auto wrapped =
@@ -228,9 +228,58 @@ TEST(StateDictType, ScopeRestoresThePreviousSettingAndOtherTypesSayTheyAreMissin
       StateDictTypeScope scope(**wrapped, {StateDictType::kSharded});
       EXPECT_EQ(GetStateDictSettings(**wrapped).type, StateDictType::kSharded);
       auto state = StateDictOf(**wrapped);
-      EXPECT_EQ(state.status().code(), absl::StatusCode::kUnimplemented);
+      EXPECT_THAT(state.status().message(), HasSubstr("use SaveShardedCheckpoint"));
     }
     EXPECT_EQ(GetStateDictSettings(**wrapped).type, StateDictType::kFull);
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+TEST(LocalStateDict, RoundTripsInTheSameLayoutAndRefusesAnother) {
+  std::vector<StateDict> saved(3);
+  absl::Status status = RunOnThreadRanks(3, [&](Collectives& comm) {
+    Net model;
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok());
+    StateDictTypeScope scope(**wrapped, {StateDictType::kLocal});
+    auto state = StateDictOf(**wrapped);
+    ASSERT_TRUE(state.ok()) << state.status();
+    EXPECT_EQ(Keys(*state)[0], "flat_param");
+    EXPECT_EQ(Keys(*state)[2], "blocks.0.flat_param");
+    saved[comm.rank()] = *state;
+  });
+  ASSERT_TRUE(status.ok()) << status;
+  // Into fresh models of the same layout: the same shards.
+  status = RunOnThreadRanks(3, [&](Collectives& comm) {
+    Net model;
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok());
+    for (const auto& unit : (*wrapped)->units()) unit->handle()->local_shard().fill_(-1);
+    StateDictTypeScope scope(**wrapped, {StateDictType::kLocal});
+    absl::Status loaded = LoadStateDict(**wrapped, saved[comm.rank()]);
+    ASSERT_TRUE(loaded.ok()) << loaded;
+    EXPECT_TRUE(at::equal((*wrapped)->units()[1]->handle()->local_shard(),
+                          saved[comm.rank()][2].second));
+  });
+  ASSERT_TRUE(status.ok()) << status;
+  // At another world size: refused, naming the layouts, nothing changed.
+  status = RunOnThreadRanks(2, [&](Collectives& comm) {
+    Net model;
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok());
+    const std::vector<at::Tensor> before = Shards(**wrapped);
+    StateDictTypeScope scope(**wrapped, {StateDictType::kLocal});
+    absl::Status loaded = LoadStateDict(**wrapped, saved[comm.rank()]);
+    ASSERT_FALSE(loaded.ok());
+    EXPECT_THAT(loaded.message(),
+                HasSubstr(absl::StrCat("'blocks.0.flat_param' was saved as rank ", comm.rank(),
+                                       " of 3, FULL_SHARD, 2 parameters of 104 elements, but "
+                                       "here it is rank ", comm.rank(), " of 2")));
+    const std::vector<at::Tensor> after = Shards(**wrapped);
+    for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(at::equal(before[i], after[i]));
   });
   EXPECT_TRUE(status.ok()) << status;
 }

@@ -1,0 +1,62 @@
+#include "statedict/model_tensors.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace fsdp::statedict_internal {
+namespace {
+
+// PyTorch's state_dict order: a module's own parameters, its own buffers,
+// then its children's, recursively (a shared child under each of its
+// names).
+void CollectTensors(const torch::nn::Module& module, const std::string& prefix,
+                    StateDict& out) {
+  for (const auto& item : module.named_parameters(/*recurse=*/false)) {
+    out.emplace_back(prefix + item.key(), item.value());
+  }
+  for (const auto& item : module.named_buffers(/*recurse=*/false)) {
+    out.emplace_back(prefix + item.key(), item.value());
+  }
+  for (const auto& child : module.named_children()) {
+    CollectTensors(*child.value(), prefix + child.key() + ".", out);
+  }
+}
+
+}  // namespace
+
+StateDict NamedTensors(const torch::nn::Module& module) {
+  StateDict out;
+  CollectTensors(module, "", out);
+  return out;
+}
+
+Placements PlacementsOf(const FullyShardedModel& model) {
+  Placements placements;
+  for (const auto& unit : model.units()) {
+    FlatParamHandle* handle = unit->handle();
+    if (handle == nullptr) continue;
+    for (size_t i = 0; i < handle->entries().size(); ++i) {
+      placements[handle->entries()[i].param.unsafeGetTensorImpl()] = {handle, i};
+    }
+  }
+  return placements;
+}
+
+absl::Status RequireIdle(const FullyShardedModel& model, const char* what) {
+  if (model.training_state() != ModelTrainingState::kIdle) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, " on rank ", model.group().rank(),
+                     ": the model is in forward or backward; call it between steps"));
+  }
+  for (const auto& unit : model.units()) {
+    if (unit->handle() != nullptr && unit->handle()->training_state() != HandleTrainingState::kIdle) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          what, " on rank ", model.group().rank(), ": unit '",
+          unit->fqn().empty() ? "<root>" : unit->fqn(), "' is in state ",
+          HandleTrainingStateName(unit->handle()->training_state()),
+          " (inside SummonFullParams?)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace fsdp::statedict_internal

@@ -1,0 +1,524 @@
+#include "statedict/sharded_checkpoint.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "ATen/ATen.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "base/status.h"
+#include "statedict/atomic_file.h"
+#include "statedict/checkpoint_manifest.pb.h"
+#include "statedict/crc32.h"
+#include "statedict/model_tensors.h"
+
+namespace fsdp {
+namespace {
+
+using statedict_internal::NamedTensors;
+using statedict_internal::Placements;
+using statedict_internal::PlacementsOf;
+using statedict_internal::RequireIdle;
+
+constexpr char kFormat[] = "fsdp_cpp.sharded.v1";
+constexpr char kManifest[] = "manifest.pb";
+constexpr char kMagic[8] = {'F', 'S', 'D', 'P', 'S', 'H', 'D', '1'};
+constexpr int64_t kHeaderBytes = 32;
+constexpr int64_t kChunkBytes = 1 << 20;
+
+std::string ShardFileName(int rank, int world, uint64_t id) {
+  return absl::StrFormat("shard-%d-of-%d-%016x.bin", rank, world, id);
+}
+
+std::string Header(uint64_t id, int rank, int world) {
+  std::string header(kHeaderBytes, '\0');
+  std::memcpy(&header[0], kMagic, 8);
+  std::memcpy(&header[8], &id, 8);
+  const int64_t r = rank, w = world;
+  std::memcpy(&header[16], &r, 8);
+  std::memcpy(&header[24], &w, 8);
+  return header;
+}
+
+// A model tensor, once per TensorImpl: its names and what this rank holds.
+struct ModelTensor {
+  std::string fqn;
+  std::vector<std::string> aliases;
+  at::Tensor tensor;           // The module's tensor.
+  std::vector<int64_t> shape;  // Global (full) shape.
+  at::ScalarType dtype;
+  int64_t numel = 0;
+  const statedict_internal::Placement* placement = nullptr;  // Null: not in a handle.
+  bool sharded = false;        // In a handle that shards it.
+  // The flattened elements this rank holds (sharded) or needs (all).
+  int64_t lo = 0, hi = 0;
+  // The rank's data for [lo, hi): a 1-D view of its shard or the whole tensor.
+  at::Tensor local;
+};
+
+std::vector<ModelTensor> ModelTensors(const FullyShardedModel& model, const Placements& placements) {
+  std::vector<ModelTensor> out;
+  std::unordered_map<const void*, size_t> seen;
+  for (const auto& [name, tensor] : NamedTensors(model.units().front()->module())) {
+    auto it = seen.find(tensor.unsafeGetTensorImpl());
+    if (it != seen.end()) {
+      out[it->second].aliases.push_back(name);
+      continue;
+    }
+    seen.emplace(tensor.unsafeGetTensorImpl(), out.size());
+    ModelTensor t;
+    t.fqn = name;
+    t.tensor = tensor;
+    t.dtype = tensor.scalar_type();
+    auto p = placements.find(tensor.unsafeGetTensorImpl());
+    if (p != placements.end()) {
+      t.placement = &p->second;
+      const FlatParamHandle& handle = *p->second.handle;
+      const FlatParamInfo& info = handle.params_info()[p->second.entry];
+      t.shape = info.shape;
+      t.numel = info.numel;
+      t.sharded = handle.uses_sharded_views();
+      t.local = handle.LocalShardOf(p->second.entry).reshape({-1});
+      t.lo = t.sharded ? info.shard_offset : 0;
+      t.hi = t.sharded ? info.shard_offset + info.shard_numel : info.numel;
+    } else {
+      t.shape = tensor.sizes().vec();
+      t.numel = tensor.numel();
+      t.local = tensor.detach().reshape({-1});
+      t.hi = t.numel;
+    }
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+// Every rank's bytes, gathered on every rank (two all-gathers). The
+// collectives carry floating-point tensors; the bytes travel as the bit
+// patterns of float64 words, which all-gather copies without arithmetic.
+std::vector<std::string> AllGatherBytes(Collectives& group, const std::string& mine) {
+  const int world = group.world_size();
+  at::Tensor lengths = at::empty({world}, at::kDouble);
+  group.AllGatherIntoTensor(lengths, at::full({1}, static_cast<double>(mine.size()), at::kDouble))
+      ->Wait();
+  const int64_t longest = static_cast<int64_t>(lengths.max().item<double>());
+  const int64_t words = std::max<int64_t>(1, (longest + 7) / 8);
+  at::Tensor padded = at::zeros({words}, at::kDouble);
+  if (!mine.empty()) std::memcpy(padded.data_ptr(), mine.data(), mine.size());
+  at::Tensor all = at::empty({world * words}, at::kDouble);
+  group.AllGatherIntoTensor(all, padded)->Wait();
+  std::vector<std::string> out;
+  for (int r = 0; r < world; ++r) {
+    out.emplace_back(static_cast<const char*>(all.data_ptr()) + r * words * 8,
+                     static_cast<size_t>(lengths[r].item<double>()));
+  }
+  return out;
+}
+
+// Which ranks report failure; every rank must call.
+std::vector<int> FailedRanks(Collectives& group, bool failed) {
+  at::Tensor all = at::empty({group.world_size()}, at::kDouble);
+  group.AllGatherIntoTensor(all, at::full({1}, failed ? 1.0 : 0.0, at::kDouble))->Wait();
+  std::vector<int> ranks;
+  for (int r = 0; r < group.world_size(); ++r) {
+    if (all[r].item<double>() != 0) ranks.push_back(r);
+  }
+  return ranks;
+}
+
+// Writes this rank's shard file and describes it.
+absl::Status WriteShardFile(const std::string& dir, uint64_t id, int rank, int world,
+                            const std::vector<ModelTensor>& tensors,
+                            checkpoint::RankReport& report) {
+  const std::string name = ShardFileName(rank, world, id);
+  FSDP_ASSIGN_OR_RETURN(AtomicFileWriter file, AtomicFileWriter::Open(dir + "/" + name));
+  const std::string header = Header(id, rank, world);
+  FSDP_RETURN_IF_ERROR(file.Write(header.data(), header.size()));
+  for (const ModelTensor& t : tensors) {
+    // Replicated tensors are written once, by rank 0.
+    if (!t.sharded && rank != 0) continue;
+    if (t.hi <= t.lo) continue;
+    const at::Tensor data = t.local.contiguous().cpu();
+    checkpoint::TensorEntry* entry = report.add_tensors();
+    entry->set_fqn(t.fqn);
+    checkpoint::Piece* piece = entry->add_pieces();
+    piece->set_rank(rank);
+    piece->set_offset(t.lo);
+    piece->set_numel(t.hi - t.lo);
+    piece->set_file_offset(file.bytes_written());
+    const char* bytes = static_cast<const char*>(data.data_ptr());
+    const int64_t nbytes = static_cast<int64_t>(data.nbytes());
+    for (int64_t at = 0; at < nbytes; at += kChunkBytes) {
+      piece->add_chunk_crc32(Crc32(bytes + at, std::min(kChunkBytes, nbytes - at)));
+    }
+    FSDP_RETURN_IF_ERROR(file.Write(bytes, nbytes));
+  }
+  report.mutable_file()->set_rank(rank);
+  report.mutable_file()->set_name(name);
+  report.mutable_file()->set_size_bytes(file.bytes_written());
+  return file.Commit();
+}
+
+// Removes shard files of earlier checkpoints once a new manifest is in place.
+void RemoveStaleShardFiles(const std::string& dir, const checkpoint::CheckpointManifest& manifest) {
+  std::set<std::string> current;
+  for (const auto& f : manifest.files()) current.insert(f.name());
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return;
+  while (dirent* e = readdir(d)) {
+    const std::string name = e->d_name;
+    if (absl::StartsWith(name, "shard-") && absl::EndsWith(name, ".bin") &&
+        current.count(name) == 0) {
+      unlink((dir + "/" + name).c_str());
+    }
+  }
+  closedir(d);
+}
+
+absl::StatusOr<checkpoint::CheckpointManifest> ReadManifest(const std::string& dir) {
+  const std::string path = dir + "/" + kManifest;
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::NotFoundError(absl::StrCat("no SHARDED checkpoint in '", dir, "': ", kManifest,
+                                            " is missing (an interrupted save writes none)"));
+  }
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  checkpoint::CheckpointManifest manifest;
+  if (!manifest.ParseFromString(bytes) || manifest.format() != kFormat) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", path, "' is not a ", kFormat, " manifest"));
+  }
+  if (manifest.chunk_bytes() <= 0 || manifest.world_size() <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("'", path, "' is corrupt"));
+  }
+  return manifest;
+}
+
+// A shard file opened for reading, checked against the manifest.
+class ShardReader {
+ public:
+  ~ShardReader() {
+    if (fd_ >= 0) close(fd_);
+  }
+  static absl::StatusOr<std::unique_ptr<ShardReader>> Open(
+      const std::string& dir, const checkpoint::ShardFile& file, uint64_t id, int world) {
+    auto reader = std::unique_ptr<ShardReader>(new ShardReader());
+    reader->path_ = dir + "/" + file.name();
+    reader->fd_ = open(reader->path_.c_str(), O_RDONLY | O_CLOEXEC);
+    if (reader->fd_ < 0) {
+      return absl::NotFoundError(absl::StrCat("shard file '", reader->path_,
+                                              "' cannot be opened: ", std::strerror(errno)));
+    }
+    struct stat st;
+    if (fstat(reader->fd_, &st) != 0 || st.st_size != file.size_bytes()) {
+      return absl::DataLossError(absl::StrCat("shard file '", reader->path_, "' has ",
+                                              static_cast<int64_t>(st.st_size),
+                                              " bytes, the manifest records ", file.size_bytes(),
+                                              " (truncated or replaced)"));
+    }
+    std::string header(kHeaderBytes, '\0');
+    FSDP_RETURN_IF_ERROR(reader->Read(0, kHeaderBytes, &header[0]));
+    if (header != Header(id, file.rank(), world)) {
+      return absl::DataLossError(absl::StrCat(
+          "shard file '", reader->path_, "' does not belong to this checkpoint (its header "
+          "names another checkpoint, rank or world size)"));
+    }
+    return reader;
+  }
+  absl::Status Read(int64_t offset, int64_t size, char* out) {
+    while (size > 0) {
+      const ssize_t n = pread(fd_, out, size, offset);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        return absl::DataLossError(absl::StrCat("cannot read ", size, " bytes at ", offset,
+                                                " of '", path_, "'"));
+      }
+      out += n;
+      offset += n;
+      size -= n;
+      bytes_read_ += n;
+    }
+    return absl::OkStatus();
+  }
+  const std::string& path() const { return path_; }
+  int64_t bytes_read() const { return bytes_read_; }
+
+ private:
+  ShardReader() = default;
+  std::string path_;
+  int fd_ = -1;
+  int64_t bytes_read_ = 0;
+};
+
+// Checks the manifest against the model and reads what this rank needs into
+// `staging` (one tensor per model tensor, elements [lo, hi)).
+absl::Status ReadLocalState(const std::string& dir, const checkpoint::CheckpointManifest& manifest,
+                            const std::vector<ModelTensor>& tensors,
+                            std::vector<at::Tensor>& staging, ShardedLoadStats& stats) {
+  std::unordered_map<std::string, const checkpoint::TensorEntry*> by_name;
+  for (const auto& entry : manifest.tensors()) {
+    by_name[entry.fqn()] = &entry;
+    for (const auto& alias : entry.aliases()) by_name[alias] = &entry;
+  }
+  std::vector<std::string> problems;
+  std::set<const checkpoint::TensorEntry*> used;
+  std::vector<const checkpoint::TensorEntry*> entries(tensors.size(), nullptr);
+  std::vector<std::string> missing;
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const ModelTensor& t = tensors[k];
+    auto it = by_name.find(t.fqn);
+    if (it == by_name.end()) {
+      missing.push_back(t.fqn);
+      continue;
+    }
+    const checkpoint::TensorEntry& e = *it->second;
+    used.insert(&e);
+    const std::vector<int64_t> shape(e.shape().begin(), e.shape().end());
+    if (shape != t.shape) {
+      problems.push_back(absl::StrCat("'", t.fqn, "' has shape [", absl::StrJoin(shape, ", "),
+                                      "] in the checkpoint, the model's is [",
+                                      absl::StrJoin(t.shape, ", "), "]"));
+      continue;
+    }
+    if (e.dtype() != c10::toString(t.dtype)) {
+      problems.push_back(absl::StrCat("'", t.fqn, "' has dtype ", e.dtype(),
+                                      " in the checkpoint, the model's is ",
+                                      c10::toString(t.dtype)));
+      continue;
+    }
+    // The pieces must tile [0, numel).
+    std::vector<std::pair<int64_t, int64_t>> spans;
+    for (const auto& p : e.pieces()) spans.emplace_back(p.offset(), p.numel());
+    std::sort(spans.begin(), spans.end());
+    int64_t covered = 0;
+    bool tiles = true;
+    for (const auto& [offset, numel] : spans) {
+      tiles = tiles && offset == covered && numel > 0;
+      covered = offset + numel;
+    }
+    if (!tiles || covered != t.numel) {
+      problems.push_back(absl::StrCat("the manifest's pieces of '", t.fqn,
+                                      "' do not cover its ", t.numel, " elements exactly"));
+      continue;
+    }
+    entries[k] = &e;
+  }
+  if (!missing.empty()) {
+    problems.push_back(absl::StrCat("missing from the checkpoint: ", absl::StrJoin(missing, ", ")));
+  }
+  std::vector<std::string> unexpected;
+  for (const auto& entry : manifest.tensors()) {
+    if (used.count(&entry) == 0) unexpected.push_back(entry.fqn());
+  }
+  if (!unexpected.empty()) {
+    problems.push_back(absl::StrCat("not in the model: ", absl::StrJoin(unexpected, ", ")));
+  }
+  if (!problems.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the checkpoint in '", dir, "' does not fit this model: ", absl::StrJoin(problems, "; ")));
+  }
+
+  std::map<int, const checkpoint::ShardFile*> files;
+  for (const auto& f : manifest.files()) files[f.rank()] = &f;
+  std::map<int, std::unique_ptr<ShardReader>> readers;
+  auto reader_for = [&](int rank) -> absl::StatusOr<ShardReader*> {
+    auto open = readers.find(rank);
+    if (open != readers.end()) return open->second.get();
+    auto file = files.find(rank);
+    if (file == files.end()) {
+      return absl::DataLossError(absl::StrCat("the manifest lists no shard file of rank ", rank));
+    }
+    FSDP_ASSIGN_OR_RETURN(auto reader, ShardReader::Open(dir, *file->second,
+                                                         manifest.checkpoint_id(),
+                                                         manifest.world_size()));
+    return (readers[rank] = std::move(reader)).get();
+  };
+
+  const int64_t chunk = manifest.chunk_bytes();
+  std::string buffer;
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const ModelTensor& t = tensors[k];
+    staging[k] = at::empty({t.hi - t.lo}, at::TensorOptions().dtype(t.dtype));
+    const int64_t item = staging[k].element_size();
+    stats.bytes_needed += (t.hi - t.lo) * item;
+    char* out = static_cast<char*>(staging[k].data_ptr());
+    for (const auto& p : entries[k]->pieces()) {
+      const int64_t lo = std::max(t.lo, p.offset()), hi = std::min(t.hi, p.offset() + p.numel());
+      if (lo >= hi) continue;
+      FSDP_ASSIGN_OR_RETURN(ShardReader * reader, reader_for(p.rank()));
+      // The whole chunks that hold [lo, hi) of this piece, each verified.
+      const int64_t piece_bytes = p.numel() * item;
+      const int64_t first = (lo - p.offset()) * item / chunk;
+      const int64_t last = ((hi - p.offset()) * item + chunk - 1) / chunk;
+      if (last > p.chunk_crc32_size()) {
+        return absl::DataLossError(absl::StrCat("the manifest's checksums of '", t.fqn,
+                                                "' are incomplete"));
+      }
+      const int64_t begin = first * chunk, end = std::min(last * chunk, piece_bytes);
+      buffer.resize(end - begin);
+      FSDP_RETURN_IF_ERROR(reader->Read(p.file_offset() + begin, end - begin, &buffer[0]));
+      for (int64_t c = first; c < last; ++c) {
+        const int64_t at = c * chunk - begin;
+        const int64_t n = std::min(chunk, end - c * chunk);
+        if (Crc32(buffer.data() + at, n) != p.chunk_crc32(c)) {
+          return absl::DataLossError(absl::StrCat(
+              "shard file '", reader->path(), "' is corrupt: chunk ", c, " of '", t.fqn,
+              "' (rank ", p.rank(), "'s piece) fails its CRC-32 check"));
+        }
+      }
+      std::memcpy(out + (lo - t.lo) * item,
+                  buffer.data() + (lo - p.offset()) * item - begin, (hi - lo) * item);
+    }
+  }
+  for (const auto& [rank, reader] : readers) stats.bytes_read += reader->bytes_read();
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status SaveShardedCheckpoint(FullyShardedModel& model, const std::string& dir) {
+  FSDP_RETURN_IF_ERROR(RequireIdle(model, "saving a SHARDED checkpoint"));
+  Collectives& group = model.group();
+  const int rank = group.rank(), world = group.world_size();
+  try {
+    // A random id, as two 32-bit halves (exact in the float64 that
+    // broadcast carries).
+    at::Tensor id_tensor = at::zeros({2}, at::kDouble);
+    if (rank == 0) {
+      std::random_device random;
+      id_tensor[0] = static_cast<double>(random());
+      id_tensor[1] = static_cast<double>(random());
+    }
+    group.Broadcast(id_tensor, 0)->Wait();
+    const uint64_t id = static_cast<uint64_t>(id_tensor[0].item<double>()) << 32 |
+                        static_cast<uint64_t>(id_tensor[1].item<double>());
+
+    const Placements placements = PlacementsOf(model);
+    const std::vector<ModelTensor> tensors = ModelTensors(model, placements);
+    checkpoint::RankReport report;
+    report.set_rank(rank);
+    absl::Status written = WriteShardFile(dir, id, rank, world, tensors, report);
+    if (!written.ok()) {
+      report.Clear();
+      report.set_rank(rank);
+      report.set_error(std::string(written.message()));
+    }
+    const std::vector<std::string> reports = AllGatherBytes(group, report.SerializeAsString());
+
+    absl::Status manifest_status;
+    if (rank == 0) {
+      checkpoint::CheckpointManifest manifest;
+      manifest.set_format(kFormat);
+      manifest.set_checkpoint_id(id);
+      manifest.set_world_size(world);
+      manifest.set_chunk_bytes(kChunkBytes);
+      std::unordered_map<std::string, checkpoint::TensorEntry*> by_name;
+      for (const ModelTensor& t : tensors) {
+        checkpoint::TensorEntry* entry = manifest.add_tensors();
+        entry->set_fqn(t.fqn);
+        for (const auto& alias : t.aliases) entry->add_aliases(alias);
+        for (int64_t d : t.shape) entry->add_shape(d);
+        entry->set_dtype(c10::toString(t.dtype));
+        by_name[t.fqn] = entry;
+      }
+      std::vector<std::string> errors;
+      for (int r = 0; r < world; ++r) {
+        checkpoint::RankReport theirs;
+        if (!theirs.ParseFromString(reports[r])) {
+          errors.push_back(absl::StrCat("rank ", r, " sent an unreadable report"));
+          continue;
+        }
+        if (!theirs.error().empty()) {
+          errors.push_back(absl::StrCat("rank ", r, ": ", theirs.error()));
+          continue;
+        }
+        *manifest.add_files() = theirs.file();
+        for (const auto& t : theirs.tensors()) {
+          auto it = by_name.find(t.fqn());
+          if (it == by_name.end()) {
+            errors.push_back(absl::StrCat("rank ", r, " wrote '", t.fqn(),
+                                          "', which rank 0's model does not have"));
+            continue;
+          }
+          for (const auto& p : t.pieces()) *it->second->add_pieces() = p;
+        }
+      }
+      if (errors.empty()) {
+        const std::string bytes = manifest.SerializeAsString();
+        manifest_status = WriteFileAtomically(dir + "/" + kManifest, bytes.data(), bytes.size());
+        if (manifest_status.ok()) RemoveStaleShardFiles(dir, manifest);
+      } else {
+        manifest_status = absl::InternalError(absl::StrJoin(errors, "; "));
+      }
+    }
+    // Everyone learns whether the checkpoint landed.
+    const std::vector<int> failed = FailedRanks(group, rank == 0 && !manifest_status.ok());
+    if (failed.empty()) return absl::OkStatus();
+    return absl::InternalError(absl::StrCat(
+        "rank ", rank, " of ", world, ": the SHARDED checkpoint in '", dir,
+        "' was not saved (no manifest written)",
+        rank == 0 ? absl::StrCat(": ", manifest_status.message())
+                  : std::string("; rank 0 reports why")));
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+}
+
+absl::Status LoadShardedCheckpoint(FullyShardedModel& model, const std::string& dir,
+                                   ShardedLoadStats* stats) {
+  FSDP_RETURN_IF_ERROR(RequireIdle(model, "loading a SHARDED checkpoint"));
+  Collectives& group = model.group();
+  const Placements placements = PlacementsOf(model);
+  const std::vector<ModelTensor> tensors = ModelTensors(model, placements);
+  std::vector<at::Tensor> staging(tensors.size());
+  ShardedLoadStats local_stats;
+  absl::Status local;
+  try {
+    absl::StatusOr<checkpoint::CheckpointManifest> manifest = ReadManifest(dir);
+    local = manifest.ok() ? ReadLocalState(dir, *manifest, tensors, staging, local_stats)
+                          : manifest.status();
+  } catch (...) {
+    local = StatusFromCurrentException();
+  }
+  try {
+    const std::vector<int> failed = FailedRanks(group, !local.ok());
+    if (!failed.empty()) {
+      const std::string who = absl::StrCat("rank ", group.rank(), " of ", group.world_size());
+      if (!local.ok()) {
+        return absl::Status(local.code(), absl::StrCat(who, ": nothing was loaded: ",
+                                                       local.message()));
+      }
+      return absl::AbortedError(absl::StrCat(who, ": nothing was loaded: rank(s) ",
+                                             absl::StrJoin(failed, ", "),
+                                             " could not read the checkpoint in '", dir, "'"));
+    }
+    at::NoGradGuard no_grad;
+    for (size_t k = 0; k < tensors.size(); ++k) {
+      const ModelTensor& t = tensors[k];
+      if (t.hi > t.lo) t.local.copy_(staging[k]);
+    }
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+  if (stats != nullptr) *stats = local_stats;
+  return absl::OkStatus();
+}
+
+}  // namespace fsdp
