@@ -28,6 +28,8 @@
 #include "fsdp/fully_shard.h"
 #include "models/gpt.h"
 #include "policies/registry.h"
+#include "statedict/state_dict.h"
+#include "statedict/torch_file.h"
 #include "torch/optim/adamw.h"
 
 ABSL_FLAG(int, world_size, 2, "Ranks to launch on this host (launcher mode).");
@@ -51,6 +53,14 @@ ABSL_FLAG(std::string, wrap_policy, "module:Block",
 ABSL_FLAG(std::string, policy_plugin, "",
           "Path of a wrap-policy plugin (a shared object, policies/policy_plugin.h) to load "
           "before building --wrap_policy.");
+ABSL_FLAG(std::string, init_state_dict, "",
+          "Start from this state dict: a torch.save file (e.g. torch.save(model.state_dict()) "
+          "of a PyTorch GPT with nanoGPT's layout) or one written by --export_state_dict.");
+ABSL_FLAG(std::string, init_state_dict_key, "",
+          "Take the state dict from this key of the file's top-level dict (nanoGPT's ckpt.pt: "
+          "'model').");
+ABSL_FLAG(std::string, export_state_dict, "",
+          "Write the final FULL state dict here (rank 0), readable by Python's torch.load.");
 ABSL_FLAG(bool, list_policies, false,
           "Print the registered wrap policies (after loading --policy_plugin) and exit.");
 ABSL_FLAG(bool, print_plan, true, "Print the wrap plan (rank 0) before training.");
@@ -115,6 +125,13 @@ int RunRank(const fsdp::LaunchEnvironment& env, const fsdp::FsdpOptions& options
   if (print && absl::GetFlag(FLAGS_print_plan)) {
     std::printf("%s", fsdp_model->plan().ToString().c_str());
   }
+  if (const std::string init = absl::GetFlag(FLAGS_init_state_dict); !init.empty()) {
+    // Every rank reads the file and keeps its own shards.
+    const fsdp::StateDict state = fsdp::ValueOrThrow(
+        fsdp::LoadTorchStateDict(init, absl::GetFlag(FLAGS_init_state_dict_key)));
+    fsdp::ThrowIfError(fsdp::LoadStateDict(*fsdp_model, state));
+    if (print) std::printf("initialized from %s\n", init.c_str());
+  }
   int64_t shard_param_bytes = 0;
   for (const auto& unit : fsdp_model->units()) {
     if (unit->handle() != nullptr) shard_param_bytes += unit->handle()->local_shard().nbytes();
@@ -169,6 +186,15 @@ int RunRank(const fsdp::LaunchEnvironment& env, const fsdp::FsdpOptions& options
                   last_loss, step * per_rank * world * t / elapsed,
                   elapsed / step * (steps - step));
       std::fflush(stdout);
+    }
+  }
+  if (const std::string out = absl::GetFlag(FLAGS_export_state_dict); !out.empty()) {
+    fsdp::StateDictTypeScope scope(*fsdp_model,
+                                   {fsdp::StateDictType::kFull, /*rank0_only=*/true});
+    const fsdp::StateDict state = fsdp::ValueOrThrow(fsdp::StateDictOf(*fsdp_model));
+    if (rank == 0) {
+      fsdp::ThrowIfError(fsdp::SaveTorchStateDict(out, state));
+      std::printf("wrote the FULL state dict to %s\n", out.c_str());
     }
   }
   const fsdp::CollectiveCounters c = comm->counters();

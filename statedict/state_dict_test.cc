@@ -86,6 +86,16 @@ TEST_P(FullStateDict, EqualsTheUnwrappedModelsAndGathersOneUnitAtATime) {
     }
     EXPECT_EQ((*wrapped)->FullParamBytes(), 0);
 
+    // Round trip: load changed values, gather them back.
+    StateDict changed = want;
+    for (auto& [name, tensor] : changed) tensor = tensor * 2 + 1;
+    ASSERT_TRUE(LoadStateDict(**wrapped, changed).ok());
+    auto again = StateDictOf(**wrapped);
+    ASSERT_TRUE(again.ok());
+    for (size_t k = 0; k < changed.size(); ++k) {
+      EXPECT_TRUE(at::equal((*again)[k].second, changed[k].second)) << changed[k].first;
+    }
+
     // rank0_only: the other ranks take part but get nothing.
     StateDictTypeScope scope(**wrapped, {StateDictType::kFull, /*rank0_only=*/true});
     auto rank0 = StateDictOf(**wrapped);
