@@ -319,7 +319,9 @@ TEST(ShardedCheckpoint, AFailedSaveFailsOnEveryRankAndWritesNoManifest) {
     absl::Status saved = SaveShardedCheckpoint(**wrapped, dir);
     ASSERT_FALSE(saved.ok());
     EXPECT_THAT(saved.message(), HasSubstr("was not saved (no manifest written)"));
-    if (comm.rank() == 0) EXPECT_THAT(saved.message(), HasSubstr("rank 2: cannot create"));
+    if (comm.rank() == 0) {
+      EXPECT_THAT(saved.message(), HasSubstr("rank 2: cannot create"));
+    }
   });
   EXPECT_TRUE(status.ok()) << status;
 }

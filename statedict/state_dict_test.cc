@@ -143,7 +143,9 @@ TEST(FullStateDictFile, SavedAtOneWorldSizeLoadsAtAnotherAndIntoThePlainModule) 
     StateDictTypeScope scope(**wrapped, {StateDictType::kFull, /*rank0_only=*/true});
     auto state = StateDictOf(**wrapped);
     ASSERT_TRUE(state.ok()) << state.status();
-    if (comm.rank() == 0) ASSERT_TRUE(SaveTorchStateDict(path, *state).ok());
+    if (comm.rank() == 0) {
+      ASSERT_TRUE(SaveTorchStateDict(path, *state).ok());
+    }
   });
   ASSERT_TRUE(trained.ok()) << trained;
 
@@ -245,12 +247,16 @@ TEST(StateDictType, ScopeRestoresThePreviousSettingAndShardedPointsToCheckpoints
   EXPECT_TRUE(status.ok()) << status;
 }
 
-TEST(LocalStateDict, RoundTripsInTheSameLayoutAndRefusesAnother) {
+class LocalStateDict : public ::testing::TestWithParam<ShardingStrategy> {};
+
+TEST_P(LocalStateDict, RoundTripsInTheSameLayoutAndRefusesAnother) {
+  FsdpOptions options;
+  options.strategy = GetParam();
   std::vector<StateDict> saved(3);
   absl::Status status = RunOnThreadRanks(3, [&](Collectives& comm) {
     Net model;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     StateDictTypeScope scope(**wrapped, {StateDictType::kLocal});
     auto state = StateDictOf(**wrapped);
@@ -264,7 +270,7 @@ TEST(LocalStateDict, RoundTripsInTheSameLayoutAndRefusesAnother) {
   status = RunOnThreadRanks(3, [&](Collectives& comm) {
     Net model;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     for (const auto& unit : (*wrapped)->units()) unit->handle()->local_shard().fill_(-1);
     StateDictTypeScope scope(**wrapped, {StateDictType::kLocal});
@@ -278,7 +284,7 @@ TEST(LocalStateDict, RoundTripsInTheSameLayoutAndRefusesAnother) {
   status = RunOnThreadRanks(2, [&](Collectives& comm) {
     Net model;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     const std::vector<at::Tensor> before = Shards(**wrapped);
     StateDictTypeScope scope(**wrapped, {StateDictType::kLocal});
@@ -286,13 +292,22 @@ TEST(LocalStateDict, RoundTripsInTheSameLayoutAndRefusesAnother) {
     ASSERT_FALSE(loaded.ok());
     EXPECT_THAT(loaded.message(),
                 HasSubstr(absl::StrCat("'blocks.0.flat_param' was saved as rank ", comm.rank(),
-                                       " of 3, FULL_SHARD, 2 parameters of 104 elements, but "
-                                       "here it is rank ", comm.rank(), " of 2")));
+                                       " of 3, ", ShardingStrategyName(GetParam()),
+                                       ", 2 parameters of 104 elements, but here it is rank ",
+                                       comm.rank(), " of 2")));
     const std::vector<at::Tensor> after = Shards(**wrapped);
     for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(at::equal(before[i], after[i]));
   });
   EXPECT_TRUE(status.ok()) << status;
 }
+
+INSTANTIATE_TEST_SUITE_P(Strategies, LocalStateDict,
+                         ::testing::Values(ShardingStrategy::kFullShard,
+                                           ShardingStrategy::kShardGradOp,
+                                           ShardingStrategy::kNoShard),
+                         [](const ::testing::TestParamInfo<ShardingStrategy>& info) {
+                           return std::string(ShardingStrategyName(info.param));
+                         });
 
 }  // namespace
 }  // namespace fsdp
