@@ -4,12 +4,14 @@
 #include <exception>
 #include <functional>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "ATen/ATen.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/status.h"
 #include "c10/util/Exception.h"
 #include "torch/csrc/distributed/c10d/PrefixStore.hpp"
@@ -294,6 +296,8 @@ class GlooCollectives final : public Collectives {
 // store and checks the others': ranks that disagree on the world size, or
 // two processes claiming one rank, would otherwise wait for each other until
 // the timeout and fail with a transport error that says neither.
+constexpr int kConnectAttempts = 3;
+
 absl::Status CheckMembership(c10d::Store& store, int rank, int world_size,
                              const std::string& who) {
   const std::string mine = std::to_string(world_size);
@@ -340,25 +344,77 @@ absl::StatusOr<std::unique_ptr<Collectives>> CreateGlooCollectives(
   const std::string who = absl::StrCat("rank ", rank, " of ", world_size, " of group '",
                                        options.group_name, "'");
   try {
-    auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
-    if (!options.interface.empty()) {
-      gloo_options->devices.push_back(
-          c10d::ProcessGroupGloo::createDeviceForInterface(options.interface));
-    } else if (!options.hostname.empty()) {
-      gloo_options->devices.push_back(
-          c10d::ProcessGroupGloo::createDeviceForHostname(options.hostname));
-    } else {
-      gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-    }
-    gloo_options->threads = options.threads;
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
         absl::StrCat("fsdp/", options.group_name), std::move(store));
     prefixed->setTimeout(options.timeout);
     FSDP_RETURN_IF_ERROR(CheckMembership(*prefixed, rank, world_size, who));
-    auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, world_size,
-                                                             gloo_options);
-    return std::unique_ptr<Collectives>(
-        new GlooCollectives(rank, world_size, options, std::move(group)));
+    // Gloo 1.13 occasionally drops a connection while a full mesh forms
+    // under load ("Connection closed by peer" on one rank while the others
+    // connect). Every rank reports through the store whether it connected;
+    // if any did not, all of them build the mesh again under a fresh prefix.
+    std::string last_error;
+    for (int attempt = 0; attempt < kConnectAttempts; ++attempt) {
+      c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
+      std::string error;
+      // A fresh device (listener) per attempt: one that saw a failed mesh
+      // may hold its stale connections.
+      auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
+      if (!options.interface.empty()) {
+        gloo_options->devices.push_back(
+            c10d::ProcessGroupGloo::createDeviceForInterface(options.interface));
+      } else if (!options.hostname.empty()) {
+        gloo_options->devices.push_back(
+            c10d::ProcessGroupGloo::createDeviceForHostname(options.hostname));
+      } else {
+        gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+      }
+      gloo_options->threads = options.threads;
+      try {
+        group = c10::make_intrusive<c10d::ProcessGroupGloo>(
+            c10::make_intrusive<c10d::PrefixStore>(absl::StrCat("mesh/", attempt), prefixed),
+            rank, world_size, gloo_options);
+      } catch (const std::exception& e) {
+        error = e.what();
+        error = error.substr(0, error.find('\n'));  // c10::Error appends a backtrace.
+        // Close this rank's listener now: peers still connecting to it fail
+        // at once instead of waiting on a mesh that will never form.
+        gloo_options.reset();
+      }
+      const std::string result = error.empty() ? "ok" : "failed";
+      prefixed->set(absl::StrCat("mesh/", attempt, "/result/", rank),
+                    std::vector<uint8_t>(result.begin(), result.end()));
+      // A peer reports only after its own attempt ends, which may take the
+      // whole connection timeout; wait for that and a margin.
+      std::vector<std::string> result_keys;
+      for (int peer = 0; peer < world_size; ++peer) {
+        result_keys.push_back(absl::StrCat("mesh/", attempt, "/result/", peer));
+      }
+      try {
+        prefixed->wait(result_keys, 2 * options.timeout + std::chrono::seconds(5));
+      } catch (const std::exception&) {
+        std::vector<int> silent;
+        for (int peer = 0; peer < world_size; ++peer) {
+          if (!prefixed->check({result_keys[peer]})) silent.push_back(peer);
+        }
+        throw std::runtime_error(absl::StrCat(
+            "rank(s) ", absl::StrJoin(silent, ", "), " never finished connecting",
+            error.empty() ? "" : absl::StrCat("; this rank: ", error)));
+      }
+      std::vector<int> failed;
+      for (int peer = 0; peer < world_size; ++peer) {
+        const std::vector<uint8_t> theirs =
+            prefixed->get(absl::StrCat("mesh/", attempt, "/result/", peer));
+        if (std::string(theirs.begin(), theirs.end()) != "ok") failed.push_back(peer);
+      }
+      if (failed.empty()) {
+        return std::unique_ptr<Collectives>(
+            new GlooCollectives(rank, world_size, options, std::move(group)));
+      }
+      last_error = error.empty()
+                       ? absl::StrCat("rank(s) ", absl::StrJoin(failed, ", "), " failed to connect")
+                       : error;
+    }
+    throw std::runtime_error(absl::StrCat("after ", kConnectAttempts, " attempts: ", last_error));
   } catch (...) {
     absl::Status cause = StatusFromCurrentException(absl::StatusCode::kUnavailable);
     return absl::Status(cause.code(),

@@ -338,5 +338,66 @@ TEST(Collectives, MissingPeerTimesOutWithTheOperationNamed) {
                         "elements failed"));
 }
 
+// Forwards to a shared store, but throws when this rank first publishes
+// its Gloo address in the first mesh attempt: this rank's connection fails,
+// and its peers, which never learn its address, fail theirs when the store
+// times out. Every rank must then agree to build the mesh again.
+class FailFirstMeshStore final : public c10d::Store {
+ public:
+  explicit FailFirstMeshStore(c10::intrusive_ptr<c10d::Store> inner) : inner_(std::move(inner)) {}
+  void set(const std::string& key, const std::vector<uint8_t>& value) override {
+    if (!failed_ && key.find("mesh/0/") != std::string::npos &&
+        key.find("/result/") == std::string::npos) {
+      failed_ = true;
+      throw std::runtime_error("injected: Connection closed by peer");
+    }
+    inner_->set(key, value);
+  }
+  std::vector<uint8_t> get(const std::string& key) override { return inner_->get(key); }
+  int64_t add(const std::string& key, int64_t value) override { return inner_->add(key, value); }
+  bool deleteKey(const std::string& key) override { return inner_->deleteKey(key); }
+  bool check(const std::vector<std::string>& keys) override { return inner_->check(keys); }
+  int64_t getNumKeys() override { return inner_->getNumKeys(); }
+  void wait(const std::vector<std::string>& keys) override { inner_->wait(keys); }
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    inner_->wait(keys, timeout);
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> inner_;
+  bool failed_ = false;
+};
+
+TEST(Collectives, AConnectionDroppedWhileTheMeshFormsIsRetriedOnEveryRank) {
+  auto shared = c10::make_intrusive<c10d::HashStore>();
+  constexpr int kWorld = 3;
+  std::vector<std::string> errors(kWorld);
+  std::vector<double> sums(kWorld, 0);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < kWorld; ++rank) {
+    threads.emplace_back([&, rank] {
+      c10::intrusive_ptr<c10d::Store> store = shared;
+      if (rank == 1) store = c10::make_intrusive<FailFirstMeshStore>(shared);
+      GlooOptions options;
+      options.hostname = "127.0.0.1";
+      options.timeout = std::chrono::seconds(3);
+      auto comm = CreateGlooCollectives(store, rank, kWorld, options);
+      if (!comm.ok()) {
+        errors[rank] = std::string(comm.status().message());
+        return;
+      }
+      at::Tensor t = at::full({1}, rank + 1.0, at::kFloat);
+      (*comm)->AllReduce(t, ReduceOp::kSum)->Wait();
+      sums[rank] = t.item<float>();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int rank = 0; rank < kWorld; ++rank) {
+    EXPECT_EQ(errors[rank], "") << "rank " << rank;
+    EXPECT_EQ(sums[rank], 6.0) << "rank " << rank;
+  }
+}
+
 }  // namespace
 }  // namespace fsdp
