@@ -1,0 +1,384 @@
+#include "optim/optim_state.h"
+
+#include <algorithm>
+#include <sstream>
+#include <unordered_map>
+#include <utility>
+
+#include "ATen/ATen.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/status.h"
+#include "c10/util/string_utils.h"
+#include "torch/serialize/input-archive.h"
+#include "torch/serialize/output-archive.h"
+
+namespace fsdp {
+namespace {
+
+// --- Reading and writing a state through its own serialize() -----------------
+
+struct RawState {
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  std::vector<std::pair<std::string, c10::IValue>> values;
+};
+
+torch::serialize::InputArchive Reopen(torch::serialize::OutputArchive& out) {
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  const std::string data = bytes.str();
+  torch::serialize::InputArchive in;
+  in.load_from(data.data(), data.size());
+  return in;
+}
+
+RawState ReadRaw(const std::function<void(torch::serialize::OutputArchive&)>& serialize) {
+  torch::serialize::OutputArchive out;
+  serialize(out);
+  torch::serialize::InputArchive in = Reopen(out);
+  RawState raw;
+  for (const std::string& key : in.keys()) {
+    at::Tensor t;
+    if (in.try_read(key, t)) {
+      raw.tensors.emplace_back(key, t);
+    } else {
+      c10::IValue v;
+      in.read(key, v);
+      raw.values.emplace_back(key, v);
+    }
+  }
+  return raw;
+}
+
+torch::serialize::InputArchive ArchiveOf(const RawState& raw) {
+  torch::serialize::OutputArchive out;
+  for (const auto& [key, t] : raw.tensors) out.write(key, t);
+  for (const auto& [key, v] : raw.values) out.write(key, v);
+  return Reopen(out);
+}
+
+std::string StateKey(const at::Tensor& param) {
+  return c10::guts::to_string(param.unsafeGetTensorImpl());
+}
+
+// --- Where each optimizer parameter lives ------------------------------------
+
+struct ParamPlace {
+  std::string fqn;
+  at::Tensor param;                  // The optimizer's (local) parameter.
+  std::vector<int64_t> full_shape;
+  const FlatParamHandle* handle = nullptr;  // Null: the local parameter is whole.
+  size_t entry = 0;
+  bool sharded = false;
+  int64_t lo = 0, hi = 0;            // Local elements of the flattened parameter.
+};
+
+using Places = std::unordered_map<const void*, ParamPlace>;
+
+Places PlacesOf(const torch::nn::Module& root, const FullyShardedModel* model) {
+  std::unordered_map<const void*, std::pair<const FlatParamHandle*, size_t>> in_handle;
+  if (model != nullptr) {
+    for (const auto& unit : model->units()) {
+      if (unit->handle() == nullptr) continue;
+      for (size_t i = 0; i < unit->handle()->entries().size(); ++i) {
+        in_handle[unit->handle()->entries()[i].param.unsafeGetTensorImpl()] = {unit->handle(), i};
+      }
+    }
+  }
+  Places places;
+  for (const auto& item : root.named_parameters(/*recurse=*/true)) {
+    const void* impl = item.value().unsafeGetTensorImpl();
+    if (places.count(impl) != 0) continue;  // Tied: the first name.
+    ParamPlace place;
+    place.fqn = item.key();
+    place.param = item.value();
+    auto it = in_handle.find(impl);
+    if (it != in_handle.end()) {
+      const FlatParamInfo& info = it->second.first->params_info()[it->second.second];
+      place.handle = it->second.first;
+      place.entry = it->second.second;
+      place.full_shape = info.shape;
+      place.sharded = place.handle->uses_sharded_views();
+      place.lo = place.sharded ? info.shard_offset : 0;
+      place.hi = place.sharded ? info.shard_offset + info.shard_numel : info.numel;
+    } else {
+      place.full_shape = item.value().sizes().vec();
+      place.hi = item.value().numel();
+    }
+    places.emplace(impl, std::move(place));
+  }
+  return places;
+}
+
+// The optimizer's parameters, in group order, each with its place.
+absl::StatusOr<std::vector<std::vector<const ParamPlace*>>> GroupsOf(
+    const torch::optim::Optimizer& optimizer, const Places& places) {
+  std::vector<std::vector<const ParamPlace*>> groups;
+  for (const auto& group : optimizer.param_groups()) {
+    groups.emplace_back();
+    for (const at::Tensor& p : group.params()) {
+      auto it = places.find(p.unsafeGetTensorImpl());
+      if (it == places.end()) {
+        return absl::InvalidArgumentError(
+            "the optimizer holds a tensor that is not a parameter of the model (build the "
+            "optimizer over the model's parameters, after wrapping)");
+      }
+      groups.back().push_back(&it->second);
+    }
+  }
+  return groups;
+}
+
+std::map<std::string, c10::IValue> OptionsOf(const torch::optim::OptimizerOptions& options) {
+  RawState raw = ReadRaw([&](torch::serialize::OutputArchive& a) { options.serialize(a); });
+  std::map<std::string, c10::IValue> out;
+  for (auto& [key, v] : raw.values) out[key] = v;
+  for (auto& [key, t] : raw.tensors) out[key] = t;
+  return out;
+}
+
+// --- Gathering ---------------------------------------------------------------
+
+absl::StatusOr<OptimStateDict> StateDictOf(const torch::nn::Module& root,
+                                           FullyShardedModel* model,
+                                           torch::optim::Optimizer& optimizer, bool keep) {
+  const Places places = PlacesOf(root, model);
+  FSDP_ASSIGN_OR_RETURN(auto groups, GroupsOf(optimizer, places));
+  // Local states, elementwise tensors split from the rest.
+  struct Local {
+    std::map<std::string, at::Tensor> elementwise;  // Local shape.
+    std::map<std::string, c10::IValue> values;
+  };
+  std::unordered_map<const void*, Local> locals;
+  std::vector<const ParamPlace*> order;
+  for (const auto& group : groups) {
+    for (const ParamPlace* place : group) {
+      auto it = optimizer.state().find(StateKey(place->param));
+      if (it == optimizer.state().end()) continue;
+      RawState raw = ReadRaw([&](torch::serialize::OutputArchive& a) { it->second->serialize(a); });
+      Local local;
+      for (auto& [key, t] : raw.tensors) {
+        if (t.sizes() == place->param.sizes()) {
+          local.elementwise[key] = t;
+        } else {
+          local.values[key] = t;
+        }
+      }
+      for (auto& [key, v] : raw.values) local.values[key] = v;
+      locals[place->param.unsafeGetTensorImpl()] = std::move(local);
+      order.push_back(place);
+    }
+  }
+
+  // Full elementwise tensors: sharded units one state key at a time, as one
+  // all-gather of a buffer laid out like the unit's flat shard.
+  std::unordered_map<const void*, std::map<std::string, at::Tensor>> full;
+  if (model != nullptr) {
+    const int rank = model->group().rank();
+    for (const auto& unit : model->units()) {
+      const FlatParamHandle* handle = unit->handle();
+      if (handle == nullptr || !handle->uses_sharded_views()) continue;
+      std::map<std::string, at::ScalarType> keys;
+      for (const FlatParamEntry& e : handle->entries()) {
+        auto it = locals.find(e.param.unsafeGetTensorImpl());
+        if (it == locals.end()) continue;
+        for (const auto& [key, t] : it->second.elementwise) keys.emplace(key, t.scalar_type());
+      }
+      const int64_t shard = handle->shard_numel();
+      for (const auto& [key, dtype] : keys) {
+        at::Tensor flat = at::zeros({shard}, at::TensorOptions().dtype(dtype));
+        for (size_t i = 0; i < handle->entries().size(); ++i) {
+          const FlatParamInfo& info = handle->params_info()[i];
+          auto it = locals.find(handle->entries()[i].param.unsafeGetTensorImpl());
+          if (it == locals.end() || info.shard_numel == 0) continue;
+          auto t = it->second.elementwise.find(key);
+          if (t == it->second.elementwise.end()) continue;
+          flat.narrow(0, info.offset + info.shard_offset - rank * shard, info.shard_numel)
+              .copy_(t->second.reshape({-1}));
+        }
+        at::Tensor gathered = at::empty({handle->padded_numel()}, flat.options());
+        model->group().AllGatherIntoTensor(gathered, flat)->Wait();
+        if (!keep) continue;
+        for (size_t i = 0; i < handle->entries().size(); ++i) {
+          const FlatParamInfo& info = handle->params_info()[i];
+          auto it = locals.find(handle->entries()[i].param.unsafeGetTensorImpl());
+          if (it == locals.end() || it->second.elementwise.count(key) == 0) continue;
+          full[handle->entries()[i].param.unsafeGetTensorImpl()][key] =
+              gathered.narrow(0, info.offset, info.numel).view(info.shape).clone();
+        }
+      }
+    }
+  }
+  OptimStateDict out;
+  if (!keep) return out;
+  for (const ParamPlace* place : order) {
+    const Local& local = locals.at(place->param.unsafeGetTensorImpl());
+    ParamOptimState state;
+    state.values = local.values;
+    auto gathered = full.find(place->param.unsafeGetTensorImpl());
+    for (const auto& [key, t] : local.elementwise) {
+      state.tensors[key] = place->sharded ? gathered->second.at(key)
+                                          : t.detach().clone().view(place->full_shape);
+    }
+    out.state.emplace_back(place->fqn, std::move(state));
+  }
+  for (size_t g = 0; g < groups.size(); ++g) {
+    ParamGroupState group;
+    for (const ParamPlace* place : groups[g]) group.params.push_back(place->fqn);
+    group.options = OptionsOf(optimizer.param_groups()[g].options());
+    out.param_groups.push_back(std::move(group));
+  }
+  return out;
+}
+
+// --- Loading -------------------------------------------------------------------
+
+absl::Status Load(const torch::nn::Module& root, const FullyShardedModel* model,
+                  torch::optim::Optimizer& optimizer, const OptimStateDict& dict,
+                  const std::string& who) {
+  const Places places = PlacesOf(root, model);
+  FSDP_ASSIGN_OR_RETURN(auto groups, GroupsOf(optimizer, places));
+  std::unordered_map<std::string, const ParamPlace*> by_fqn;
+  for (const auto& group : groups) {
+    for (const ParamPlace* place : group) by_fqn[place->fqn] = place;
+  }
+  std::vector<std::string> problems;
+  if (dict.param_groups.size() != groups.size()) {
+    problems.push_back(absl::StrCat("the state has ", dict.param_groups.size(),
+                                    " parameter groups, the optimizer ", groups.size()));
+  } else {
+    for (size_t g = 0; g < groups.size(); ++g) {
+      std::vector<std::string> mine;
+      for (const ParamPlace* place : groups[g]) mine.push_back(place->fqn);
+      if (mine != dict.param_groups[g].params) {
+        problems.push_back(absl::StrCat("parameter group ", g, " holds [",
+                                        absl::StrJoin(dict.param_groups[g].params, ", "),
+                                        "] in the state but [", absl::StrJoin(mine, ", "),
+                                        "] in the optimizer"));
+      }
+    }
+  }
+  for (const auto& [fqn, state] : dict.state) {
+    auto it = by_fqn.find(fqn);
+    if (it == by_fqn.end()) {
+      problems.push_back(absl::StrCat("state for '", fqn,
+                                      "', which is not a parameter of the optimizer"));
+      continue;
+    }
+    for (const auto& [key, t] : state.tensors) {
+      if (t.sizes().vec() != it->second->full_shape) {
+        problems.push_back(absl::StrCat("'", fqn, "' state '", key, "' has shape [",
+                                        absl::StrJoin(t.sizes(), ", "), "], the parameter [",
+                                        absl::StrJoin(it->second->full_shape, ", "), "]"));
+      }
+    }
+  }
+  if (!problems.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, ": cannot load the optimizer state (nothing was changed): ",
+        absl::StrJoin(problems, "; ")));
+  }
+
+  // Parameters without state get it from one step at learning rate 0 with
+  // zero gradients (no parameter changes), then the loaded values.
+  std::vector<const ParamPlace*> unprimed;
+  for (const auto& [fqn, state] : dict.state) {
+    const ParamPlace* place = by_fqn.at(fqn);
+    if (optimizer.state().count(StateKey(place->param)) == 0) unprimed.push_back(place);
+  }
+  if (!unprimed.empty()) {
+    at::NoGradGuard no_grad;
+    std::vector<std::pair<at::Tensor, at::Tensor>> saved_grads;
+    for (const auto& group : groups) {
+      for (const ParamPlace* place : group) {
+        saved_grads.emplace_back(place->param, place->param.grad());
+        place->param.mutable_grad() = at::Tensor();
+      }
+    }
+    for (const ParamPlace* place : unprimed) {
+      place->param.mutable_grad() = at::zeros_like(place->param);
+    }
+    std::vector<double> lrs;
+    for (auto& group : optimizer.param_groups()) {
+      lrs.push_back(group.options().get_lr());
+      group.options().set_lr(0.0);
+    }
+    optimizer.step();
+    for (size_t g = 0; g < lrs.size(); ++g) optimizer.param_groups()[g].options().set_lr(lrs[g]);
+    for (auto& [param, grad] : saved_grads) param.mutable_grad() = grad;
+  }
+
+  for (const auto& [fqn, state] : dict.state) {
+    const ParamPlace* place = by_fqn.at(fqn);
+    RawState raw;
+    for (const auto& [key, t] : state.tensors) {
+      at::Tensor local = place->sharded
+                             ? t.reshape({-1}).narrow(0, place->lo, place->hi - place->lo)
+                             : t.view(place->param.sizes());
+      raw.tensors.emplace_back(key, local.clone().to(place->param.device()));
+    }
+    for (const auto& [key, v] : state.values) raw.values.emplace_back(key, v);
+    torch::serialize::InputArchive in = ArchiveOf(raw);
+    optimizer.state().at(StateKey(place->param))->serialize(in);
+  }
+  for (size_t g = 0; g < groups.size(); ++g) {
+    RawState raw;
+    for (const auto& [key, v] : dict.param_groups[g].options) {
+      if (v.isTensor()) {
+        raw.tensors.emplace_back(key, v.toTensor());
+      } else {
+        raw.values.emplace_back(key, v);
+      }
+    }
+    torch::serialize::InputArchive in = ArchiveOf(raw);
+    optimizer.param_groups()[g].options().serialize(in);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<OptimStateDict> FullOptimStateDict(FullyShardedModel& model,
+                                                  torch::optim::Optimizer& optimizer,
+                                                  bool rank0_only) {
+  if (model.training_state() != ModelTrainingState::kIdle) {
+    return absl::FailedPreconditionError("FullOptimStateDict: the model is in forward or backward");
+  }
+  try {
+    return StateDictOf(model.units().front()->module(), &model, optimizer,
+                       !rank0_only || model.group().rank() == 0);
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+}
+
+absl::Status LoadFullOptimStateDict(FullyShardedModel& model, torch::optim::Optimizer& optimizer,
+                                    const OptimStateDict& state) {
+  try {
+    return Load(model.units().front()->module(), &model, optimizer, state,
+                absl::StrCat("rank ", model.group().rank(), " of ", model.group().world_size()));
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+}
+
+absl::StatusOr<OptimStateDict> ModuleOptimStateDict(const torch::nn::Module& module,
+                                                    torch::optim::Optimizer& optimizer) {
+  try {
+    return StateDictOf(module, nullptr, optimizer, true);
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+}
+
+absl::Status LoadModuleOptimStateDict(const torch::nn::Module& module,
+                                      torch::optim::Optimizer& optimizer,
+                                      const OptimStateDict& state) {
+  try {
+    return Load(module, nullptr, optimizer, state, module.name());
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+}
+
+}  // namespace fsdp

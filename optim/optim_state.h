@@ -1,0 +1,78 @@
+// Optimizer state of FSDP models, keyed by parameter FQN, as PyTorch's
+// FSDP.optim_state_dict does. optim/ reaches the core only through the root
+// state (units and handles).
+//
+// An optimizer built after wrapping steps each original parameter's shard
+// (a 1-D piece of its unit's flat shard), so its per-parameter state is per
+// shard. The FULL optimizer state dict unflattens and gathers it: for every
+// parameter, every state tensor shaped like the parameter's shard
+// ("elementwise": Adam's exp_avg, SGD's momentum_buffer, Adagrad's sum,
+// ...) becomes a tensor of the parameter's full shape, gathered one unit
+// and one state key at a time; every other state value (Adam's step) is
+// kept as it is (equal on every rank). Any libtorch optimizer works without
+// special code: state is read and written through the optimizer's own
+// serialize().
+//
+// Loading maps it back at any world size and wrapping: each rank slices its
+// own shard out of the full tensors. Everything is checked first (unknown or
+// missing parameters, shapes, parameter groups) and a problem leaves the
+// optimizer untouched. Parameters that have no state yet (a fresh
+// optimizer) get it by one step with learning rate 0 and zero gradients,
+// which changes no parameter, and then the loaded values.
+//
+// The same format serves plain (unwrapped) modules: state moves between an
+// unwrapped model's optimizer and an FSDP model's, both ways (PyTorch's
+// rekeying between parameter index and FQN is this mapping).
+#ifndef FSDP_OPTIM_OPTIM_STATE_H_
+#define FSDP_OPTIM_OPTIM_STATE_H_
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ATen/core/Tensor.h"
+#include "ATen/core/ivalue.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "fsdp/fully_shard.h"
+#include "torch/nn/module.h"
+#include "torch/optim/optimizer.h"
+
+namespace fsdp {
+
+struct ParamOptimState {
+  std::map<std::string, at::Tensor> tensors;  // Elementwise: the parameter's full shape.
+  std::map<std::string, c10::IValue> values;  // Everything else (step counts, ...).
+};
+
+struct ParamGroupState {
+  std::vector<std::string> params;             // FQNs, in the group's order.
+  std::map<std::string, c10::IValue> options;  // lr, betas, weight_decay, ...
+};
+
+struct OptimStateDict {
+  std::vector<std::pair<std::string, ParamOptimState>> state;  // Parameters with state.
+  std::vector<ParamGroupState> param_groups;
+};
+
+// Every rank must call. With rank0_only, ranks other than 0 get an empty
+// dict. REQUIRES: the model IDLE; `optimizer` built over the model's
+// parameters after wrapping.
+absl::StatusOr<OptimStateDict> FullOptimStateDict(FullyShardedModel& model,
+                                                  torch::optim::Optimizer& optimizer,
+                                                  bool rank0_only = false);
+// Every rank passes the same dict; no communication.
+absl::Status LoadFullOptimStateDict(FullyShardedModel& model, torch::optim::Optimizer& optimizer,
+                                    const OptimStateDict& state);
+
+// The same for an unwrapped module and its optimizer.
+absl::StatusOr<OptimStateDict> ModuleOptimStateDict(const torch::nn::Module& module,
+                                                    torch::optim::Optimizer& optimizer);
+absl::Status LoadModuleOptimStateDict(const torch::nn::Module& module,
+                                      torch::optim::Optimizer& optimizer,
+                                      const OptimStateDict& state);
+
+}  // namespace fsdp
+
+#endif  // FSDP_OPTIM_OPTIM_STATE_H_
