@@ -58,58 +58,6 @@ std::string Header(uint64_t id, int rank, int world) {
   return header;
 }
 
-// A model tensor, once per TensorImpl: its names and what this rank holds.
-struct ModelTensor {
-  std::string fqn;
-  std::vector<std::string> aliases;
-  at::Tensor tensor;           // The module's tensor.
-  std::vector<int64_t> shape;  // Global (full) shape.
-  at::ScalarType dtype;
-  int64_t numel = 0;
-  const statedict_internal::Placement* placement = nullptr;  // Null: not in a handle.
-  bool sharded = false;        // In a handle that shards it.
-  // The flattened elements this rank holds (sharded) or needs (all).
-  int64_t lo = 0, hi = 0;
-  // The rank's data for [lo, hi): a 1-D view of its shard or the whole tensor.
-  at::Tensor local;
-};
-
-std::vector<ModelTensor> ModelTensors(const FullyShardedModel& model, const Placements& placements) {
-  std::vector<ModelTensor> out;
-  std::unordered_map<const void*, size_t> seen;
-  for (const auto& [name, tensor] : NamedTensors(model.units().front()->module())) {
-    auto it = seen.find(tensor.unsafeGetTensorImpl());
-    if (it != seen.end()) {
-      out[it->second].aliases.push_back(name);
-      continue;
-    }
-    seen.emplace(tensor.unsafeGetTensorImpl(), out.size());
-    ModelTensor t;
-    t.fqn = name;
-    t.tensor = tensor;
-    t.dtype = tensor.scalar_type();
-    auto p = placements.find(tensor.unsafeGetTensorImpl());
-    if (p != placements.end()) {
-      t.placement = &p->second;
-      const FlatParamHandle& handle = *p->second.handle;
-      const FlatParamInfo& info = handle.params_info()[p->second.entry];
-      t.shape = info.shape;
-      t.numel = info.numel;
-      t.sharded = handle.uses_sharded_views();
-      t.local = handle.LocalShardOf(p->second.entry).reshape({-1});
-      t.lo = t.sharded ? info.shard_offset : 0;
-      t.hi = t.sharded ? info.shard_offset + info.shard_numel : info.numel;
-    } else {
-      t.shape = tensor.sizes().vec();
-      t.numel = tensor.numel();
-      t.local = tensor.detach().reshape({-1});
-      t.hi = t.numel;
-    }
-    out.push_back(std::move(t));
-  }
-  return out;
-}
-
 // Every rank's bytes, gathered on every rank (two all-gathers). The
 // collectives carry floating-point tensors; the bytes travel as the bit
 // patterns of float64 words, which all-gather copies without arithmetic.
@@ -145,13 +93,13 @@ std::vector<int> FailedRanks(Collectives& group, bool failed) {
 
 // Writes this rank's shard file and describes it.
 absl::Status WriteShardFile(const std::string& dir, uint64_t id, int rank, int world,
-                            const std::vector<ModelTensor>& tensors,
+                            const std::vector<CheckpointTensor>& tensors,
                             checkpoint::RankReport& report) {
   const std::string name = ShardFileName(rank, world, id);
   FSDP_ASSIGN_OR_RETURN(AtomicFileWriter file, AtomicFileWriter::Open(dir + "/" + name));
   const std::string header = Header(id, rank, world);
   FSDP_RETURN_IF_ERROR(file.Write(header.data(), header.size()));
-  for (const ModelTensor& t : tensors) {
+  for (const CheckpointTensor& t : tensors) {
     // Replicated tensors are written once, by rank 0.
     if (!t.sharded && rank != 0) continue;
     if (t.hi <= t.lo) continue;
@@ -270,7 +218,8 @@ class ShardReader {
 // Checks the manifest against the model and reads what this rank needs into
 // `staging` (one tensor per model tensor, elements [lo, hi)).
 absl::Status ReadLocalState(const std::string& dir, const checkpoint::CheckpointManifest& manifest,
-                            const std::vector<ModelTensor>& tensors,
+                            const std::vector<CheckpointTensor>& tensors,
+                            const std::vector<std::string>& ignore_prefixes,
                             std::vector<at::Tensor>& staging, ShardedLoadStats& stats) {
   std::unordered_map<std::string, const checkpoint::TensorEntry*> by_name;
   for (const auto& entry : manifest.tensors()) {
@@ -282,7 +231,7 @@ absl::Status ReadLocalState(const std::string& dir, const checkpoint::Checkpoint
   std::vector<const checkpoint::TensorEntry*> entries(tensors.size(), nullptr);
   std::vector<std::string> missing;
   for (size_t k = 0; k < tensors.size(); ++k) {
-    const ModelTensor& t = tensors[k];
+    const CheckpointTensor& t = tensors[k];
     auto it = by_name.find(t.fqn);
     if (it == by_name.end()) {
       missing.push_back(t.fqn);
@@ -304,18 +253,20 @@ absl::Status ReadLocalState(const std::string& dir, const checkpoint::Checkpoint
       continue;
     }
     // The pieces must tile [0, numel).
+    int64_t numel = 1;
+    for (int64_t d : t.shape) numel *= d;
     std::vector<std::pair<int64_t, int64_t>> spans;
     for (const auto& p : e.pieces()) spans.emplace_back(p.offset(), p.numel());
     std::sort(spans.begin(), spans.end());
     int64_t covered = 0;
     bool tiles = true;
-    for (const auto& [offset, numel] : spans) {
-      tiles = tiles && offset == covered && numel > 0;
-      covered = offset + numel;
+    for (const auto& [offset, length] : spans) {
+      tiles = tiles && offset == covered && length > 0;
+      covered = offset + length;
     }
-    if (!tiles || covered != t.numel) {
+    if (!tiles || covered != numel) {
       problems.push_back(absl::StrCat("the manifest's pieces of '", t.fqn,
-                                      "' do not cover its ", t.numel, " elements exactly"));
+                                      "' do not cover its ", numel, " elements exactly"));
       continue;
     }
     entries[k] = &e;
@@ -325,7 +276,11 @@ absl::Status ReadLocalState(const std::string& dir, const checkpoint::Checkpoint
   }
   std::vector<std::string> unexpected;
   for (const auto& entry : manifest.tensors()) {
-    if (used.count(&entry) == 0) unexpected.push_back(entry.fqn());
+    bool ignored = false;
+    for (const std::string& prefix : ignore_prefixes) {
+      ignored = ignored || absl::StartsWith(entry.fqn(), prefix);
+    }
+    if (used.count(&entry) == 0 && !ignored) unexpected.push_back(entry.fqn());
   }
   if (!unexpected.empty()) {
     problems.push_back(absl::StrCat("not in the model: ", absl::StrJoin(unexpected, ", ")));
@@ -354,7 +309,7 @@ absl::Status ReadLocalState(const std::string& dir, const checkpoint::Checkpoint
   const int64_t chunk = manifest.chunk_bytes();
   std::string buffer;
   for (size_t k = 0; k < tensors.size(); ++k) {
-    const ModelTensor& t = tensors[k];
+    const CheckpointTensor& t = tensors[k];
     staging[k] = at::empty({t.hi - t.lo}, at::TensorOptions().dtype(t.dtype));
     const int64_t item = staging[k].element_size();
     stats.bytes_needed += (t.hi - t.lo) * item;
@@ -393,9 +348,53 @@ absl::Status ReadLocalState(const std::string& dir, const checkpoint::Checkpoint
 
 }  // namespace
 
+std::vector<CheckpointTensor> ModelCheckpointTensors(const FullyShardedModel& model) {
+  const Placements placements = PlacementsOf(model);
+  std::vector<CheckpointTensor> out;
+  std::unordered_map<const void*, size_t> seen;
+  for (const auto& [name, tensor] : NamedTensors(model.units().front()->module())) {
+    auto it = seen.find(tensor.unsafeGetTensorImpl());
+    if (it != seen.end()) {
+      out[it->second].aliases.push_back(name);
+      continue;
+    }
+    seen.emplace(tensor.unsafeGetTensorImpl(), out.size());
+    CheckpointTensor t;
+    t.fqn = name;
+    t.dtype = tensor.scalar_type();
+    auto p = placements.find(tensor.unsafeGetTensorImpl());
+    if (p != placements.end()) {
+      const FlatParamHandle& handle = *p->second.handle;
+      const FlatParamInfo& info = handle.params_info()[p->second.entry];
+      t.shape = info.shape;
+      t.sharded = handle.uses_sharded_views();
+      t.local = handle.LocalShardOf(p->second.entry).reshape({-1});
+      t.lo = t.sharded ? info.shard_offset : 0;
+      t.hi = t.sharded ? info.shard_offset + info.shard_numel : info.numel;
+    } else {
+      t.shape = tensor.sizes().vec();
+      t.local = tensor.detach().reshape({-1});
+      t.hi = tensor.numel();
+    }
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
 absl::Status SaveShardedCheckpoint(FullyShardedModel& model, const std::string& dir) {
   FSDP_RETURN_IF_ERROR(RequireIdle(model, "saving a SHARDED checkpoint"));
-  Collectives& group = model.group();
+  return SaveCheckpointTensors(model.group(), dir, ModelCheckpointTensors(model));
+}
+
+absl::Status LoadShardedCheckpoint(FullyShardedModel& model, const std::string& dir,
+                                   ShardedLoadStats* stats) {
+  FSDP_RETURN_IF_ERROR(RequireIdle(model, "loading a SHARDED checkpoint"));
+  return LoadCheckpointTensors(model.group(), dir, ModelCheckpointTensors(model), {"optim/"},
+                               stats);
+}
+
+absl::Status SaveCheckpointTensors(Collectives& group, const std::string& dir,
+                                   const std::vector<CheckpointTensor>& tensors) {
   const int rank = group.rank(), world = group.world_size();
   try {
     // A random id, as two 32-bit halves (exact in the float64 that
@@ -410,8 +409,6 @@ absl::Status SaveShardedCheckpoint(FullyShardedModel& model, const std::string& 
     const uint64_t id = static_cast<uint64_t>(id_tensor[0].item<double>()) << 32 |
                         static_cast<uint64_t>(id_tensor[1].item<double>());
 
-    const Placements placements = PlacementsOf(model);
-    const std::vector<ModelTensor> tensors = ModelTensors(model, placements);
     checkpoint::RankReport report;
     report.set_rank(rank);
     absl::Status written = WriteShardFile(dir, id, rank, world, tensors, report);
@@ -430,7 +427,7 @@ absl::Status SaveShardedCheckpoint(FullyShardedModel& model, const std::string& 
       manifest.set_world_size(world);
       manifest.set_chunk_bytes(kChunkBytes);
       std::unordered_map<std::string, checkpoint::TensorEntry*> by_name;
-      for (const ModelTensor& t : tensors) {
+      for (const CheckpointTensor& t : tensors) {
         checkpoint::TensorEntry* entry = manifest.add_tensors();
         entry->set_fqn(t.fqn);
         for (const auto& alias : t.aliases) entry->add_aliases(alias);
@@ -481,19 +478,18 @@ absl::Status SaveShardedCheckpoint(FullyShardedModel& model, const std::string& 
   }
 }
 
-absl::Status LoadShardedCheckpoint(FullyShardedModel& model, const std::string& dir,
+absl::Status LoadCheckpointTensors(Collectives& group, const std::string& dir,
+                                   const std::vector<CheckpointTensor>& tensors,
+                                   const std::vector<std::string>& ignore_prefixes,
                                    ShardedLoadStats* stats) {
-  FSDP_RETURN_IF_ERROR(RequireIdle(model, "loading a SHARDED checkpoint"));
-  Collectives& group = model.group();
-  const Placements placements = PlacementsOf(model);
-  const std::vector<ModelTensor> tensors = ModelTensors(model, placements);
   std::vector<at::Tensor> staging(tensors.size());
   ShardedLoadStats local_stats;
   absl::Status local;
   try {
     absl::StatusOr<checkpoint::CheckpointManifest> manifest = ReadManifest(dir);
-    local = manifest.ok() ? ReadLocalState(dir, *manifest, tensors, staging, local_stats)
-                          : manifest.status();
+    local = manifest.ok()
+                ? ReadLocalState(dir, *manifest, tensors, ignore_prefixes, staging, local_stats)
+                : manifest.status();
   } catch (...) {
     local = StatusFromCurrentException();
   }
@@ -511,7 +507,7 @@ absl::Status LoadShardedCheckpoint(FullyShardedModel& model, const std::string& 
     }
     at::NoGradGuard no_grad;
     for (size_t k = 0; k < tensors.size(); ++k) {
-      const ModelTensor& t = tensors[k];
+      const CheckpointTensor& t = tensors[k];
       if (t.hi > t.lo) t.local.copy_(staging[k]);
     }
   } catch (...) {

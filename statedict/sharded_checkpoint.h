@@ -35,20 +35,55 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
+
+#include "ATen/core/Tensor.h"
 
 #include "absl/status/status.h"
 #include "fsdp/fully_shard.h"
 
 namespace fsdp {
 
+// One tensor of a SHARDED checkpoint as this rank holds it: the elements
+// [lo, hi) of the flattened tensor, in `local` (1-D, the rank's part; for a
+// replicated tensor, all of it). Replicated tensors are written by rank 0.
+// The model's tensors come from ModelCheckpointTensors; layers above add
+// their own under a prefix of their own (the optimizer's: "optim/").
+struct CheckpointTensor {
+  std::string fqn;
+  std::vector<std::string> aliases;  // Other names of a tied tensor.
+  std::vector<int64_t> shape;        // Global.
+  at::ScalarType dtype = at::kFloat;
+  bool sharded = false;
+  int64_t lo = 0, hi = 0;
+  at::Tensor local;  // Saving: read from it. Loading: written into it.
+};
+
 struct ShardedLoadStats {
   int64_t bytes_read = 0;    // From shard files, by this rank (chunks it needed).
   int64_t bytes_needed = 0;  // The elements this rank's model state needs.
 };
 
-// `dir` must exist (every rank must see the same directory).
+// `dir` must exist (every rank must see the same directory). A model-only
+// load ignores entries under "optim/".
 absl::Status SaveShardedCheckpoint(FullyShardedModel& model, const std::string& dir);
 absl::Status LoadShardedCheckpoint(FullyShardedModel& model, const std::string& dir,
+                                   ShardedLoadStats* stats = nullptr);
+
+// The model's state-dict tensors as checkpoint tensors (`local` views the
+// model's own storage). REQUIRES: the model IDLE.
+std::vector<CheckpointTensor> ModelCheckpointTensors(const FullyShardedModel& model);
+
+// The general forms, for checkpoints that hold more than the model: every
+// rank of `group` calls them with its tensors, in the same order on every
+// rank. Loading checks every tensor first and fills every `local` only if
+// every rank could read its part; entries of the checkpoint whose names
+// start with one of `ignore_prefixes` may be absent from `tensors`.
+absl::Status SaveCheckpointTensors(Collectives& group, const std::string& dir,
+                                   const std::vector<CheckpointTensor>& tensors);
+absl::Status LoadCheckpointTensors(Collectives& group, const std::string& dir,
+                                   const std::vector<CheckpointTensor>& tensors,
+                                   const std::vector<std::string>& ignore_prefixes,
                                    ShardedLoadStats* stats = nullptr);
 
 }  // namespace fsdp

@@ -1,0 +1,148 @@
+#include "optim/optim_internal.h"
+
+#include <sstream>
+
+#include "ATen/ATen.h"
+#include "c10/util/string_utils.h"
+
+namespace fsdp::optim_internal {
+namespace {
+
+torch::serialize::InputArchive Reopen(torch::serialize::OutputArchive& out) {
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  const std::string data = bytes.str();
+  torch::serialize::InputArchive in;
+  in.load_from(data.data(), data.size());
+  return in;
+}
+
+}  // namespace
+
+RawState ReadRaw(const std::function<void(torch::serialize::OutputArchive&)>& serialize) {
+  torch::serialize::OutputArchive out;
+  serialize(out);
+  torch::serialize::InputArchive in = Reopen(out);
+  RawState raw;
+  for (const std::string& key : in.keys()) {
+    at::Tensor t;
+    if (in.try_read(key, t)) {
+      raw.tensors.emplace_back(key, t);
+    } else {
+      c10::IValue v;
+      in.read(key, v);
+      raw.values.emplace_back(key, v);
+    }
+  }
+  return raw;
+}
+
+torch::serialize::InputArchive ArchiveOf(const RawState& raw) {
+  torch::serialize::OutputArchive out;
+  for (const auto& [key, t] : raw.tensors) out.write(key, t);
+  for (const auto& [key, v] : raw.values) out.write(key, v);
+  return Reopen(out);
+}
+
+std::string StateKey(const at::Tensor& param) {
+  return c10::guts::to_string(param.unsafeGetTensorImpl());
+}
+
+std::map<std::string, c10::IValue> OptionsOf(const torch::optim::OptimizerOptions& options) {
+  RawState raw = ReadRaw([&](torch::serialize::OutputArchive& a) { options.serialize(a); });
+  std::map<std::string, c10::IValue> out;
+  for (auto& [key, v] : raw.values) out[key] = v;
+  for (auto& [key, t] : raw.tensors) out[key] = t;
+  return out;
+}
+
+Places PlacesOf(const torch::nn::Module& root, const FullyShardedModel* model) {
+  std::unordered_map<const void*, std::pair<const FlatParamHandle*, size_t>> in_handle;
+  if (model != nullptr) {
+    for (const auto& unit : model->units()) {
+      if (unit->handle() == nullptr) continue;
+      for (size_t i = 0; i < unit->handle()->entries().size(); ++i) {
+        in_handle[unit->handle()->entries()[i].param.unsafeGetTensorImpl()] = {unit->handle(), i};
+      }
+    }
+  }
+  Places places;
+  for (const auto& item : root.named_parameters(/*recurse=*/true)) {
+    const void* impl = item.value().unsafeGetTensorImpl();
+    if (places.count(impl) != 0) continue;  // Tied: the first name.
+    ParamPlace place;
+    place.fqn = item.key();
+    place.param = item.value();
+    auto it = in_handle.find(impl);
+    if (it != in_handle.end()) {
+      const FlatParamInfo& info = it->second.first->params_info()[it->second.second];
+      place.handle = it->second.first;
+      place.entry = it->second.second;
+      place.full_shape = info.shape;
+      place.sharded = place.handle->uses_sharded_views();
+      place.lo = place.sharded ? info.shard_offset : 0;
+      place.hi = place.sharded ? info.shard_offset + info.shard_numel : info.numel;
+    } else {
+      place.full_shape = item.value().sizes().vec();
+      place.hi = item.value().numel();
+    }
+    places.emplace(impl, std::move(place));
+  }
+  return places;
+}
+
+absl::StatusOr<std::vector<std::vector<const ParamPlace*>>> GroupsOf(
+    const torch::optim::Optimizer& optimizer, const Places& places) {
+  std::vector<std::vector<const ParamPlace*>> groups;
+  for (const auto& group : optimizer.param_groups()) {
+    groups.emplace_back();
+    for (const at::Tensor& p : group.params()) {
+      auto it = places.find(p.unsafeGetTensorImpl());
+      if (it == places.end()) {
+        return absl::InvalidArgumentError(
+            "the optimizer holds a tensor that is not a parameter of the model (build the "
+            "optimizer over the model's parameters, after wrapping)");
+      }
+      groups.back().push_back(&it->second);
+    }
+  }
+  return groups;
+}
+
+std::vector<std::string> PrimeMissingState(
+    torch::optim::Optimizer& optimizer, const std::vector<std::vector<const ParamPlace*>>& groups,
+    const std::vector<const ParamPlace*>& wanted) {
+  std::vector<const ParamPlace*> unprimed;
+  for (const ParamPlace* place : wanted) {
+    if (optimizer.state().count(StateKey(place->param)) == 0) unprimed.push_back(place);
+  }
+  std::vector<std::string> created;
+  if (unprimed.empty()) return created;
+  at::NoGradGuard no_grad;
+  std::vector<std::pair<at::Tensor, at::Tensor>> saved_grads;
+  for (const auto& group : groups) {
+    for (const ParamPlace* place : group) {
+      saved_grads.emplace_back(place->param, place->param.grad());
+      place->param.mutable_grad() = at::Tensor();
+    }
+  }
+  for (const ParamPlace* place : unprimed) {
+    place->param.mutable_grad() = at::zeros_like(place->param);
+    created.push_back(StateKey(place->param));
+  }
+  std::vector<double> lrs;
+  for (auto& group : optimizer.param_groups()) {
+    lrs.push_back(group.options().get_lr());
+    group.options().set_lr(0.0);
+  }
+  optimizer.step();
+  for (size_t g = 0; g < lrs.size(); ++g) optimizer.param_groups()[g].options().set_lr(lrs[g]);
+  for (auto& [param, grad] : saved_grads) param.mutable_grad() = grad;
+  return created;
+}
+
+void UndoPriming(torch::optim::Optimizer& optimizer, const std::vector<std::string>& created) {
+  for (const std::string& key : created) optimizer.state().erase(key);
+}
+
+}  // namespace fsdp::optim_internal

@@ -1,0 +1,67 @@
+// Internal to optim/: reading and writing optimizer state through the
+// optimizer's own serialize(), and where each optimizer parameter lives in
+// the model (its FQN, full shape, and the elements this rank holds).
+#ifndef FSDP_OPTIM_OPTIM_INTERNAL_H_
+#define FSDP_OPTIM_OPTIM_INTERNAL_H_
+
+#include <functional>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "ATen/core/Tensor.h"
+#include "ATen/core/ivalue.h"
+#include "absl/status/statusor.h"
+#include "fsdp/fully_shard.h"
+#include "torch/nn/module.h"
+#include "torch/optim/optimizer.h"
+#include "torch/serialize/input-archive.h"
+#include "torch/serialize/output-archive.h"
+
+namespace fsdp::optim_internal {
+
+struct RawState {
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  std::vector<std::pair<std::string, c10::IValue>> values;
+};
+
+// What `serialize` writes, read back as named tensors and values.
+RawState ReadRaw(const std::function<void(torch::serialize::OutputArchive&)>& serialize);
+// An archive holding `raw`, for an object's serialize(InputArchive&).
+torch::serialize::InputArchive ArchiveOf(const RawState& raw);
+// The key of `param` in Optimizer::state().
+std::string StateKey(const at::Tensor& param);
+std::map<std::string, c10::IValue> OptionsOf(const torch::optim::OptimizerOptions& options);
+
+struct ParamPlace {
+  std::string fqn;
+  at::Tensor param;                         // The optimizer's (local) parameter.
+  std::vector<int64_t> full_shape;
+  const FlatParamHandle* handle = nullptr;  // Null: the local parameter is whole.
+  size_t entry = 0;
+  bool sharded = false;
+  int64_t lo = 0, hi = 0;                   // Local elements of the flattened parameter.
+};
+using Places = std::unordered_map<const void*, ParamPlace>;  // By TensorImpl.
+
+// `model` null: an unwrapped module.
+Places PlacesOf(const torch::nn::Module& root, const FullyShardedModel* model);
+// The optimizer's parameters, by group, with their places; fails if one is
+// not a parameter of the model.
+absl::StatusOr<std::vector<std::vector<const ParamPlace*>>> GroupsOf(
+    const torch::optim::Optimizer& optimizer, const Places& places);
+
+// Gives every parameter of `wanted` without state a state, by one step at
+// learning rate 0 with zero gradients for exactly those parameters (no
+// parameter changes; gradients are restored). Returns the state keys it
+// created, for UndoPriming.
+std::vector<std::string> PrimeMissingState(torch::optim::Optimizer& optimizer,
+                                           const std::vector<std::vector<const ParamPlace*>>& groups,
+                                           const std::vector<const ParamPlace*>& wanted);
+void UndoPriming(torch::optim::Optimizer& optimizer, const std::vector<std::string>& created);
+
+}  // namespace fsdp::optim_internal
+
+#endif  // FSDP_OPTIM_OPTIM_INTERNAL_H_

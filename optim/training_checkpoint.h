@@ -1,0 +1,38 @@
+// SHARDED training checkpoints: the model's SHARDED checkpoint
+// (statedict/sharded_checkpoint.h) and the optimizer's state in the same
+// directory and manifest, so that training resumes exactly where it stopped
+// — at the same world size bit for bit, at another one within float32
+// rounding of the reductions' changed order.
+//
+// The optimizer's entries live under "optim/": for every parameter and
+// state key, "optim/state/<fqn>/<key>" — elementwise tensors (shaped like
+// the parameter's shard) sharded exactly as the parameter, everything else
+// (step counts, other tensors) replicated and written once; for every
+// parameter group g, "optim/group/<g>/<option>" (lr, betas, ...) and
+// "optim/group/<g>/param/<fqn>" (its position in the group). Loading checks
+// them all with the model's tensors before changing anything; a checkpoint
+// of a different optimizer, parameter grouping or model is refused with
+// every difference listed, and the model and optimizer stay as they were.
+// Saving requires every parameter to have optimizer state (save after the
+// first step); loading into a fresh optimizer creates it (see
+// optim/optim_state.h).
+#ifndef FSDP_OPTIM_TRAINING_CHECKPOINT_H_
+#define FSDP_OPTIM_TRAINING_CHECKPOINT_H_
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "fsdp/fully_shard.h"
+#include "torch/optim/optimizer.h"
+
+namespace fsdp {
+
+// Every rank calls; `dir` must exist and be the same directory on every rank.
+absl::Status SaveTrainingCheckpoint(FullyShardedModel& model, torch::optim::Optimizer& optimizer,
+                                    const std::string& dir);
+absl::Status LoadTrainingCheckpoint(FullyShardedModel& model, torch::optim::Optimizer& optimizer,
+                                    const std::string& dir);
+
+}  // namespace fsdp
+
+#endif  // FSDP_OPTIM_TRAINING_CHECKPOINT_H_

@@ -1,0 +1,168 @@
+#include "optim/training_checkpoint.h"
+
+#include <sys/stat.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "ATen/ATen.h"
+#include "absl/strings/str_cat.h"
+#include "fsdp/fully_shard.h"
+#include "fsdp/test_models.h"
+#include "fsdp/test_util.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "statedict/sharded_checkpoint.h"
+#include "testing/multi_rank.h"
+#include "torch/optim/adamw.h"
+
+namespace fsdp {
+namespace {
+
+using ::fsdp::testing::BlockImpl;
+using ::fsdp::testing::Inputs;
+using ::fsdp::testing::kGlobalBatch;
+using ::fsdp::testing::Net;
+using ::fsdp::testing::RunOnProcessRanks;
+using ::fsdp::testing::RunOnThreadRanks;
+using ::fsdp::testing::Targets;
+using ::testing::HasSubstr;
+
+std::string Dir(const std::string& name) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string dir = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/", name);
+  mkdir(dir.c_str(), 0755);
+  return dir;
+}
+
+struct Trainer {
+  Net model;
+  std::unique_ptr<FullyShardedModel> fsdp;
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+
+  explicit Trainer(Collectives& comm) {
+    fsdp = FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>()).value();
+    optimizer = std::make_unique<torch::optim::AdamW>(
+        model->parameters(), torch::optim::AdamWOptions(0.01).weight_decay(0.1));
+  }
+  // The global loss of one step.
+  float Step(Collectives& comm, int step) {
+    const int64_t rows = kGlobalBatch / comm.world_size();
+    at::Tensor loss =
+        at::mse_loss(model->forward(Inputs(step, 0).narrow(0, comm.rank() * rows, rows)),
+                     Targets(step, 0).narrow(0, comm.rank() * rows, rows));
+    loss.backward();
+    fsdp->ClipGradNorm(1.0);
+    optimizer->step();
+    optimizer->zero_grad();
+    at::Tensor global = loss.detach().clone();
+    comm.AllReduce(global, ReduceOp::kAvg)->Wait();
+    return global.item<float>();
+  }
+};
+
+std::vector<float> ReadLosses(const std::string& path) {
+  std::vector<float> losses;
+  std::ifstream in(path, std::ios::binary);
+  float v;
+  while (in.read(reinterpret_cast<char*>(&v), sizeof(v))) losses.push_back(v);
+  return losses;
+}
+
+void WriteLosses(const std::string& path, const std::vector<float>& losses) {
+  std::ofstream(path, std::ios::binary)
+      .write(reinterpret_cast<const char*>(losses.data()), losses.size() * sizeof(float));
+}
+
+// Train 3 steps, save, train 3 more; new processes load and train the same
+// 3 steps: the losses are bit-for-bit the same.
+TEST(TrainingCheckpoint, ResumesExactlyInNewProcesses) {
+  const std::string dir = Dir("resume");
+  const std::string losses_path = dir + "/uninterrupted.bin";
+  absl::Status first = RunOnProcessRanks(2, [&](Collectives& comm) {
+    Trainer t(comm);
+    for (int step = 0; step < 3; ++step) t.Step(comm, step);
+    absl::Status saved = SaveTrainingCheckpoint(*t.fsdp, *t.optimizer, dir);
+    ASSERT_TRUE(saved.ok()) << saved;
+    std::vector<float> losses;
+    for (int step = 3; step < 6; ++step) losses.push_back(t.Step(comm, step));
+    if (comm.rank() == 0) WriteLosses(losses_path, losses);
+  });
+  ASSERT_TRUE(first.ok()) << first;
+  const std::string resumed_path = dir + "/resumed.bin";
+  absl::Status second = RunOnProcessRanks(2, [&](Collectives& comm) {
+    Trainer t(comm);  // Fresh model and optimizer in fresh processes.
+    absl::Status loaded = LoadTrainingCheckpoint(*t.fsdp, *t.optimizer, dir);
+    ASSERT_TRUE(loaded.ok()) << loaded;
+    std::vector<float> losses;
+    for (int step = 3; step < 6; ++step) losses.push_back(t.Step(comm, step));
+    if (comm.rank() == 0) WriteLosses(resumed_path, losses);
+  });
+  ASSERT_TRUE(second.ok()) << second;
+  const std::vector<float> want = ReadLosses(losses_path), got = ReadLosses(resumed_path);
+  ASSERT_EQ(want.size(), 3u);
+  ASSERT_EQ(got.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(got[i], want[i]) << "step " << 3 + i << " (bit for bit)";
+  }
+}
+
+// Saved at W = 2, resumed at W = 3 and W = 1: the same losses up to float32
+// rounding of the reductions in another order (relative 1e-5).
+TEST(TrainingCheckpoint, ResumesAtAnotherWorldSize) {
+  const std::string dir = Dir("reshard");
+  std::vector<float> want;
+  absl::Status first = RunOnThreadRanks(2, [&](Collectives& comm) {
+    Trainer t(comm);
+    for (int step = 0; step < 3; ++step) t.Step(comm, step);
+    ASSERT_TRUE(SaveTrainingCheckpoint(*t.fsdp, *t.optimizer, dir).ok());
+    for (int step = 3; step < 6; ++step) {
+      const float loss = t.Step(comm, step);
+      if (comm.rank() == 0) want.push_back(loss);
+    }
+  });
+  ASSERT_TRUE(first.ok()) << first;
+  for (int world : {3, 1}) {
+    absl::Status second = RunOnThreadRanks(world, [&](Collectives& comm) {
+      Trainer t(comm);
+      absl::Status loaded = LoadTrainingCheckpoint(*t.fsdp, *t.optimizer, dir);
+      ASSERT_TRUE(loaded.ok()) << loaded;
+      for (int step = 3; step < 6; ++step) {
+        EXPECT_NEAR(t.Step(comm, step), want[step - 3], 1e-5 * std::abs(want[step - 3]))
+            << "world " << world << " step " << step;
+      }
+    });
+    EXPECT_TRUE(second.ok()) << second;
+  }
+}
+
+TEST(TrainingCheckpoint, AModelOnlyCheckpointIsRefusedAndNothingChanges) {
+  const std::string dir = Dir("model_only");
+  absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
+    Trainer t(comm);
+    t.Step(comm, 0);
+    ASSERT_TRUE(SaveShardedCheckpoint(*t.fsdp, dir).ok());
+    Trainer fresh(comm);
+    const at::Tensor before = fresh.fsdp->units()[1]->handle()->local_shard().clone();
+    absl::Status loaded = LoadTrainingCheckpoint(*fresh.fsdp, *fresh.optimizer, dir);
+    ASSERT_FALSE(loaded.ok());
+    EXPECT_THAT(loaded.message(), HasSubstr("missing from the checkpoint: optim/group/0/param/"));
+    EXPECT_TRUE(fresh.optimizer->state().empty()) << "the optimizer stays fresh";
+    EXPECT_TRUE(at::equal(fresh.fsdp->units()[1]->handle()->local_shard(), before));
+    // The model-only load of a training checkpoint works (optimizer entries
+    // are ignored).
+    ASSERT_TRUE(SaveTrainingCheckpoint(*t.fsdp, *t.optimizer, dir).ok());
+    EXPECT_TRUE(LoadShardedCheckpoint(*fresh.fsdp, dir).ok());
+    // Saving before the first step is refused.
+    Trainer unstepped(comm);
+    absl::Status early = SaveTrainingCheckpoint(*unstepped.fsdp, *unstepped.optimizer, dir);
+    EXPECT_THAT(early.message(), HasSubstr("has no optimizer state yet"));
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+}  // namespace
+}  // namespace fsdp
