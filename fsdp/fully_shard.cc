@@ -54,6 +54,15 @@ uint64_t NextModelId() {
 
 }  // namespace
 
+std::vector<at::Tensor> UniqueParameters(const torch::nn::Module& module) {
+  std::vector<at::Tensor> params;
+  std::set<const void*> seen;
+  for (const at::Tensor& p : module.parameters(/*recurse=*/true)) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) params.push_back(p);
+  }
+  return params;
+}
+
 FsdpUnit* GetModuleUnit(const torch::nn::Module* module) {
   std::lock_guard<std::mutex> lock(RegistryMutex());
   auto it = Registry().find(module);

@@ -253,6 +253,12 @@ class SummonFullParams {
   int rank_;
 };
 
+// The module's parameters, each tied tensor once (libtorch's
+// Module::parameters() lists a tensor under every name it has; PyTorch's
+// dedups). Build optimizers over these: an optimizer given a tensor twice
+// steps it twice.
+std::vector<at::Tensor> UniqueParameters(const torch::nn::Module& module);
+
 // The registry: the FSDP unit `module` is, or null.
 FsdpUnit* GetModuleUnit(const torch::nn::Module* module);
 

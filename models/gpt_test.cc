@@ -100,7 +100,7 @@ TEST_P(GptFsdpParity, MatchesLocalTraining) {
   std::map<std::string, at::Tensor> expected_params;
   {
     Gpt model(TinyConfig());
-    auto optimizer = MakeOptimizer(c.optim, model->parameters());
+    auto optimizer = MakeOptimizer(c.optim, fsdp::UniqueParameters(*model));
     for (int step = 0; step < kSteps; ++step) {
       at::Tensor tokens = Tokens(step);
       at::Tensor loss = LanguageModelLoss(model->forward(tokens.narrow(1, 0, 8)),
@@ -125,7 +125,7 @@ TEST_P(GptFsdpParity, MatchesLocalTraining) {
         model.ptr(), comm, options, c.flat ? none : fsdp::SelectModulesOfType<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     ASSERT_EQ((*wrapped)->units().size(), c.flat ? 1u : 3u);  // Root and two blocks.
-    auto optimizer = MakeOptimizer(c.optim, model->parameters());
+    auto optimizer = MakeOptimizer(c.optim, fsdp::UniqueParameters(*model));
     const int64_t rows = kGlobalBatch / comm.world_size();
     for (int step = 0; step < kSteps; ++step) {
       comm.ResetCounters();

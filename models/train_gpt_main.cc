@@ -9,7 +9,13 @@
 // job. Every rank draws the same global batch of
 // world_size * batch_size sequences and trains on its slice, so the run
 // matches single-process training on the global batch.
+#include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <map>
+#include <stdexcept>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -20,6 +26,8 @@
 #include "ATen/ATen.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
 #include "base/status.h"
 #include "comm/collectives.h"
 #include "comm/launch_environment.h"
@@ -30,6 +38,7 @@
 #include "policies/registry.h"
 #include "statedict/state_dict.h"
 #include "statedict/torch_file.h"
+#include "optim/training_checkpoint.h"
 #include "torch/optim/adamw.h"
 
 ABSL_FLAG(int, world_size, 2, "Ranks to launch on this host (launcher mode).");
@@ -61,6 +70,12 @@ ABSL_FLAG(std::string, init_state_dict_key, "",
           "'model').");
 ABSL_FLAG(std::string, export_state_dict, "",
           "Write the final FULL state dict here (rank 0), readable by Python's torch.load.");
+ABSL_FLAG(std::string, checkpoint_dir, "",
+          "Save SHARDED training checkpoints (model and AdamW state) here, one subdirectory "
+          "step-NNNNNNNN per checkpoint; the two newest are kept.");
+ABSL_FLAG(int, checkpoint_every, 100, "Steps between checkpoints (with --checkpoint_dir).");
+ABSL_FLAG(bool, resume, false,
+          "Continue from the newest complete checkpoint in --checkpoint_dir (any world size).");
 ABSL_FLAG(bool, list_policies, false,
           "Print the registered wrap policies (after loading --policy_plugin) and exit.");
 ABSL_FLAG(bool, print_plan, true, "Print the wrap plan (rank 0) before training.");
@@ -90,6 +105,34 @@ std::string MakeCorpus(uint64_t seed, size_t bytes) {
     text += std::to_string(a) + "+" + std::to_string(b) + "=" + std::to_string(a + b) + "\n";
   }
   return text;
+}
+
+// Complete checkpoints (those with a manifest) in `dir`, by step.
+std::map<int, std::string> CompleteCheckpoints(const std::string& dir) {
+  std::map<int, std::string> found;
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return found;
+  while (dirent* e = readdir(d)) {
+    int step = 0;
+    const std::string name = e->d_name;
+    if (name.rfind("step-", 0) != 0 || !absl::SimpleAtoi(name.substr(5), &step)) continue;
+    const std::string path = dir + "/" + name;
+    struct stat st;
+    if (stat((path + "/manifest.pb").c_str(), &st) == 0) found[step] = path;
+  }
+  closedir(d);
+  return found;
+}
+
+void RemoveCheckpoint(const std::string& path) {
+  DIR* d = opendir(path.c_str());
+  if (d == nullptr) return;
+  while (dirent* e = readdir(d)) {
+    const std::string name = e->d_name;
+    if (name != "." && name != "..") unlink((path + "/" + name).c_str());
+  }
+  closedir(d);
+  rmdir(path.c_str());
 }
 
 absl::StatusOr<fsdp::BackwardPrefetch> ParseBackwardPrefetch(const std::string& name) {
@@ -136,7 +179,7 @@ int RunRank(const fsdp::LaunchEnvironment& env, const fsdp::FsdpOptions& options
   for (const auto& unit : fsdp_model->units()) {
     if (unit->handle() != nullptr) shard_param_bytes += unit->handle()->local_shard().nbytes();
   }
-  torch::optim::AdamW optimizer(model->parameters(),
+  torch::optim::AdamW optimizer(fsdp::UniqueParameters(*model),
                                 torch::optim::AdamWOptions(absl::GetFlag(FLAGS_lr))
                                     .weight_decay(absl::GetFlag(FLAGS_weight_decay)));
 
@@ -161,9 +204,24 @@ int RunRank(const fsdp::LaunchEnvironment& env, const fsdp::FsdpOptions& options
   }
 
   std::mt19937_64 sampler(absl::GetFlag(FLAGS_seed) + 1);  // Same on every rank.
+  const std::string checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  int first_step = 1;
+  if (absl::GetFlag(FLAGS_resume)) {
+    const std::map<int, std::string> found = CompleteCheckpoints(checkpoint_dir);
+    if (found.empty()) {
+      throw std::runtime_error("--resume: no complete checkpoint in --checkpoint_dir='" +
+                               checkpoint_dir + "'");
+    }
+    fsdp::ThrowIfError(
+        fsdp::LoadTrainingCheckpoint(*fsdp_model, optimizer, found.rbegin()->second));
+    first_step = found.rbegin()->first + 1;
+    // The batches of the steps already taken, drawn and dropped.
+    sampler.discard(static_cast<unsigned long long>(found.rbegin()->first) * per_rank * world);
+    if (print) std::printf("resumed from %s\n", found.rbegin()->second.c_str());
+  }
   const Clock::time_point start = Clock::now();
   float first_loss = 0, last_loss = 0;
-  for (int step = 1; step <= steps; ++step) {
+  for (int step = first_step; step <= steps; ++step) {
     // The global batch, then this rank's slice of it.
     std::vector<at::Tensor> rows;
     for (int64_t i = 0; i < per_rank * world; ++i) {
@@ -179,13 +237,30 @@ int RunRank(const fsdp::LaunchEnvironment& env, const fsdp::FsdpOptions& options
     at::Tensor global = loss.detach().clone();
     comm->AllReduce(global, fsdp::ReduceOp::kAvg)->Wait();
     last_loss = global.item<float>();
-    if (step == 1) first_loss = last_loss;
-    if (print && (step % absl::GetFlag(FLAGS_log_every) == 0 || step == 1 || step == steps)) {
+    if (step == first_step) first_loss = last_loss;
+    if (print &&
+        (step % absl::GetFlag(FLAGS_log_every) == 0 || step == first_step || step == steps)) {
       const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+      const int done = step - first_step + 1;
       std::printf("step %4d/%d  loss %.4f  %8.0f tokens/s  %5.1f s left\n", step, steps,
-                  last_loss, step * per_rank * world * t / elapsed,
-                  elapsed / step * (steps - step));
+                  last_loss, done * per_rank * world * t / elapsed,
+                  elapsed / done * (steps - step));
       std::fflush(stdout);
+    }
+    if (!checkpoint_dir.empty() &&
+        (step % absl::GetFlag(FLAGS_checkpoint_every) == 0 || step == steps)) {
+      const std::string path = absl::StrFormat("%s/step-%08d", checkpoint_dir, step);
+      mkdir(checkpoint_dir.c_str(), 0755);
+      mkdir(path.c_str(), 0755);
+      fsdp::ThrowIfError(fsdp::SaveTrainingCheckpoint(*fsdp_model, optimizer, path));
+      if (rank == 0) {
+        std::map<int, std::string> found = CompleteCheckpoints(checkpoint_dir);
+        while (found.size() > 2) {
+          RemoveCheckpoint(found.begin()->second);
+          found.erase(found.begin());
+        }
+        std::printf("checkpoint %s\n", path.c_str());
+      }
     }
   }
   if (const std::string out = absl::GetFlag(FLAGS_export_state_dict); !out.empty()) {
@@ -208,10 +283,10 @@ int RunRank(const fsdp::LaunchEnvironment& env, const fsdp::FsdpOptions& options
         static_cast<long long>(c.Calls(fsdp::CollectiveOp::kAllGather)),
         c.Bytes(fsdp::CollectiveOp::kReduceScatter) / 1048576.0,
         static_cast<long long>(c.Calls(fsdp::CollectiveOp::kReduceScatter)));
-    std::printf("loss %.4f -> %.4f over %d steps%s\n", first_loss, last_loss, steps,
-                last_loss < first_loss ? "" : "  (DID NOT FALL)");
+    std::printf("loss %.4f -> %.4f over steps %d..%d%s\n", first_loss, last_loss, first_step,
+                steps, last_loss < first_loss || first_step > 1 ? "" : "  (DID NOT FALL)");
   }
-  return last_loss < first_loss ? 0 : 1;
+  return last_loss < first_loss || first_step > 1 ? 0 : 1;
 }
 
 

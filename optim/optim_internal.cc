@@ -1,8 +1,10 @@
 #include "optim/optim_internal.h"
 
+#include <set>
 #include <sstream>
 
 #include "ATen/ATen.h"
+#include "absl/strings/str_cat.h"
 #include "c10/util/string_utils.h"
 
 namespace fsdp::optim_internal {
@@ -94,6 +96,7 @@ Places PlacesOf(const torch::nn::Module& root, const FullyShardedModel* model) {
 absl::StatusOr<std::vector<std::vector<const ParamPlace*>>> GroupsOf(
     const torch::optim::Optimizer& optimizer, const Places& places) {
   std::vector<std::vector<const ParamPlace*>> groups;
+  std::set<const void*> seen;
   for (const auto& group : optimizer.param_groups()) {
     groups.emplace_back();
     for (const at::Tensor& p : group.params()) {
@@ -102,6 +105,12 @@ absl::StatusOr<std::vector<std::vector<const ParamPlace*>>> GroupsOf(
         return absl::InvalidArgumentError(
             "the optimizer holds a tensor that is not a parameter of the model (build the "
             "optimizer over the model's parameters, after wrapping)");
+      }
+      if (!seen.insert(p.unsafeGetTensorImpl()).second) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the optimizer holds parameter '", it->second.fqn,
+            "' twice (a tied weight?), so it steps it twice; build it over "
+            "fsdp::UniqueParameters(model)"));
       }
       groups.back().push_back(&it->second);
     }
