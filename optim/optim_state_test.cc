@@ -18,6 +18,7 @@
 #include "torch/optim/adagrad.h"
 #include "torch/optim/adam.h"
 #include "torch/optim/adamw.h"
+#include "torch/nn/modules/linear.h"
 #include "torch/optim/sgd.h"
 
 namespace fsdp {
@@ -243,6 +244,27 @@ TEST(OptimState, MovesBetweenWorldSizes) {
     }
   });
   EXPECT_TRUE(second.ok()) << second;
+}
+
+struct TiedImpl : torch::nn::Module {
+  TiedImpl() {
+    a = register_module("a", torch::nn::Linear(3, 3));
+    b = register_module("b", torch::nn::Linear(3, 3));
+    b->weight = b->register_parameter("shared", a->weight);
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(Tied);
+
+TEST(OptimState, AParameterListedTwiceIsNamed) {
+  Tied model;
+  torch::optim::SGD twice(model->parameters(), torch::optim::SGDOptions(0.1));
+  auto state = ModuleOptimStateDict(*model, twice);
+  ASSERT_FALSE(state.ok());
+  EXPECT_THAT(state.status().message(),
+              HasSubstr("the optimizer holds parameter 'a.weight' twice (a tied weight?)"));
+  torch::optim::SGD once(UniqueParameters(*model), torch::optim::SGDOptions(0.1));
+  EXPECT_TRUE(ModuleOptimStateDict(*model, once).ok());
 }
 
 }  // namespace
