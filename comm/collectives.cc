@@ -1,5 +1,7 @@
 #include "comm/collectives.h"
 
+#include <algorithm>
+#include <cstring>
 #include <string>
 
 #include "ATen/ATen.h"
@@ -175,6 +177,17 @@ std::unique_ptr<CollectiveWork> Collectives::Broadcast(const at::Tensor& tensor,
 void Collectives::Barrier() {
   Count(CollectiveOp::kBarrier, 0);
   if (world_size_ > 1) DoBarrier();
+}
+
+void BroadcastBytes(Collectives& group, std::string& bytes, int root) {
+  at::Tensor length = at::full({1}, static_cast<double>(bytes.size()), at::kDouble);
+  group.Broadcast(length, root)->Wait();
+  const int64_t size = static_cast<int64_t>(length.item<double>());
+  const int64_t words = std::max<int64_t>(1, (size + 7) / 8);
+  at::Tensor payload = at::zeros({words}, at::kDouble);
+  if (group.rank() == root && size > 0) std::memcpy(payload.data_ptr(), bytes.data(), size);
+  group.Broadcast(payload, root)->Wait();
+  bytes.assign(static_cast<const char*>(payload.data_ptr()), size);
 }
 
 }  // namespace fsdp

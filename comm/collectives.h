@@ -161,6 +161,12 @@ class Collectives {
   std::array<std::atomic<int64_t>, kNumCollectiveOps> bytes_{};
 };
 
+// Rank `root`'s `bytes` on every rank (two broadcasts: the length, then the
+// bytes as the bit patterns of float64 words, which broadcast copies
+// without arithmetic). Every rank of the group must call it. Throws
+// c10::Error as the collectives do.
+void BroadcastBytes(Collectives& group, std::string& bytes, int root);
+
 }  // namespace fsdp
 
 #endif  // FSDP_COMM_COLLECTIVES_H_

@@ -399,5 +399,21 @@ TEST(Collectives, AConnectionDroppedWhileTheMeshFormsIsRetriedOnEveryRank) {
   }
 }
 
+TEST(Collectives, BroadcastBytesDeliversRootsBytesExactly) {
+  absl::Status status = RunOnThreadRanks(3, [](Collectives& comm) {
+    std::string mine;
+    for (int i = 0; i < 1001; ++i) mine.push_back(static_cast<char>((i * 37 + comm.rank()) & 0xff));
+    std::string bytes = mine;
+    BroadcastBytes(comm, bytes, 1);
+    std::string want;
+    for (int i = 0; i < 1001; ++i) want.push_back(static_cast<char>((i * 37 + 1) & 0xff));
+    EXPECT_EQ(bytes, want);
+    std::string empty = comm.rank() == 2 ? "" : "ignored";
+    BroadcastBytes(comm, empty, 2);
+    EXPECT_EQ(empty, "");
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
 }  // namespace
 }  // namespace fsdp

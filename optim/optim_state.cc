@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "base/status.h"
 #include "optim/optim_internal.h"
+#include "torch/csrc/jit/serialization/pickle.h"
 #include "torch/serialize/input-archive.h"
 #include "torch/serialize/output-archive.h"
 
@@ -224,6 +225,80 @@ absl::Status LoadFullOptimStateDict(FullyShardedModel& model, torch::optim::Opti
   } catch (...) {
     return StatusFromCurrentException();
   }
+}
+
+namespace {
+
+// OptimStateDict <-> bytes, through libtorch's pickler.
+std::string Serialize(const OptimStateDict& dict) {
+  c10::impl::GenericList state(c10::AnyType::get());
+  for (const auto& [fqn, param] : dict.state) {
+    c10::impl::GenericDict tensors(c10::StringType::get(), c10::AnyType::get());
+    for (const auto& [key, t] : param.tensors) tensors.insert(key, t);
+    c10::impl::GenericDict values(c10::StringType::get(), c10::AnyType::get());
+    for (const auto& [key, v] : param.values) values.insert(key, v);
+    state.push_back(c10::ivalue::Tuple::create({fqn, tensors, values}));
+  }
+  c10::impl::GenericList groups(c10::AnyType::get());
+  for (const ParamGroupState& group : dict.param_groups) {
+    c10::impl::GenericList params(c10::StringType::get());
+    for (const std::string& fqn : group.params) params.push_back(fqn);
+    c10::impl::GenericDict options(c10::StringType::get(), c10::AnyType::get());
+    for (const auto& [key, v] : group.options) options.insert(key, v);
+    groups.push_back(c10::ivalue::Tuple::create({params, options}));
+  }
+  const std::vector<char> bytes =
+      torch::jit::pickle_save(c10::ivalue::Tuple::create({state, groups}));
+  return std::string(bytes.begin(), bytes.end());
+}
+
+OptimStateDict Deserialize(const std::string& bytes) {
+  const c10::IValue root = torch::jit::pickle_load(std::vector<char>(bytes.begin(), bytes.end()));
+  const auto& parts = root.toTupleRef().elements();
+  OptimStateDict dict;
+  for (const c10::IValue& item : parts[0].toListRef()) {
+    const auto& fields = item.toTupleRef().elements();
+    ParamOptimState param;
+    for (const auto& e : fields[1].toGenericDict()) {
+      param.tensors[e.key().toStringRef()] = e.value().toTensor();
+    }
+    for (const auto& e : fields[2].toGenericDict()) param.values[e.key().toStringRef()] = e.value();
+    dict.state.emplace_back(fields[0].toStringRef(), std::move(param));
+  }
+  for (const c10::IValue& item : parts[1].toListRef()) {
+    const auto& fields = item.toTupleRef().elements();
+    ParamGroupState group;
+    for (const c10::IValue& fqn : fields[0].toListRef()) group.params.push_back(fqn.toStringRef());
+    for (const auto& e : fields[1].toGenericDict()) group.options[e.key().toStringRef()] = e.value();
+    dict.param_groups.push_back(std::move(group));
+  }
+  return dict;
+}
+
+}  // namespace
+
+absl::Status LoadFullOptimStateDictFromRank0(FullyShardedModel& model,
+                                             torch::optim::Optimizer& optimizer,
+                                             const OptimStateDict& state) {
+  Collectives& group = model.group();
+  absl::Status local;
+  try {
+    std::string bytes = group.rank() == 0 ? Serialize(state) : std::string();
+    BroadcastBytes(group, bytes, 0);
+    local = LoadFullOptimStateDict(model, optimizer, group.rank() == 0 ? state : Deserialize(bytes));
+    // Every rank learns whether every rank loaded.
+    at::Tensor failed = at::full({1}, local.ok() ? 0.0 : 1.0, at::kDouble);
+    group.AllReduce(failed, ReduceOp::kSum)->Wait();
+    if (local.ok() && failed.item<double>() > 0) {
+      return absl::AbortedError(absl::StrCat(
+          "rank ", group.rank(), " of ", group.world_size(),
+          ": another rank could not load the optimizer state from rank 0 (its error says why); "
+          "this rank did, so the ranks now disagree: load again or restart"));
+    }
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+  return local;
 }
 
 absl::StatusOr<OptimStateDict> ModuleOptimStateDict(const torch::nn::Module& module,

@@ -65,6 +65,12 @@ absl::StatusOr<OptimStateDict> FullOptimStateDict(FullyShardedModel& model,
 // Every rank passes the same dict; no communication.
 absl::Status LoadFullOptimStateDict(FullyShardedModel& model, torch::optim::Optimizer& optimizer,
                                     const OptimStateDict& state);
+// Only rank 0 holds the dict (PyTorch's scatter_full_optim_state_dict):
+// it is broadcast, and every rank loads its shard; `state` is read on rank 0
+// only. The error of a rank that cannot load is every rank's.
+absl::Status LoadFullOptimStateDictFromRank0(FullyShardedModel& model,
+                                             torch::optim::Optimizer& optimizer,
+                                             const OptimStateDict& state);
 
 // The same for an unwrapped module and its optimizer.
 absl::StatusOr<OptimStateDict> ModuleOptimStateDict(const torch::nn::Module& module,

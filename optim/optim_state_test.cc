@@ -141,6 +141,17 @@ TEST_P(OptimStateResume, UnwrappedStateContinuesInFsdpAndGathersBack) {
     }
     EXPECT_EQ(gathered->param_groups.size(), 1u);
     EXPECT_EQ(gathered->param_groups[0].params.size(), 8u);
+    // And back into an unwrapped model's optimizer: it continues like the
+    // reference.
+    Net plain;
+    auto plain_optimizer = Make(c.kind, UniqueParameters(*plain));
+    ASSERT_TRUE(LoadModuleStateDict(*plain, ModuleStateDict(*reference)).ok());
+    ASSERT_TRUE(LoadModuleOptimStateDict(*plain, *plain_optimizer, *gathered).ok());
+    const float a = Step(plain, *plain_optimizer, 6, 0, 1);
+    const float b = Step(reference, *ref_optimizer, 6, 0, 1);
+    EXPECT_EQ(a, b) << "the first step's loss depends only on the weights";
+    EXPECT_NEAR(Step(plain, *plain_optimizer, 7, 0, 1), Step(reference, *ref_optimizer, 7, 0, 1),
+                1e-5);
   });
   EXPECT_TRUE(status.ok()) << status;
 }
@@ -244,6 +255,37 @@ TEST(OptimState, MovesBetweenWorldSizes) {
     }
   });
   EXPECT_TRUE(second.ok()) << second;
+}
+
+// Only rank 0 holds the FULL state (as after reading a checkpoint there):
+// it is broadcast and every rank takes its shard.
+TEST(OptimState, LoadsFromRank0Only) {
+  Net reference;
+  auto ref_optimizer = Make(Kind::kAdam, UniqueParameters(*reference));
+  for (int step = 0; step < 2; ++step) Step(reference, *ref_optimizer, step, 0, 1);
+  const StateDict model_state = ModuleStateDict(*reference);
+  auto optim_state = ModuleOptimStateDict(*reference, *ref_optimizer);
+  ASSERT_TRUE(optim_state.ok());
+  std::vector<float> expected;
+  for (int step = 2; step < 4; ++step) expected.push_back(Step(reference, *ref_optimizer, step, 0, 1));
+  absl::Status status = RunOnThreadRanks(3, [&](Collectives& comm) {
+    Net model;
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok());
+    auto optimizer = Make(Kind::kAdam, UniqueParameters(*model));
+    ASSERT_TRUE(LoadStateDict(**wrapped, model_state).ok());
+    const OptimStateDict nothing;
+    absl::Status loaded = LoadFullOptimStateDictFromRank0(
+        **wrapped, *optimizer, comm.rank() == 0 ? *optim_state : nothing);
+    ASSERT_TRUE(loaded.ok()) << loaded;
+    for (int step = 2; step < 4; ++step) {
+      at::Tensor loss = at::full({1}, Step(model, *optimizer, step, comm.rank(), 3));
+      comm.AllReduce(loss, ReduceOp::kAvg)->Wait();
+      EXPECT_NEAR(loss.item<float>(), expected[step - 2], 1e-5 * std::abs(expected[step - 2]));
+    }
+  });
+  EXPECT_TRUE(status.ok()) << status;
 }
 
 struct TiedImpl : torch::nn::Module {

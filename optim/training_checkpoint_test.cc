@@ -17,7 +17,10 @@
 #include "gtest/gtest.h"
 #include "statedict/sharded_checkpoint.h"
 #include "testing/multi_rank.h"
+#include "torch/optim/adagrad.h"
+#include "torch/optim/adam.h"
 #include "torch/optim/adamw.h"
+#include "torch/optim/sgd.h"
 
 namespace fsdp {
 namespace {
@@ -38,15 +41,32 @@ std::string Dir(const std::string& name) {
   return dir;
 }
 
+enum class Kind { kSgdMomentum, kAdam, kAdamW, kAdagrad };
+
+std::unique_ptr<torch::optim::Optimizer> Make(Kind kind, std::vector<at::Tensor> params) {
+  switch (kind) {
+    case Kind::kSgdMomentum:
+      return std::make_unique<torch::optim::SGD>(params,
+                                                 torch::optim::SGDOptions(0.1).momentum(0.9));
+    case Kind::kAdam:
+      return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01));
+    case Kind::kAdamW:
+      return std::make_unique<torch::optim::AdamW>(
+          params, torch::optim::AdamWOptions(0.01).weight_decay(0.1));
+    case Kind::kAdagrad:
+      return std::make_unique<torch::optim::Adagrad>(params, torch::optim::AdagradOptions(0.05));
+  }
+  return nullptr;
+}
+
 struct Trainer {
   Net model;
   std::unique_ptr<FullyShardedModel> fsdp;
-  std::unique_ptr<torch::optim::AdamW> optimizer;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
 
-  explicit Trainer(Collectives& comm) {
+  explicit Trainer(Collectives& comm, Kind kind = Kind::kAdamW) {
     fsdp = FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>()).value();
-    optimizer = std::make_unique<torch::optim::AdamW>(
-        model->parameters(), torch::optim::AdamWOptions(0.01).weight_decay(0.1));
+    optimizer = Make(kind, UniqueParameters(*model));
   }
   // The global loss of one step.
   float Step(Collectives& comm, int step) {
@@ -110,13 +130,15 @@ TEST(TrainingCheckpoint, ResumesExactlyInNewProcesses) {
   }
 }
 
+class ResumeAtAnotherWorldSize : public ::testing::TestWithParam<Kind> {};
+
 // Saved at W = 2, resumed at W = 3 and W = 1: the same losses up to float32
 // rounding of the reductions in another order (relative 1e-5).
-TEST(TrainingCheckpoint, ResumesAtAnotherWorldSize) {
-  const std::string dir = Dir("reshard");
+TEST_P(ResumeAtAnotherWorldSize, ContinuesTheRun) {
+  const std::string dir = Dir(absl::StrCat("reshard", static_cast<int>(GetParam())));
   std::vector<float> want;
   absl::Status first = RunOnThreadRanks(2, [&](Collectives& comm) {
-    Trainer t(comm);
+    Trainer t(comm, GetParam());
     for (int step = 0; step < 3; ++step) t.Step(comm, step);
     ASSERT_TRUE(SaveTrainingCheckpoint(*t.fsdp, *t.optimizer, dir).ok());
     for (int step = 3; step < 6; ++step) {
@@ -127,7 +149,7 @@ TEST(TrainingCheckpoint, ResumesAtAnotherWorldSize) {
   ASSERT_TRUE(first.ok()) << first;
   for (int world : {3, 1}) {
     absl::Status second = RunOnThreadRanks(world, [&](Collectives& comm) {
-      Trainer t(comm);
+      Trainer t(comm, GetParam());
       absl::Status loaded = LoadTrainingCheckpoint(*t.fsdp, *t.optimizer, dir);
       ASSERT_TRUE(loaded.ok()) << loaded;
       for (int step = 3; step < 6; ++step) {
@@ -138,6 +160,16 @@ TEST(TrainingCheckpoint, ResumesAtAnotherWorldSize) {
     EXPECT_TRUE(second.ok()) << second;
   }
 }
+
+std::string KindName(const ::testing::TestParamInfo<Kind>& info) {
+  const char* names[] = {"SgdMomentum", "Adam", "AdamW", "Adagrad"};
+  return names[static_cast<int>(info.param)];
+}
+
+INSTANTIATE_TEST_SUITE_P(Optimizers, ResumeAtAnotherWorldSize,
+                         ::testing::Values(Kind::kSgdMomentum, Kind::kAdam, Kind::kAdamW,
+                                           Kind::kAdagrad),
+                         KindName);
 
 TEST(TrainingCheckpoint, AModelOnlyCheckpointIsRefusedAndNothingChanges) {
   const std::string dir = Dir("model_only");

@@ -77,7 +77,7 @@ TEST(ModuleTypePolicy, ByCppTypeMatchesEveryInstanceInPreOrder) {
 
 TEST(ModuleTypePolicy, ByNameAcceptsQualifiedUnqualifiedAndHolderNames) {
   Tree tree;
-  for (const std::string& name : {"fsdp::(anonymous namespace)::BlockImpl", "BlockImpl", "Block"}) {
+  for (const char* name : {"fsdp::(anonymous namespace)::BlockImpl", "BlockImpl", "Block"}) {
     EXPECT_THAT(Fqns(ModuleTypePolicy::Named({name})->Targets(InputFor(*tree))),
                 ElementsAre("blocks.0", "blocks.1", "blocks.2"))
         << name << " vs the module's name() " << tree->blocks[0]->name();

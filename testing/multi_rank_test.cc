@@ -78,7 +78,9 @@ TEST(ProcessRanks, RunsInSeparateProcessesThroughTheEnvironment) {
 TEST(ProcessRanks, ReportsExceptionsAndGtestFailuresByRank) {
   absl::Status status = RunOnProcessRanks(3, [](Collectives& comm) {
     if (comm.rank() == 1) throw std::runtime_error("optimizer state missing");
-    if (comm.rank() == 2) EXPECT_EQ(comm.rank(), 7) << "deliberate failure";
+    if (comm.rank() == 2) {
+      EXPECT_EQ(comm.rank(), 7) << "deliberate failure";
+    }
   });
   ASSERT_FALSE(status.ok());
   EXPECT_THAT(status.message(), HasSubstr("rank(s) 1, 2 of 3 failed"));
