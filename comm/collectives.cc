@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "ATen/ATen.h"
 #include "c10/util/Exception.h"
@@ -188,6 +189,25 @@ void BroadcastBytes(Collectives& group, std::string& bytes, int root) {
   if (group.rank() == root && size > 0) std::memcpy(payload.data_ptr(), bytes.data(), size);
   group.Broadcast(payload, root)->Wait();
   bytes.assign(static_cast<const char*>(payload.data_ptr()), size);
+}
+
+std::vector<std::string> AllGatherBytes(Collectives& group, const std::string& mine) {
+  const int world = group.world_size();
+  at::Tensor lengths = at::empty({world}, at::kDouble);
+  group.AllGatherIntoTensor(lengths, at::full({1}, static_cast<double>(mine.size()), at::kDouble))
+      ->Wait();
+  const int64_t longest = static_cast<int64_t>(lengths.max().item<double>());
+  const int64_t words = std::max<int64_t>(1, (longest + 7) / 8);
+  at::Tensor padded = at::zeros({words}, at::kDouble);
+  if (!mine.empty()) std::memcpy(padded.data_ptr(), mine.data(), mine.size());
+  at::Tensor all = at::empty({world * words}, at::kDouble);
+  group.AllGatherIntoTensor(all, padded)->Wait();
+  std::vector<std::string> out;
+  for (int r = 0; r < world; ++r) {
+    out.emplace_back(static_cast<const char*>(all.data_ptr()) + r * words * 8,
+                     static_cast<size_t>(lengths[r].item<double>()));
+  }
+  return out;
 }
 
 }  // namespace fsdp

@@ -44,6 +44,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "ATen/core/Tensor.h"
 
@@ -166,6 +167,10 @@ class Collectives {
 // without arithmetic). Every rank of the group must call it. Throws
 // c10::Error as the collectives do.
 void BroadcastBytes(Collectives& group, std::string& bytes, int root);
+
+// Every rank's `mine`, in rank order, on every rank (two all-gathers, the
+// bytes carried as BroadcastBytes carries them).
+std::vector<std::string> AllGatherBytes(Collectives& group, const std::string& mine);
 
 }  // namespace fsdp
 

@@ -399,7 +399,7 @@ TEST(Collectives, AConnectionDroppedWhileTheMeshFormsIsRetriedOnEveryRank) {
   }
 }
 
-TEST(Collectives, BroadcastBytesDeliversRootsBytesExactly) {
+TEST(Collectives, BroadcastAndAllGatherBytesDeliverBytesExactly) {
   absl::Status status = RunOnThreadRanks(3, [](Collectives& comm) {
     std::string mine;
     for (int i = 0; i < 1001; ++i) mine.push_back(static_cast<char>((i * 37 + comm.rank()) & 0xff));
@@ -411,6 +411,12 @@ TEST(Collectives, BroadcastBytesDeliversRootsBytesExactly) {
     std::string empty = comm.rank() == 2 ? "" : "ignored";
     BroadcastBytes(comm, empty, 2);
     EXPECT_EQ(empty, "");
+    const std::vector<std::string> all =
+        AllGatherBytes(comm, std::string(static_cast<size_t>(comm.rank()) * 5, 'a' + comm.rank()));
+    ASSERT_EQ(all.size(), 3u);
+    EXPECT_EQ(all[0], "");
+    EXPECT_EQ(all[1], "bbbbb");
+    EXPECT_EQ(all[2], "cccccccccc");
   });
   EXPECT_TRUE(status.ok()) << status;
 }

@@ -58,28 +58,6 @@ std::string Header(uint64_t id, int rank, int world) {
   return header;
 }
 
-// Every rank's bytes, gathered on every rank (two all-gathers). The
-// collectives carry floating-point tensors; the bytes travel as the bit
-// patterns of float64 words, which all-gather copies without arithmetic.
-std::vector<std::string> AllGatherBytes(Collectives& group, const std::string& mine) {
-  const int world = group.world_size();
-  at::Tensor lengths = at::empty({world}, at::kDouble);
-  group.AllGatherIntoTensor(lengths, at::full({1}, static_cast<double>(mine.size()), at::kDouble))
-      ->Wait();
-  const int64_t longest = static_cast<int64_t>(lengths.max().item<double>());
-  const int64_t words = std::max<int64_t>(1, (longest + 7) / 8);
-  at::Tensor padded = at::zeros({words}, at::kDouble);
-  if (!mine.empty()) std::memcpy(padded.data_ptr(), mine.data(), mine.size());
-  at::Tensor all = at::empty({world * words}, at::kDouble);
-  group.AllGatherIntoTensor(all, padded)->Wait();
-  std::vector<std::string> out;
-  for (int r = 0; r < world; ++r) {
-    out.emplace_back(static_cast<const char*>(all.data_ptr()) + r * words * 8,
-                     static_cast<size_t>(lengths[r].item<double>()));
-  }
-  return out;
-}
-
 // Which ranks report failure; every rank must call.
 std::vector<int> FailedRanks(Collectives& group, bool failed) {
   at::Tensor all = at::empty({group.world_size()}, at::kDouble);
