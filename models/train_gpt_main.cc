@@ -17,6 +17,7 @@
 #include <map>
 #include <stdexcept>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <random>
@@ -40,6 +41,7 @@
 #include "statedict/torch_file.h"
 #include "optim/training_checkpoint.h"
 #include "torch/optim/adamw.h"
+#include "torch/optim/sgd.h"
 
 ABSL_FLAG(int, world_size, 2, "Ranks to launch on this host (launcher mode).");
 ABSL_FLAG(int, steps, 400, "Optimizer steps.");
@@ -48,8 +50,16 @@ ABSL_FLAG(int, block_size, 32, "Context length.");
 ABSL_FLAG(int, n_layer, 2, "Transformer blocks (one FSDP unit each).");
 ABSL_FLAG(int, n_head, 4, "Attention heads.");
 ABSL_FLAG(int, n_embd, 64, "Model width.");
-ABSL_FLAG(double, lr, 3e-3, "AdamW learning rate.");
-ABSL_FLAG(double, weight_decay, 0.01, "AdamW weight decay.");
+ABSL_FLAG(std::string, optimizer, "adamw", "adamw or sgd (with momentum --beta1).");
+ABSL_FLAG(double, lr, 3e-3, "Learning rate.");
+ABSL_FLAG(double, weight_decay, 0.01, "Weight decay (decoupled for AdamW).");
+ABSL_FLAG(double, beta1, 0.9, "AdamW beta1; SGD momentum.");
+ABSL_FLAG(double, beta2, 0.99, "AdamW beta2.");
+ABSL_FLAG(double, eps, 1e-8, "AdamW epsilon.");
+ABSL_FLAG(double, grad_clip, 1.0,
+          "Clip the global gradient norm to this (across all ranks and units); 0: off.");
+ABSL_FLAG(std::string, metrics_jsonl, "",
+          "Append one JSON line per step here (rank 0): step, loss, tokens_per_s, grad_norm.");
 ABSL_FLAG(std::string, sharding_strategy, "full_shard",
           "full_shard, shard_grad_op or no_shard.");
 ABSL_FLAG(std::string, backward_prefetch, "backward_pre",
@@ -179,9 +189,29 @@ int RunRank(const fsdp::LaunchEnvironment& env, const fsdp::FsdpOptions& options
   for (const auto& unit : fsdp_model->units()) {
     if (unit->handle() != nullptr) shard_param_bytes += unit->handle()->local_shard().nbytes();
   }
-  torch::optim::AdamW optimizer(fsdp::UniqueParameters(*model),
-                                torch::optim::AdamWOptions(absl::GetFlag(FLAGS_lr))
-                                    .weight_decay(absl::GetFlag(FLAGS_weight_decay)));
+  std::unique_ptr<torch::optim::Optimizer> optimizer_holder;
+  if (absl::GetFlag(FLAGS_optimizer) == "sgd") {
+    optimizer_holder = std::make_unique<torch::optim::SGD>(
+        fsdp::UniqueParameters(*model), torch::optim::SGDOptions(absl::GetFlag(FLAGS_lr))
+                                            .momentum(absl::GetFlag(FLAGS_beta1))
+                                            .weight_decay(absl::GetFlag(FLAGS_weight_decay)));
+  } else {
+    optimizer_holder = std::make_unique<torch::optim::AdamW>(
+        fsdp::UniqueParameters(*model),
+        torch::optim::AdamWOptions(absl::GetFlag(FLAGS_lr))
+            .betas(std::make_tuple(absl::GetFlag(FLAGS_beta1), absl::GetFlag(FLAGS_beta2)))
+            .eps(absl::GetFlag(FLAGS_eps))
+            .weight_decay(absl::GetFlag(FLAGS_weight_decay)));
+  }
+  torch::optim::Optimizer& optimizer = *optimizer_holder;
+  std::FILE* metrics = nullptr;
+  if (rank == 0 && !absl::GetFlag(FLAGS_metrics_jsonl).empty()) {
+    metrics = std::fopen(absl::GetFlag(FLAGS_metrics_jsonl).c_str(), "a");
+    if (metrics == nullptr) {
+      throw std::runtime_error("--metrics_jsonl: cannot open '" +
+                               absl::GetFlag(FLAGS_metrics_jsonl) + "'");
+    }
+  }
 
   const std::string corpus = MakeCorpus(absl::GetFlag(FLAGS_seed), 1 << 20);
   const at::Tensor data =
@@ -232,12 +262,22 @@ int RunRank(const fsdp::LaunchEnvironment& env, const fsdp::FsdpOptions& options
     at::Tensor loss = models::LanguageModelLoss(model->forward(batch.narrow(1, 0, t)),
                                                 batch.narrow(1, 1, t));
     loss.backward();
+    const double clip = absl::GetFlag(FLAGS_grad_clip);
+    const double grad_norm =
+        clip > 0 ? fsdp_model->ClipGradNorm(clip).item<double>() : std::nan("");
     optimizer.step();
     optimizer.zero_grad();
     at::Tensor global = loss.detach().clone();
     comm->AllReduce(global, fsdp::ReduceOp::kAvg)->Wait();
     last_loss = global.item<float>();
     if (step == first_step) first_loss = last_loss;
+    if (metrics != nullptr) {
+      const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+      std::fprintf(metrics, "{\"step\": %d, \"loss\": %.6f, \"tokens_per_s\": %.1f%s}\n", step,
+                   last_loss, (step - first_step + 1) * per_rank * world * t / elapsed,
+                   clip > 0 ? absl::StrFormat(", \"grad_norm\": %.6f", grad_norm).c_str() : "");
+      std::fflush(metrics);
+    }
     if (print &&
         (step % absl::GetFlag(FLAGS_log_every) == 0 || step == first_step || step == steps)) {
       const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
@@ -272,6 +312,7 @@ int RunRank(const fsdp::LaunchEnvironment& env, const fsdp::FsdpOptions& options
       std::printf("wrote the FULL state dict to %s\n", out.c_str());
     }
   }
+  if (metrics != nullptr) std::fclose(metrics);
   const fsdp::CollectiveCounters c = comm->counters();
   if (print) {
     std::printf(
@@ -318,6 +359,11 @@ int main(int argc, char** argv) {
   options.strategy = *strategy;
   options.backward_prefetch = *prefetch;
   options.forward_prefetch = absl::GetFlag(FLAGS_forward_prefetch);
+  if (absl::GetFlag(FLAGS_optimizer) != "adamw" && absl::GetFlag(FLAGS_optimizer) != "sgd") {
+    std::fprintf(stderr, "train_gpt: --optimizer=%s: expected adamw or sgd\n",
+                 absl::GetFlag(FLAGS_optimizer).c_str());
+    return 2;
+  }
   if (absl::GetFlag(FLAGS_world_size) < 1 || absl::GetFlag(FLAGS_steps) < 1 ||
       absl::GetFlag(FLAGS_batch_size) < 1 || absl::GetFlag(FLAGS_block_size) < 2 ||
       absl::GetFlag(FLAGS_log_every) < 1) {
