@@ -8,6 +8,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <csignal>
+#include <iterator>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -29,8 +31,44 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr const char* kLauncherVariables[] = {
-    "RANK",        "WORLD_SIZE",  "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"};
+    "RANK",        "LOCAL_RANK",       "ROLE_RANK",   "GROUP_RANK",
+    "WORLD_SIZE",  "LOCAL_WORLD_SIZE", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE",
+    "ROLE_NAME",   "MASTER_ADDR",      "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID"};
+
+constexpr int kForwardedSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
+
+// The first forwarded signal received while LaunchLocalRanks waits.
+volatile sig_atomic_t g_received_signal = 0;
+
+void RecordSignal(int signal) {
+  if (g_received_signal == 0) g_received_signal = signal;
+}
+
+// Installs RecordSignal for kForwardedSignals while alive; restores the
+// previous handlers after.
+class ForwardedSignalScope {
+ public:
+  ForwardedSignalScope() {
+    g_received_signal = 0;
+    struct sigaction action {};
+    action.sa_handler = RecordSignal;
+    sigemptyset(&action.sa_mask);
+    for (size_t i = 0; i < std::size(kForwardedSignals); ++i) {
+      ::sigaction(kForwardedSignals[i], &action, &previous_[i]);
+    }
+  }
+  ~ForwardedSignalScope() {
+    for (size_t i = 0; i < std::size(kForwardedSignals); ++i) {
+      ::sigaction(kForwardedSignals[i], &previous_[i], nullptr);
+    }
+  }
+  ForwardedSignalScope(const ForwardedSignalScope&) = delete;
+  ForwardedSignalScope& operator=(const ForwardedSignalScope&) = delete;
+
+ private:
+  struct sigaction previous_[std::size(kForwardedSignals)];
+};
 
 std::string TailOfFile(const std::string& path, size_t max_bytes) {
   std::ifstream in(path, std::ios::binary);
@@ -57,13 +95,24 @@ std::vector<std::string> RankEnvironment(const LocalLaunchOptions& options, int 
   }
   for (const std::string& name : options.unset_env) env.erase(name);
   for (const char* name : kLauncherVariables) env.erase(name);
-  env["RANK"] = std::to_string(rank);
-  env["LOCAL_RANK"] = std::to_string(rank);
-  env["WORLD_SIZE"] = std::to_string(options.world_size);
-  env["LOCAL_WORLD_SIZE"] = std::to_string(options.world_size);
+  // As torchrun's agent for one node: the node is group 0 of 1, and every
+  // rank has the default role.
+  for (const char* name : {"RANK", "LOCAL_RANK", "ROLE_RANK"}) env[name] = std::to_string(rank);
+  for (const char* name : {"WORLD_SIZE", "LOCAL_WORLD_SIZE", "ROLE_WORLD_SIZE"}) {
+    env[name] = std::to_string(options.world_size);
+  }
+  env["GROUP_RANK"] = "0";
+  env["GROUP_WORLD_SIZE"] = "1";
+  env["ROLE_NAME"] = "default";
   env["MASTER_ADDR"] = "127.0.0.1";
   env["MASTER_PORT"] = std::to_string(port);
   env["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+  env["TORCHELASTIC_RESTART_COUNT"] = "0";
+  env["TORCHELASTIC_MAX_RESTARTS"] = "0";
+  env["TORCHELASTIC_RUN_ID"] = "none";
+  if (env.count("TORCH_NCCL_ASYNC_ERROR_HANDLING") == 0) {
+    env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1";
+  }
   // As torchrun does: W ranks each running a full-width OpenMP pool would
   // oversubscribe the host's cores (measured: a 3x slower local reduction).
   if (env.count("OMP_NUM_THREADS") == 0) {
@@ -192,6 +241,7 @@ absl::StatusOr<LaunchResult> LaunchLocalRanks(const LocalLaunchOptions& options)
   }
   FSDP_ASSIGN_OR_RETURN(std::unique_ptr<RendezvousServer> server,
                         RendezvousServer::Start(/*port=*/0, options.timeout));
+  ForwardedSignalScope forwarding;
 
   LaunchResult result;
   std::vector<pid_t> pids(options.world_size, -1);
@@ -211,7 +261,9 @@ absl::StatusOr<LaunchResult> LaunchLocalRanks(const LocalLaunchOptions& options)
       return pid.status();
     }
     pids[rank] = *pid;
+    result.ranks[rank].pid = *pid;
   }
+  if (options.on_started) options.on_started(std::vector<int>(pids.begin(), pids.end()));
 
   const Clock::time_point deadline = Clock::now() + options.timeout;
   Clock::time_point kill_after_failure = Clock::time_point::max();
@@ -237,6 +289,13 @@ absl::StatusOr<LaunchResult> LaunchLocalRanks(const LocalLaunchOptions& options)
       }
     }
     if (running == 0) break;
+    if (g_received_signal != 0 && result.forwarded_signal == 0) {
+      result.forwarded_signal = g_received_signal;
+      for (int rank = 0; rank < options.world_size; ++rank) {
+        if (pids[rank] >= 0) ::kill(-pids[rank], result.forwarded_signal);
+      }
+      kill_after_failure = std::min(kill_after_failure, Clock::now() + options.failure_grace);
+    }
     const Clock::time_point now = Clock::now();
     if (now >= deadline || now >= kill_after_failure) {
       const auto ending = now >= deadline ? RankOutcome::Ending::kKilledAtTimeout
@@ -263,12 +322,30 @@ int LaunchSelfAndReport(int argc, char** argv, int world_size,
   options.program = "/proc/self/exe";
   options.args.assign(argv + 1, argv + argc);
   options.timeout = timeout;
-  std::printf("launching %d local ranks\n", world_size);
-  std::fflush(stdout);
+  return LaunchAndReport(options, program_name);
+}
+
+int LaunchAndReport(LocalLaunchOptions options, const std::string& program_name) {
+  const int world_size = options.world_size;
+  options.on_started = [&](const std::vector<int>& pids) {
+    std::string line = absl::StrCat(program_name, ": launched ", world_size, " local ranks:");
+    for (size_t rank = 0; rank < pids.size(); ++rank) {
+      absl::StrAppend(&line, " rank ", rank, " pid ", pids[rank],
+                      rank + 1 < pids.size() ? "," : "\n");
+    }
+    std::fputs(line.c_str(), stdout);
+    std::fflush(stdout);
+  };
   absl::StatusOr<LaunchResult> result = LaunchLocalRanks(options);
   if (!result.ok()) {
     std::fprintf(stderr, "%s: %s\n", program_name.c_str(), result.status().ToString().c_str());
     return 2;
+  }
+  if (result->forwarded_signal != 0) {
+    std::fprintf(stderr, "%s: interrupted by signal %d (%s), forwarded to every rank\n%s",
+                 program_name.c_str(), result->forwarded_signal,
+                 strsignal(result->forwarded_signal), result->Summary().c_str());
+    return 128 + result->forwarded_signal;
   }
   if (!result->ok()) {
     std::fprintf(stderr, "%s: the job failed:\n%s", program_name.c_str(),

@@ -6,6 +6,8 @@
 #include <string>
 #include <thread>
 #include <algorithm>
+#include <csignal>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -58,6 +60,47 @@ TEST(LocalLauncher, GivesEveryRankTheRendezvousEnvironment) {
     const std::string log = ReadFile(result->ranks[rank].log_path);
     EXPECT_THAT(log, HasSubstr(std::to_string(rank) + " 3 " + std::to_string(rank) +
                                " 3 127.0.0.1 True x unset omp=5 "));
+  }
+}
+
+TEST(LocalLauncher, SetsTheVariablesOfTorchrunsAgent) {
+  ::unsetenv("TORCH_NCCL_ASYNC_ERROR_HANDLING");
+  auto result = LaunchLocalRanks(ShellJob(
+      2, "echo $ROLE_RANK $GROUP_RANK $ROLE_WORLD_SIZE $GROUP_WORLD_SIZE $ROLE_NAME "
+         "$TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS $TORCHELASTIC_RUN_ID "
+         "$TORCH_NCCL_ASYNC_ERROR_HANDLING"));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(ReadFile(result->ranks[1].log_path), "1 0 2 1 default 0 0 none 1\n");
+}
+
+// The ranks are their own process groups, so a terminal's Ctrl-C reaches only
+// the launcher: it must pass the signal on and report that it did.
+TEST(LocalLauncher, ForwardsSignalsToEveryRank) {
+  LocalLaunchOptions options = ShellJob(
+      2, "trap 'echo got-term; exit 7' TERM; echo ready; while :; do sleep 0.05; done");
+  std::thread signaller;
+  options.on_started = [&](const std::vector<int>& pids) {
+    EXPECT_EQ(pids.size(), 2u);
+    signaller = std::thread([log_dir = options.log_dir] {
+      // Once both ranks have installed their trap.
+      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (std::chrono::steady_clock::now() < give_up &&
+             (ReadFile(log_dir + "/rank_0.log").find("ready") == std::string::npos ||
+              ReadFile(log_dir + "/rank_1.log").find("ready") == std::string::npos)) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      ::kill(::getpid(), SIGTERM);
+    });
+  };
+  auto result = LaunchLocalRanks(options);
+  signaller.join();
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->forwarded_signal, SIGTERM);
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_GT(result->ranks[rank].pid, 0);
+    EXPECT_THAT(result->ranks[rank].Describe(),
+                HasSubstr("rank " + std::to_string(rank) + " exited with code 7"));
+    EXPECT_THAT(ReadFile(result->ranks[rank].log_path), HasSubstr("got-term"));
   }
 }
 

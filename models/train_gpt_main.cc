@@ -10,6 +10,7 @@
 // world_size * batch_size sequences and trains on its slice, so the run
 // matches single-process training on the global batch.
 #include <dirent.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -28,6 +29,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/status.h"
 #include "comm/collectives.h"
@@ -86,6 +88,13 @@ ABSL_FLAG(std::string, checkpoint_dir, "",
 ABSL_FLAG(int, checkpoint_every, 100, "Steps between checkpoints (with --checkpoint_dir).");
 ABSL_FLAG(bool, resume, false,
           "Continue from the newest complete checkpoint in --checkpoint_dir (any world size).");
+ABSL_FLAG(std::string, record_batches, "",
+          "Write every step's global batch of token ids here (rank 0, at the end), readable "
+          "by torch.load: {'tokens': int64 [steps, world_size * batch_size, block_size + 1], "
+          "'first_step': int64}; inputs are tokens[..., :-1], targets tokens[..., 1:].");
+ABSL_FLAG(std::string, replay_batches, "",
+          "Train on the batches a --record_batches file holds instead of sampling (any "
+          "world size whose world_size * batch_size matches the recorded global batch).");
 ABSL_FLAG(bool, list_policies, false,
           "Print the registered wrap policies (after loading --policy_plugin) and exit.");
 ABSL_FLAG(bool, print_plan, true, "Print the wrap plan (rank 0) before training.");
@@ -151,6 +160,56 @@ absl::StatusOr<fsdp::BackwardPrefetch> ParseBackwardPrefetch(const std::string& 
   if (name == "backward_post") return fsdp::BackwardPrefetch::kBackwardPost;
   return absl::InvalidArgumentError("--backward_prefetch=" + name +
                                     ": expected none, backward_pre or backward_post");
+}
+
+// What one rank held and sent, for the report at the end of the run.
+struct RankReport {
+  int64_t shard_param_bytes = 0, unsharded_param_bytes = 0;
+  int64_t gradient_bytes = 0;  // Measured after the last backward.
+  int64_t optimizer_state_bytes = 0, unsharded_optimizer_state_bytes = 0;
+};
+
+int64_t LocalGradientBytes(torch::nn::Module& model) {
+  int64_t bytes = 0;
+  for (const at::Tensor& p : fsdp::UniqueParameters(model)) {
+    if (p.grad().defined()) bytes += p.grad().nbytes();
+  }
+  return bytes;
+}
+
+int64_t LocalOptimizerStateBytes(torch::optim::Optimizer& optimizer) {
+  int64_t bytes = 0;
+  for (const auto& [key, state] : optimizer.state()) {
+    if (auto* adamw = dynamic_cast<torch::optim::AdamWParamState*>(state.get())) {
+      for (const at::Tensor& t :
+           {adamw->exp_avg(), adamw->exp_avg_sq(), adamw->max_exp_avg_sq()}) {
+        if (t.defined()) bytes += t.nbytes();
+      }
+    } else if (auto* sgd = dynamic_cast<torch::optim::SGDParamState*>(state.get())) {
+      if (sgd->momentum_buffer().defined()) bytes += sgd->momentum_buffer().nbytes();
+    }
+  }
+  return bytes;
+}
+
+// One line per rank; every figure is measured on that rank.
+void PrintRankReport(int rank, const RankReport& r, const fsdp::CollectiveCounters& c) {
+  struct rusage usage;
+  getrusage(RUSAGE_SELF, &usage);
+  constexpr double kMiB = 1048576.0;
+  const std::string line = absl::StrFormat(
+      "rank %d: peak RSS %.1f MiB; held / unsharded: parameters %.2f / %.2f MiB, gradients "
+      "%.2f / %.2f MiB, optimizer state %.2f / %.2f MiB; all-gathered %.1f MiB in %d calls, "
+      "reduce-scattered %.1f MiB in %d calls, all-reduced %.1f MiB in %d calls\n",
+      rank, usage.ru_maxrss / 1024.0, r.shard_param_bytes / kMiB, r.unsharded_param_bytes / kMiB,
+      r.gradient_bytes / kMiB, r.unsharded_param_bytes / kMiB, r.optimizer_state_bytes / kMiB,
+      r.unsharded_optimizer_state_bytes / kMiB,
+      c.Bytes(fsdp::CollectiveOp::kAllGather) / kMiB, c.Calls(fsdp::CollectiveOp::kAllGather),
+      c.Bytes(fsdp::CollectiveOp::kReduceScatter) / kMiB,
+      c.Calls(fsdp::CollectiveOp::kReduceScatter), c.Bytes(fsdp::CollectiveOp::kAllReduce) / kMiB,
+      c.Calls(fsdp::CollectiveOp::kAllReduce));
+  std::fputs(line.c_str(), stdout);
+  std::fflush(stdout);
 }
 
 int RunRank(const fsdp::LaunchEnvironment& env, const fsdp::FsdpOptions& options,
@@ -234,6 +293,33 @@ int RunRank(const fsdp::LaunchEnvironment& env, const fsdp::FsdpOptions& options
   }
 
   std::mt19937_64 sampler(absl::GetFlag(FLAGS_seed) + 1);  // Same on every rank.
+  at::Tensor replay;  // [steps, global batch, t + 1], from --replay_batches.
+  int64_t replay_first_step = 1;
+  if (const std::string path = absl::GetFlag(FLAGS_replay_batches); !path.empty()) {
+    const fsdp::StateDict recorded = fsdp::ValueOrThrow(fsdp::LoadTorchStateDict(path));
+    for (const auto& [name, tensor] : recorded) {
+      if (name == "tokens") replay = tensor;
+      if (name == "first_step") replay_first_step = tensor.item<int64_t>();
+    }
+    if (!replay.defined() || replay.dim() != 3 || replay.scalar_type() != at::kLong ||
+        replay.size(1) != per_rank * world || replay.size(2) != t + 1) {
+      throw std::runtime_error(absl::StrFormat(
+          "--replay_batches=%s: expected an int64 'tokens' tensor of shape [steps, %d, %d] "
+          "(world_size * batch_size, block_size + 1), found %s",
+          path, per_rank * world, t + 1,
+          replay.defined() ? absl::StrCat(std::string(c10::toString(replay.scalar_type())),
+                                          " of shape ", c10::str(replay.sizes()))
+                           : std::string("no 'tokens' entry")));
+    }
+    const int64_t last = replay_first_step + replay.size(0) - 1;
+    if (replay_first_step != 1 || steps > last) {
+      throw std::runtime_error(absl::StrFormat(
+          "--replay_batches=%s holds steps %d..%d; --steps=%d must be within them", path,
+          replay_first_step, last, steps));
+    }
+  }
+  std::vector<at::Tensor> recorded_batches;  // For --record_batches (rank 0).
+  const std::string record_path = absl::GetFlag(FLAGS_record_batches);
   const std::string checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   int first_step = 1;
   if (absl::GetFlag(FLAGS_resume)) {
@@ -249,19 +335,28 @@ int RunRank(const fsdp::LaunchEnvironment& env, const fsdp::FsdpOptions& options
     sampler.discard(static_cast<unsigned long long>(found.rbegin()->first) * per_rank * world);
     if (print) std::printf("resumed from %s\n", found.rbegin()->second.c_str());
   }
+  RankReport report;
   const Clock::time_point start = Clock::now();
   float first_loss = 0, last_loss = 0;
   for (int step = first_step; step <= steps; ++step) {
     // The global batch, then this rank's slice of it.
-    std::vector<at::Tensor> rows;
-    for (int64_t i = 0; i < per_rank * world; ++i) {
-      const int64_t offset = static_cast<int64_t>(sampler() % (data.numel() - t - 1));
-      rows.push_back(data.narrow(0, offset, t + 1));
+    at::Tensor global_batch;
+    if (replay.defined()) {
+      global_batch = replay[step - replay_first_step];
+    } else {
+      std::vector<at::Tensor> rows;
+      for (int64_t i = 0; i < per_rank * world; ++i) {
+        const int64_t offset = static_cast<int64_t>(sampler() % (data.numel() - t - 1));
+        rows.push_back(data.narrow(0, offset, t + 1));
+      }
+      global_batch = at::stack(rows);
     }
-    at::Tensor batch = at::stack(rows).narrow(0, rank * per_rank, per_rank);
+    if (rank == 0 && !record_path.empty()) recorded_batches.push_back(global_batch);
+    at::Tensor batch = global_batch.narrow(0, rank * per_rank, per_rank);
     at::Tensor loss = models::LanguageModelLoss(model->forward(batch.narrow(1, 0, t)),
                                                 batch.narrow(1, 1, t));
     loss.backward();
+    if (step == steps) report.gradient_bytes = LocalGradientBytes(*model);
     const double clip = absl::GetFlag(FLAGS_grad_clip);
     const double grad_norm =
         clip > 0 ? fsdp_model->ClipGradNorm(clip).item<double>() : std::nan("");
@@ -312,18 +407,22 @@ int RunRank(const fsdp::LaunchEnvironment& env, const fsdp::FsdpOptions& options
       std::printf("wrote the FULL state dict to %s\n", out.c_str());
     }
   }
+  if (rank == 0 && !record_path.empty()) {
+    fsdp::ThrowIfError(fsdp::SaveTorchStateDict(
+        record_path, {{"tokens", at::stack(recorded_batches)},
+                      {"first_step", at::scalar_tensor(static_cast<int64_t>(first_step),
+                                                       at::kLong)}}));
+    std::printf("wrote the batches of steps %d..%d to %s\n", first_step, steps,
+                record_path.c_str());
+  }
   if (metrics != nullptr) std::fclose(metrics);
-  const fsdp::CollectiveCounters c = comm->counters();
+  report.shard_param_bytes = shard_param_bytes;
+  report.unsharded_param_bytes = unsharded_param_bytes;
+  report.optimizer_state_bytes = LocalOptimizerStateBytes(optimizer);
+  report.unsharded_optimizer_state_bytes =
+      unsharded_param_bytes * (absl::GetFlag(FLAGS_optimizer) == "sgd" ? 1 : 2);
+  PrintRankReport(rank, report, comm->counters());
   if (print) {
-    std::printf(
-        "rank 0: parameters %.2f MiB sharded of %.2f MiB unsharded (gradients and AdamW "
-        "state are sharded alike); all-gathered %.1f MiB in %lld calls, reduce-scattered "
-        "%.1f MiB in %lld calls\n",
-        shard_param_bytes / 1048576.0, unsharded_param_bytes / 1048576.0,
-        c.Bytes(fsdp::CollectiveOp::kAllGather) / 1048576.0,
-        static_cast<long long>(c.Calls(fsdp::CollectiveOp::kAllGather)),
-        c.Bytes(fsdp::CollectiveOp::kReduceScatter) / 1048576.0,
-        static_cast<long long>(c.Calls(fsdp::CollectiveOp::kReduceScatter)));
     std::printf("loss %.4f -> %.4f over steps %d..%d%s\n", first_loss, last_loss, first_step,
                 steps, last_loss < first_loss || first_step > 1 ? "" : "  (DID NOT FALL)");
   }

@@ -1,0 +1,74 @@
+"""Replays a train_gpt run in PyTorch: the GPT of nanoGPT's layout
+(gpt_interop.GPT), the same initial state dict, the batches the run recorded
+with --record_batches, AdamW and global-norm clipping as train_gpt applies
+them; prints each step's loss and fails if it differs from the run's
+--metrics_jsonl. Used by train_gpt_test; usable by hand:
+
+  /usr/bin/python3 models/replay_gpt.py init OUT.pt --n_layer=2 ...
+  /usr/bin/python3 models/replay_gpt.py replay INIT.pt BATCHES.pt METRICS.jsonl ...
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpt_interop import GPT  # noqa: E402
+
+
+def config_of(args):
+    return dict(vocab_size=256, block_size=args.block_size, n_layer=args.n_layer,
+                n_head=args.n_head, n_embd=args.n_embd)
+
+
+def init(args):
+    """A PyTorch-initialized model's state dict: where both runs start."""
+    torch.manual_seed(args.seed)
+    model = GPT(config_of(args))
+    torch.save(model.state_dict(), args.paths[0])
+
+
+def replay(args):
+    init_path, batches_path, metrics_path = args.paths
+    model = GPT(config_of(args))
+    model.load_state_dict(torch.load(init_path), strict=True)
+    recorded = torch.load(batches_path)
+    tokens = recorded["tokens"]
+    expected = [json.loads(line)["loss"] for line in open(metrics_path)]
+    if len(expected) != tokens.size(0):
+        print("replay: %d recorded batches but %d metric lines" % (tokens.size(0), len(expected)))
+        return 1
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
+                                  eps=args.eps, weight_decay=args.weight_decay)
+    worst = 0.0
+    for step in range(tokens.size(0)):
+        batch = tokens[step]
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        if args.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        optimizer.step()
+        worst = max(worst, abs(loss.item() - expected[step]))
+        print("step %d: PyTorch loss %.6f, train_gpt loss %.6f" % (step + 1, loss.item(),
+                                                                   expected[step]))
+    print("largest loss difference %.3g" % worst)
+    return 0 if worst <= args.tolerance else 1
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["init", "replay"])
+    parser.add_argument("paths", nargs="+")
+    for name, default in [("block_size", 32), ("n_layer", 2), ("n_head", 4), ("n_embd", 64),
+                          ("seed", 5)]:
+        parser.add_argument("--" + name, type=int, default=default)
+    for name, default in [("lr", 3e-3), ("beta1", 0.9), ("beta2", 0.99), ("eps", 1e-8),
+                          ("weight_decay", 0.01), ("grad_clip", 1.0), ("tolerance", 1e-4)]:
+        parser.add_argument("--" + name, type=float, default=default)
+    args = parser.parse_args()
+    sys.exit(init(args) or 0 if args.mode == "init" else replay(args))

@@ -1,0 +1,198 @@
+// End-to-end tests of the main job's binary: a run replays from its recorded
+// batches (in PyTorch and at another world size), and the launcher stops the
+// job and names the rank when one dies or when it is interrupted.
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kTrainGpt[] = "models/train_gpt";
+
+std::string TempDir(const std::string& name) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string dir = std::string(tmp ? tmp : "/tmp") + "/" + name;
+  std::system(("rm -rf '" + dir + "' && mkdir -p '" + dir + "'").c_str());
+  return dir;
+}
+
+struct CommandResult {
+  int exit_code = -1;
+  std::string output;
+};
+
+// Runs `command` through the shell; its stdout and stderr, and exit code.
+CommandResult RunCommand(const std::string& command) {
+  CommandResult run;
+  std::FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
+  if (pipe == nullptr) return run;
+  char buffer[4096];
+  while (std::fgets(buffer, sizeof(buffer), pipe) != nullptr) run.output += buffer;
+  const int status = ::pclose(pipe);
+  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return run;
+}
+
+std::vector<double> LossesOf(const std::string& metrics_path) {
+  std::vector<double> losses;
+  std::ifstream in(metrics_path);
+  std::string line;
+  while (std::getline(in, line)) {
+    const size_t at = line.find("\"loss\": ");
+    double loss = 0;
+    if (at == std::string::npos ||
+        !absl::SimpleAtod(line.substr(at + 8, line.find(',', at) - at - 8), &loss)) {
+      ADD_FAILURE() << "bad metrics line: " << line;
+      continue;
+    }
+    losses.push_back(loss);
+  }
+  return losses;
+}
+
+// A model PyTorch initialized, 8 steps at W = 2 with 4 sequences per rank,
+// then the same steps replayed from the recorded batches: in PyTorch
+// (single process, torch.optim.AdamW, clip_grad_norm_) and by train_gpt at
+// W = 1 with the whole global batch on one rank.
+TEST(TrainGpt, ReplaysItsRecordedBatchesInPyTorchAndAtAnotherWorldSize) {
+  const std::string dir = TempDir("replay");
+  ASSERT_EQ(std::system(absl::StrCat("timeout 120 /usr/bin/python3 models/replay_gpt.py init ",
+                                     dir, "/init.pt")
+                            .c_str()),
+            0);
+  const std::string common = absl::StrCat(" --steps=8 --log_every=4 --print_plan=false",
+                                          " --init_state_dict=", dir, "/init.pt");
+  const CommandResult original = RunCommand(absl::StrCat(
+      kTrainGpt, common, " --world_size=2 --batch_size=4 --record_batches=", dir,
+      "/batches.pt --metrics_jsonl=", dir, "/original.jsonl"));
+  ASSERT_EQ(original.exit_code, 0) << original.output;
+  ASSERT_THAT(original.output, HasSubstr("wrote the batches of steps 1..8"));
+
+  const CommandResult python = RunCommand(absl::StrCat("timeout 300 /usr/bin/python3 models/replay_gpt.py "
+                                             "replay ",
+                                             dir, "/init.pt ", dir, "/batches.pt ", dir,
+                                             "/original.jsonl --tolerance=1e-4"));
+  EXPECT_EQ(python.exit_code, 0) << python.output;
+  std::printf("%s", python.output.c_str());
+
+  const CommandResult replayed = RunCommand(absl::StrCat(kTrainGpt, common,
+                                               " --world_size=1 --batch_size=8 --replay_batches=",
+                                               dir, "/batches.pt --metrics_jsonl=", dir,
+                                               "/replayed.jsonl"));
+  ASSERT_EQ(replayed.exit_code, 0) << replayed.output;
+  const std::vector<double> want = LossesOf(dir + "/original.jsonl");
+  const std::vector<double> got = LossesOf(dir + "/replayed.jsonl");
+  ASSERT_EQ(want.size(), 8u);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_NEAR(got[i], want[i], 1e-4) << "step " << i + 1;
+  }
+  // Not replaying would give other losses: the check can fail.
+  EXPECT_GT(std::abs(want[0] - want[7]), 0.1);
+}
+
+TEST(TrainGpt, RefusesABatchRecordOfAnotherShape) {
+  const std::string dir = TempDir("replay_shape");
+  const CommandResult record = RunCommand(absl::StrCat(kTrainGpt,
+                                             " --steps=2 --world_size=1 --batch_size=3 "
+                                             "--print_plan=false --record_batches=",
+                                             dir, "/batches.pt"));
+  ASSERT_EQ(record.exit_code, 0) << record.output;
+  const CommandResult replay = RunCommand(absl::StrCat(
+      kTrainGpt, " --steps=2 --world_size=2 --batch_size=2 --replay_batches=", dir,
+      "/batches.pt"));
+  EXPECT_EQ(replay.exit_code, 1);
+  EXPECT_THAT(replay.output, HasSubstr("expected an int64 'tokens' tensor of shape [steps, 4, "
+                                       "33] (world_size * batch_size, block_size + 1), found "
+                                       "Long of shape [2, 3, 33]"));
+  const CommandResult too_long = RunCommand(absl::StrCat(
+      kTrainGpt, " --steps=5 --world_size=1 --batch_size=3 --replay_batches=", dir,
+      "/batches.pt"));
+  EXPECT_EQ(too_long.exit_code, 1);
+  EXPECT_THAT(too_long.output, HasSubstr("holds steps 1..2; --steps=5 must be within them"));
+}
+
+// Starts a long train_gpt job at W = 2 and, once it is training, calls
+// `act(launcher_pid, rank_pids)`; returns the job's output and exit code.
+template <typename Act>
+CommandResult RunAndInterfere(const Act& act) {
+  CommandResult run;
+  std::FILE* pipe = ::popen(absl::StrCat("exec ", kTrainGpt,
+                                         " --world_size=2 --steps=1000000 --log_every=1 "
+                                         "--print_plan=false --timeout_s=120 2>&1")
+                                .c_str(),
+                            "r");
+  if (pipe == nullptr) return run;
+  std::vector<int> pids;
+  bool acted = false;
+  char buffer[4096];
+  while (std::fgets(buffer, sizeof(buffer), pipe) != nullptr) {
+    const std::string line = buffer;
+    run.output += line;
+    if (line.find("launched 2 local ranks:") != std::string::npos) {
+      for (absl::string_view part : absl::StrSplit(line, " pid ")) {
+        int pid = 0;
+        if (absl::SimpleAtoi(part.substr(0, part.find_first_of(",\n")), &pid)) {
+          pids.push_back(pid);
+        }
+      }
+    }
+    if (!acted && pids.size() == 2 && line.rfind("step    3/", 0) == 0) {
+      // The launcher is the ranks' parent.
+      std::ifstream stat("/proc/" + std::to_string(pids[0]) + "/stat");
+      std::string field;
+      for (int i = 0; i < 4 && stat >> field;) ++i;
+      act(std::atoi(field.c_str()), pids);
+      acted = true;
+    }
+  }
+  const int status = ::pclose(pipe);
+  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  EXPECT_TRUE(acted) << run.output;
+  return run;
+}
+
+TEST(TrainGpt, WhenARankIsKilledTheOtherStopsAndTheLauncherNamesIt) {
+  const CommandResult run = RunAndInterfere(
+      [](int, const std::vector<int>& ranks) { ::kill(ranks[1], SIGKILL); });
+  std::printf("%s", run.output.c_str());
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("train_gpt: the job failed:"));
+  EXPECT_THAT(run.output, HasSubstr("rank 1 died of signal 9 (Killed)"));
+  // Rank 0 noticed the dead peer in its next collective and stopped by
+  // itself, saying why; it was not killed after the grace period.
+  EXPECT_THAT(run.output, HasSubstr("rank 0 exited with code 1"));
+  EXPECT_THAT(run.output, HasSubstr("train_gpt rank 0: "));
+  EXPECT_THAT(run.output, ::testing::Not(HasSubstr("still running after another rank failed")));
+}
+
+TEST(TrainGpt, AnInterruptedLauncherStopsEveryRank) {
+  std::vector<int> rank_pids;
+  const CommandResult run = RunAndInterfere([&](int launcher, const std::vector<int>& ranks) {
+    rank_pids = ranks;
+    ::kill(launcher, SIGINT);
+  });
+  EXPECT_EQ(run.exit_code, 128 + SIGINT) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("interrupted by signal 2 (Interrupt), forwarded to every "
+                                    "rank"));
+  EXPECT_THAT(run.output, HasSubstr("rank 0 died of signal 2"));
+  EXPECT_THAT(run.output, HasSubstr("rank 1 died of signal 2"));
+  for (int pid : rank_pids) EXPECT_NE(::kill(pid, 0), 0) << "rank pid " << pid << " lives on";
+}
+
+}  // namespace
