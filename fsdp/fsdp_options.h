@@ -6,6 +6,7 @@
 
 #include <vector>
 
+#include "fsdp/trace.h"
 #include "policies/unit_options.h"
 
 namespace torch::nn {
@@ -44,6 +45,10 @@ struct FsdpOptions {
   // its own copy, as PyTorch's ignored_modules). They must outlive the
   // model.
   std::vector<const torch::nn::Module*> ignored_modules;
+  // Observability (fsdp/trace.h); neither changes what is computed, and
+  // neither is compared across ranks. The recorder must outlive the model.
+  TraceRecorder* trace = nullptr;
+  DebugLog debug_log;
 };
 
 }  // namespace fsdp

@@ -63,6 +63,15 @@ std::vector<at::Tensor> UniqueParameters(const torch::nn::Module& module) {
   return params;
 }
 
+// As FlatParamHandle::unit_name: the FQN, "<root>" for the root.
+std::string UnitLabel(const FsdpUnit& unit) {
+  return unit.is_root() ? "<root>" : unit.fqn();
+}
+
+const char* ModelTrainingStateName(ModelTrainingState state) {
+  return state == ModelTrainingState::kIdle ? "IDLE" : "FORWARD_BACKWARD";
+}
+
 FsdpUnit* GetModuleUnit(const torch::nn::Module* module) {
   std::lock_guard<std::mutex> lock(RegistryMutex());
   auto it = Registry().find(module);
@@ -212,14 +221,15 @@ void FullyShardedModel::LazyInit() {
 
 void FullyShardedModel::PreForward(FsdpUnit& unit) {
   if (!initialized_) LazyInit();
+  if (options_.trace != nullptr) unit.forward_begin_us_ = options_.trace->NowUs();
   FlatParamHandle* handle = unit.handle_.get();
   if (handle == nullptr) {
-    training_state_ = ModelTrainingState::kForwardBackward;
+    SetModelState(ModelTrainingState::kForwardBackward);
     if (!order_recorded_) pre_forward_order_.push_back(IndexOf(unit));
     return;
   }
-  handle->Transition(HandleTrainingState::kIdle, HandleTrainingState::kForward);
-  training_state_ = ModelTrainingState::kForwardBackward;  // Only once admitted.
+  Move(*handle, HandleTrainingState::kIdle, HandleTrainingState::kForward);
+  SetModelState(ModelTrainingState::kForwardBackward);  // Only once admitted.
   if (!order_recorded_) pre_forward_order_.push_back(IndexOf(unit));
   Unshard(*handle);
   if (options_.forward_prefetch) Prefetch(unit.forward_prefetch_);
@@ -239,6 +249,9 @@ void FullyShardedModel::PreForward(FsdpUnit& unit) {
 }
 
 void FullyShardedModel::PostForward(FsdpUnit& unit, const std::vector<at::Tensor>& outputs) {
+  if (options_.trace != nullptr) {
+    options_.trace->AddSpan("forward", UnitLabel(unit), unit.forward_begin_us_, options_.trace->NowUs());
+  }
   if (!order_recorded_) {
     post_forward_order_.push_back(IndexOf(unit));
     if (unit.is_root_) RecordExecutionOrder();
@@ -251,7 +264,7 @@ void FullyShardedModel::PostForward(FsdpUnit& unit, const std::vector<at::Tensor
   }
   FlatParamHandle* handle = unit.handle_.get();
   if (handle != nullptr) {
-    handle->Transition(HandleTrainingState::kForward, HandleTrainingState::kIdle);
+    Move(*handle, HandleTrainingState::kForward, HandleTrainingState::kIdle);
     // FULL_SHARD frees parameters after forward; the root keeps them, since
     // its backward starts right away (as in PyTorch). Without a backward to
     // come, every strategy frees them now.
@@ -264,7 +277,7 @@ void FullyShardedModel::PostForward(FsdpUnit& unit, const std::vector<at::Tensor
       for (auto& u : units_) {
         if (u->handle_) u->handle_->DiscardPendingUnshard();  // Unused prefetches.
       }
-      training_state_ = ModelTrainingState::kIdle;
+      SetModelState(ModelTrainingState::kIdle);
     }
     return;
   }
@@ -281,13 +294,14 @@ void FullyShardedModel::PostForward(FsdpUnit& unit, const std::vector<at::Tensor
 void FullyShardedModel::PreBackward(FsdpUnit& unit) {
   if (unit.pre_backward_done_) return;
   unit.pre_backward_done_ = true;
+  if (options_.trace != nullptr) unit.backward_begin_us_ = options_.trace->NowUs();
   if (!backward_callback_queued_) {
     backward_callback_queued_ = true;
     torch::autograd::Engine::get_default_engine().queue_callback([this] { FinishBackward(); });
   }
   FlatParamHandle* handle = unit.handle_.get();
   if (handle == nullptr) return;
-  handle->Transition(HandleTrainingState::kIdle, HandleTrainingState::kBackwardPre);
+  Move(*handle, HandleTrainingState::kIdle, HandleTrainingState::kBackwardPre);
   Unshard(*handle);
   handle->PrepareGradientsForBackward();
   if (options_.backward_prefetch == BackwardPrefetch::kBackwardPre) {
@@ -302,9 +316,13 @@ void FullyShardedModel::PostBackward(FsdpUnit& unit) {
               HandleTrainingStateName(handle->training_state()),
               "); was one of its parameters used outside its forward?");
   if (++unit.gradients_ready_ < static_cast<int>(unit.accumulators_.size())) return;
-  handle->Transition(HandleTrainingState::kBackwardPre, HandleTrainingState::kBackwardPost);
+  Move(*handle, HandleTrainingState::kBackwardPre, HandleTrainingState::kBackwardPost);
   ReduceOrKeep(*handle);
   Reshard(*handle);
+  if (options_.trace != nullptr) {
+    options_.trace->AddSpan("backward", UnitLabel(unit), unit.backward_begin_us_,
+                            options_.trace->NowUs());
+  }
   if (options_.backward_prefetch == BackwardPrefetch::kBackwardPost) {
     Prefetch(unit.backward_prefetch_);
   }
@@ -320,6 +338,8 @@ void FullyShardedModel::ReduceOrKeep(FlatParamHandle& handle) {
   // rest of backward, which waits for it at the end (FinishBackward).
   RuntimeStreams::WaitStream(streams_->reduce_scatter(), streams_->compute());
   c10::StreamGuard on_reduce_scatter(streams_->reduce_scatter());
+  TraceSpan span(options_.trace, handle.uses_sharded_views() ? "reduce-scatter" : "all-reduce",
+                 handle.unit_name());
   handle.ReduceGradients();
 }
 
@@ -329,13 +349,18 @@ void FullyShardedModel::IssueUnshard(FlatParamHandle& handle) {
   }
   limiter_.BeforeAllGather();
   c10::StreamGuard on_all_gather(streams_->all_gather());
+  TraceSpan span(options_.trace, "all-gather issue", handle.unit_name());
   handle.StartUnshard();
 }
 
 void FullyShardedModel::Unshard(FlatParamHandle& handle) {
+  const bool gathers = handle.uses_sharded_views() && !handle.is_unsharded();
+  TraceSpan unshard(gathers ? options_.trace : nullptr, "unshard", handle.unit_name());
   IssueUnshard(handle);
   {
     c10::StreamGuard on_all_gather(streams_->all_gather());
+    TraceSpan wait(handle.has_pending_unshard() ? options_.trace : nullptr, "all-gather wait",
+                   handle.unit_name());
     handle.FinishUnshard();
   }
   RuntimeStreams::WaitStream(streams_->compute(), streams_->all_gather());
@@ -343,6 +368,7 @@ void FullyShardedModel::Unshard(FlatParamHandle& handle) {
 
 void FullyShardedModel::Reshard(FlatParamHandle& handle) {
   const bool frees = handle.uses_sharded_views() && handle.is_unsharded();
+  TraceSpan span(frees ? options_.trace : nullptr, "reshard", handle.unit_name());
   handle.Reshard();
   if (frees) limiter_.OnReshard(DeviceEvent::RecordOn(streams_->compute()));
 }
@@ -358,21 +384,42 @@ void FullyShardedModel::FinishBackward() {
     FlatParamHandle* handle = unit->handle_.get();
     if (handle != nullptr) {
       if (handle->training_state() == HandleTrainingState::kBackwardPre) {
-        handle->Transition(HandleTrainingState::kBackwardPre,
-                           HandleTrainingState::kBackwardPost);
+        Move(*handle, HandleTrainingState::kBackwardPre, HandleTrainingState::kBackwardPost);
         ReduceOrKeep(*handle);
+        if (options_.trace != nullptr) {
+          options_.trace->AddSpan("backward", UnitLabel(*unit), unit->backward_begin_us_,
+                                  options_.trace->NowUs());
+        }
       }
       handle->DiscardPendingUnshard();  // A prefetch whose unit took no part.
       Reshard(*handle);
       if (handle->training_state() == HandleTrainingState::kBackwardPost) {
-        handle->Transition(HandleTrainingState::kBackwardPost, HandleTrainingState::kIdle);
+        Move(*handle, HandleTrainingState::kBackwardPost, HandleTrainingState::kIdle);
       }
     }
     unit->pre_backward_done_ = false;
     unit->gradients_ready_ = 0;
   }
   backward_callback_queued_ = false;
-  training_state_ = ModelTrainingState::kIdle;
+  SetModelState(ModelTrainingState::kIdle);
+}
+
+void FullyShardedModel::Move(FlatParamHandle& handle, HandleTrainingState from,
+                             HandleTrainingState to) {
+  handle.Transition(from, to);
+  if (options_.debug_log) {
+    options_.debug_log(absl::StrCat("unit '", handle.unit_name(), "': ",
+                                    HandleTrainingStateName(from), " -> ",
+                                    HandleTrainingStateName(to)));
+  }
+}
+
+void FullyShardedModel::SetModelState(ModelTrainingState to) {
+  if (to != training_state_ && options_.debug_log) {
+    options_.debug_log(absl::StrCat("model: ", ModelTrainingStateName(training_state_), " -> ",
+                                    ModelTrainingStateName(to)));
+  }
+  training_state_ = to;
 }
 
 int FullyShardedModel::IndexOf(const FsdpUnit& unit) const {
@@ -490,7 +537,7 @@ at::Tensor FullyShardedModel::ClipGradNorm(double max_norm, double norm_type) {
 }
 
 SummonFullParams::SummonFullParams(FullyShardedModel& model, const SummonOptions& options)
-    : options_(options), rank_(model.group().rank()) {
+    : model_(model), options_(options), rank_(model.group().rank()) {
   TORCH_CHECK(!(options.writeback && options.rank0_only), "SummonFullParams on rank ", rank_,
               ": writeback and rank0_only together are not supported (the other ranks' "
               "shards would not see rank 0's changes)");
@@ -501,7 +548,7 @@ SummonFullParams::SummonFullParams(FullyShardedModel& model, const SummonOptions
     if (unit->handle() != nullptr) handles_.push_back(unit->handle());
   }
   for (FlatParamHandle* handle : handles_) {
-    handle->Transition(HandleTrainingState::kIdle, HandleTrainingState::kSummonFullParams);
+    model.Move(*handle, HandleTrainingState::kIdle, HandleTrainingState::kSummonFullParams);
     handle->Unshard();
     if (options.with_grads) handle->UnshardGradients();
     if (options.rank0_only && rank_ != 0) {
@@ -517,7 +564,7 @@ SummonFullParams::~SummonFullParams() {
       if (options_.writeback && handle->is_unsharded()) handle->WritebackShard();
       handle->ReshardGradients(options_.writeback);
       handle->Reshard();
-      handle->Transition(HandleTrainingState::kSummonFullParams, HandleTrainingState::kIdle);
+      model_.Move(*handle, HandleTrainingState::kSummonFullParams, HandleTrainingState::kIdle);
     } catch (const std::exception& e) {
       // Destructors cannot throw; nothing above communicates, so this is a
       // broken invariant worth a loud message.
@@ -550,12 +597,12 @@ UnitForward::~UnitForward() {
   if (unit_ == nullptr || returned_) return;
   // The forward threw: leave the unit resharded and idle (and the model,
   // if this is the root).
-  if (unit_->is_root_) unit_->model_->training_state_ = ModelTrainingState::kIdle;
+  if (unit_->is_root_) unit_->model_->SetModelState(ModelTrainingState::kIdle);
   FlatParamHandle* handle = unit_->handle_.get();
   if (handle == nullptr) return;
   try {
     if (handle->training_state() == HandleTrainingState::kForward) {
-      handle->Transition(HandleTrainingState::kForward, HandleTrainingState::kIdle);
+      unit_->model_->Move(*handle, HandleTrainingState::kForward, HandleTrainingState::kIdle);
     }
     handle->Reshard();
   } catch (...) {

@@ -72,6 +72,7 @@ UnitSelector SelectModulesOfType() {
 
 // Where the whole model is (per FSDP state in PyTorch's terms).
 enum class ModelTrainingState { kIdle, kForwardBackward };
+const char* ModelTrainingStateName(ModelTrainingState state);  // "IDLE", ...
 
 // One unit: a module, its handle (null if it holds no parameters of its
 // own) and its place in the runtime.
@@ -98,6 +99,9 @@ class FsdpUnit {
   // FullyShardedModel::units_, -1 for none) in forward and in backward.
   int forward_prefetch_ = -1;
   int backward_prefetch_ = -1;
+  // For the trace (FsdpOptions::trace): when forward and backward began.
+  int64_t forward_begin_us_ = 0;
+  int64_t backward_begin_us_ = 0;
   // Per backward pass.
   bool pre_backward_done_ = false;
   int gradients_ready_ = 0;
@@ -161,6 +165,7 @@ class FullyShardedModel {
  private:
   friend class UnitForward;
   friend class NoSync;
+  friend class SummonFullParams;
   FullyShardedModel(std::shared_ptr<torch::nn::Module> root, Collectives& group,
                     const FsdpOptions& options);
 
@@ -183,6 +188,9 @@ class FullyShardedModel {
   void IssueUnshard(FlatParamHandle& handle);
   void Unshard(FlatParamHandle& handle);
   void Reshard(FlatParamHandle& handle);
+  // State changes, reported to FsdpOptions::debug_log.
+  void Move(FlatParamHandle& handle, HandleTrainingState from, HandleTrainingState to);
+  void SetModelState(ModelTrainingState to);
   int IndexOf(const FsdpUnit& unit) const;
   std::string Describe(const FsdpUnit& unit) const;
 
@@ -248,6 +256,7 @@ class SummonFullParams {
   ~SummonFullParams();
 
  private:
+  FullyShardedModel& model_;
   std::vector<FlatParamHandle*> handles_;
   SummonOptions options_;
   int rank_;

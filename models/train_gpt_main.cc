@@ -37,6 +37,7 @@
 #include "comm/local_launcher.h"
 #include "comm/rendezvous.h"
 #include "fsdp/fully_shard.h"
+#include "fsdp/trace.h"
 #include "models/gpt.h"
 #include "policies/registry.h"
 #include "statedict/state_dict.h"
@@ -95,6 +96,12 @@ ABSL_FLAG(std::string, record_batches, "",
 ABSL_FLAG(std::string, replay_batches, "",
           "Train on the batches a --record_batches file holds instead of sampling (any "
           "world size whose world_size * batch_size matches the recorded global batch).");
+ABSL_FLAG(std::string, trace_dir, "",
+          "Write each rank's FSDP trace (Chrome trace-event JSON, for Perfetto) to "
+          "<trace_dir>/trace_rank<r>.json at the end: forward, backward, unshard, reshard, "
+          "all-gather and reduce-scatter of every unit (fsdp/trace.h).");
+ABSL_FLAG(bool, fsdp_debug_log, false,
+          "Print every FSDP training-state transition to stderr, prefixed by the rank.");
 ABSL_FLAG(bool, list_policies, false,
           "Print the registered wrap policies (after loading --policy_plugin) and exit.");
 ABSL_FLAG(bool, print_plan, true, "Print the wrap plan (rank 0) before training.");
@@ -212,7 +219,7 @@ void PrintRankReport(int rank, const RankReport& r, const fsdp::CollectiveCounte
   std::fflush(stdout);
 }
 
-int RunRank(const fsdp::LaunchEnvironment& env, const fsdp::FsdpOptions& options,
+int RunRank(const fsdp::LaunchEnvironment& env, fsdp::FsdpOptions options,
             const fsdp::WrapPolicy& policy) {
   fsdp::GlooOptions gloo;
   gloo.timeout = std::chrono::seconds(120);
@@ -220,6 +227,14 @@ int RunRank(const fsdp::LaunchEnvironment& env, const fsdp::FsdpOptions& options
       fsdp::ValueOrThrow(fsdp::CreateGlooCollectivesFromEnvironment(env, gloo));
   const int rank = comm->rank(), world = comm->world_size();
   const bool print = rank == 0;
+  fsdp::TraceRecorder trace(rank);
+  const std::string trace_dir = absl::GetFlag(FLAGS_trace_dir);
+  if (!trace_dir.empty()) options.trace = &trace;
+  if (absl::GetFlag(FLAGS_fsdp_debug_log)) {
+    options.debug_log = [rank](const std::string& line) {
+      std::fprintf(stderr, "[fsdp rank %d] %s\n", rank, line.c_str());
+    };
+  }
 
   models::GptConfig config;
   config.block_size = absl::GetFlag(FLAGS_block_size);
@@ -406,6 +421,12 @@ int RunRank(const fsdp::LaunchEnvironment& env, const fsdp::FsdpOptions& options
       fsdp::ThrowIfError(fsdp::SaveTorchStateDict(out, state));
       std::printf("wrote the FULL state dict to %s\n", out.c_str());
     }
+  }
+  if (!trace_dir.empty()) {
+    mkdir(trace_dir.c_str(), 0755);
+    const std::string path = absl::StrFormat("%s/trace_rank%d.json", trace_dir, rank);
+    fsdp::ThrowIfError(trace.WriteChromeTrace(path));
+    if (print) std::printf("wrote FSDP traces to %s/trace_rank<r>.json\n", trace_dir.c_str());
   }
   if (rank == 0 && !record_path.empty()) {
     fsdp::ThrowIfError(fsdp::SaveTorchStateDict(

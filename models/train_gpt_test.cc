@@ -111,8 +111,14 @@ TEST(TrainGpt, RefusesABatchRecordOfAnotherShape) {
   const CommandResult record = RunCommand(absl::StrCat(kTrainGpt,
                                              " --steps=2 --world_size=1 --batch_size=3 "
                                              "--print_plan=false --record_batches=",
-                                             dir, "/batches.pt"));
+                                             dir, "/batches.pt --trace_dir=", dir, "/trace"));
   ASSERT_EQ(record.exit_code, 0) << record.output;
+  // --trace_dir wrote the rank's trace, with the blocks' spans in it.
+  std::ifstream trace(dir + "/trace/trace_rank0.json");
+  std::stringstream trace_text;
+  trace_text << trace.rdbuf();
+  EXPECT_THAT(trace_text.str(), HasSubstr("\"name\": \"backward\", \"cat\": \"fsdp\""));
+  EXPECT_THAT(trace_text.str(), HasSubstr("\"unit\": \"transformer.h.1\""));
   const CommandResult replay = RunCommand(absl::StrCat(
       kTrainGpt, " --steps=2 --world_size=2 --batch_size=2 --replay_batches=", dir,
       "/batches.pt"));

@@ -1,0 +1,129 @@
+// The runtime's observability: the state-transition log of one iteration and
+// the per-rank Chrome trace (fsdp/trace.h).
+#include "fsdp/trace.h"
+
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "ATen/ATen.h"
+#include "fsdp/fully_shard.h"
+#include "fsdp/test_models.h"
+#include "fsdp/test_util.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "testing/multi_rank.h"
+
+namespace fsdp {
+namespace {
+
+using ::fsdp::testing::BlockImpl;
+using ::fsdp::testing::Inputs;
+using ::fsdp::testing::Net;
+using ::fsdp::testing::RunOnThreadRanks;
+using ::testing::ElementsAre;
+
+// One forward and backward of the three-block net at W = 2 with `options`.
+void OneIteration(Collectives& comm, const FsdpOptions& options) {
+  Net model;
+  auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
+                                         SelectModulesOfType<BlockImpl>());
+  ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+  model->forward(Inputs(/*step=*/0, /*micro=*/0)).sum().backward();
+}
+
+TEST(DebugLog, ShowsEveryStateTransitionOfAnIteration) {
+  std::vector<std::string> lines;
+  ASSERT_TRUE(RunOnThreadRanks(2, [&](Collectives& comm) {
+                FsdpOptions options;
+                if (comm.rank() == 0) {
+                  options.debug_log = [&](const std::string& line) { lines.push_back(line); };
+                }
+                OneIteration(comm, options);
+              }).ok());
+  // Forward in pre-order; backward in reverse, each unit reducing as soon as
+  // its gradients are in (the root's head first, since its gradient comes
+  // first); the end-of-backward callback returns every unit to IDLE.
+  EXPECT_THAT(lines, ElementsAre("unit '<root>': IDLE -> FORWARD",
+                                 "model: IDLE -> FORWARD_BACKWARD",
+                                 "unit 'blocks.0': IDLE -> FORWARD",
+                                 "unit 'blocks.0': FORWARD -> IDLE",
+                                 "unit 'blocks.1': IDLE -> FORWARD",
+                                 "unit 'blocks.1': FORWARD -> IDLE",
+                                 "unit 'blocks.2': IDLE -> FORWARD",
+                                 "unit 'blocks.2': FORWARD -> IDLE",
+                                 "unit '<root>': FORWARD -> IDLE",
+                                 "unit '<root>': IDLE -> BACKWARD_PRE",
+                                 "unit '<root>': BACKWARD_PRE -> BACKWARD_POST",
+                                 "unit 'blocks.2': IDLE -> BACKWARD_PRE",
+                                 "unit 'blocks.2': BACKWARD_PRE -> BACKWARD_POST",
+                                 "unit 'blocks.1': IDLE -> BACKWARD_PRE",
+                                 "unit 'blocks.1': BACKWARD_PRE -> BACKWARD_POST",
+                                 "unit 'blocks.0': IDLE -> BACKWARD_PRE",
+                                 "unit 'blocks.0': BACKWARD_PRE -> BACKWARD_POST",
+                                 "unit '<root>': BACKWARD_POST -> IDLE",
+                                 "unit 'blocks.0': BACKWARD_POST -> IDLE",
+                                 "unit 'blocks.1': BACKWARD_POST -> IDLE",
+                                 "unit 'blocks.2': BACKWARD_POST -> IDLE",
+                                 "model: FORWARD_BACKWARD -> IDLE"));
+}
+
+TEST(Trace, RecordsEachUnitsWorkAndWritesChromeTraceJson) {
+  std::vector<TraceEvent> events;
+  std::string path = std::string(std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR")
+                                                             : "/tmp") +
+                     "/trace_rank0.json";
+  ASSERT_TRUE(RunOnThreadRanks(2, [&](Collectives& comm) {
+                TraceRecorder trace(comm.rank());
+                FsdpOptions options;
+                options.trace = &trace;
+                OneIteration(comm, options);
+                if (comm.rank() == 0) {
+                  events = trace.Events();
+                  ASSERT_TRUE(trace.WriteChromeTrace(path).ok());
+                }
+              }).ok());
+  std::map<std::string, std::map<std::string, int>> count;  // unit -> name -> spans
+  std::map<std::string, TraceEvent> forward, backward;
+  for (const TraceEvent& e : events) {
+    EXPECT_GE(e.duration_us, 0);
+    ++count[e.unit][e.name];
+    if (e.name == "forward") forward[e.unit] = e;
+    if (e.name == "backward") backward[e.unit] = e;
+  }
+  for (const std::string unit : {"blocks.0", "blocks.1", "blocks.2"}) {
+    SCOPED_TRACE(unit);
+    // FULL_SHARD: gathered for forward and again for backward, freed after
+    // each, gradients reduce-scattered once.
+    EXPECT_EQ(count[unit]["forward"], 1);
+    EXPECT_EQ(count[unit]["backward"], 1);
+    EXPECT_EQ(count[unit]["unshard"], 2);
+    EXPECT_EQ(count[unit]["all-gather issue"], 2);
+    EXPECT_EQ(count[unit]["all-gather wait"], 2);
+    EXPECT_EQ(count[unit]["reshard"], 2);
+    EXPECT_EQ(count[unit]["reduce-scatter"], 1);
+    // Within the root's forward and backward.
+    EXPECT_GE(forward[unit].begin_us, forward["<root>"].begin_us);
+    EXPECT_LE(forward[unit].begin_us + forward[unit].duration_us,
+              forward["<root>"].begin_us + forward["<root>"].duration_us);
+    EXPECT_GE(backward[unit].begin_us, forward["<root>"].begin_us + forward["<root>"].duration_us);
+  }
+  // The root keeps its parameters from forward into backward.
+  EXPECT_EQ(count["<root>"]["unshard"], 1);
+  EXPECT_EQ(count["<root>"]["reduce-scatter"], 1);
+  // Backward runs the blocks in reverse.
+  EXPECT_LT(backward["blocks.2"].begin_us, backward["blocks.1"].begin_us);
+  EXPECT_LT(backward["blocks.1"].begin_us, backward["blocks.0"].begin_us);
+  // The file is JSON with every span and the process named by the rank.
+  const std::string check = "/usr/bin/python3 -c \"import json,sys; d=json.load(open('" + path +
+                            "')); e=d['traceEvents']; sys.exit(0 if len(e)==" +
+                            std::to_string(events.size() + 1) +
+                            " and e[0]['args']['name']=='rank 0' and "
+                            "all(x['ph']=='X' and x['pid']==0 for x in e[1:]) else 1)\"";
+  EXPECT_EQ(std::system(check.c_str()), 0) << check;
+}
+
+}  // namespace
+}  // namespace fsdp
