@@ -68,8 +68,9 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectRendezvousStore(
   }
 }
 
-absl::StatusOr<std::unique_ptr<Collectives>> CreateGlooCollectivesFromEnvironment(
-    const LaunchEnvironment& env, GlooOptions options) {
+namespace {
+
+GlooOptions WithDefaultAddress(const LaunchEnvironment& env, GlooOptions options) {
   if (options.interface.empty() && options.hostname.empty()) {
     if (std::optional<std::string> ifname = ProcessEnv("GLOO_SOCKET_IFNAME")) {
       options.interface = *ifname;
@@ -77,9 +78,37 @@ absl::StatusOr<std::unique_ptr<Collectives>> CreateGlooCollectivesFromEnvironmen
       options.hostname = "127.0.0.1";
     }
   }
+  return options;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Collectives>> CreateGlooCollectivesFromEnvironment(
+    const LaunchEnvironment& env, GlooOptions options) {
+  options = WithDefaultAddress(env, options);
   FSDP_ASSIGN_OR_RETURN(c10::intrusive_ptr<c10d::Store> store,
                         ConnectRendezvousStore(env, options.timeout));
   return CreateGlooCollectives(std::move(store), env.rank, env.world_size, options);
+}
+
+absl::StatusOr<HybridGroupsFromEnvironment> CreateHybridGlooCollectivesFromEnvironment(
+    const LaunchEnvironment& env, int shard_group_size, GlooOptions options) {
+  options = WithDefaultAddress(env, options);
+  const int size = shard_group_size > 0 ? shard_group_size : env.local_world_size;
+  absl::StatusOr<HybridShardLayout> layout = HybridShardLayout::Create(env.world_size, size);
+  if (!layout.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank ", env.rank, " of ", env.world_size, ": hybrid sharding with shard groups of ",
+        size, shard_group_size > 0 ? "" : " (LOCAL_WORLD_SIZE)", ": ", layout.status().message()));
+  }
+  FSDP_ASSIGN_OR_RETURN(c10::intrusive_ptr<c10d::Store> store,
+                        ConnectRendezvousStore(env, options.timeout));
+  HybridGroupsFromEnvironment groups{nullptr, {}, *layout};
+  FSDP_ASSIGN_OR_RETURN(groups.world,
+                        CreateGlooCollectives(store, env.rank, env.world_size, options));
+  FSDP_ASSIGN_OR_RETURN(groups.hybrid,
+                        CreateHybridShardGlooCollectives(store, env.rank, *layout, options));
+  return groups;
 }
 
 }  // namespace fsdp

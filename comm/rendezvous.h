@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "comm/collectives.h"
 #include "comm/gloo_collectives.h"
+#include "comm/hybrid_groups.h"
 #include "comm/launch_environment.h"
 #include "torch/csrc/distributed/c10d/Store.hpp"
 
@@ -55,6 +56,19 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectRendezvousStore(
 // address and LOCAL_WORLD_SIZE == WORLD_SIZE).
 absl::StatusOr<std::unique_ptr<Collectives>> CreateGlooCollectivesFromEnvironment(
     const LaunchEnvironment& env, GlooOptions options = {});
+
+// The world group and hybrid sharding's shard and replicate groups
+// (comm/hybrid_groups.h) of the job described by `env`, through one
+// connection to its store. Shard groups have `shard_group_size` ranks, or
+// LOCAL_WORLD_SIZE (one node each) when it is 0; fails with
+// kInvalidArgument when that does not divide the world size.
+struct HybridGroupsFromEnvironment {
+  std::unique_ptr<Collectives> world;
+  HybridShardCollectives hybrid;
+  HybridShardLayout layout;
+};
+absl::StatusOr<HybridGroupsFromEnvironment> CreateHybridGlooCollectivesFromEnvironment(
+    const LaunchEnvironment& env, int shard_group_size, GlooOptions options = {});
 
 }  // namespace fsdp
 

@@ -105,6 +105,11 @@ absl::StatusOr<std::unique_ptr<FlatParamHandle>> FlatParamHandle::Create(
     std::string unit_name, std::vector<FlatParamEntry> params, Collectives& group,
     const FlatParamHandleOptions& options) {
   FSDP_RETURN_IF_ERROR(CheckParams(unit_name, params, group));
+  if (IsHybrid(options.strategy) && options.replicate_group == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unit '", unit_name, "': ", ShardingStrategyName(options.strategy),
+        " needs a replicate group (FsdpOptions::replicate_group) besides the shard group"));
+  }
   return std::unique_ptr<FlatParamHandle>(
       new FlatParamHandle(std::move(unit_name), std::move(params), group, options));
 }
@@ -152,8 +157,10 @@ FlatParamHandle::FlatParamHandle(std::string unit_name, std::vector<FlatParamEnt
   // about as much as the swap itself, and views of full_ stay valid while
   // its storage is freed and reallocated.
   for (size_t i = 0; i < params_.size(); ++i) shard_views_.push_back(ShardView(local_shard_, i));
-  if (uses_sharded_views()) {
-    full_ = at::empty({padded_numel_}, tensor_options);
+  compute_dtype_ = options_.param_dtype.value_or(local_shard_.scalar_type());
+  low_precision_ = compute_dtype_ != local_shard_.scalar_type();
+  if (uses_sharded_views() || low_precision_) {
+    full_ = at::empty({padded_numel_}, tensor_options.dtype(compute_dtype_));
     for (const FlatParamInfo& info : infos_) {  // Views need the storage allocated.
       full_views_.push_back(full_.narrow(0, info.offset, info.numel).view(info.shape));
     }
@@ -193,7 +200,9 @@ void FlatParamHandle::PointParamsAtShard() {
 }
 
 void FlatParamHandle::AllocateShardedGrad(at::Tensor initial) {
-  sharded_grad_ = initial.defined() ? std::move(initial) : at::zeros_like(local_shard_);
+  sharded_grad_ = initial.defined()
+                      ? std::move(initial)
+                      : at::zeros({local_shard_.numel()}, local_shard_.options().dtype(GradDtype()));
   grad_aliases_.clear();
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor part = ShardView(sharded_grad_, i);
@@ -211,23 +220,63 @@ void FlatParamHandle::PublishGradients() {
 }
 
 int64_t FlatParamHandle::full_param_bytes() const {
-  return full_.defined() ? static_cast<int64_t>(full_.storage().nbytes()) : 0;
+  int64_t bytes = full_.defined() ? static_cast<int64_t>(full_.storage().nbytes()) : 0;
+  if (summon_full_.defined()) bytes += static_cast<int64_t>(summon_full_.storage().nbytes());
+  return bytes;
+}
+
+bool FlatParamHandle::UnshardNeeded() const {
+  return uses_sharded_views() ||
+         (low_precision_ && training_state_ != HandleTrainingState::kSummonFullParams);
+}
+
+at::ScalarType FlatParamHandle::GradDtype() const {
+  return options_.keep_low_precision_grads
+             ? options_.reduce_dtype.value_or(compute_dtype_)
+             : local_shard_.scalar_type();
 }
 
 void FlatParamHandle::StartUnshard() {
+  // NO_SHARD's low-precision copy is a local cast, made in FinishUnshard.
   if (!uses_sharded_views() || unsharded_ || pending_unshard_) return;
+  if (low_precision_ && training_state_ == HandleTrainingState::kSummonFullParams) {
+    summon_full_ = at::empty({padded_numel_}, local_shard_.options());
+    pending_unshard_ = group_.AllGatherIntoTensor(summon_full_, local_shard_);
+    return;
+  }
   AllocateStorage(full_);
-  pending_unshard_ = group_.AllGatherIntoTensor(full_, local_shard_);
+  if (low_precision_) {
+    send_buffer_ = local_shard_.to(compute_dtype_);
+    pending_unshard_ = group_.AllGatherIntoTensor(full_, send_buffer_);
+  } else {
+    pending_unshard_ = group_.AllGatherIntoTensor(full_, local_shard_);
+  }
 }
 
 void FlatParamHandle::FinishUnshard() {
-  if (!uses_sharded_views() || unsharded_) return;
+  if (!UnshardNeeded() || unsharded_) return;
+  if (!uses_sharded_views()) {
+    at::NoGradGuard no_grad;
+    AllocateStorage(full_);
+    full_.copy_(local_shard_);
+    PointParamsAtFull();
+    unsharded_ = true;
+    return;
+  }
   TORCH_CHECK(pending_unshard_ != nullptr, Describe(),
               ": FinishUnshard without a pending all-gather (call StartUnshard first); "
               "training state ", HandleTrainingStateName(training_state_));
   pending_unshard_->Wait();
   pending_unshard_.reset();
-  PointParamsAtFull();
+  send_buffer_ = at::Tensor();
+  if (summon_full_.defined()) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      params_[i].param.set_data(
+          summon_full_.narrow(0, infos_[i].offset, infos_[i].numel).view(infos_[i].shape));
+    }
+  } else {
+    PointParamsAtFull();
+  }
   unsharded_ = true;
 }
 
@@ -240,15 +289,23 @@ void FlatParamHandle::DiscardPendingUnshard() {
   if (pending_unshard_ == nullptr) return;
   pending_unshard_->Wait();
   pending_unshard_.reset();
-  if (!unsharded_) FreeStorage(full_);
+  send_buffer_ = at::Tensor();
+  if (!unsharded_) {
+    FreeStorage(full_);
+    summon_full_ = at::Tensor();
+  }
 }
 
 void FlatParamHandle::Reshard() {
-  if (uses_sharded_views()) {
+  if (uses_sharded_views() || low_precision_) {
     TORCH_CHECK(pending_unshard_ == nullptr, Describe(),
                 ": Reshard while an all-gather is pending (call FinishUnshard first)");
     if (unsharded_) {
-      FreeStorage(full_);
+      if (summon_full_.defined()) {
+        summon_full_ = at::Tensor();
+      } else {
+        FreeStorage(full_);
+      }
       unsharded_ = false;
     }
   }
@@ -257,7 +314,7 @@ void FlatParamHandle::Reshard() {
 }
 
 void FlatParamHandle::PrepareGradientsForBackward() {
-  TORCH_CHECK(unsharded_ || !uses_sharded_views(), Describe(),
+  TORCH_CHECK(unsharded_ || !UnshardNeeded(), Describe(),
               ": PrepareGradientsForBackward needs the unit unsharded; training state ",
               HandleTrainingStateName(training_state_));
   // Reduced but not yet published (two backward passes without a Reshard
@@ -283,11 +340,13 @@ void FlatParamHandle::PrepareGradientsForBackward() {
 }
 
 void FlatParamHandle::ReduceGradients() {
-  TORCH_CHECK(unsharded_ || !uses_sharded_views(), Describe(),
+  TORCH_CHECK(unsharded_ || !UnshardNeeded(), Describe(),
               ": ReduceGradients needs the unit unsharded; training state ",
               HandleTrainingStateName(training_state_));
   at::NoGradGuard no_grad;
-  at::Tensor flat_grad = at::zeros({padded_numel_}, local_shard_.options());
+  // Copying the gradients in casts them to the reduction's dtype.
+  const at::ScalarType reduce_dtype = options_.reduce_dtype.value_or(compute_dtype_);
+  at::Tensor flat_grad = at::zeros({padded_numel_}, local_shard_.options().dtype(reduce_dtype));
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor grad = params_[i].param.grad();
     if (!grad.defined()) continue;  // Unused in this backward: contributes zero.
@@ -298,19 +357,27 @@ void FlatParamHandle::ReduceGradients() {
     flat_grad.narrow(0, infos_[i].offset, infos_[i].numel).copy_(grad.reshape({-1}));
     params_[i].param.mutable_grad() = at::Tensor();
   }
-  const int world = group_.world_size();
+  // Everyone whose gradients are averaged: the shard group, times the
+  // replicate group under hybrid sharding.
+  Collectives* replicate = options_.replicate_group;
+  const int world = group_.world_size() * (replicate != nullptr ? replicate->world_size() : 1);
   const double predivide = PredivideFactor(world);
   const double postdivide = world / predivide;
   if (predivide != 1) flat_grad.div_(predivide);
   at::Tensor reduced;
   if (uses_sharded_views()) {
-    reduced = at::empty_like(local_shard_);
+    reduced = at::empty({local_shard_.numel()}, flat_grad.options());
     group_.ReduceScatterTensor(reduced, flat_grad, ReduceOp::kSum)->Wait();
   } else {
     group_.AllReduce(flat_grad, ReduceOp::kSum)->Wait();
     reduced = flat_grad;
   }
+  if (replicate != nullptr && replicate->world_size() > 1) {
+    // Only this rank's shard crosses shard groups.
+    replicate->AllReduce(reduced, ReduceOp::kSum)->Wait();
+  }
   if (postdivide != 1) reduced.div_(postdivide);
+  if (reduced.scalar_type() != GradDtype()) reduced = reduced.to(GradDtype());
   if (sharded_grad_.defined()) {
     sharded_grad_.add_(reduced);
   } else {
@@ -325,14 +392,15 @@ void FlatParamHandle::WritebackShard() {
   if (!uses_sharded_views()) return;  // The parameters view the shard itself.
   TORCH_CHECK(unsharded_, Describe(), ": WritebackShard needs the unit unsharded");
   at::NoGradGuard no_grad;
-  local_shard_.copy_(full_.narrow(0, group_.rank() * local_shard_.numel(), local_shard_.numel()));
+  const at::Tensor& full = summon_full_.defined() ? summon_full_ : full_;
+  local_shard_.copy_(full.narrow(0, group_.rank() * local_shard_.numel(), local_shard_.numel()));
 }
 
 void FlatParamHandle::UnshardGradients() {
   if (!uses_sharded_views() || !sharded_grad_.defined()) return;
   TORCH_CHECK(!holds_unreduced_ && !gradients_pending_, Describe(),
               ": gradients are not reduced yet (inside no_sync or backward)");
-  full_grad_ = at::empty({padded_numel_}, local_shard_.options());
+  full_grad_ = at::empty({padded_numel_}, sharded_grad_.options());
   group_.AllGatherIntoTensor(full_grad_, sharded_grad_)->Wait();
   for (size_t i = 0; i < params_.size(); ++i) {
     params_[i].param.mutable_grad() =

@@ -46,6 +46,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -87,6 +88,25 @@ struct FlatParamInfo {
 
 struct FlatParamHandleOptions {
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  // Hybrid sharding: the group passed to Create is the shard group and this
+  // is the replicate group (the ranks holding the same shard). Reduced
+  // gradients are then all-reduced over it and averaged over both groups'
+  // ranks. Required by the hybrid strategies, allowed with any; must outlive
+  // the handle.
+  Collectives* replicate_group = nullptr;
+  // Mixed precision, resolved (the caller applies PyTorch's defaults):
+  // unset param_dtype computes in the parameters' dtype; unset reduce_dtype
+  // reduces in the dtype of the gradients autograd produced.
+  //  * param_dtype: the shard is cast to it and all-gathered in it (NO_SHARD:
+  //    cast), and the parameters point at that low-precision copy between
+  //    Unshard and Reshard — except under kSummonFullParams, which always
+  //    unshards in full precision (summon_full_params, FULL state dicts).
+  //  * reduce_dtype: the gradient reduction runs in it.
+  //  * keep_low_precision_grads: the reduced gradient stays in reduce_dtype;
+  //    otherwise it is upcast to the parameters' dtype.
+  std::optional<at::ScalarType> param_dtype;
+  std::optional<at::ScalarType> reduce_dtype;
+  bool keep_low_precision_grads = false;
 };
 
 class FlatParamHandle {
@@ -200,6 +220,10 @@ class FlatParamHandle {
   void PublishGradients();
   // Allocates sharded_grad_ (zeroed, or adopting `initial`) and its aliases.
   void AllocateShardedGrad(at::Tensor initial);
+  // Whether Unshard has anything to do now: a strategy that shards, or a
+  // low-precision copy to make (not under kSummonFullParams).
+  bool UnshardNeeded() const;
+  at::ScalarType GradDtype() const;  // Of the reduced gradient.
   std::string Describe() const;  // "unit 'h.0' on rank 1 of 4"
 
   const std::string unit_name_;
@@ -211,8 +235,14 @@ class FlatParamHandle {
   int64_t padded_numel_ = 0;
 
   at::Tensor local_shard_;   // S elements; NO_SHARD: F elements.
-  at::Tensor full_;          // P elements; storage freed while resharded.
+  // P elements in compute_dtype_; storage freed while resharded. Only for
+  // strategies that shard, or with a param_dtype.
+  at::Tensor full_;
   std::vector<at::Tensor> full_views_;   // Parameter i's view of full_.
+  at::ScalarType compute_dtype_ = at::kFloat;  // param_dtype, or the shard's.
+  bool low_precision_ = false;                 // compute_dtype_ != the shard's.
+  at::Tensor summon_full_;   // Full precision, while a summon is unsharded.
+  at::Tensor send_buffer_;   // The cast shard of a pending all-gather.
   std::vector<at::Tensor> shard_views_;  // Parameter i's view of local_shard_.
   at::Tensor sharded_grad_;  // Like local_shard_; undefined until first needed.
   at::Tensor full_grad_;     // P elements while UnshardGradients is in effect.

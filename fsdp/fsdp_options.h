@@ -6,6 +6,7 @@
 
 #include <vector>
 
+#include "comm/collectives.h"
 #include "fsdp/trace.h"
 #include "policies/unit_options.h"
 
@@ -24,6 +25,17 @@ enum class BackwardPrefetch { kNone, kBackwardPre, kBackwardPost };
 // (policies/unit_options.h) for the units it chooses.
 struct FsdpOptions {
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  // Hybrid sharding: required by (and only allowed with) HYBRID_SHARD and
+  // _HYBRID_SHARD_ZERO2 as the root's strategy. The group given to Wrap is
+  // then this rank's shard group and this its replicate group
+  // (comm/hybrid_groups.h makes both); every unit's reduced gradients are
+  // all-reduced over it, whatever the unit's own strategy, and averaged over
+  // all shard x replicate ranks. Compared across ranks by its size; must
+  // outlive the model.
+  Collectives* replicate_group = nullptr;
+  // PyTorch's mixed_precision (policies/unit_options.h); a policy may
+  // replace it per unit. Off by default.
+  MixedPrecision mixed_precision;
   // Prefetching follows the order units ran in on the first iteration; at
   // most one unit is prefetched at a time.
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;

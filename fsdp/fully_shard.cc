@@ -63,6 +63,18 @@ std::vector<at::Tensor> UniqueParameters(const torch::nn::Module& module) {
   return params;
 }
 
+at::ScalarType ToScalarType(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat16:
+      return at::kHalf;
+    case DType::kBFloat16:
+      return at::kBFloat16;
+    case DType::kFloat32:
+      break;
+  }
+  return at::kFloat;
+}
+
 // As FlatParamHandle::unit_name: the FQN, "<root>" for the root.
 std::string UnitLabel(const FsdpUnit& unit) {
   return unit.is_root() ? "<root>" : unit.fqn();
@@ -105,6 +117,15 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
     const WrapPolicy& policy) {
   if (!root) return absl::InvalidArgumentError("FullyShardedModel::Wrap: root is null");
   const std::string who = absl::StrCat("rank ", group.rank(), " of ", group.world_size(), ": ");
+  if (IsHybrid(options.strategy) != (options.replicate_group != nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, "FsdpOptions::replicate_group is ",
+        options.replicate_group != nullptr ? "set" : "not set", " but the strategy is ",
+        ShardingStrategyName(options.strategy),
+        ": hybrid sharding (HYBRID_SHARD, _HYBRID_SHARD_ZERO2) takes the shard group as the "
+        "group and the replicate group in replicate_group; the other strategies take no "
+        "replicate group"));
+  }
   absl::StatusOr<WrapPlan> plan = PlanWrap(*root, group.world_size(), options, policy);
   if (!plan.ok()) {
     return absl::Status(plan.status().code(), absl::StrCat(who, plan.status().message()));
@@ -135,10 +156,20 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
     unit->module_ = planned.module;
     unit->is_root_ = u == 0;
     unit->strategy_ = planned.strategy;
+    unit->mixed_precision_ = planned.mixed_precision;
     unit->model_ = model.get();
     if (!entries[u].empty()) {
       FlatParamHandleOptions handle_options;
       handle_options.strategy = planned.strategy;
+      handle_options.replicate_group = options.replicate_group;
+      const MixedPrecision& mp = planned.mixed_precision;
+      if (mp.param_dtype) handle_options.param_dtype = ToScalarType(*mp.param_dtype);
+      // PyTorch's default: reduce in param_dtype when only that is set.
+      if (mp.reduce_dtype || mp.param_dtype) {
+        handle_options.reduce_dtype = ToScalarType(mp.reduce_dtype ? *mp.reduce_dtype
+                                                                   : *mp.param_dtype);
+      }
+      handle_options.keep_low_precision_grads = mp.keep_low_precision_grads;
       auto handle = FlatParamHandle::Create(planned.fqn.empty() ? "<root>" : planned.fqn,
                                             std::move(entries[u]), group, handle_options);
       if (!handle.ok()) return handle.status();
@@ -188,11 +219,14 @@ void FullyShardedModel::LazyInit() {
                    ",backward_prefetch=", static_cast<int>(options_.backward_prefetch),
                    ",forward_prefetch=", options_.forward_prefetch,
                    ",limit_all_gathers=", options_.limit_all_gathers,
-                   ",check_execution_order=", options_.check_execution_order, ";"));
+                   ",check_execution_order=", options_.check_execution_order,
+                   ",replicate_group_size=",
+                   options_.replicate_group ? options_.replicate_group->world_size() : 0, ";"));
   for (const auto& unit : units_) {
     const int64_t numel = unit->handle_ ? unit->handle_->flat_numel() : 0;
     elements += numel;
-    mix(absl::StrCat(unit->fqn_, ":", numel, ":", static_cast<int>(unit->strategy_), ";"));
+    mix(absl::StrCat(unit->fqn_, ":", numel, ":", static_cast<int>(unit->strategy_), ":",
+                     unit->mixed_precision_.ToString(), ";"));
   }
   const int world = group_.world_size();
   at::Tensor mine = at::tensor({static_cast<double>(units_.size()), static_cast<double>(elements),
@@ -269,7 +303,7 @@ void FullyShardedModel::PostForward(FsdpUnit& unit, const std::vector<at::Tensor
     // its backward starts right away (as in PyTorch). Without a backward to
     // come, every strategy frees them now.
     const bool reshard = !backward_follows ||
-                         (unit.strategy_ == ShardingStrategy::kFullShard && !unit.is_root_);
+                         (ReshardsAfterForward(unit.strategy_) && !unit.is_root_);
     if (reshard) Reshard(*handle);
   }
   if (!backward_follows) {
@@ -608,6 +642,14 @@ UnitForward::~UnitForward() {
   } catch (...) {
     // Destructors cannot throw; the forward's exception is the one to see.
   }
+}
+
+at::Tensor UnitForward::Input(const at::Tensor& input) const {
+  if (unit_ == nullptr || !input.defined() || !input.is_floating_point()) return input;
+  const MixedPrecision& mp = unit_->mixed_precision_;
+  const bool cast = unit_->is_root_ ? mp.cast_root_forward_inputs : mp.cast_forward_inputs;
+  if (!cast || !mp.param_dtype) return input;
+  return input.to(ToScalarType(*mp.param_dtype));
 }
 
 at::Tensor UnitForward::Return(at::Tensor output) {

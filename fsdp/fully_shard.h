@@ -72,6 +72,9 @@ UnitSelector SelectModulesOfType() {
 
 // Where the whole model is (per FSDP state in PyTorch's terms).
 enum class ModelTrainingState { kIdle, kForwardBackward };
+
+// The tensor dtype of a mixed-precision DType.
+at::ScalarType ToScalarType(DType dtype);
 const char* ModelTrainingStateName(ModelTrainingState state);  // "IDLE", ...
 
 // One unit: a module, its handle (null if it holds no parameters of its
@@ -84,6 +87,8 @@ class FsdpUnit {
   bool is_root() const { return is_root_; }
   // The root's strategy or the policy's override for this unit.
   ShardingStrategy strategy() const { return strategy_; }
+  // The root's mixed precision or the policy's override for this unit.
+  const MixedPrecision& mixed_precision() const { return mixed_precision_; }
 
  private:
   friend class FullyShardedModel;
@@ -94,6 +99,7 @@ class FsdpUnit {
   std::unique_ptr<FlatParamHandle> handle_;
   bool is_root_ = false;
   ShardingStrategy strategy_ = ShardingStrategy::kFullShard;
+  MixedPrecision mixed_precision_;
   class FullyShardedModel* model_ = nullptr;
   // From the first iteration's order: the unit to prefetch (index in
   // FullyShardedModel::units_, -1 for none) in forward and in backward.
@@ -141,7 +147,9 @@ class FullyShardedModel {
   const FsdpOptions& options() const { return options_; }
   // The plan the model was wrapped with (parameter lists without tensors).
   const WrapPlan& plan() const { return plan_; }
-  Collectives& group() const { return group_; }
+  Collectives& group() const { return group_; }  // The shard group.
+  // Hybrid sharding's replicate group (FsdpOptions); null otherwise.
+  Collectives* replicate_group() const { return options_.replicate_group; }
   const RuntimeStreams& streams() const { return *streams_; }
   const AllGatherRateLimiter& rate_limiter() const { return limiter_; }
 
@@ -281,6 +289,11 @@ class UnitForward {
   UnitForward& operator=(const UnitForward&) = delete;
   // Reshards if Return was never reached (an exception in forward).
   ~UnitForward();
+
+  // A forward input, cast to the unit's param_dtype when its mixed
+  // precision says so (cast_forward_inputs; cast_root_forward_inputs for the
+  // root) and it is floating point; otherwise returned as is.
+  at::Tensor Input(const at::Tensor& input) const;
 
   // Ends the forward: reshards by strategy and arms the pre-backward hook
   // on every output that requires grad. Returns its argument.

@@ -27,6 +27,7 @@ struct BlockImpl : torch::nn::Module, ShardableModule {
   }
   at::Tensor forward(at::Tensor x) {
     UnitForward unit(this);
+    x = unit.Input(x);
     if (g_in_block_forward) g_in_block_forward(index);
     if (g_after_block_backward && x.requires_grad()) {
       // The gradient of the block's input is ready once its backward ran.
@@ -54,6 +55,7 @@ struct NetImpl : torch::nn::Module, ShardableModule {
   }
   at::Tensor forward(at::Tensor x) {
     UnitForward unit(this);
+    x = unit.Input(x);
     for (const auto& block : *blocks) x = block->as<BlockImpl>()->forward(x);
     return unit.Return(head->forward(x));
   }

@@ -74,6 +74,7 @@ absl::StatusOr<WrapPlan> PlanWrap(torch::nn::Module& root, int world_size,
   PolicyInput input;
   input.root = &root;
   input.root_options.strategy = options.strategy;
+  if (options.mixed_precision.enabled()) input.root_options.mixed_precision = options.mixed_precision;
   input.can_be_unit = [](const torch::nn::Module& m) {
     return dynamic_cast<const ShardableModule*>(&m) != nullptr;
   };
@@ -118,6 +119,7 @@ absl::StatusOr<WrapPlan> PlanWrap(torch::nn::Module& root, int world_size,
   root_unit.type = root.name();
   root_unit.module = &root;
   root_unit.strategy = options.strategy;
+  root_unit.mixed_precision = options.mixed_precision;
   plan.units.push_back(std::move(root_unit));
   for (const auto& item : root.named_modules("", /*include_self=*/false)) {
     auto it = chosen.find(item.value().get());
@@ -128,6 +130,7 @@ absl::StatusOr<WrapPlan> PlanWrap(torch::nn::Module& root, int world_size,
     unit.module = item.value().get();
     unit.overrides = it->second;
     unit.strategy = it->second.strategy.value_or(options.strategy);
+    unit.mixed_precision = it->second.mixed_precision.value_or(options.mixed_precision);
     for (const PlannedUnit& other : plan.units) {
       if (!other.fqn.empty() && IsPrefixOf(other.fqn, unit.fqn)) ++unit.depth;
     }
@@ -215,6 +218,7 @@ std::string WrapPlan::ToString() const {
     absl::StrAppend(
         &out, std::string(2 + 2 * unit.depth, ' '), UnitName(unit.fqn), " (", unit.type, "): ",
         ShardingStrategyName(unit.strategy), unit.overrides.empty() ? "" : " (override)",
+        unit.mixed_precision.enabled() ? ", " + unit.mixed_precision.ToString() : "",
         unit.frozen ? ", frozen" : "", ", ", unit.param_fqns.size(), " params, ", unit.numel,
         " elements, shard ", unit.shard_numel, " per rank\n");
   }

@@ -50,6 +50,7 @@ struct PlannedUnit {
   torch::nn::Module* module = nullptr;
   int depth = 0;          // Units above it.
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  MixedPrecision mixed_precision;  // The root's, or the policy's override.
   UnitOptions overrides;  // What the policy set for this unit.
   std::vector<std::string> param_fqns;
   std::vector<at::Tensor> params;

@@ -103,7 +103,9 @@ at::Tensor GptImpl::forward(const at::Tensor& idx) {
 }
 
 at::Tensor LanguageModelLoss(const at::Tensor& logits, const at::Tensor& targets) {
-  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+  // In float32 whatever the model computed in (mixed precision).
+  return at::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, logits.size(-1)}),
+                                targets.reshape({-1}));
 }
 
 }  // namespace models

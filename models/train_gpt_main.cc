@@ -16,6 +16,8 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
+#include <utility>
 #include <stdexcept>
 #include <chrono>
 #include <cmath>
@@ -64,7 +66,15 @@ ABSL_FLAG(double, grad_clip, 1.0,
 ABSL_FLAG(std::string, metrics_jsonl, "",
           "Append one JSON line per step here (rank 0): step, loss, tokens_per_s, grad_norm.");
 ABSL_FLAG(std::string, sharding_strategy, "full_shard",
-          "full_shard, shard_grad_op or no_shard.");
+          "full_shard, shard_grad_op, no_shard, hybrid_shard or _hybrid_shard_zero2.");
+ABSL_FLAG(int, shard_group_size, 0,
+          "With hybrid_shard or _hybrid_shard_zero2: ranks per shard group (it must divide "
+          "the world size); 0: LOCAL_WORLD_SIZE, one node each.");
+ABSL_FLAG(std::string, param_dtype, "",
+          "Mixed precision: compute and all-gather parameters in this dtype (bfloat16, "
+          "float16, float32); the optimizer still steps float32 shards. Empty: float32.");
+ABSL_FLAG(std::string, reduce_dtype, "",
+          "Mixed precision: reduce gradients in this dtype (default: --param_dtype).");
 ABSL_FLAG(std::string, backward_prefetch, "backward_pre",
           "none, backward_pre or backward_post.");
 ABSL_FLAG(bool, forward_prefetch, false, "All-gather the next unit during forward.");
@@ -223,8 +233,25 @@ int RunRank(const fsdp::LaunchEnvironment& env, fsdp::FsdpOptions options,
             const fsdp::WrapPolicy& policy) {
   fsdp::GlooOptions gloo;
   gloo.timeout = std::chrono::seconds(120);
-  std::unique_ptr<fsdp::Collectives> comm =
-      fsdp::ValueOrThrow(fsdp::CreateGlooCollectivesFromEnvironment(env, gloo));
+  // The world group (data, loss) and the groups FSDP runs on: the world
+  // itself, or hybrid sharding's shard and replicate groups.
+  std::unique_ptr<fsdp::Collectives> comm;
+  fsdp::HybridShardCollectives hybrid;
+  std::string layout_note;
+  if (fsdp::IsHybrid(options.strategy)) {
+    fsdp::HybridGroupsFromEnvironment groups = fsdp::ValueOrThrow(
+        fsdp::CreateHybridGlooCollectivesFromEnvironment(env, absl::GetFlag(FLAGS_shard_group_size),
+                                                          gloo));
+    comm = std::move(groups.world);
+    hybrid = std::move(groups.hybrid);
+    options.replicate_group = hybrid.replicate.get();
+    layout_note = absl::StrFormat(" (%d shard groups of %d ranks)",
+                                  groups.layout.num_shard_groups(),
+                                  groups.layout.shard_group_size());
+  } else {
+    comm = fsdp::ValueOrThrow(fsdp::CreateGlooCollectivesFromEnvironment(env, gloo));
+  }
+  fsdp::Collectives& fsdp_group = hybrid.shard ? *hybrid.shard : *comm;
   const int rank = comm->rank(), world = comm->world_size();
   const bool print = rank == 0;
   fsdp::TraceRecorder trace(rank);
@@ -248,7 +275,7 @@ int RunRank(const fsdp::LaunchEnvironment& env, fsdp::FsdpOptions options,
   unsharded_param_bytes -= model->lm_head->weight.nbytes();  // Tied: counted once.
 
   std::unique_ptr<fsdp::FullyShardedModel> fsdp_model =
-      fsdp::ValueOrThrow(fsdp::FullyShardedModel::Wrap(model.ptr(), *comm, options, policy));
+      fsdp::ValueOrThrow(fsdp::FullyShardedModel::Wrap(model.ptr(), fsdp_group, options, policy));
   if (print && absl::GetFlag(FLAGS_print_plan)) {
     std::printf("%s", fsdp_model->plan().ToString().c_str());
   }
@@ -298,11 +325,14 @@ int RunRank(const fsdp::LaunchEnvironment& env, fsdp::FsdpOptions options,
   const int64_t t = config.block_size;
   if (print) {
     std::printf(
-        "GPT %lld layers x %lld heads x %lld wide, %.2f M parameters; %d ranks, %s, "
+        "GPT %lld layers x %lld heads x %lld wide, %.2f M parameters; %d ranks, %s%s%s, "
         "global batch %lld x %lld tokens\n",
         static_cast<long long>(config.n_layer), static_cast<long long>(config.n_head),
         static_cast<long long>(config.n_embd), unsharded_param_bytes / 4 / 1e6, world,
-        fsdp::ShardingStrategyName(options.strategy), static_cast<long long>(per_rank * world),
+        fsdp::ShardingStrategyName(options.strategy), layout_note.c_str(),
+        options.mixed_precision.enabled() ? (", " + options.mixed_precision.ToString()).c_str()
+                                          : "",
+        static_cast<long long>(per_rank * world),
         static_cast<long long>(t));
     std::fflush(stdout);
   }
@@ -442,7 +472,16 @@ int RunRank(const fsdp::LaunchEnvironment& env, fsdp::FsdpOptions options,
   report.optimizer_state_bytes = LocalOptimizerStateBytes(optimizer);
   report.unsharded_optimizer_state_bytes =
       unsharded_param_bytes * (absl::GetFlag(FLAGS_optimizer) == "sgd" ? 1 : 2);
-  PrintRankReport(rank, report, comm->counters());
+  // FSDP's traffic, whichever groups carried it.
+  fsdp::CollectiveCounters traffic = fsdp_group.counters();
+  if (hybrid.replicate) {
+    const fsdp::CollectiveCounters across = hybrid.replicate->counters();
+    for (size_t op = 0; op < traffic.calls.size(); ++op) {
+      traffic.calls[op] += across.calls[op];
+      traffic.bytes[op] += across.bytes[op];
+    }
+  }
+  PrintRankReport(rank, report, traffic);
   if (print) {
     std::printf("loss %.4f -> %.4f over steps %d..%d%s\n", first_loss, last_loss, first_step,
                 steps, last_loss < first_loss || first_step > 1 ? "" : "  (DID NOT FALL)");
@@ -479,6 +518,18 @@ int main(int argc, char** argv) {
   options.strategy = *strategy;
   options.backward_prefetch = *prefetch;
   options.forward_prefetch = absl::GetFlag(FLAGS_forward_prefetch);
+  for (auto [flag, field] :
+       {std::pair<std::string, std::optional<fsdp::DType>*>{
+            absl::GetFlag(FLAGS_param_dtype), &options.mixed_precision.param_dtype},
+        {absl::GetFlag(FLAGS_reduce_dtype), &options.mixed_precision.reduce_dtype}}) {
+    if (flag.empty()) continue;
+    absl::StatusOr<fsdp::DType> dtype = fsdp::ParseDType(flag);
+    if (!dtype.ok()) {
+      std::fprintf(stderr, "train_gpt: %s\n", dtype.status().ToString().c_str());
+      return 2;
+    }
+    *field = *dtype;
+  }
   if (absl::GetFlag(FLAGS_optimizer) != "adamw" && absl::GetFlag(FLAGS_optimizer) != "sgd") {
     std::fprintf(stderr, "train_gpt: --optimizer=%s: expected adamw or sgd\n",
                  absl::GetFlag(FLAGS_optimizer).c_str());

@@ -148,7 +148,7 @@ absl::Status SaveTrainingCheckpoint(FullyShardedModel& model, torch::optim::Opti
     std::vector<CheckpointTensor> tensors = ModelCheckpointTensors(model);
     if (!optim.ok()) return optim.status();
     for (CheckpointTensor& t : optim->tensors) tensors.push_back(std::move(t));
-    return SaveCheckpointTensors(model.group(), dir, tensors);
+    return SaveModelCheckpointTensors(model, dir, tensors);
   } catch (...) {
     return StatusFromCurrentException();
   }

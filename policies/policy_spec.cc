@@ -6,6 +6,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 
 namespace fsdp {
@@ -65,16 +66,24 @@ absl::StatusOr<std::vector<PolicySpec>> ParsePolicySpecs(absl::string_view spec)
   return specs;
 }
 
+namespace {
+// The per-unit option keys every policy takes (GetUnitOptions).
+constexpr const char* kUnitOptionKeys[] = {"strategy", "param_dtype", "reduce_dtype",
+                                           "keep_low_precision_grads",
+                                           "cast_forward_inputs"};
+}  // namespace
+
 absl::Status PolicySpec::CheckKeys(const std::vector<std::string>& known) const {
   std::set<std::string> seen;
   for (const auto& [key, value] : named) {
     if (!seen.insert(key).second) {
       return SpecError(text, absl::StrCat("'", key, "' given twice"));
     }
-    bool ok = key == "strategy";
+    bool ok = false;
+    for (const char* k : kUnitOptionKeys) ok = ok || key == k;
     for (const std::string& k : known) ok = ok || k == key;
     if (!ok) {
-      std::string valid = "strategy";
+      std::string valid = absl::StrJoin(kUnitOptionKeys, ", ");
       for (const std::string& k : known) absl::StrAppend(&valid, ", ", k);
       return SpecError(text, absl::StrCat("policy '", name, "' has no argument '", key,
                                           "' (it takes: ", valid, ")"));
@@ -124,6 +133,30 @@ absl::StatusOr<UnitOptions> PolicySpec::GetUnitOptions() const {
     if (!strategy.ok()) return SpecError(text, strategy.status().message());
     options.strategy = *strategy;
   }
+  // Any mixed-precision key gives the unit a MixedPrecision of its own.
+  MixedPrecision mp;
+  bool any = false;
+  for (const char* key : {"param_dtype", "reduce_dtype"}) {
+    const std::string* value = Find(key);
+    if (value == nullptr) continue;
+    any = true;
+    absl::StatusOr<DType> dtype = ParseDType(*value);
+    if (!dtype.ok()) return SpecError(text, absl::StrCat(key, ": ", dtype.status().message()));
+    (std::string(key) == "param_dtype" ? mp.param_dtype : mp.reduce_dtype) = *dtype;
+  }
+  for (auto [key, field] : {std::pair<const char*, bool*>{"keep_low_precision_grads",
+                                                          &mp.keep_low_precision_grads},
+                            {"cast_forward_inputs", &mp.cast_forward_inputs}}) {
+    const std::string* value = Find(key);
+    if (value == nullptr) continue;
+    any = true;
+    if (*value != "true" && *value != "false") {
+      return SpecError(text, absl::StrCat("'", key, "' must be true or false, got '", *value,
+                                          "'"));
+    }
+    *field = *value == "true";
+  }
+  if (any) options.mixed_precision = mp;
   return options;
 }
 

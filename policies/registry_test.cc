@@ -58,6 +58,12 @@ TEST(PolicyRegistry, BuiltInsAreRegisteredAndBuildFromSpecs) {
   ASSERT_TRUE(overridden.ok()) << overridden.status();
   EXPECT_THAT(TargetsOf(**overridden, *model),
               ElementsAre("h.0 strategy=SHARD_GRAD_OP", "h.1 strategy=SHARD_GRAD_OP"));
+  auto mixed = PolicyRegistry::Global().Build(
+      "module:Block,param_dtype=bf16,reduce_dtype=float32,cast_forward_inputs=true");
+  ASSERT_TRUE(mixed.ok()) << mixed.status();
+  EXPECT_THAT(TargetsOf(**mixed, *model),
+              ElementsAre("h.0 param_dtype=bfloat16,reduce_dtype=float32,cast_forward_inputs=true",
+                          "h.1 param_dtype=bfloat16,reduce_dtype=float32,cast_forward_inputs=true"));
   // Blocks, then what is left above 2000 elements (the head's 2700).
   auto sequence = PolicyRegistry::Global().Build("module:Block+size:min_numel=2000");
   ASSERT_TRUE(sequence.ok()) << sequence.status();
@@ -84,7 +90,11 @@ TEST(PolicyRegistry, BadSpecsAreErrorsNamingTheProblem) {
            {"size:min_numel=0", "min_numel must be at least 1"},
            {"size:min_numel=5,min_numel=6", "'min_numel' given twice"},
            {"size:bogus=1", "policy 'size' has no argument 'bogus' (it takes: strategy, "
-                            "min_numel, exclude, force_leaf)"},
+                            "param_dtype, reduce_dtype, keep_low_precision_grads, "
+                            "cast_forward_inputs, min_numel, exclude, force_leaf)"},
+           {"module:Block,param_dtype=fp8", "param_dtype: unknown dtype 'fp8'"},
+           {"module:Block,cast_forward_inputs=yes",
+            "'cast_forward_inputs' must be true or false, got 'yes'"},
            {"size:1000", "takes only key=value arguments, got '1000'"},
            {"none:x", "'none' takes no arguments"},
            {"nosuch:x", "no policy named 'nosuch' (registered: "},

@@ -18,24 +18,68 @@ enum class ShardingStrategy {
   kFullShard,    // Shard all three; reshard after forward, re-gather for backward.
   kShardGradOp,  // Shard all three; keep full parameters from forward to backward.
   kNoShard,      // Replicate; all-reduce gradients (DDP semantics).
+  // Hybrid sharding (FsdpOptions::replicate_group): FULL_SHARD or
+  // SHARD_GRAD_OP within a shard group, replicated across shard groups; each
+  // rank's reduced gradient shard is then all-reduced over its replicate
+  // group (the ranks holding the same shard).
+  kHybridShard,
+  kHybridShardZero2,
 };
 
-// "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD".
+// "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
+// "_HYBRID_SHARD_ZERO2" (PyTorch's names).
 const char* ShardingStrategyName(ShardingStrategy strategy);
-// The inverse of ShardingStrategyName (case-insensitive); the error lists
-// the valid names.
+
+// HYBRID_SHARD or _HYBRID_SHARD_ZERO2.
+bool IsHybrid(ShardingStrategy strategy);
+// Whether a non-root unit frees its full parameters after forward
+// (FULL_SHARD, HYBRID_SHARD) rather than keeping them for backward.
+bool ReshardsAfterForward(ShardingStrategy strategy);
+// The inverse of ShardingStrategyName (case-insensitive, the leading '_'
+// optional); the error lists the valid names.
 absl::StatusOr<ShardingStrategy> ParseShardingStrategy(absl::string_view name);
 
+// Floating-point types a unit may compute and communicate in.
+enum class DType { kFloat32, kFloat16, kBFloat16 };
+// "float32", "float16", "bfloat16".
+const char* DTypeName(DType dtype);
+// Also accepts fp32/float, fp16/half, bf16 (case-insensitive).
+absl::StatusOr<DType> ParseDType(absl::string_view name);
+
+// PyTorch's MixedPrecision, per unit. The sharded parameters, and the
+// optimizer step on them, always stay in full precision; an unset dtype
+// means that full precision.
+struct MixedPrecision {
+  // The all-gathered (unsharded) parameters: all-gathers, forward and
+  // backward compute, and so the gradients autograd produces.
+  std::optional<DType> param_dtype;
+  // The gradient reduce-scatter (all-reduce for NO_SHARD); defaults to
+  // param_dtype, as in PyTorch.
+  std::optional<DType> reduce_dtype;
+  // Keep the reduced gradient in the reduction's dtype instead of upcasting
+  // it to the parameters' (the optimizer must then accept it).
+  bool keep_low_precision_grads = false;
+  // Cast floating-point inputs of the unit's forward (UnitForward::Input)
+  // to param_dtype; for the root, cast_root_forward_inputs.
+  bool cast_forward_inputs = false;
+  bool cast_root_forward_inputs = true;
+
+  bool enabled() const { return param_dtype.has_value() || reduce_dtype.has_value(); }
+  // "param_dtype=bfloat16,reduce_dtype=float32,..." (only what is set).
+  std::string ToString() const;
+};
+
 // Per-unit overrides chosen by a policy. A field left unset takes the
-// root's value (FsdpOptions). Mixed-precision fields join here with the
-// mixed-precision work.
+// root's value (FsdpOptions).
 struct UnitOptions {
   std::optional<ShardingStrategy> strategy;
+  // Replaces the root's mixed precision as a whole.
+  std::optional<MixedPrecision> mixed_precision;
 
-  bool empty() const { return !strategy.has_value(); }
+  bool empty() const { return !strategy.has_value() && !mixed_precision.has_value(); }
   // Fields set in `other` replace this one's.
   void OverrideWith(const UnitOptions& other);
-  // "strategy=NO_SHARD", or "" when empty.
+  // "strategy=NO_SHARD,param_dtype=bfloat16", or "" when empty.
   std::string ToString() const;
 };
 

@@ -361,7 +361,25 @@ std::vector<CheckpointTensor> ModelCheckpointTensors(const FullyShardedModel& mo
 
 absl::Status SaveShardedCheckpoint(FullyShardedModel& model, const std::string& dir) {
   FSDP_RETURN_IF_ERROR(RequireIdle(model, "saving a SHARDED checkpoint"));
-  return SaveCheckpointTensors(model.group(), dir, ModelCheckpointTensors(model));
+  return SaveModelCheckpointTensors(model, dir, ModelCheckpointTensors(model));
+}
+
+absl::Status SaveModelCheckpointTensors(FullyShardedModel& model, const std::string& dir,
+                                        const std::vector<CheckpointTensor>& tensors) {
+  Collectives* replicate = model.replicate_group();
+  absl::Status saved = absl::OkStatus();
+  if (replicate == nullptr || replicate->rank() == 0) {
+    saved = SaveCheckpointTensors(model.group(), dir, tensors);
+  }
+  if (replicate == nullptr) return saved;
+  at::Tensor outcome = at::full({1}, saved.ok() ? 1.0 : 0.0, at::kDouble);
+  replicate->Broadcast(outcome, /*root=*/0)->Wait();
+  if (saved.ok() && outcome.item<double>() == 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "rank ", replicate->rank(), " of the replicate group: the rank that writes this shard "
+        "group's checkpoint to '", dir, "' failed (its own status says why)"));
+  }
+  return saved;
 }
 
 absl::Status LoadShardedCheckpoint(FullyShardedModel& model, const std::string& dir,

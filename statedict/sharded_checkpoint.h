@@ -74,6 +74,12 @@ absl::Status LoadShardedCheckpoint(FullyShardedModel& model, const std::string& 
 // model's own storage). REQUIRES: the model IDLE.
 std::vector<CheckpointTensor> ModelCheckpointTensors(const FullyShardedModel& model);
 
+// SaveCheckpointTensors over the model's shard group. Under hybrid sharding
+// the shard groups hold identical shards: only the replicate group's rank 0
+// writes, and the others return once it has, with its outcome.
+absl::Status SaveModelCheckpointTensors(FullyShardedModel& model, const std::string& dir,
+                                        const std::vector<CheckpointTensor>& tensors);
+
 // The general forms, for checkpoints that hold more than the model: every
 // rank of `group` calls them with its tensors, in the same order on every
 // rank. Loading checks every tensor first and fills every `local` only if

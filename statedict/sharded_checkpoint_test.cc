@@ -18,7 +18,9 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
+#include "comm/hybrid_groups.h"
 #include "gmock/gmock.h"
+#include "torch/csrc/distributed/c10d/HashStore.hpp"
 #include "gtest/gtest.h"
 #include "statedict/state_dict.h"
 #include "testing/multi_rank.h"
@@ -177,6 +179,56 @@ struct BigNetImpl : torch::nn::Module, ShardableModule {
   Block a{nullptr}, b{nullptr};
 };
 TORCH_MODULE(BigNet);
+
+// Under hybrid sharding (W = 4 as 2 x 2) both shard groups hold the same
+// shards: one copy is written (by replicate rank 0), every rank returns
+// after it, and the checkpoint loads at another layout.
+TEST(ShardedCheckpoint, HybridShardingWritesOneCopyThatLoadsElsewhere) {
+  const std::string dir = NewDir("hybrid");
+  const HybridShardLayout layout = HybridShardLayout::Create(4, 2).value();
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  StateDict saved;
+  ASSERT_TRUE(RunOnThreadRanks(4, [&](Collectives& world) {
+                GlooOptions gloo;
+                gloo.hostname = "127.0.0.1";
+                auto groups = CreateHybridShardGlooCollectives(store, world.rank(), layout, gloo);
+                ASSERT_TRUE(groups.ok()) << groups.status();
+                Net model;
+                FsdpOptions options;
+                options.strategy = ShardingStrategy::kHybridShard;
+                options.replicate_group = groups->replicate.get();
+                auto wrapped = FullyShardedModel::Wrap(model.ptr(), *groups->shard, options,
+                                                       SelectModulesOfType<BlockImpl>());
+                ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+                auto optimizer = MakeOptimizer(Optim::kAdam, model->parameters());
+                at::mse_loss(model->forward(Inputs(0, 0).narrow(0, world.rank() * 3, 3)),
+                             Targets(0, 0).narrow(0, world.rank() * 3, 3))
+                    .backward();
+                optimizer->step();
+                absl::Status status = SaveShardedCheckpoint(**wrapped, dir);
+                ASSERT_TRUE(status.ok()) << status;
+                // Every rank sees the finished checkpoint once Save returns.
+                EXPECT_EQ(ShardFiles(dir).size(), 2u);
+                auto full = StateDictOf(**wrapped);
+                ASSERT_TRUE(full.ok());
+                if (world.rank() == 0) saved = *full;
+              }).ok());
+  ASSERT_FALSE(saved.empty());
+  ASSERT_TRUE(RunOnThreadRanks(3, [&](Collectives& comm) {
+                Net model;
+                auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {},
+                                                       SelectModulesOfType<BlockImpl>());
+                ASSERT_TRUE(wrapped.ok());
+                absl::Status loaded = LoadShardedCheckpoint(**wrapped, dir);
+                ASSERT_TRUE(loaded.ok()) << loaded;
+                auto full = StateDictOf(**wrapped);
+                ASSERT_TRUE(full.ok());
+                ASSERT_EQ(full->size(), saved.size());
+                for (size_t k = 0; k < saved.size(); ++k) {
+                  EXPECT_TRUE(at::equal((*full)[k].second, saved[k].second)) << saved[k].first;
+                }
+              }).ok());
+}
 
 TEST(ShardedCheckpoint, EachRankReadsOnlyTheChunksItNeeds) {
   const std::string dir = NewDir("big");

@@ -1,0 +1,195 @@
+// Hybrid sharding: FULL_SHARD / SHARD_GRAD_OP within a shard group,
+// replicated across groups, against single-process training on the same
+// global batch; and counted evidence of where the traffic goes.
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ATen/ATen.h"
+#include "comm/hybrid_groups.h"
+#include "fsdp/fully_shard.h"
+#include "fsdp/test_models.h"
+#include "fsdp/test_util.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "testing/multi_rank.h"
+#include "torch/csrc/distributed/c10d/HashStore.hpp"
+#include "torch/optim/sgd.h"
+
+namespace fsdp {
+namespace {
+
+using ::fsdp::testing::BlockImpl;
+using ::fsdp::testing::Inputs;
+using ::fsdp::testing::kGlobalBatch;
+using ::fsdp::testing::Net;
+using ::fsdp::testing::RunOnThreadRanks;
+using ::fsdp::testing::Targets;
+using ::testing::HasSubstr;
+
+constexpr int kSteps = 3;
+
+struct Trajectory {
+  std::vector<float> losses;
+  std::map<std::string, at::Tensor> params;
+};
+
+torch::optim::SGD MakeSgd(std::vector<at::Tensor> params) {
+  return torch::optim::SGD(std::move(params), torch::optim::SGDOptions(0.1).momentum(0.9));
+}
+
+Trajectory TrainLocally() {
+  Net model;
+  auto optimizer = MakeSgd(model->parameters());
+  Trajectory t;
+  for (int step = 0; step < kSteps; ++step) {
+    at::Tensor loss = at::mse_loss(model->forward(Inputs(step, 0)), Targets(step, 0));
+    loss.backward();
+    t.losses.push_back(loss.item<float>());
+    optimizer.step();
+    optimizer.zero_grad();
+  }
+  for (const auto& item : model->named_parameters()) {
+    t.params[item.key()] = item.value().detach().clone();
+  }
+  return t;
+}
+
+struct HybridCase {
+  int world_size;
+  int shard_group_size;
+  ShardingStrategy strategy;
+};
+
+std::string CaseName(const ::testing::TestParamInfo<HybridCase>& info) {
+  const HybridCase& c = info.param;
+  return absl::StrCat("W", c.world_size, "_shard", c.shard_group_size, "x",
+                      c.world_size / c.shard_group_size, "_",
+                      c.strategy == ShardingStrategy::kHybridShard ? "HybridShard" : "Zero2");
+}
+
+class HybridShardParity : public ::testing::TestWithParam<HybridCase> {};
+
+TEST_P(HybridShardParity, MatchesLocalTrainingAndTalksAcrossGroupsOnlyToReduce) {
+  const HybridCase c = GetParam();
+  const Trajectory expected = TrainLocally();
+  const HybridShardLayout layout =
+      HybridShardLayout::Create(c.world_size, c.shard_group_size).value();
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<float> max_loss_error(c.world_size), max_param_error(c.world_size);
+  absl::Status status = RunOnThreadRanks(c.world_size, [&](Collectives& world) {
+    GlooOptions gloo;
+    gloo.hostname = "127.0.0.1";
+    gloo.timeout = std::chrono::seconds(60);
+    auto groups = CreateHybridShardGlooCollectives(store, world.rank(), layout, gloo);
+    ASSERT_TRUE(groups.ok()) << groups.status();
+    Collectives& shard = *groups->shard;
+    Collectives& replicate = *groups->replicate;
+    Net model;
+    FsdpOptions options;
+    options.strategy = c.strategy;
+    options.replicate_group = &replicate;
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), shard, options, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+    FullyShardedModel& fsdp = **wrapped;
+    auto optimizer = MakeSgd(model->parameters());
+    // Bytes of this rank's gradient shards: what the replicate group may carry.
+    int64_t shard_bytes = 0;
+    for (const auto& unit : fsdp.units()) shard_bytes += unit->handle()->local_shard().nbytes();
+
+    const int64_t rows = kGlobalBatch / c.world_size;
+    for (int step = 0; step < kSteps; ++step) {
+      shard.ResetCounters();
+      replicate.ResetCounters();
+      at::Tensor x = Inputs(step, 0).narrow(0, world.rank() * rows, rows);
+      at::Tensor y = Targets(step, 0).narrow(0, world.rank() * rows, rows);
+      at::Tensor loss = at::mse_loss(model->forward(x), y);
+      loss.backward();
+      // Within the shard group: every all-gather and reduce-scatter, and
+      // nothing else. Across it: exactly one all-reduce of each unit's
+      // gradient shard.
+      const CollectiveCounters in = shard.counters(), across = replicate.counters();
+      // HYBRID_SHARD gathers each block again for backward (the root keeps
+      // its parameters); the ZeRO-2 variant keeps them from forward. The
+      // first step adds lazy init's plan check and the execution-order check
+      // (three small all-gathers, also within the shard group).
+      EXPECT_EQ(in.Calls(CollectiveOp::kAllGather),
+                (c.strategy == ShardingStrategy::kHybridShard ? 7 : 4) + (step == 0 ? 3 : 0));
+      EXPECT_EQ(in.Calls(CollectiveOp::kReduceScatter), 4);  // Root and three blocks.
+      EXPECT_EQ(in.Calls(CollectiveOp::kAllReduce), 0);
+      EXPECT_EQ(across.Calls(CollectiveOp::kAllGather), 0);
+      EXPECT_EQ(across.Calls(CollectiveOp::kReduceScatter), 0);
+      EXPECT_EQ(across.Calls(CollectiveOp::kAllReduce), 4);
+      EXPECT_EQ(across.Bytes(CollectiveOp::kAllReduce), shard_bytes);
+      EXPECT_EQ(across.Bytes(CollectiveOp::kAllGather) + across.Bytes(CollectiveOp::kBroadcast),
+                0);
+      optimizer.step();
+      optimizer.zero_grad();
+      at::Tensor global = loss.detach().clone();
+      world.AllReduce(global, ReduceOp::kAvg)->Wait();
+      max_loss_error[world.rank()] = std::max(
+          max_loss_error[world.rank()], std::abs(global.item<float>() - expected.losses[step]));
+    }
+    SummonFullParams full(fsdp, {/*writeback=*/false});
+    for (const auto& item : model->named_parameters()) {
+      const float error =
+          (item.value() - expected.params.at(item.key())).abs().max().item<float>();
+      max_param_error[world.rank()] = std::max(max_param_error[world.rank()], error);
+    }
+  });
+  ASSERT_TRUE(status.ok()) << status;
+  float loss_error = 0, param_error = 0;
+  for (int r = 0; r < c.world_size; ++r) {
+    loss_error = std::max(loss_error, max_loss_error[r]);
+    param_error = std::max(param_error, max_param_error[r]);
+  }
+  std::printf("| %s | W = %d as %d x %d | max |loss - local| %.2e | max |param - local| %.2e |\n",
+              ShardingStrategyName(c.strategy), c.world_size, c.shard_group_size,
+              c.world_size / c.shard_group_size, loss_error, param_error);
+  EXPECT_LT(loss_error, 1e-5);
+  EXPECT_LT(param_error, 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, HybridShardParity,
+    ::testing::Values(HybridCase{4, 2, ShardingStrategy::kHybridShard},
+                      HybridCase{4, 2, ShardingStrategy::kHybridShardZero2},
+                      HybridCase{6, 3, ShardingStrategy::kHybridShard},
+                      HybridCase{6, 2, ShardingStrategy::kHybridShard},
+                      HybridCase{6, 2, ShardingStrategy::kHybridShardZero2}),
+    CaseName);
+
+TEST(HybridShard, NeedsAReplicateGroupExactlyWithAHybridStrategy) {
+  ASSERT_TRUE(RunOnThreadRanks(2, [](Collectives& comm) {
+                Net model;
+                FsdpOptions options;
+                options.strategy = ShardingStrategy::kHybridShard;
+                auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
+                                                       SelectModulesOfType<BlockImpl>());
+                EXPECT_THAT(wrapped.status().message(),
+                            HasSubstr("FsdpOptions::replicate_group is not set but the "
+                                      "strategy is HYBRID_SHARD"));
+                options.strategy = ShardingStrategy::kFullShard;
+                options.replicate_group = &comm;
+                wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
+                                                  SelectModulesOfType<BlockImpl>());
+                EXPECT_THAT(wrapped.status().message(),
+                            HasSubstr("replicate_group is set but the strategy is FULL_SHARD"));
+              }).ok());
+}
+
+TEST(HybridShard, StrategyNamesParseLikePyTorchs) {
+  EXPECT_EQ(ParseShardingStrategy("hybrid_shard").value(), ShardingStrategy::kHybridShard);
+  EXPECT_EQ(ParseShardingStrategy("_HYBRID_SHARD_ZERO2").value(),
+            ShardingStrategy::kHybridShardZero2);
+  EXPECT_EQ(ParseShardingStrategy("hybrid_shard_zero2").value(),
+            ShardingStrategy::kHybridShardZero2);
+  EXPECT_THAT(ParseShardingStrategy("hybrid").status().message(),
+              HasSubstr("HYBRID_SHARD, _HYBRID_SHARD_ZERO2"));
+}
+
+}  // namespace
+}  // namespace fsdp
