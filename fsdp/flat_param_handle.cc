@@ -18,12 +18,6 @@ namespace {
 // sum and by W/pre after, with pre the largest power of two with
 // pre^2 <= W (roughly sqrt(W)), so that neither the summands nor the sum of
 // a low-precision gradient leave the representable range.
-double PredivideFactor(int world_size) {
-  int factor = 1;
-  while (world_size % factor == 0 && world_size / factor > factor) factor *= 2;
-  return factor;
-}
-
 void FreeStorage(const at::Tensor& t) {
   at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), 0);
 }
@@ -357,26 +351,31 @@ void FlatParamHandle::ReduceGradients() {
     flat_grad.narrow(0, infos_[i].offset, infos_[i].numel).copy_(grad.reshape({-1}));
     params_[i].param.mutable_grad() = at::Tensor();
   }
-  // Everyone whose gradients are averaged: the shard group, times the
-  // replicate group under hybrid sharding.
-  Collectives* replicate = options_.replicate_group;
-  const int world = group_.world_size() * (replicate != nullptr ? replicate->world_size() : 1);
-  const double predivide = PredivideFactor(world);
-  const double postdivide = world / predivide;
-  if (predivide != 1) flat_grad.div_(predivide);
-  at::Tensor reduced;
-  if (uses_sharded_views()) {
-    reduced = at::empty({local_shard_.numel()}, flat_grad.options());
-    group_.ReduceScatterTensor(reduced, flat_grad, ReduceOp::kSum)->Wait();
+  at::Tensor reduced = uses_sharded_views()
+                           ? at::empty({local_shard_.numel()}, flat_grad.options())
+                           : flat_grad;  // NO_SHARD reduces in place.
+  if (comm_hook_ != nullptr) {
+    comm_hook_->Reduce(CommHookContext{group_, uses_sharded_views(), unit_name_}, flat_grad,
+                       reduced);
   } else {
-    group_.AllReduce(flat_grad, ReduceOp::kSum)->Wait();
-    reduced = flat_grad;
+    // Everyone whose gradients are averaged: the shard group, times the
+    // replicate group under hybrid sharding.
+    Collectives* replicate = options_.replicate_group;
+    const int world = group_.world_size() * (replicate != nullptr ? replicate->world_size() : 1);
+    const double predivide = GradientPredivideFactor(world);
+    const double postdivide = world / predivide;
+    if (predivide != 1) flat_grad.div_(predivide);
+    if (uses_sharded_views()) {
+      group_.ReduceScatterTensor(reduced, flat_grad, ReduceOp::kSum)->Wait();
+    } else {
+      group_.AllReduce(flat_grad, ReduceOp::kSum)->Wait();
+    }
+    if (replicate != nullptr && replicate->world_size() > 1) {
+      // Only this rank's shard crosses shard groups.
+      replicate->AllReduce(reduced, ReduceOp::kSum)->Wait();
+    }
+    if (postdivide != 1) reduced.div_(postdivide);
   }
-  if (replicate != nullptr && replicate->world_size() > 1) {
-    // Only this rank's shard crosses shard groups.
-    replicate->AllReduce(reduced, ReduceOp::kSum)->Wait();
-  }
-  if (postdivide != 1) reduced.div_(postdivide);
   if (reduced.scalar_type() != GradDtype()) reduced = reduced.to(GradDtype());
   if (sharded_grad_.defined()) {
     sharded_grad_.add_(reduced);

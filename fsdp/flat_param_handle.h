@@ -53,6 +53,7 @@
 #include "ATen/core/Tensor.h"
 #include "absl/status/statusor.h"
 #include "comm/collectives.h"
+#include "fsdp/comm_hooks.h"
 #include "fsdp/fsdp_options.h"
 
 namespace fsdp {
@@ -177,6 +178,10 @@ class FlatParamHandle {
   // gradients back into the sharded gradient when `writeback`.
   void ReshardGradients(bool writeback);
 
+  // Reduce gradients through `hook` (fsdp/comm_hooks.h) instead of the
+  // built-in reduction; null restores it. The hook must outlive its use.
+  void SetCommHook(CommHook* hook) { comm_hook_ = hook; }
+
   HandleTrainingState training_state() const { return training_state_; }
   // Moves to `to`, checking that `from` is the current state; the error
   // names the unit, the rank and both states.
@@ -251,6 +256,7 @@ class FlatParamHandle {
   bool holds_unreduced_ = false;    // .grad holds full, unreduced gradients.
   std::unique_ptr<CollectiveWork> pending_unshard_;
   bool unsharded_ = false;
+  CommHook* comm_hook_ = nullptr;
   HandleTrainingState training_state_ = HandleTrainingState::kIdle;
 };
 

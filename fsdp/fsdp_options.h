@@ -6,6 +6,7 @@
 
 #include <vector>
 
+#include "c10/core/ScalarType.h"
 #include "comm/collectives.h"
 #include "fsdp/trace.h"
 #include "policies/unit_options.h"
@@ -15,6 +16,19 @@ class Module;
 }  // namespace torch::nn
 
 namespace fsdp {
+
+// The tensor dtype of a mixed-precision DType (policies/unit_options.h).
+inline at::ScalarType ToScalarType(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat16:
+      return at::kHalf;
+    case DType::kBFloat16:
+      return at::kBFloat16;
+    case DType::kFloat32:
+      break;
+  }
+  return at::kFloat;
+}
 
 // When, in backward, the next unit's all-gather is issued (PyTorch's
 // BackwardPrefetch): at the start of the current unit's backward, or after
@@ -57,6 +71,11 @@ struct FsdpOptions {
   // its own copy, as PyTorch's ignored_modules). They must outlive the
   // model.
   std::vector<const torch::nn::Module*> ignored_modules;
+  // PyTorch's sync_module_states: at Wrap, before sharding, every rank takes
+  // rank 0's parameters (one unit at a time) and buffers (outside ignored
+  // modules); under hybrid sharding, global rank 0's. For models whose ranks
+  // initialize differently. Every rank must set it alike.
+  bool sync_module_states = false;
   // Observability (fsdp/trace.h); neither changes what is computed, and
   // neither is compared across ranks. The recorder must outlive the model.
   TraceRecorder* trace = nullptr;

@@ -63,17 +63,56 @@ std::vector<at::Tensor> UniqueParameters(const torch::nn::Module& module) {
   return params;
 }
 
-at::ScalarType ToScalarType(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat16:
-      return at::kHalf;
-    case DType::kBFloat16:
-      return at::kBFloat16;
-    case DType::kFloat32:
-      break;
+namespace {
+
+// Rank 0's parameters (each unit's as one flat broadcast, so the extra
+// memory is one unit's) and buffers (outside ignored modules) on every rank;
+// under hybrid sharding over the shard group, then the replicate group.
+// Non-floating buffers travel as float64 (the collectives carry floating
+// types; integers up to 2^53 are exact).
+absl::Status SyncModuleStates(torch::nn::Module& root, const WrapPlan& plan,
+                              const FsdpOptions& options, Collectives& group) {
+  try {
+    at::NoGradGuard no_grad;
+    auto broadcast = [&](const at::Tensor& t) {
+      group.Broadcast(t, /*root=*/0)->Wait();
+      if (options.replicate_group != nullptr) {
+        options.replicate_group->Broadcast(t, /*root=*/0)->Wait();
+      }
+    };
+    for (const PlannedUnit& unit : plan.units) {
+      if (unit.params.empty()) continue;
+      std::vector<at::Tensor> parts;
+      for (const at::Tensor& p : unit.params) parts.push_back(p.detach().reshape({-1}));
+      at::Tensor flat = at::cat(parts);
+      broadcast(flat);
+      int64_t offset = 0;
+      for (const at::Tensor& p : unit.params) {
+        p.detach().copy_(flat.narrow(0, offset, p.numel()).view(p.sizes()));
+        offset += p.numel();
+      }
+    }
+    std::set<const c10::TensorImpl*> ignored;
+    for (const torch::nn::Module* module : options.ignored_modules) {
+      for (const at::Tensor& b : module->buffers()) ignored.insert(b.unsafeGetTensorImpl());
+    }
+    for (const at::Tensor& buffer : root.buffers()) {
+      if (!buffer.defined() || ignored.count(buffer.unsafeGetTensorImpl()) != 0) continue;
+      if (buffer.is_floating_point() && buffer.is_contiguous()) {
+        broadcast(buffer);
+      } else {
+        at::Tensor wire = buffer.to(at::kDouble).contiguous();
+        broadcast(wire);
+        buffer.copy_(wire);
+      }
+    }
+  } catch (...) {
+    return StatusFromCurrentException();
   }
-  return at::kFloat;
+  return absl::OkStatus();
 }
+
+}  // namespace
 
 // As FlatParamHandle::unit_name: the FQN, "<root>" for the root.
 std::string UnitLabel(const FsdpUnit& unit) {
@@ -143,6 +182,13 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
     FSDP_RETURN_IF_ERROR(
         FlatParamHandle::CheckParams(planned.fqn.empty() ? "<root>" : planned.fqn,
                                      entries.back(), group));
+  }
+  if (options.sync_module_states) {
+    absl::Status synced = SyncModuleStates(*root, *plan, options, group);
+    if (!synced.ok()) {
+      return absl::Status(synced.code(),
+                          absl::StrCat(who, "sync_module_states: ", synced.message()));
+    }
   }
   c10::Device device(c10::DeviceType::CPU);
   for (const auto& unit_entries : entries) {
@@ -605,6 +651,32 @@ SummonFullParams::~SummonFullParams() {
       std::fprintf(stderr, "SummonFullParams on rank %d: leaving failed: %s\n", rank_, e.what());
     }
   }
+}
+
+absl::Status FullyShardedModel::RegisterCommHook(std::shared_ptr<CommHook> hook) {
+  const std::string who = absl::StrCat("rank ", group_.rank(), " of ", group_.world_size(),
+                                       ": RegisterCommHook: ");
+  if (hook == nullptr) return absl::InvalidArgumentError(who + "the hook is null");
+  for (const auto& unit : units_) {
+    if (IsHybrid(unit->strategy_)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          who, "unit '", UnitLabel(*unit), "' uses ", ShardingStrategyName(unit->strategy_),
+          "; communication hooks are not supported with hybrid sharding (as in PyTorch)"));
+    }
+  }
+  if (comm_hook_ != nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(who, "hook '", comm_hook_->Name(), "' is already registered"));
+  }
+  if (initialized_) {
+    return absl::FailedPreconditionError(
+        who + "register the hook before the first forward, as PyTorch requires");
+  }
+  comm_hook_ = std::move(hook);
+  for (const auto& unit : units_) {
+    if (unit->handle_) unit->handle_->SetCommHook(comm_hook_.get());
+  }
+  return absl::OkStatus();
 }
 
 void FullyShardedModel::Apply(const std::function<void(torch::nn::Module&)>& fn) {

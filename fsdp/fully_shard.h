@@ -43,6 +43,7 @@
 #include "ATen/core/Tensor.h"
 #include "absl/status/statusor.h"
 #include "comm/collectives.h"
+#include "fsdp/comm_hooks.h"
 #include "fsdp/flat_param_handle.h"
 #include "fsdp/fsdp_options.h"
 #include "fsdp/runtime_streams.h"
@@ -73,8 +74,6 @@ UnitSelector SelectModulesOfType() {
 // Where the whole model is (per FSDP state in PyTorch's terms).
 enum class ModelTrainingState { kIdle, kForwardBackward };
 
-// The tensor dtype of a mixed-precision DType.
-at::ScalarType ToScalarType(DType dtype);
 const char* ModelTrainingStateName(ModelTrainingState state);  // "IDLE", ...
 
 // One unit: a module, its handle (null if it holds no parameters of its
@@ -164,6 +163,15 @@ class FullyShardedModel {
   // must call it. REQUIRES: IDLE, gradients reduced (not inside NoSync).
   at::Tensor ClipGradNorm(double max_norm, double norm_type = 2.0);
 
+  // Reduces every unit's gradients through `hook` from now on (PyTorch's
+  // register_comm_hook on the root; the hook object carries its state). Once,
+  // before the first forward. Fails with kInvalidArgument for a null hook or
+  // under hybrid sharding (as PyTorch, which has no hook for the two-level
+  // reduction), kFailedPrecondition after the first forward or when a hook
+  // is already registered.
+  absl::Status RegisterCommHook(std::shared_ptr<CommHook> hook);
+  const CommHook* comm_hook() const { return comm_hook_.get(); }
+
   // Calls `fn` on every module of the model (children before parents, root
   // last, as torch::nn::Module::apply) with the full parameters in place and
   // writes in-place changes back to the shards: for initialization after
@@ -216,6 +224,7 @@ class FullyShardedModel {
   std::vector<int> post_forward_order_;  // First iteration, unit indices.
   bool no_sync_ = false;
   bool backward_callback_queued_ = false;
+  std::shared_ptr<CommHook> comm_hook_;
   ModelTrainingState training_state_ = ModelTrainingState::kIdle;
 };
 

@@ -47,21 +47,24 @@ def main():
             r = runs.get(("BM_TrainStep", mode, w))
             cells.append(f"{r[1]:.1f} / {r[2]:.0f}" if r else "")
         print(f"| {label} | " + " | ".join(cells) + " |")
-    mem_worlds = sorted({w for (f, _, w) in runs if f == "BM_ModelMemory"})
-    if mem_worlds:
-        print("\n## Model memory: 8 blocks x width 512 (25 M parameters), AdamW\n")
+    families = sorted({f for (f, _, _) in runs if f.startswith("BM_ModelMemory")},
+                      key=lambda f: int(re.search(r"(\d+)L", f).group(1)))
+    if families:
+        mem_worlds = sorted({w for (f, _, w) in runs if f in families})
+        print("\n## Memory against model size: blocks of width 512, AdamW\n")
         print("Per rank, MiB: model state held (parameters + gradients + AdamW state) / "
               "peak RSS during the steps.\n")
-        print("| | " + " | ".join(f"W = {w}" for w in mem_worlds) + " |")
-        print("|---|" + "---:|" * len(mem_worlds))
-        for mode, label in MODES[1:4]:
-            cells = []
-            for w in mem_worlds:
-                r = runs.get(("BM_ModelMemory", mode, w))
-                cells.append(f"{r[1]:.1f} / {r[2]:.0f}" if r else "")
-            if any(cells):
-                print(f"| {label} | " + " | ".join(cells) + " |")
-
+        print("| model | strategy | " + " | ".join(f"W = {w}" for w in mem_worlds) + " |")
+        print("|---|---|" + "---:|" * len(mem_worlds))
+        for family in families:
+            layers = int(re.search(r"(\d+)L", family).group(1))
+            for mode, label in MODES[1:4]:
+                cells = []
+                for w in mem_worlds:
+                    r = runs.get((family, mode, w))
+                    cells.append(f"{r[1]:.1f} / {r[2]:.0f}" if r else "")
+                if any(cells):
+                    print(f"| {layers} blocks | {label} | " + " | ".join(cells) + " |")
 
 if __name__ == "__main__":
     main()

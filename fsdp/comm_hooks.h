@@ -1,0 +1,67 @@
+// Communication hooks: replace how a unit's gradients are reduced
+// (PyTorch's FullyShardedDataParallel.register_comm_hook).
+//
+//   auto hook = std::make_shared<fsdp::LowPrecisionCommHook>(fsdp::DType::kBFloat16);
+//   FSDP_CHECK_OK(fsdp_model->RegisterCommHook(hook));   // before the first forward
+//
+// A hook is an object, so its state lives in its members (PyTorch passes a
+// separate state object; here the hook is the state). The runtime calls
+// Reduce once per unit per reduction, from the unit's post-backward hook, on
+// every rank in the same order.
+#ifndef FSDP_FSDP_COMM_HOOKS_H_
+#define FSDP_FSDP_COMM_HOOKS_H_
+
+#include <string>
+
+#include "ATen/core/Tensor.h"
+#include "comm/collectives.h"
+#include "policies/unit_options.h"
+
+namespace fsdp {
+
+struct CommHookContext {
+  Collectives& group;   // The unit's group: W ranks.
+  bool sharded;         // False for NO_SHARD.
+  const std::string& unit;  // The unit's name ("<root>" for the root).
+};
+
+class CommHook {
+ public:
+  virtual ~CommHook() = default;
+  virtual std::string Name() const = 0;
+  // `grad` is this rank's full flat gradient of the unit (padded to W
+  // chunks, in the unit's reduction dtype); the hook may modify it. It must
+  // leave in `out` the average over the group's ranks: for a sharded unit
+  // `out` is this rank's chunk (grad.numel() / W elements), for NO_SHARD it
+  // is `grad` itself (reduce in place). `out` has grad's dtype.
+  virtual void Reduce(const CommHookContext& context, at::Tensor& grad, at::Tensor& out) = 0;
+};
+
+// What FSDP does without a hook: reduce-scatter (all-reduce for NO_SHARD)
+// with PyTorch's pre- and post-division to keep sums in range.
+class DefaultCommHook : public CommHook {
+ public:
+  std::string Name() const override { return "default"; }
+  void Reduce(const CommHookContext& context, at::Tensor& grad, at::Tensor& out) override;
+};
+
+// PyTorch's fp16_compress_hook / bf16_compress_hook: communicates the
+// gradient in `dtype` (half the bytes of float32) and writes the result back
+// in the gradient's own dtype.
+class LowPrecisionCommHook : public CommHook {
+ public:
+  explicit LowPrecisionCommHook(DType dtype) : dtype_(dtype) {}
+  std::string Name() const override;
+  void Reduce(const CommHookContext& context, at::Tensor& grad, at::Tensor& out) override;
+
+ private:
+  DType dtype_;
+};
+
+// The pre-division factor PyTorch uses for W ranks (a power of two near
+// sqrt(W)); the post-division factor is W divided by it.
+double GradientPredivideFactor(int world_size);
+
+}  // namespace fsdp
+
+#endif  // FSDP_FSDP_COMM_HOOKS_H_
