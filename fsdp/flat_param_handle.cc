@@ -154,12 +154,16 @@ FlatParamHandle::FlatParamHandle(std::string unit_name, std::vector<FlatParamEnt
   compute_dtype_ = options_.param_dtype.value_or(local_shard_.scalar_type());
   low_precision_ = compute_dtype_ != local_shard_.scalar_type();
   if (uses_sharded_views() || low_precision_) {
-    full_ = at::empty({padded_numel_}, tensor_options.dtype(compute_dtype_));
+    // The flat copy, no longer needed, serves as the full buffer when the
+    // dtypes agree: one unit's memory less at wrap time.
+    full_ = low_precision_ ? at::empty({padded_numel_}, tensor_options.dtype(compute_dtype_))
+                           : flat;
     for (const FlatParamInfo& info : infos_) {  // Views need the storage allocated.
       full_views_.push_back(full_.narrow(0, info.offset, info.numel).view(info.shape));
     }
     FreeStorage(full_);
   }
+  flat = at::Tensor();
   PointParamsAtShard();
 }
 

@@ -4,6 +4,7 @@
 #ifndef FSDP_FSDP_FSDP_OPTIONS_H_
 #define FSDP_FSDP_FSDP_OPTIONS_H_
 
+#include <functional>
 #include <vector>
 
 #include "c10/core/ScalarType.h"
@@ -76,6 +77,14 @@ struct FsdpOptions {
   // modules); under hybrid sharding, global rank 0's. For models whose ranks
   // initialize differently. Every rank must set it alike.
   bool sync_module_states = false;
+  // Unit-by-unit initialization (PyTorch's param_init_fn). Parameters (and
+  // buffers) released by DeferParameterAllocation (fsdp/fully_shard.h) get
+  // memory one unit at a time, in pre-order, and this is called once on each
+  // module that directly holds some of them, to fill them in place (e.g.
+  // Linear::reset_parameters()); the unit is sharded before the next gets
+  // memory, so that no rank holds more than one unit's full parameters.
+  // Deferred parameters without it are an error naming them.
+  std::function<void(torch::nn::Module&)> param_init_fn;
   // Observability (fsdp/trace.h); neither changes what is computed, and
   // neither is compared across ranks. The recorder must outlive the model.
   TraceRecorder* trace = nullptr;

@@ -9,6 +9,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "ATen/native/Resize.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
@@ -65,54 +66,120 @@ std::vector<at::Tensor> UniqueParameters(const torch::nn::Module& module) {
 
 namespace {
 
-// Rank 0's parameters (each unit's as one flat broadcast, so the extra
-// memory is one unit's) and buffers (outside ignored modules) on every rank;
-// under hybrid sharding over the shard group, then the replicate group.
-// Non-floating buffers travel as float64 (the collectives carry floating
-// types; integers up to 2^53 are exact).
-absl::Status SyncModuleStates(torch::nn::Module& root, const WrapPlan& plan,
-                              const FsdpOptions& options, Collectives& group) {
-  try {
-    at::NoGradGuard no_grad;
-    auto broadcast = [&](const at::Tensor& t) {
-      group.Broadcast(t, /*root=*/0)->Wait();
-      if (options.replicate_group != nullptr) {
-        options.replicate_group->Broadcast(t, /*root=*/0)->Wait();
-      }
-    };
-    for (const PlannedUnit& unit : plan.units) {
-      if (unit.params.empty()) continue;
-      std::vector<at::Tensor> parts;
-      for (const at::Tensor& p : unit.params) parts.push_back(p.detach().reshape({-1}));
-      at::Tensor flat = at::cat(parts);
-      broadcast(flat);
-      int64_t offset = 0;
-      for (const at::Tensor& p : unit.params) {
-        p.detach().copy_(flat.narrow(0, offset, p.numel()).view(p.sizes()));
-        offset += p.numel();
-      }
+// For sync_module_states: rank 0's values of `t` on every rank; under
+// hybrid sharding over the shard group, then the replicate group.
+void BroadcastFromRankZero(const at::Tensor& t, const FsdpOptions& options, Collectives& group) {
+  group.Broadcast(t, /*root=*/0)->Wait();
+  if (options.replicate_group != nullptr) {
+    options.replicate_group->Broadcast(t, /*root=*/0)->Wait();
+  }
+}
+
+// One unit's parameters as one flat broadcast, so that the extra memory is
+// one unit's.
+void SyncUnitParams(const PlannedUnit& unit, const FsdpOptions& options, Collectives& group) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> parts;
+  for (const at::Tensor& p : unit.params) parts.push_back(p.detach().reshape({-1}));
+  at::Tensor flat = at::cat(parts);
+  BroadcastFromRankZero(flat, options, group);
+  int64_t offset = 0;
+  for (const at::Tensor& p : unit.params) {
+    p.detach().copy_(flat.narrow(0, offset, p.numel()).view(p.sizes()));
+    offset += p.numel();
+  }
+}
+
+// Buffers outside ignored modules. Non-floating buffers travel as float64
+// (the collectives carry floating types; integers up to 2^53 are exact).
+void SyncBuffers(torch::nn::Module& root, const FsdpOptions& options, Collectives& group) {
+  at::NoGradGuard no_grad;
+  std::set<const c10::TensorImpl*> ignored;
+  for (const torch::nn::Module* module : options.ignored_modules) {
+    for (const at::Tensor& b : module->buffers()) ignored.insert(b.unsafeGetTensorImpl());
+  }
+  for (const at::Tensor& buffer : root.buffers()) {
+    if (!buffer.defined() || ignored.count(buffer.unsafeGetTensorImpl()) != 0) continue;
+    if (buffer.is_floating_point() && buffer.is_contiguous()) {
+      BroadcastFromRankZero(buffer, options, group);
+    } else {
+      at::Tensor wire = buffer.to(at::kDouble).contiguous();
+      BroadcastFromRankZero(wire, options, group);
+      buffer.copy_(wire);
     }
-    std::set<const c10::TensorImpl*> ignored;
-    for (const torch::nn::Module* module : options.ignored_modules) {
-      for (const at::Tensor& b : module->buffers()) ignored.insert(b.unsafeGetTensorImpl());
+  }
+}
+
+// The module that directly holds the parameter named `param_fqn`.
+std::string OwnerFqn(const std::string& param_fqn) {
+  const size_t dot = param_fqn.rfind('.');
+  return dot == std::string::npos ? "" : param_fqn.substr(0, dot);
+}
+
+bool IsDeferred(const at::Tensor& t) {
+  return t.defined() && !t.is_meta() && t.numel() > 0 && t.storage().nbytes() == 0;
+}
+
+void AllocateDeferred(const at::Tensor& t) {
+  at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(),
+                               (t.storage_offset() + t.numel()) * t.element_size());
+}
+
+// Allocates the unit's deferred parameters (DeferParameterAllocation), with
+// the deferred buffers of their modules, and calls param_init_fn once on
+// each of those modules to fill them.
+absl::Status MaterializeUnit(const PlannedUnit& unit,
+                             const std::map<std::string, torch::nn::Module*>& modules,
+                             const FsdpOptions& options) {
+  at::NoGradGuard no_grad;
+  std::vector<std::string> owners;
+  for (size_t i = 0; i < unit.params.size(); ++i) {
+    const at::Tensor& p = unit.params[i];
+    if (p.is_meta()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "parameter '", unit.param_fqns[i],
+          "' is on the meta device, which libtorch 1.13 cannot move to CPU in place; build "
+          "the model on CPU and release its memory with fsdp::DeferParameterAllocation "
+          "instead"));
     }
-    for (const at::Tensor& buffer : root.buffers()) {
-      if (!buffer.defined() || ignored.count(buffer.unsafeGetTensorImpl()) != 0) continue;
-      if (buffer.is_floating_point() && buffer.is_contiguous()) {
-        broadcast(buffer);
-      } else {
-        at::Tensor wire = buffer.to(at::kDouble).contiguous();
-        broadcast(wire);
-        buffer.copy_(wire);
-      }
+    if (!IsDeferred(p)) continue;
+    if (!options.param_init_fn) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "parameter '", unit.param_fqns[i],
+          "' is deferred (DeferParameterAllocation); set FsdpOptions::param_init_fn to "
+          "initialize it"));
     }
-  } catch (...) {
-    return StatusFromCurrentException();
+    AllocateDeferred(p);
+    const std::string owner = OwnerFqn(unit.param_fqns[i]);
+    if (std::find(owners.begin(), owners.end(), owner) == owners.end()) owners.push_back(owner);
+  }
+  for (const std::string& owner : owners) {
+    auto it = modules.find(owner);
+    if (it == modules.end()) {
+      return absl::InternalError(absl::StrCat("no module '", owner, "' holds its parameters"));
+    }
+    for (const at::Tensor& b : it->second->buffers(/*recurse=*/false)) {
+      if (IsDeferred(b)) AllocateDeferred(b);
+    }
+    options.param_init_fn(*it->second);
   }
   return absl::OkStatus();
 }
 
 }  // namespace
+
+void DeferParameterAllocation(torch::nn::Module& module) {
+  for (const at::Tensor& t : module.parameters()) {
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "DeferParameterAllocation: ",
+                "parameters must be contiguous CPU tensors");
+    at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), 0);
+  }
+  for (const at::Tensor& t : module.buffers()) {
+    if (t.defined() && t.device().is_cpu() && t.is_contiguous()) {
+      at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), 0);
+    }
+  }
+}
 
 // As FlatParamHandle::unit_name: the FQN, "<root>" for the root.
 std::string UnitLabel(const FsdpUnit& unit) {
@@ -183,16 +250,15 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
         FlatParamHandle::CheckParams(planned.fqn.empty() ? "<root>" : planned.fqn,
                                      entries.back(), group));
   }
-  if (options.sync_module_states) {
-    absl::Status synced = SyncModuleStates(*root, *plan, options, group);
-    if (!synced.ok()) {
-      return absl::Status(synced.code(),
-                          absl::StrCat(who, "sync_module_states: ", synced.message()));
-    }
-  }
+  // Deferred parameters get memory and values unit by unit, just before
+  // their handle shards them.
   c10::Device device(c10::DeviceType::CPU);
   for (const auto& unit_entries : entries) {
     if (!unit_entries.empty()) device = unit_entries.front().param.device();
+  }
+  std::map<std::string, torch::nn::Module*> modules;
+  for (const auto& item : root->named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
+    modules[item.key()] = item.value().get();
   }
   model->streams_ = std::make_unique<RuntimeStreams>(device);
   for (size_t u = 0; u < plan->units.size(); ++u) {
@@ -205,6 +271,19 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
     unit->mixed_precision_ = planned.mixed_precision;
     unit->model_ = model.get();
     if (!entries[u].empty()) {
+      // One unit at a time: materialize, take rank 0's values, shard. No
+      // rank ever holds more than one unit's full parameters beyond what
+      // the model held before Wrap.
+      try {
+        FSDP_RETURN_IF_ERROR(MaterializeUnit(planned, modules, options));
+        if (options.sync_module_states) SyncUnitParams(planned, options, group);
+      } catch (...) {
+        const absl::Status failed = StatusFromCurrentException();
+        return absl::Status(failed.code(),
+                            absl::StrCat(who, "unit '", planned.fqn.empty() ? "<root>" : planned.fqn,
+                                         "': initializing its parameters failed: ",
+                                         failed.message()));
+      }
       FlatParamHandleOptions handle_options;
       handle_options.strategy = planned.strategy;
       handle_options.replicate_group = options.replicate_group;
@@ -222,6 +301,32 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
       unit->handle_ = std::move(*handle);
     }
     model->units_.push_back(std::move(unit));
+  }
+  try {
+    // Buffers of modules without parameters of their own can still be on
+    // the meta device.
+    for (const auto& [fqn, module] : modules) {
+      bool deferred = false;
+      for (const at::Tensor& b : module->buffers(/*recurse=*/false)) {
+        if (!IsDeferred(b)) continue;
+        if (!options.param_init_fn) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              who, "a buffer of module '", fqn.empty() ? "<root>" : fqn,
+              "' is deferred; set FsdpOptions::param_init_fn to initialize it"));
+        }
+        AllocateDeferred(b);
+        deferred = true;
+      }
+      if (deferred) {
+        at::NoGradGuard no_grad;
+        options.param_init_fn(*module);
+      }
+    }
+    if (options.sync_module_states) SyncBuffers(*root, options, group);
+  } catch (...) {
+    const absl::Status failed = StatusFromCurrentException();
+    return absl::Status(failed.code(),
+                        absl::StrCat(who, "initializing buffers failed: ", failed.message()));
   }
   for (PlannedUnit& planned : plan->units) planned.params.clear();  // No extra references.
   model->plan_ = std::move(*plan);

@@ -71,6 +71,15 @@ UnitSelector SelectModulesOfType() {
   };
 }
 
+// Releases the memory of every parameter and buffer of `module` and its
+// submodules, keeping their shapes, dtypes and identities, so that Wrap
+// allocates and initializes them unit by unit (FsdpOptions::param_init_fn)
+// and no rank ever holds the whole unsharded model: call it on each block
+// right after building it. This is the libtorch 1.13 stand-in for PyTorch's
+// meta-device construction (libtorch 1.13 cannot move a parameter from the
+// meta device to CPU in place). Until Wrap, the module must not be used.
+void DeferParameterAllocation(torch::nn::Module& module);
+
 // Where the whole model is (per FSDP state in PyTorch's terms).
 enum class ModelTrainingState { kIdle, kForwardBackward };
 
