@@ -11,6 +11,7 @@
 
 #include "ATen/native/Resize.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
 #include "c10/core/GradMode.h"
@@ -114,6 +115,36 @@ void SyncBuffers(torch::nn::Module& root, const FsdpOptions& options, Collective
 std::string OwnerFqn(const std::string& param_fqn) {
   const size_t dot = param_fqn.rfind('.');
   return dot == std::string::npos ? "" : param_fqn.substr(0, dot);
+}
+
+// buffer_dtype: each floating buffer outside ignored modules takes the
+// buffer_dtype of the unit that owns its module (the deepest unit whose FQN
+// prefixes it); its original dtype is remembered for FULL state dicts.
+void CastBuffers(torch::nn::Module& root, const WrapPlan& plan, const FsdpOptions& options,
+                 std::map<const c10::TensorImpl*, at::ScalarType>& original) {
+  std::set<const c10::TensorImpl*> ignored;
+  for (const torch::nn::Module* module : options.ignored_modules) {
+    for (const at::Tensor& b : module->buffers()) ignored.insert(b.unsafeGetTensorImpl());
+  }
+  at::NoGradGuard no_grad;
+  for (const auto& item : root.named_buffers()) {
+    const at::Tensor& buffer = item.value();
+    if (!buffer.defined() || !buffer.is_floating_point() ||
+        ignored.count(buffer.unsafeGetTensorImpl()) != 0) {
+      continue;
+    }
+    const PlannedUnit* owner = &plan.units.front();
+    for (const PlannedUnit& unit : plan.units) {
+      if (!unit.fqn.empty() && absl::StartsWith(item.key(), unit.fqn + ".") &&
+          unit.fqn.size() > owner->fqn.size()) {
+        owner = &unit;
+      }
+    }
+    const std::optional<DType> dtype = owner->mixed_precision.buffer_dtype;
+    if (!dtype || ToScalarType(*dtype) == buffer.scalar_type()) continue;
+    original.emplace(buffer.unsafeGetTensorImpl(), buffer.scalar_type());
+    buffer.set_data(buffer.to(ToScalarType(*dtype)));
+  }
 }
 
 bool IsDeferred(const at::Tensor& t) {
@@ -323,6 +354,7 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
       }
     }
     if (options.sync_module_states) SyncBuffers(*root, options, group);
+    CastBuffers(*root, *plan, options, model->buffer_full_dtypes_);
   } catch (...) {
     const absl::Status failed = StatusFromCurrentException();
     return absl::Status(failed.code(),
@@ -756,6 +788,13 @@ SummonFullParams::~SummonFullParams() {
       std::fprintf(stderr, "SummonFullParams on rank %d: leaving failed: %s\n", rank_, e.what());
     }
   }
+}
+
+std::optional<at::ScalarType> FullyShardedModel::BufferFullPrecisionDtype(
+    const at::Tensor& buffer) const {
+  auto it = buffer_full_dtypes_.find(buffer.unsafeGetTensorImpl());
+  if (it == buffer_full_dtypes_.end()) return std::nullopt;
+  return it->second;
 }
 
 absl::Status FullyShardedModel::RegisterCommHook(std::shared_ptr<CommHook> hook) {

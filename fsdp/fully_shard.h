@@ -34,6 +34,8 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <optional>
 #include <utility>
 #include <memory>
 #include <string>
@@ -181,6 +183,10 @@ class FullyShardedModel {
   absl::Status RegisterCommHook(std::shared_ptr<CommHook> hook);
   const CommHook* comm_hook() const { return comm_hook_.get(); }
 
+  // The dtype `buffer` had before Wrap cast it to a buffer_dtype
+  // (MixedPrecision); nullopt for buffers Wrap did not cast.
+  std::optional<at::ScalarType> BufferFullPrecisionDtype(const at::Tensor& buffer) const;
+
   // Calls `fn` on every module of the model (children before parents, root
   // last, as torch::nn::Module::apply) with the full parameters in place and
   // writes in-place changes back to the shards: for initialization after
@@ -234,6 +240,7 @@ class FullyShardedModel {
   bool no_sync_ = false;
   bool backward_callback_queued_ = false;
   std::shared_ptr<CommHook> comm_hook_;
+  std::map<const c10::TensorImpl*, at::ScalarType> buffer_full_dtypes_;
   ModelTrainingState training_state_ = ModelTrainingState::kIdle;
 };
 

@@ -276,5 +276,27 @@ TEST(MixedPrecision, APolicySetsItPerUnit) {
               }).ok());
 }
 
+TEST(MixedPrecision, BufferDtypeCastsFloatingBuffersAndRemembersTheirDtype) {
+  ASSERT_TRUE(RunOnThreadRanks(kWorld, [&](Collectives& comm) {
+                Net model;
+                model->register_buffer("scale", at::full({3}, 1.0 / 3));
+                model->register_buffer("steps", at::full({1}, 5, at::kLong));
+                FsdpOptions options;
+                options.mixed_precision.buffer_dtype = DType::kBFloat16;
+                auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
+                                                       SelectModulesOfType<BlockImpl>());
+                ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+                const at::Tensor scale = model->named_buffers()["scale"];
+                const at::Tensor steps = model->named_buffers()["steps"];
+                EXPECT_EQ(scale.scalar_type(), at::kBFloat16);
+                EXPECT_EQ(steps.scalar_type(), at::kLong);  // Not floating: left alone.
+                EXPECT_EQ((*wrapped)->BufferFullPrecisionDtype(scale), at::kFloat);
+                EXPECT_EQ((*wrapped)->BufferFullPrecisionDtype(steps), std::nullopt);
+                // Forward runs with the cast buffer in place.
+                at::NoGradGuard no_grad;
+                EXPECT_EQ(model->forward(RankInputs(0, comm.rank())).scalar_type(), at::kFloat);
+              }).ok());
+}
+
 }  // namespace
 }  // namespace fsdp

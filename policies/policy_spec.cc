@@ -1,6 +1,8 @@
 #include "policies/policy_spec.h"
 
+#include <optional>
 #include <set>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
@@ -69,7 +71,7 @@ absl::StatusOr<std::vector<PolicySpec>> ParsePolicySpecs(absl::string_view spec)
 namespace {
 // The per-unit option keys every policy takes (GetUnitOptions).
 constexpr const char* kUnitOptionKeys[] = {"strategy", "param_dtype", "reduce_dtype",
-                                           "keep_low_precision_grads",
+                                           "buffer_dtype", "keep_low_precision_grads",
                                            "cast_forward_inputs"};
 }  // namespace
 
@@ -136,13 +138,16 @@ absl::StatusOr<UnitOptions> PolicySpec::GetUnitOptions() const {
   // Any mixed-precision key gives the unit a MixedPrecision of its own.
   MixedPrecision mp;
   bool any = false;
-  for (const char* key : {"param_dtype", "reduce_dtype"}) {
+  for (auto [key, field] : {std::pair<const char*, std::optional<DType>*>{"param_dtype",
+                                                                          &mp.param_dtype},
+                            {"reduce_dtype", &mp.reduce_dtype},
+                            {"buffer_dtype", &mp.buffer_dtype}}) {
     const std::string* value = Find(key);
     if (value == nullptr) continue;
     any = true;
     absl::StatusOr<DType> dtype = ParseDType(*value);
     if (!dtype.ok()) return SpecError(text, absl::StrCat(key, ": ", dtype.status().message()));
-    (std::string(key) == "param_dtype" ? mp.param_dtype : mp.reduce_dtype) = *dtype;
+    *field = *dtype;
   }
   for (auto [key, field] : {std::pair<const char*, bool*>{"keep_low_precision_grads",
                                                           &mp.keep_low_precision_grads},

@@ -90,7 +90,7 @@ TEST(PolicyRegistry, BadSpecsAreErrorsNamingTheProblem) {
            {"size:min_numel=0", "min_numel must be at least 1"},
            {"size:min_numel=5,min_numel=6", "'min_numel' given twice"},
            {"size:bogus=1", "policy 'size' has no argument 'bogus' (it takes: strategy, "
-                            "param_dtype, reduce_dtype, keep_low_precision_grads, "
+                            "param_dtype, reduce_dtype, buffer_dtype, keep_low_precision_grads, "
                             "cast_forward_inputs, min_numel, exclude, force_leaf)"},
            {"module:Block,param_dtype=fp8", "param_dtype: unknown dtype 'fp8'"},
            {"module:Block,cast_forward_inputs=yes",

@@ -56,6 +56,9 @@ struct MixedPrecision {
   // The gradient reduce-scatter (all-reduce for NO_SHARD); defaults to
   // param_dtype, as in PyTorch.
   std::optional<DType> reduce_dtype;
+  // Floating-point buffers of the unit's modules are cast to it at Wrap and
+  // stay so (FULL state dicts return them in their original dtype).
+  std::optional<DType> buffer_dtype;
   // Keep the reduced gradient in the reduction's dtype instead of upcasting
   // it to the parameters' (the optimizer must then accept it).
   bool keep_low_precision_grads = false;
@@ -64,7 +67,9 @@ struct MixedPrecision {
   bool cast_forward_inputs = false;
   bool cast_root_forward_inputs = true;
 
-  bool enabled() const { return param_dtype.has_value() || reduce_dtype.has_value(); }
+  bool enabled() const {
+    return param_dtype.has_value() || reduce_dtype.has_value() || buffer_dtype.has_value();
+  }
   // "param_dtype=bfloat16,reduce_dtype=float32,..." (only what is set).
   std::string ToString() const;
 };

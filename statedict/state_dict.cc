@@ -120,11 +120,15 @@ absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model, const StateDic
     }
     return it->second;
   };
-  // Tensors outside every handle (buffers, ignored parameters) as they are.
+  // Tensors outside every handle (buffers, ignored parameters) as they are,
+  // buffers that buffer_dtype cast back in their original dtype.
   if (keep) {
     for (size_t k = 0; k < named.size(); ++k) {
       if (placements.count(named[k].second.unsafeGetTensorImpl()) == 0) {
         values[k] = copy_of(named[k].second);
+        if (auto dtype = model.BufferFullPrecisionDtype(named[k].second)) {
+          values[k] = values[k].to(*dtype);
+        }
       }
     }
   }

@@ -215,6 +215,31 @@ TEST(FullStateDictLoad, EveryProblemIsListedAndTheModelIsUntouched) {
   EXPECT_TRUE(status.ok()) << status;
 }
 
+// buffer_dtype keeps buffers in low precision while training; the FULL
+// state dict gives them back in their original dtype.
+TEST(FullStateDict, BuffersCastByBufferDtypeComeBackInTheirOwnDtype) {
+  ASSERT_TRUE(RunOnThreadRanks(2, [](Collectives& comm) {
+                Net model;
+                model->register_buffer("scale", at::full({3}, 1.0 / 3));
+                FsdpOptions options;
+                options.mixed_precision.buffer_dtype = DType::kBFloat16;
+                auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
+                                                       SelectModulesOfType<BlockImpl>());
+                ASSERT_TRUE(wrapped.ok());
+                auto full = StateDictOf(**wrapped);
+                ASSERT_TRUE(full.ok()) << full.status();
+                bool found = false;
+                for (const auto& [name, value] : *full) {
+                  if (name != "scale") continue;
+                  found = true;
+                  EXPECT_EQ(value.scalar_type(), at::kFloat);
+                  // The values are the bfloat16-rounded ones, upcast.
+                  EXPECT_TRUE(at::equal(value, at::full({3}, 1.0 / 3).to(at::kBFloat16).to(at::kFloat)));
+                }
+                EXPECT_TRUE(found);
+              }).ok());
+}
+
 TEST(FullStateDictLoad, RefusedInsideSummonFullParams) {
   absl::Status status = RunOnThreadRanks(1, [](Collectives& comm) {
     Net model;
