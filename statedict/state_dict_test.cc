@@ -215,13 +215,16 @@ TEST(FullStateDictLoad, EveryProblemIsListedAndTheModelIsUntouched) {
   EXPECT_TRUE(status.ok()) << status;
 }
 
-// buffer_dtype keeps buffers in low precision while training; the FULL
-// state dict gives them back in their original dtype.
-TEST(FullStateDict, BuffersCastByBufferDtypeComeBackInTheirOwnDtype) {
+// Mixed precision never reaches a FULL state dict: parameters come from the
+// float32 shards (not the bfloat16 all-gather), and buffers that
+// buffer_dtype keeps in low precision come back in their original dtype.
+TEST(FullStateDict, MixedPrecisionGivesFullPrecision) {
   ASSERT_TRUE(RunOnThreadRanks(2, [](Collectives& comm) {
                 Net model;
                 model->register_buffer("scale", at::full({3}, 1.0 / 3));
+                const auto initial = Net()->named_parameters();  // Same values (deterministic).
                 FsdpOptions options;
+                options.mixed_precision.param_dtype = DType::kBFloat16;
                 options.mixed_precision.buffer_dtype = DType::kBFloat16;
                 auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
                                                        SelectModulesOfType<BlockImpl>());
@@ -230,6 +233,10 @@ TEST(FullStateDict, BuffersCastByBufferDtypeComeBackInTheirOwnDtype) {
                 ASSERT_TRUE(full.ok()) << full.status();
                 bool found = false;
                 for (const auto& [name, value] : *full) {
+                  if (initial.contains(name)) {
+                    EXPECT_EQ(value.scalar_type(), at::kFloat) << name;
+                    EXPECT_TRUE(at::equal(value, initial[name])) << name;
+                  }
                   if (name != "scale") continue;
                   found = true;
                   EXPECT_EQ(value.scalar_type(), at::kFloat);
