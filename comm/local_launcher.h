@@ -22,7 +22,7 @@
 // SIGHUP and SIGQUIT sent to the launcher while it waits are forwarded to
 // every rank (each rank is its own process group, so a terminal's Ctrl-C
 // reaches the launcher only); ranks still running `failure_grace` later are
-// killed.
+// killed. The handlers are process-wide: run one launch at a time.
 #ifndef FSDP_COMM_LOCAL_LAUNCHER_H_
 #define FSDP_COMM_LOCAL_LAUNCHER_H_
 

@@ -58,8 +58,10 @@ class LowPrecisionCommHook : public CommHook {
   DType dtype_;
 };
 
-// The pre-division factor PyTorch uses for W ranks (a power of two near
-// sqrt(W)); the post-division factor is W divided by it.
+// PyTorch's split of the 1/W gradient scaling: divide by this power of two
+// (near sqrt(W)) before the sum and by W / it after, so that neither the
+// summands nor the sum of a low-precision gradient leave the representable
+// range.
 double GradientPredivideFactor(int world_size);
 
 }  // namespace fsdp

@@ -14,10 +14,6 @@
 namespace fsdp {
 namespace {
 
-// PyTorch's split of the 1/W gradient scaling: divide by `pre` before the
-// sum and by W/pre after, with pre the largest power of two with
-// pre^2 <= W (roughly sqrt(W)), so that neither the summands nor the sum of
-// a low-precision gradient leave the representable range.
 void FreeStorage(const at::Tensor& t) {
   at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), 0);
 }
