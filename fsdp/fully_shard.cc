@@ -67,6 +67,15 @@ std::vector<at::Tensor> UniqueParameters(const torch::nn::Module& module) {
 
 namespace {
 
+// The buffers of ignored modules: neither synced nor cast.
+std::set<const c10::TensorImpl*> IgnoredBuffers(const FsdpOptions& options) {
+  std::set<const c10::TensorImpl*> ignored;
+  for (const torch::nn::Module* module : options.ignored_modules) {
+    for (const at::Tensor& b : module->buffers()) ignored.insert(b.unsafeGetTensorImpl());
+  }
+  return ignored;
+}
+
 // For sync_module_states: rank 0's values of `t` on every rank; under
 // hybrid sharding over the shard group, then the replicate group.
 void BroadcastFromRankZero(const at::Tensor& t, const FsdpOptions& options, Collectives& group) {
@@ -95,10 +104,7 @@ void SyncUnitParams(const PlannedUnit& unit, const FsdpOptions& options, Collect
 // (the collectives carry floating types; integers up to 2^53 are exact).
 void SyncBuffers(torch::nn::Module& root, const FsdpOptions& options, Collectives& group) {
   at::NoGradGuard no_grad;
-  std::set<const c10::TensorImpl*> ignored;
-  for (const torch::nn::Module* module : options.ignored_modules) {
-    for (const at::Tensor& b : module->buffers()) ignored.insert(b.unsafeGetTensorImpl());
-  }
+  const std::set<const c10::TensorImpl*> ignored = IgnoredBuffers(options);
   for (const at::Tensor& buffer : root.buffers()) {
     if (!buffer.defined() || ignored.count(buffer.unsafeGetTensorImpl()) != 0) continue;
     if (buffer.is_floating_point() && buffer.is_contiguous()) {
@@ -122,10 +128,7 @@ std::string OwnerFqn(const std::string& param_fqn) {
 // prefixes it); its original dtype is remembered for FULL state dicts.
 void CastBuffers(torch::nn::Module& root, const WrapPlan& plan, const FsdpOptions& options,
                  std::map<const c10::TensorImpl*, at::ScalarType>& original) {
-  std::set<const c10::TensorImpl*> ignored;
-  for (const torch::nn::Module* module : options.ignored_modules) {
-    for (const at::Tensor& b : module->buffers()) ignored.insert(b.unsafeGetTensorImpl());
-  }
+  const std::set<const c10::TensorImpl*> ignored = IgnoredBuffers(options);
   at::NoGradGuard no_grad;
   for (const auto& item : root.named_buffers()) {
     const at::Tensor& buffer = item.value();
