@@ -215,11 +215,6 @@ void DeferParameterAllocation(torch::nn::Module& module) {
   }
 }
 
-// As FlatParamHandle::unit_name: the FQN, "<root>" for the root.
-std::string UnitLabel(const FsdpUnit& unit) {
-  return unit.is_root() ? "<root>" : unit.fqn();
-}
-
 const char* ModelTrainingStateName(ModelTrainingState state) {
   return state == ModelTrainingState::kIdle ? "IDLE" : "FORWARD_BACKWARD";
 }
@@ -281,7 +276,7 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
     }
     if (entries.back().empty()) continue;
     FSDP_RETURN_IF_ERROR(
-        FlatParamHandle::CheckParams(planned.fqn.empty() ? "<root>" : planned.fqn,
+        FlatParamHandle::CheckParams(UnitName(planned.fqn),
                                      entries.back(), group));
   }
   // Deferred parameters get memory and values unit by unit, just before
@@ -314,7 +309,7 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
       } catch (...) {
         const absl::Status failed = StatusFromCurrentException();
         return absl::Status(failed.code(),
-                            absl::StrCat(who, "unit '", planned.fqn.empty() ? "<root>" : planned.fqn,
+                            absl::StrCat(who, "unit '", UnitName(planned.fqn),
                                          "': initializing its parameters failed: ",
                                          failed.message()));
       }
@@ -329,7 +324,7 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
                                                                    : *mp.param_dtype);
       }
       handle_options.keep_low_precision_grads = mp.keep_low_precision_grads;
-      auto handle = FlatParamHandle::Create(planned.fqn.empty() ? "<root>" : planned.fqn,
+      auto handle = FlatParamHandle::Create(UnitName(planned.fqn),
                                             std::move(entries[u]), group, handle_options);
       if (!handle.ok()) return handle.status();
       unit->handle_ = std::move(*handle);
@@ -345,7 +340,7 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
         if (!IsDeferred(b)) continue;
         if (!options.param_init_fn) {
           return absl::InvalidArgumentError(absl::StrCat(
-              who, "a buffer of module '", fqn.empty() ? "<root>" : fqn,
+              who, "a buffer of module '", UnitName(fqn),
               "' is deferred; set FsdpOptions::param_init_fn to initialize it"));
         }
         AllocateDeferred(b);
@@ -369,7 +364,7 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
   for (const auto& unit : model->units_) {
     if (Registry().count(unit->module_) != 0) {
       return absl::AlreadyExistsError(absl::StrCat(
-          who, "module '", unit->fqn_.empty() ? "<root>" : unit->fqn_,
+          who, "module '", UnitName(unit->fqn_),
           "' was wrapped by another model while this one was being wrapped"));
     }
   }
@@ -378,7 +373,7 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
 }
 
 std::string FullyShardedModel::Describe(const FsdpUnit& unit) const {
-  return absl::StrCat("unit '", unit.fqn_.empty() ? "<root>" : unit.fqn_, "' on rank ",
+  return absl::StrCat("unit '", UnitName(unit.fqn_), "' on rank ",
                       group_.rank(), " of ", group_.world_size());
 }
 
@@ -470,7 +465,7 @@ void FullyShardedModel::PreForward(FsdpUnit& unit) {
 
 void FullyShardedModel::PostForward(FsdpUnit& unit, const std::vector<at::Tensor>& outputs) {
   if (options_.trace != nullptr) {
-    options_.trace->AddSpan("forward", UnitLabel(unit), unit.forward_begin_us_, options_.trace->NowUs());
+    options_.trace->AddSpan("forward", UnitName(unit.fqn_), unit.forward_begin_us_, options_.trace->NowUs());
   }
   if (!order_recorded_) {
     post_forward_order_.push_back(IndexOf(unit));
@@ -540,7 +535,7 @@ void FullyShardedModel::PostBackward(FsdpUnit& unit) {
   ReduceOrKeep(*handle);
   Reshard(*handle);
   if (options_.trace != nullptr) {
-    options_.trace->AddSpan("backward", UnitLabel(unit), unit.backward_begin_us_,
+    options_.trace->AddSpan("backward", UnitName(unit.fqn_), unit.backward_begin_us_,
                             options_.trace->NowUs());
   }
   if (options_.backward_prefetch == BackwardPrefetch::kBackwardPost) {
@@ -607,7 +602,7 @@ void FullyShardedModel::FinishBackward() {
         Move(*handle, HandleTrainingState::kBackwardPre, HandleTrainingState::kBackwardPost);
         ReduceOrKeep(*handle);
         if (options_.trace != nullptr) {
-          options_.trace->AddSpan("backward", UnitLabel(*unit), unit->backward_begin_us_,
+          options_.trace->AddSpan("backward", UnitName(unit->fqn_), unit->backward_begin_us_,
                                   options_.trace->NowUs());
         }
       }
@@ -692,10 +687,7 @@ void FullyShardedModel::CheckExecutionOrderAcrossRanks(const std::vector<int>& o
       const int index = static_cast<int>(column[r].item<double>());
       absl::StrAppend(&ranks, r == 0 ? "" : ", ", "rank ", r, " ",
                       index < 0 ? std::string("had finished its forward")
-                                : absl::StrCat("ran '", units_[index]->fqn_.empty()
-                                                             ? std::string("<root>")
-                                                             : units_[index]->fqn_,
-                                               "'"));
+                                : absl::StrCat("ran '", UnitName(units_[index]->fqn_), "'"));
     }
     TORCH_CHECK(false, "rank ", group_.rank(), " of ", world,
                 ": FSDP units ran in different orders on different ranks in the first "
@@ -807,7 +799,7 @@ absl::Status FullyShardedModel::RegisterCommHook(std::shared_ptr<CommHook> hook)
   for (const auto& unit : units_) {
     if (IsHybrid(unit->strategy_)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          who, "unit '", UnitLabel(*unit), "' uses ", ShardingStrategyName(unit->strategy_),
+          who, "unit '", UnitName(unit->fqn_), "' uses ", ShardingStrategyName(unit->strategy_),
           "; communication hooks are not supported with hybrid sharding (as in PyTorch)"));
     }
   }

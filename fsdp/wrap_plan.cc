@@ -17,9 +17,9 @@ bool IsPrefixOf(const std::string& unit_fqn, const std::string& fqn) {
   return unit_fqn.empty() || fqn == unit_fqn || fqn.rfind(unit_fqn + ".", 0) == 0;
 }
 
-std::string UnitName(const std::string& fqn) { return fqn.empty() ? "<root>" : fqn; }
-
 }  // namespace
+
+std::string UnitName(const std::string& fqn) { return fqn.empty() ? "<root>" : fqn; }
 
 absl::StatusOr<WrapPlan> PlanWrap(torch::nn::Module& root, int world_size,
                                   const FsdpOptions& options, const WrapPolicy& policy) {

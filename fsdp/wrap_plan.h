@@ -44,6 +44,9 @@ class ShardableModule {
   virtual ~ShardableModule() = default;
 };
 
+// How messages, traces and handles name a unit: its FQN, "<root>" for "".
+std::string UnitName(const std::string& fqn);
+
 struct PlannedUnit {
   std::string fqn;        // "" for the root.
   std::string type;       // torch::nn::Module::name().
