@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "absl/strings/str_cat.h"
 #include "c10/util/Exception.h"
 
 namespace fsdp {
@@ -14,6 +16,15 @@ namespace {
 class CompletedWork final : public CollectiveWork {
  public:
   void Wait() override {}
+};
+
+class FailedWork final : public CollectiveWork {
+ public:
+  explicit FailedWork(std::string error) : error_(std::move(error)) {}
+  void Wait() override { TORCH_CHECK(false, error_); }
+
+ private:
+  std::string error_;
 };
 
 bool IsSupportedDtype(at::ScalarType dtype) {
@@ -72,31 +83,203 @@ const char* ReduceOpName(ReduceOp op) {
   return "invalid";
 }
 
-const char* CollectiveOpName(CollectiveOp op) {
-  switch (op) {
-    case CollectiveOp::kAllGather:
-      return "all-gather";
-    case CollectiveOp::kReduceScatter:
-      return "reduce-scatter";
-    case CollectiveOp::kAllReduce:
-      return "all-reduce";
-    case CollectiveOp::kBroadcast:
-      return "broadcast";
-    case CollectiveOp::kBarrier:
-      return "barrier";
-  }
-  return "invalid";
-}
-
 std::unique_ptr<CollectiveWork> MakeCompletedWork() {
   return std::make_unique<CompletedWork>();
 }
 
+std::unique_ptr<CollectiveWork> MakeFailedWork(std::string error) {
+  return std::make_unique<FailedWork>(std::move(error));
+}
+
+// A work whose failure is explained by the ranks' fingerprints.
+class ExplainedWork final : public CollectiveWork {
+ public:
+  ExplainedWork(Collectives* group, CollectiveRecord record,
+                std::unique_ptr<CollectiveWork> work)
+      : group_(group), record_(std::move(record)), work_(std::move(work)) {}
+
+  // The inner work's destructor waits; an error nobody waits for is not
+  // worth blocking a destructor on the other ranks' reports.
+  ~ExplainedWork() override = default;
+
+  void Wait() override {
+    if (done_) {
+      TORCH_CHECK(error_.empty(), error_);
+      return;
+    }
+    done_ = true;
+    try {
+      work_->Wait();
+    } catch (const c10::Error& e) {
+      error_ = e.msg();
+    } catch (const std::exception& e) {
+      error_ = e.what();
+    }
+    work_.reset();
+    if (!error_.empty()) {
+      std::string cause = error_.substr(0, error_.find('\n'));
+      // "<who>: <op> failed: <why>": the record says who and what.
+      if (const size_t failed = cause.find(" failed: "); failed != std::string::npos) {
+        cause = cause.substr(failed + 9);
+      }
+      error_ = absl::StrCat(
+          error_, "\n",
+          group_->ExplainFailure(
+              absl::StrCat("failed in ", DescribeRecord(record_), ": ", cause)));
+    }
+    TORCH_CHECK(error_.empty(), error_);
+  }
+
+ private:
+  Collectives* group_;
+  CollectiveRecord record_;
+  std::unique_ptr<CollectiveWork> work_;
+  bool done_ = false;
+  std::string error_;
+};
+
 Collectives::Collectives(int rank, int world_size)
-    : rank_(rank), world_size_(world_size) {
+    : rank_(rank), world_size_(world_size), fingerprints_(std::make_unique<FingerprintLog>()) {
   TORCH_CHECK(world_size > 0 && rank >= 0 && rank < world_size,
               "Collectives: rank ", rank, " is not in [0, world_size = ", world_size,
               ")");
+}
+
+void Collectives::SetLabel(std::string unit, std::string phase) {
+  label_unit_ = std::move(unit);
+  label_phase_ = std::move(phase);
+}
+
+void Collectives::AttachFingerprintExchange(std::shared_ptr<FingerprintExchange> exchange,
+                                            const FingerprintOptions& options) {
+  TORCH_CHECK(fingerprints_->count() == 0, Describe(),
+              ": attach the fingerprint exchange before the first collective");
+  TORCH_CHECK(options.capacity >= 1 && options.report_timeout.count() > 0, Describe(),
+              ": FingerprintOptions: capacity and report_timeout must be positive");
+  exchange_ = std::move(exchange);
+  fingerprint_options_ = options;
+  fingerprints_ = std::make_unique<FingerprintLog>(options.capacity);
+}
+
+CollectiveRecord Collectives::Record(CollectiveOp op, int64_t numel, at::ScalarType dtype,
+                                    int argument) {
+  CollectiveRecord record =
+      fingerprints_->Append(op, numel, op == CollectiveOp::kBarrier ? "" : c10::toString(dtype),
+                            argument, label_unit_, label_phase_);
+  if (fingerprint_options_.verify_each_collective && exchange_ && world_size_ > 1) {
+    VerifyConsistency();
+  }
+  return record;
+}
+
+std::unique_ptr<CollectiveWork> Collectives::Explained(CollectiveRecord record,
+                                                       std::unique_ptr<CollectiveWork> work) {
+  if (!exchange_ || world_size_ == 1) return work;
+  return std::make_unique<ExplainedWork>(this, std::move(record), std::move(work));
+}
+
+std::vector<std::optional<FingerprintReport>> Collectives::ExchangeReports(
+    const std::string& round, const std::string& status) {
+  const std::string mine = SerializeReport(MakeReport(rank_, *fingerprints_, status));
+  std::vector<std::optional<std::string>> texts;
+  if (exchange_) {
+    exchange_->Publish(round, mine);
+    texts = exchange_->Collect(round, fingerprint_options_.report_timeout);
+  } else {
+    for (std::string& text : AllGatherBytes(*this, mine)) texts.emplace_back(std::move(text));
+  }
+  std::vector<std::optional<FingerprintReport>> reports(world_size_);
+  for (int r = 0; r < world_size_ && r < static_cast<int>(texts.size()); ++r) {
+    if (!texts[r]) continue;
+    absl::StatusOr<FingerprintReport> report = ParseReport(*texts[r]);
+    if (report.ok() && report->rank == r) {
+      reports[r] = *std::move(report);
+    } else {
+      // Reported as silent rather than trusted.
+      reports[r] = std::nullopt;
+    }
+  }
+  return reports;
+}
+
+void Collectives::VerifyConsistency() {
+  if (world_size_ == 1) return;
+  const std::string round = absl::StrCat("check/", checks_++);
+  std::vector<std::optional<FingerprintReport>> reports = ExchangeReports(round, "checking");
+  if (exchange_ && checks_ >= 3) {
+    // Every rank has read round checks_-3: it published checks_-2 after.
+    exchange_->Forget(absl::StrCat("check/", checks_ - 3));
+  }
+  bool all_present = true;
+  for (const auto& report : reports) all_present &= report.has_value();
+  if (all_present && HistoriesAgree(reports)) return;
+  TORCH_CHECK(false, Describe(), ": collective fingerprint check ", checks_ - 1,
+              " failed: the ranks' collective histories differ\n",
+              DescribeDivergence(reports, fingerprint_options_.report_timeout));
+}
+
+std::string Collectives::ExplainFailure(const std::string& error) {
+  std::lock_guard<std::mutex> lock(failure_mu_);
+  if (!failure_explanation_.empty()) {
+    return "(this group had failed before; that failure's reports:)\n" + failure_explanation_;
+  }
+  std::vector<std::optional<FingerprintReport>> reports;
+  try {
+    if (!failure_published_) {
+      failure_published_ = true;
+      reports = ExchangeReports("failure", error);
+    } else {
+      // ReportStopped already published; collect only.
+      std::vector<std::optional<std::string>> texts =
+          exchange_->Collect("failure", fingerprint_options_.report_timeout);
+      for (int r = 0; r < world_size_; ++r) {
+        absl::StatusOr<FingerprintReport> report =
+            texts[r] ? ParseReport(*texts[r]) : absl::NotFoundError("no report");
+        reports.push_back(report.ok() ? std::optional(*report) : std::nullopt);
+      }
+    }
+  } catch (const std::exception& e) {
+    // The explanation must never hide the failure it explains.
+    const std::string what = e.what();
+    failure_explanation_ = absl::StrCat(
+        "the ranks' reports could not be exchanged (the store is unreachable; the rank "
+        "hosting it may be dead): ",
+        what.substr(0, what.find('\n')), "\n");
+    return failure_explanation_;
+  }
+  failure_explanation_ = absl::StrCat(
+      "what every rank of the group reported:\n",
+      DescribeDivergence(reports, fingerprint_options_.report_timeout));
+  return failure_explanation_;
+}
+
+void Collectives::ReportStopped(const std::string& why) {
+  if (!exchange_ || world_size_ == 1) return;
+  std::lock_guard<std::mutex> lock(failure_mu_);
+  if (failure_published_) return;
+  failure_published_ = true;
+  try {
+    exchange_->Publish(
+        "failure", SerializeReport(MakeReport(rank_, *fingerprints_, "stopped: " + why)));
+  } catch (...) {
+    // Best effort: the store may be gone with the job.
+  }
+}
+
+CollectiveLabel::CollectiveLabel(Collectives& group, std::string unit, std::string phase)
+    : CollectiveLabel(group, nullptr, std::move(unit), std::move(phase)) {}
+
+CollectiveLabel::CollectiveLabel(Collectives& group, Collectives* second, std::string unit,
+                                 std::string phase) {
+  for (Collectives* g : {&group, second}) {
+    if (g == nullptr) continue;
+    saved_.push_back({g, g->label_unit(), g->label_phase()});
+    g->SetLabel(unit, phase);
+  }
+}
+
+CollectiveLabel::~CollectiveLabel() {
+  for (Saved& s : saved_) s.group->SetLabel(std::move(s.unit), std::move(s.phase));
 }
 
 std::string Collectives::Describe() const {
@@ -130,12 +313,14 @@ std::unique_ptr<CollectiveWork> Collectives::AllGatherIntoTensor(
   CheckFlatPair(Describe(), CollectiveOp::kAllGather, world_size_, output, "output",
                 input, "input");
   Count(CollectiveOp::kAllGather, output.nbytes());
+  CollectiveRecord record =
+      Record(CollectiveOp::kAllGather, output.numel(), output.scalar_type(), 0);
   if (input.numel() == 0) return MakeCompletedWork();
   if (world_size_ == 1) {
     if (!output.is_same(input)) output.copy_(input);
     return MakeCompletedWork();
   }
-  return DoAllGather(output, input);
+  return Explained(std::move(record), DoAllGather(output, input));
 }
 
 std::unique_ptr<CollectiveWork> Collectives::ReduceScatterTensor(
@@ -145,12 +330,14 @@ std::unique_ptr<CollectiveWork> Collectives::ReduceScatterTensor(
   TORCH_CHECK(op == ReduceOp::kSum || op == ReduceOp::kAvg, Describe(),
               ": reduce-scatter: invalid ReduceOp ", static_cast<int>(op));
   Count(CollectiveOp::kReduceScatter, input.nbytes());
+  CollectiveRecord record = Record(CollectiveOp::kReduceScatter, input.numel(),
+                                   input.scalar_type(), static_cast<int>(op));
   if (output.numel() == 0) return MakeCompletedWork();
   if (world_size_ == 1) {
     output.copy_(input);  // The sum and the average over one rank.
     return MakeCompletedWork();
   }
-  return DoReduceScatter(output, input, op);
+  return Explained(std::move(record), DoReduceScatter(output, input, op));
 }
 
 std::unique_ptr<CollectiveWork> Collectives::AllReduce(const at::Tensor& tensor,
@@ -160,8 +347,10 @@ std::unique_ptr<CollectiveWork> Collectives::AllReduce(const at::Tensor& tensor,
   TORCH_CHECK(op == ReduceOp::kSum || op == ReduceOp::kAvg, Describe(),
               ": all-reduce: invalid ReduceOp ", static_cast<int>(op));
   Count(CollectiveOp::kAllReduce, tensor.nbytes());
+  CollectiveRecord record = Record(CollectiveOp::kAllReduce, tensor.numel(),
+                                   tensor.scalar_type(), static_cast<int>(op));
   if (tensor.numel() == 0 || world_size_ == 1) return MakeCompletedWork();
-  return DoAllReduce(tensor, op);
+  return Explained(std::move(record), DoAllReduce(tensor, op));
 }
 
 std::unique_ptr<CollectiveWork> Collectives::Broadcast(const at::Tensor& tensor,
@@ -171,13 +360,32 @@ std::unique_ptr<CollectiveWork> Collectives::Broadcast(const at::Tensor& tensor,
   TORCH_CHECK(root >= 0 && root < world_size_, Describe(), ": broadcast: root ", root,
               " is not a rank of this group (world_size ", world_size_, ")");
   Count(CollectiveOp::kBroadcast, tensor.nbytes());
+  CollectiveRecord record =
+      Record(CollectiveOp::kBroadcast, tensor.numel(), tensor.scalar_type(), root);
   if (tensor.numel() == 0 || world_size_ == 1) return MakeCompletedWork();
-  return DoBroadcast(tensor, root);
+  return Explained(std::move(record), DoBroadcast(tensor, root));
 }
 
 void Collectives::Barrier() {
   Count(CollectiveOp::kBarrier, 0);
-  if (world_size_ > 1) DoBarrier();
+  const CollectiveRecord record = Record(CollectiveOp::kBarrier, 0, at::kByte, 0);
+  if (world_size_ == 1) return;
+  if (!exchange_) {
+    DoBarrier();
+    return;
+  }
+  std::string error;
+  try {
+    DoBarrier();
+    return;
+  } catch (const c10::Error& e) {
+    error = e.msg();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  TORCH_CHECK(false, error, "\n",
+              ExplainFailure(absl::StrCat("failed in ", DescribeRecord(record), ": ",
+                                          error.substr(0, error.find('\n')))));
 }
 
 void BroadcastBytes(Collectives& group, std::string& bytes, int root) {

@@ -28,6 +28,17 @@
 //   the operation, the rank and the cause. A failed group must not be used
 //   again.
 //
+// Fingerprints (comm/fingerprint.h)
+//   Every collective is recorded with the label its caller set
+//   (CollectiveLabel: the FSDP unit and phase). With a FingerprintExchange
+//   attached (Gloo groups get one over their store), a failed collective
+//   makes this rank publish its recent history and wait up to
+//   FingerprintOptions::report_timeout for the other ranks', and the error
+//   Wait() throws names the first collective where the ranks' histories
+//   differ, which ranks issued what there, and the ranks that sent nothing
+//   (dead, or stuck elsewhere). VerifyConsistency compares the histories on
+//   demand (FSDP calls it every N steps).
+//
 // Thread safety: one thread issues the collectives of a Collectives object;
 // a work may be waited on another thread; counters() may be read from any
 // thread. Collectives are neither copyable
@@ -41,30 +52,22 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "ATen/core/Tensor.h"
+#include "comm/fingerprint.h"
 
 namespace fsdp {
 
 enum class ReduceOp { kSum, kAvg };
 
 const char* ReduceOpName(ReduceOp op);
-
-// The operations of the interface, for counters and error messages.
-enum class CollectiveOp : int {
-  kAllGather = 0,
-  kReduceScatter,
-  kAllReduce,
-  kBroadcast,
-  kBarrier,
-};
-inline constexpr int kNumCollectiveOps = 5;
-
-const char* CollectiveOpName(CollectiveOp op);
 
 // What one rank has issued since creation (or the last ResetCounters()).
 // `bytes` counts the full-size buffer of each call: the output of an
@@ -95,8 +98,27 @@ class CollectiveWork {
   virtual void Wait() = 0;
 };
 
+struct FingerprintOptions {
+  // Records kept per rank for explaining a divergence.
+  int capacity = 128;
+  // How long a rank whose collective failed waits for the other ranks'
+  // reports (they send theirs when their own collectives fail or time out,
+  // or when they stop: ReportStopped) before naming the silent ones; also
+  // the bound on VerifyConsistency's wait. A dead rank costs this much on
+  // top of the failure itself.
+  std::chrono::milliseconds report_timeout = std::chrono::seconds(10);
+  // Compare histories before every collective: catches a mismatch before
+  // it moves any data, at a store round trip per collective; for hunting a
+  // divergence (PyTorch's TORCH_DISTRIBUTED_DEBUG=DETAIL does the same).
+  bool verify_each_collective = false;
+};
+
 // A work that was complete when returned (world size 1, empty tensors).
 std::unique_ptr<CollectiveWork> MakeCompletedWork();
+
+// A work that failed before anything was sent: Wait() throws c10::Error
+// with `error`, every time.
+std::unique_ptr<CollectiveWork> MakeFailedWork(std::string error);
 
 class Collectives {
  public:
@@ -133,6 +155,34 @@ class Collectives {
   CollectiveCounters counters() const;
   void ResetCounters();
 
+  // The label recorded with the following collectives (CollectiveLabel
+  // sets and restores it).
+  void SetLabel(std::string unit, std::string phase);
+  const std::string& label_unit() const { return label_unit_; }
+  const std::string& label_phase() const { return label_phase_; }
+
+  const FingerprintLog& fingerprints() const { return *fingerprints_; }
+
+  // Where this group's ranks compare histories (one per group and rank).
+  // REQUIRES: no collective issued yet.
+  void AttachFingerprintExchange(std::shared_ptr<FingerprintExchange> exchange,
+                                 const FingerprintOptions& options);
+  bool has_fingerprint_exchange() const { return exchange_ != nullptr; }
+
+  // Compares this rank's collective history with every other rank's and
+  // throws c10::Error naming the first divergence when they differ. Every
+  // rank must call it at the same point of its program. Goes through the
+  // exchange when one is attached (so a diverged group cannot mispair the
+  // check itself), else through this group (two all-gathers).
+  void VerifyConsistency();
+
+  // Tells the other ranks, through the exchange, that this rank stops
+  // issuing collectives on this group and why (an exception unwinding the
+  // training loop); their failure reports then quote it instead of waiting
+  // for this rank. Does nothing without an exchange or when this rank
+  // already reported a failure.
+  void ReportStopped(const std::string& why);
+
  protected:
   // REQUIRES: 0 <= rank < world_size.
   Collectives(int rank, int world_size);
@@ -154,12 +204,58 @@ class Collectives {
   std::string Describe() const;
 
  private:
+  friend class ExplainedWork;
   void Count(CollectiveOp op, int64_t bytes);
+  // Records the collective about to be issued; with verify_each_collective,
+  // then compares the ranks' histories, this collective included.
+  CollectiveRecord Record(CollectiveOp op, int64_t numel, at::ScalarType dtype, int argument);
+  // Wraps `work` so that its failure is explained (when an exchange is
+  // attached).
+  std::unique_ptr<CollectiveWork> Explained(CollectiveRecord record,
+                                            std::unique_ptr<CollectiveWork> work);
+  // Publishes this rank's report of its failure and returns the ranks'
+  // divergence, for the error message; once per group (later failures get
+  // the first explanation).
+  std::string ExplainFailure(const std::string& error);
+  // Every rank's report for `round` (through the exchange or this group).
+  std::vector<std::optional<FingerprintReport>> ExchangeReports(const std::string& round,
+                                                                const std::string& status);
 
   const int rank_;
   const int world_size_;
   std::array<std::atomic<int64_t>, kNumCollectiveOps> calls_{};
   std::array<std::atomic<int64_t>, kNumCollectiveOps> bytes_{};
+  std::string label_unit_;
+  std::string label_phase_;
+  std::unique_ptr<FingerprintLog> fingerprints_;
+  std::shared_ptr<FingerprintExchange> exchange_;
+  FingerprintOptions fingerprint_options_;
+  int64_t checks_ = 0;  // VerifyConsistency rounds so far.
+  std::mutex failure_mu_;
+  bool failure_published_ = false;  // This rank's "failure" report is out.
+  std::string failure_explanation_;
+};
+
+// Sets `group`'s label for the collectives issued in its scope and restores
+// the previous one after:
+//   CollectiveLabel label(group, "blocks.1", "forward");
+class CollectiveLabel {
+ public:
+  CollectiveLabel(Collectives& group, std::string unit, std::string phase);
+  // Labels two groups (hybrid sharding's shard and replicate groups);
+  // `second` may be null.
+  CollectiveLabel(Collectives& group, Collectives* second, std::string unit,
+                  std::string phase);
+  CollectiveLabel(const CollectiveLabel&) = delete;
+  CollectiveLabel& operator=(const CollectiveLabel&) = delete;
+  ~CollectiveLabel();
+
+ private:
+  struct Saved {
+    Collectives* group;
+    std::string unit, phase;
+  };
+  std::vector<Saved> saved_;
 };
 
 // Rank `root`'s `bytes` on every rank (two broadcasts: the length, then the

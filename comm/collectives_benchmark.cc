@@ -8,6 +8,8 @@
 //   BM_ReduceScatterNaive/<bytes> all-reduce of the whole buffer, keep a chunk
 //   BM_AllReduce/bf16/<bytes>     AllReduce (reduce-scatter + all-gather)
 //   BM_AllReduceNaive/bf16/<bytes> float32 copy + Gloo ring all-reduce
+//   BM_AllGatherHeaders/{on,off}/<bytes>  AllGatherIntoTensor with and
+//                                 without the collective header check
 // <bytes> is the full (unsharded) buffer. The naive variants reduce in
 // float32 (Gloo cannot reduce bfloat16), so for bfloat16 they copy to and
 // from a float32 buffer, as a user working around Gloo would.
@@ -34,12 +36,13 @@
 namespace fsdp {
 namespace {
 
-// One group per world size, created on first use by all ranks at once.
-Collectives& RankGroup(int world_size, int rank) {
+// One group per world size (and header setting), created on first use by
+// all ranks at once.
+Collectives& RankGroup(int world_size, int rank, bool check_headers = true) {
   static std::mutex mu;
-  static std::map<int, std::vector<std::unique_ptr<Collectives>>> groups;
+  static std::map<std::pair<int, bool>, std::vector<std::unique_ptr<Collectives>>> groups;
   std::lock_guard<std::mutex> lock(mu);
-  auto& ranks = groups[world_size];
+  auto& ranks = groups[{world_size, check_headers}];
   if (ranks.empty()) {
     ranks.resize(world_size);
     auto store = c10::make_intrusive<c10d::HashStore>();
@@ -48,7 +51,9 @@ Collectives& RankGroup(int world_size, int rank) {
       threads.emplace_back([&, r] {
         GlooOptions options;
         options.hostname = "127.0.0.1";
-        options.group_name = "bench" + std::to_string(world_size);
+        options.group_name = "bench" + std::to_string(world_size) +
+                             (check_headers ? "" : "/no_headers");
+        options.check_collective_headers = check_headers;
         ranks[r] = ValueOrThrow(CreateGlooCollectives(store, r, world_size, options));
       });
     }
@@ -146,6 +151,26 @@ BENCHMARK_TEMPLATE(BM_Collective, Algorithm::kAllReduce, at::kBFloat16)
     ->Name("BM_AllReduce/bf16")->Apply(Sizes);
 BENCHMARK_TEMPLATE(BM_Collective, Algorithm::kAllReduceNaive, at::kBFloat16)
     ->Name("BM_AllReduceNaive/bf16")->Apply(Sizes);
+
+// The price of NOTE [Collective headers] (gloo_collectives.cc): float32
+// all-gathers with the headers checked (the default) and without.
+template <bool kHeaders>
+void BM_AllGatherHeaders(benchmark::State& state) {
+  const int world = state.threads();
+  Collectives& comm = RankGroup(world, state.thread_index(), kHeaders);
+  const int64_t shard_numel = state.range(0) / 4 / world;
+  at::Tensor shard = at::randn({shard_numel});
+  at::Tensor full = at::empty({shard_numel * world});
+  for (auto _ : state) comm.AllGatherIntoTensor(full, shard)->Wait();
+}
+
+void HeaderSizes(benchmark::internal::Benchmark* b) {
+  b->Arg(1 << 10)->Arg(64 << 10)->Arg(4 << 20)->Threads(2)->Threads(4)->UseRealTime();
+}
+
+BENCHMARK_TEMPLATE(BM_AllGatherHeaders, true)->Name("BM_AllGatherHeaders/on")->Apply(HeaderSizes);
+BENCHMARK_TEMPLATE(BM_AllGatherHeaders, false)
+    ->Name("BM_AllGatherHeaders/off")->Apply(HeaderSizes);
 
 }  // namespace
 }  // namespace fsdp

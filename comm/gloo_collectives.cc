@@ -1,6 +1,7 @@
 #include "comm/gloo_collectives.h"
 
 #include <algorithm>
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <mutex>
@@ -14,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "base/status.h"
 #include "c10/util/Exception.h"
+#include "comm/store_fingerprint_exchange.h"
 #include "torch/csrc/distributed/c10d/PrefixStore.hpp"
 #include "torch/csrc/distributed/c10d/ProcessGroupGloo.hpp"
 
@@ -178,6 +180,20 @@ class GlooWork final : public CollectiveWork {
   std::string error_;  // Set when the work failed.
 };
 
+// NOTE [Collective headers]
+// Gloo ends the process when a peer sends more bytes than a receive expects
+// (an enforce that throws on its I/O thread), and silently mixes data when
+// ranks issue different collectives of equal size. So before every
+// collective the ranks all-gather a fixed-size header (sequence number,
+// operation, element count, root or reduce op, and the rolling hash of the
+// whole history, labels included: comm/fingerprint.h) and go on only if all
+// headers agree; otherwise every rank's collective fails at once, nothing
+// is sent, and the failure's explanation names where the histories parted.
+// The price is one 40-byte all-to-all per collective
+// (GlooOptions::check_collective_headers; measured in
+// collectives_benchmark_results.md).
+constexpr int kHeaderFields = 5;
+
 class GlooCollectives final : public Collectives {
  public:
   GlooCollectives(int rank, int world_size, const GlooOptions& options,
@@ -185,18 +201,22 @@ class GlooCollectives final : public Collectives {
       : Collectives(rank, world_size),
         group_name_(options.group_name),
         group_(std::move(group)),
+        check_headers_(options.check_collective_headers),
         send_cache_(options.reuse_staging_buffers),
         receive_cache_(options.reuse_staging_buffers) {}
 
  protected:
   std::unique_ptr<CollectiveWork> DoAllGather(const at::Tensor& output,
                                               const at::Tensor& input) override {
-    return StartAllGather(What("all-gather", output), output, input);
+    std::string what = What("all-gather", output);
+    if (auto failed = AgreeOnHeader(what)) return failed;
+    return StartAllGather(std::move(what), output, input);
   }
 
   std::unique_ptr<CollectiveWork> DoReduceScatter(const at::Tensor& output,
                                                   const at::Tensor& input,
                                                   ReduceOp op) override {
+    if (auto failed = AgreeOnHeader(What("reduce-scatter", input))) return failed;
     at::Tensor received = receive_cache_.Get(input);
     auto work = StartAllToAll(received, input);
     const int world = world_size();
@@ -207,6 +227,7 @@ class GlooCollectives final : public Collectives {
 
   std::unique_ptr<CollectiveWork> DoAllReduce(const at::Tensor& tensor,
                                               ReduceOp op) override {
+    if (auto failed = AgreeOnHeader(What("all-reduce", tensor))) return failed;
     if (!IsHalfPrecision(tensor)) {
       std::vector<at::Tensor> tensors = {tensor};
       c10d::AllreduceOptions options;
@@ -246,6 +267,7 @@ class GlooCollectives final : public Collectives {
 
   std::unique_ptr<CollectiveWork> DoBroadcast(const at::Tensor& tensor,
                                               int root) override {
+    if (auto failed = AgreeOnHeader(What("broadcast", tensor))) return failed;
     std::vector<at::Tensor> tensors = {AsBytes(tensor)};
     c10d::BroadcastOptions options;
     options.rootRank = root;
@@ -255,12 +277,50 @@ class GlooCollectives final : public Collectives {
   }
 
   void DoBarrier() override {
-    GlooWork work(absl::StrCat(Describe(), " of group '", group_name_, "': barrier"),
-                  group_->barrier(c10d::BarrierOptions()), nullptr);
+    const std::string what = absl::StrCat(Describe(), " of group '", group_name_, "': barrier");
+    if (auto failed = AgreeOnHeader(what)) failed->Wait();
+    GlooWork work(what, group_->barrier(c10d::BarrierOptions()), nullptr);
     work.Wait();
   }
 
  private:
+  // NOTE [Collective headers]. Null when every rank's header matches this
+  // one; else a work that fails with what differed.
+  std::unique_ptr<CollectiveWork> AgreeOnHeader(const std::string& what) {
+    if (!check_headers_) return nullptr;
+    const CollectiveRecord record = fingerprints().Last();
+    const int world = world_size();
+    at::Tensor send = at::empty({world, kHeaderFields}, at::kLong);
+    const int64_t header[kHeaderFields] = {record.seq, static_cast<int64_t>(record.op),
+                                           record.numel, record.argument,
+                                           static_cast<int64_t>(record.hash)};
+    for (int r = 0; r < world; ++r) {
+      std::memcpy(send[r].data_ptr<int64_t>(), header, sizeof(header));
+    }
+    at::Tensor received = at::empty({world, kHeaderFields}, at::kLong);
+    try {
+      StartAllToAll(received, send)->wait();
+    } catch (const std::exception& e) {
+      const std::string error = e.what();
+      return MakeFailedWork(absl::StrCat(
+          what, " failed: while agreeing on its header: ", error.substr(0, error.find('\n'))));
+    }
+    std::vector<std::string> differing;
+    for (int r = 0; r < world; ++r) {
+      const int64_t* theirs = received[r].data_ptr<int64_t>();
+      if (std::equal(header, header + kHeaderFields, theirs)) continue;
+      const bool known_op = theirs[1] >= 0 && theirs[1] < kNumCollectiveOps;
+      differing.push_back(absl::StrCat(
+          "rank ", r, " issued #", theirs[0], " ",
+          known_op ? CollectiveOpName(static_cast<CollectiveOp>(theirs[1])) : "(unknown op)",
+          " of ", theirs[2], " elements", theirs[4] == header[4] ? "" : " after another history"));
+    }
+    if (differing.empty()) return nullptr;
+    return MakeFailedWork(absl::StrCat(
+        what, " failed: the ranks issued different collectives here (nothing was sent): "
+        "this rank issued ", DescribeRecord(record), "; ", absl::StrJoin(differing, "; ")));
+  }
+
   // All-gather as an all-to-all of W copies of the input (NOTE [Gloo
   // algorithms]); the send buffer stays referenced until the work is waited.
   std::unique_ptr<CollectiveWork> StartAllGather(std::string what, const at::Tensor& output,
@@ -287,6 +347,7 @@ class GlooCollectives final : public Collectives {
   }
 
   const std::string group_name_;
+  const bool check_headers_;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;
   BufferCache send_cache_;     // All-gather inputs, W copies.
   BufferCache receive_cache_;  // Reduce-scatter (and 16-bit all-reduce) inputs.
@@ -407,8 +468,14 @@ absl::StatusOr<std::unique_ptr<Collectives>> CreateGlooCollectives(
         if (std::string(theirs.begin(), theirs.end()) != "ok") failed.push_back(peer);
       }
       if (failed.empty()) {
-        return std::unique_ptr<Collectives>(
+        auto collectives = std::unique_ptr<Collectives>(
             new GlooCollectives(rank, world_size, options, std::move(group)));
+        if (options.exchange_fingerprints) {
+          collectives->AttachFingerprintExchange(
+              MakeStoreFingerprintExchange(prefixed, "fingerprints", rank, world_size),
+              options.fingerprints);
+        }
+        return collectives;
       }
       last_error = error.empty()
                        ? absl::StrCat("rank(s) ", absl::StrJoin(failed, ", "), " failed to connect")

@@ -12,6 +12,11 @@
 //   all-reduce      Gloo's ring for float32/float64; reduce-scatter then
 //                   all-gather for float16/bfloat16;
 //   broadcast       Gloo broadcast of a byte view.
+// Every collective is preceded by a 40-byte header exchange that stops all
+// ranks, before any data moves, when they do not issue the same collective
+// (GlooOptions::check_collective_headers), and the group compares the ranks'
+// fingerprints through the store when a collective fails
+// (comm/fingerprint.h).
 // By default the group keeps its all-gather send buffer and reduce-scatter
 // receive buffer, each as large as the largest call so far (the full size of
 // the largest FSDP unit), and reuses them (GlooOptions::reuse_staging_buffers).
@@ -59,6 +64,19 @@ struct GlooOptions {
   // largest full buffer for the group's life; turn off to trade speed for
   // memory.
   bool reuse_staging_buffers = true;
+
+  // Record every collective's fingerprint and compare them through the
+  // store when a collective fails or VerifyConsistency is called
+  // (comm/fingerprint.h); the failure's error then says where the ranks
+  // diverged and which ones went silent.
+  bool exchange_fingerprints = true;
+  // Before every collective, check that every rank issues the same one
+  // with the same history (one 40-byte all-to-all; NOTE [Collective
+  // headers] in the .cc). Without it, a rank that issues a larger
+  // collective than its peers kills their processes inside Gloo, and
+  // equal-sized different collectives exchange the wrong data silently.
+  bool check_collective_headers = true;
+  FingerprintOptions fingerprints;
 };
 
 // Connects rank `rank` of a group of `world_size` through `store`.

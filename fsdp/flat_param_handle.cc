@@ -260,9 +260,7 @@ void FlatParamHandle::FinishUnshard() {
   TORCH_CHECK(pending_unshard_ != nullptr, Describe(),
               ": FinishUnshard without a pending all-gather (call StartUnshard first); "
               "training state ", HandleTrainingStateName(training_state_));
-  pending_unshard_->Wait();
-  pending_unshard_.reset();
-  send_buffer_ = at::Tensor();
+  WaitForPendingUnshard();
   if (summon_full_.defined()) {
     for (size_t i = 0; i < params_.size(); ++i) {
       params_[i].param.set_data(
@@ -279,11 +277,25 @@ void FlatParamHandle::Unshard() {
   FinishUnshard();
 }
 
-void FlatParamHandle::DiscardPendingUnshard() {
-  if (pending_unshard_ == nullptr) return;
-  pending_unshard_->Wait();
+void FlatParamHandle::WaitForPendingUnshard() {
+  try {
+    pending_unshard_->Wait();
+  } catch (...) {
+    // A failed all-gather leaves the handle sharded with nothing allocated,
+    // as before it started.
+    pending_unshard_.reset();
+    send_buffer_ = at::Tensor();
+    FreeStorage(full_);
+    summon_full_ = at::Tensor();
+    throw;
+  }
   pending_unshard_.reset();
   send_buffer_ = at::Tensor();
+}
+
+void FlatParamHandle::DiscardPendingUnshard() {
+  if (pending_unshard_ == nullptr) return;
+  WaitForPendingUnshard();
   if (!unsharded_) {
     FreeStorage(full_);
     summon_full_ = at::Tensor();

@@ -136,6 +136,8 @@ class FlatParamHandle {
   // swaps the parameters' data (so another unit's compute can run between
   // them). No-ops when already unsharded or under NO_SHARD.
   void StartUnshard();
+  // Throws the all-gather's error, leaving the handle sharded with nothing
+  // allocated.
   void FinishUnshard();
   void Unshard();
 
@@ -219,6 +221,9 @@ class FlatParamHandle {
   // the sharded gradient): 1-D and possibly empty, or for NO_SHARD the
   // whole parameter in its shape.
   at::Tensor ShardView(const at::Tensor& flat, size_t i) const;
+  // Waits for the pending all-gather; if it failed, frees what it was
+  // filling and rethrows, leaving the handle sharded.
+  void WaitForPendingUnshard();
   void PointParamsAtFull();
   void PointParamsAtShard();
   // Points the parameters' .grad at their parts of sharded_grad_.

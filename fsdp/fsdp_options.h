@@ -67,6 +67,13 @@ struct FsdpOptions {
   // If the root's forward opens no UnitForward scope, the check runs at the
   // end of the first backward instead.
   bool check_execution_order = true;
+  // Every this many backward passes, at the end of backward, the ranks
+  // compare the fingerprints of every collective they issued so far
+  // (Collectives::VerifyConsistency, through the store for Gloo groups:
+  // about a millisecond) and fail on every rank, naming the first diverging
+  // collective and its unit, if they differ. Catches what no timeout does:
+  // equal-sized collectives of different units paired silently. 0: never.
+  int verify_collectives_every = 0;
   // Subtrees FSDP leaves alone: no policy looks into them and their
   // parameters are neither sharded nor reduced (each rank keeps and trains
   // its own copy, as PyTorch's ignored_modules). They must outlive the

@@ -261,6 +261,11 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
         "group and the replicate group in replicate_group; the other strategies take no "
         "replicate group"));
   }
+  if (options.verify_collectives_every < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, "FsdpOptions::verify_collectives_every must be >= 0 (0: never), got ",
+                     options.verify_collectives_every));
+  }
   absl::StatusOr<WrapPlan> plan = PlanWrap(*root, group.world_size(), options, policy);
   if (!plan.ok()) {
     return absl::Status(plan.status().code(), absl::StrCat(who, plan.status().message()));
@@ -305,7 +310,11 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
       // the model held before Wrap.
       try {
         FSDP_RETURN_IF_ERROR(MaterializeUnit(planned, modules, options));
-        if (options.sync_module_states) SyncUnitParams(planned, options, group);
+        if (options.sync_module_states) {
+          CollectiveLabel label(group, options.replicate_group, UnitName(planned.fqn),
+                                "sync_module_states");
+          SyncUnitParams(planned, options, group);
+        }
       } catch (...) {
         const absl::Status failed = StatusFromCurrentException();
         return absl::Status(failed.code(),
@@ -351,7 +360,10 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
         options.param_init_fn(*module);
       }
     }
-    if (options.sync_module_states) SyncBuffers(*root, options, group);
+    if (options.sync_module_states) {
+      CollectiveLabel label(group, options.replicate_group, "buffers", "sync_module_states");
+      SyncBuffers(*root, options, group);
+    }
     CastBuffers(*root, *plan, options, model->buffer_full_dtypes_);
   } catch (...) {
     const absl::Status failed = StatusFromCurrentException();
@@ -401,6 +413,7 @@ void FullyShardedModel::LazyInit() {
                    ",forward_prefetch=", options_.forward_prefetch,
                    ",limit_all_gathers=", options_.limit_all_gathers,
                    ",check_execution_order=", options_.check_execution_order,
+                   ",verify_collectives_every=", options_.verify_collectives_every,
                    ",replicate_group_size=",
                    options_.replicate_group ? options_.replicate_group->world_size() : 0, ";"));
   for (const auto& unit : units_) {
@@ -410,6 +423,7 @@ void FullyShardedModel::LazyInit() {
                      unit->mixed_precision_.ToString(), ";"));
   }
   const int world = group_.world_size();
+  CollectiveLabel label(group_, "", "lazy init (wrap plan check)");
   at::Tensor mine = at::tensor({static_cast<double>(units_.size()), static_cast<double>(elements),
                                 static_cast<double>(hash >> 12)},
                                at::kDouble);
@@ -553,6 +567,7 @@ void FullyShardedModel::ReduceOrKeep(FlatParamHandle& handle) {
   // rest of backward, which waits for it at the end (FinishBackward).
   RuntimeStreams::WaitStream(streams_->reduce_scatter(), streams_->compute());
   c10::StreamGuard on_reduce_scatter(streams_->reduce_scatter());
+  CollectiveLabel label(group_, options_.replicate_group, handle.unit_name(), "backward");
   TraceSpan span(options_.trace, handle.uses_sharded_views() ? "reduce-scatter" : "all-reduce",
                  handle.unit_name());
   handle.ReduceGradients();
@@ -564,6 +579,12 @@ void FullyShardedModel::IssueUnshard(FlatParamHandle& handle) {
   }
   limiter_.BeforeAllGather();
   c10::StreamGuard on_all_gather(streams_->all_gather());
+  CollectiveLabel label(group_, handle.unit_name(),
+                        handle.training_state() == HandleTrainingState::kBackwardPre ||
+                                (handle.training_state() == HandleTrainingState::kIdle &&
+                                 backward_callback_queued_)
+                            ? "backward"
+                            : "forward");
   TraceSpan span(options_.trace, "all-gather issue", handle.unit_name());
   handle.StartUnshard();
 }
@@ -617,6 +638,12 @@ void FullyShardedModel::FinishBackward() {
   }
   backward_callback_queued_ = false;
   SetModelState(ModelTrainingState::kIdle);
+  ++backward_passes_;
+  if (options_.verify_collectives_every > 0 &&
+      backward_passes_ % options_.verify_collectives_every == 0) {
+    group_.VerifyConsistency();
+    if (options_.replicate_group != nullptr) options_.replicate_group->VerifyConsistency();
+  }
 }
 
 void FullyShardedModel::Move(FlatParamHandle& handle, HandleTrainingState from,
@@ -669,6 +696,7 @@ void FullyShardedModel::RecordExecutionOrder() {
 
 void FullyShardedModel::CheckExecutionOrderAcrossRanks(const std::vector<int>& order) {
   const int world = group_.world_size();
+  CollectiveLabel label(group_, "", "execution order check");
   at::Tensor lengths = at::empty({world}, at::kDouble);
   group_.AllGatherIntoTensor(lengths, at::full({1}, static_cast<double>(order.size()),
                                                at::kDouble))
@@ -729,6 +757,7 @@ at::Tensor FullyShardedModel::ClipGradNorm(double max_norm, double norm_type) {
     }
   }
   if (any_sharded && group_.world_size() > 1) {
+    CollectiveLabel label(group_, "", "clip_grad_norm");
     if (infinity) {
       at::Tensor all = at::empty({group_.world_size()}, at::kDouble);
       group_.AllGatherIntoTensor(all, sharded)->Wait();
@@ -760,6 +789,7 @@ SummonFullParams::SummonFullParams(FullyShardedModel& model, const SummonOptions
     if (unit->handle() != nullptr) handles_.push_back(unit->handle());
   }
   for (FlatParamHandle* handle : handles_) {
+    CollectiveLabel label(model.group(), handle->unit_name(), "summon_full_params");
     model.Move(*handle, HandleTrainingState::kIdle, HandleTrainingState::kSummonFullParams);
     handle->Unshard();
     if (options.with_grads) handle->UnshardGradients();
@@ -835,11 +865,22 @@ NoSync::NoSync(FullyShardedModel& model) : model_(model), previous_(model.no_syn
 NoSync::~NoSync() { model_.no_sync_ = previous_; }
 
 UnitForward::UnitForward(const torch::nn::Module* module) : unit_(GetModuleUnit(module)) {
-  if (unit_ != nullptr) unit_->model_->PreForward(*unit_);
+  if (unit_ == nullptr) return;
+  try {
+    unit_->model_->PreForward(*unit_);
+  } catch (...) {
+    // A failed all-gather: no destructor will run for this scope.
+    Abandon();
+    throw;
+  }
 }
 
 UnitForward::~UnitForward() {
   if (unit_ == nullptr || returned_) return;
+  Abandon();
+}
+
+void UnitForward::Abandon() {
   // The forward threw: leave the unit resharded and idle (and the model,
   // if this is the root).
   if (unit_->is_root_) unit_->model_->SetModelState(ModelTrainingState::kIdle);

@@ -239,6 +239,7 @@ class FullyShardedModel {
   std::vector<int> post_forward_order_;  // First iteration, unit indices.
   bool no_sync_ = false;
   bool backward_callback_queued_ = false;
+  int64_t backward_passes_ = 0;
   std::shared_ptr<CommHook> comm_hook_;
   std::map<const c10::TensorImpl*, at::ScalarType> buffer_full_dtypes_;
   ModelTrainingState training_state_ = ModelTrainingState::kIdle;
@@ -326,6 +327,8 @@ class UnitForward {
   std::vector<at::Tensor> Return(std::vector<at::Tensor> outputs);
 
  private:
+  void Abandon();  // Reshards and idles the unit after an exception.
+
   FsdpUnit* unit_;
   bool returned_ = false;
 };

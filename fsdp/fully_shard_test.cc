@@ -35,6 +35,7 @@ using ::fsdp::testing::Net;
 using ::fsdp::testing::NetImpl;
 using ::fsdp::testing::Inputs;
 using ::fsdp::testing::MakeOptimizer;
+using ::fsdp::testing::MultiRankOptions;
 using ::fsdp::testing::Optim;
 using ::fsdp::testing::RunOnThreadRanks;
 using ::fsdp::testing::Targets;
@@ -506,25 +507,49 @@ struct RankOrderedNetImpl : torch::nn::Module, ShardableModule {
 };
 TORCH_MODULE(RankOrderedNet);
 
+// Equal-sized units in another order on rank 1. The collective headers
+// (comm/gloo_collectives.h) stop the first all-gather whose unit differs;
+// without them, the execution order check at the end of the first forward
+// does. Either way the error names the units on every rank, and every unit
+// is left resharded and idle.
 TEST(FullyShard, DifferentUnitOrderAcrossRanksIsNamedOnEveryRank) {
-  absl::Status status = RunOnThreadRanks(3, [](Collectives& comm) {
-    RankOrderedNet model(comm.rank());
-    auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
-    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
-    try {
-      model->forward(at::ones({2, 6}));
-      ADD_FAILURE() << "a different unit order on rank 1 was not detected";
-    } catch (const c10::Error& e) {
-      EXPECT_THAT(e.msg(), HasSubstr("FSDP units ran in different orders on different ranks"));
-      EXPECT_THAT(e.msg(), HasSubstr("at position 2 of the order in which units finished "
-                                     "their forward, rank 0 ran 'blocks.1', rank 1 ran "
-                                     "'blocks.2', rank 2 ran 'blocks.1'"));
-    }
-    EXPECT_EQ((*wrapped)->training_state(), ModelTrainingState::kIdle);
-    EXPECT_EQ((*wrapped)->FullParamBytes(), 0);
-  });
-  EXPECT_TRUE(status.ok()) << status;
+  for (const bool headers : {true, false}) {
+    SCOPED_TRACE(headers ? "with collective headers" : "without collective headers");
+    MultiRankOptions options;
+    options.gloo.check_collective_headers = headers;
+    absl::Status status = RunOnThreadRanks(3, [&](Collectives& comm) {
+      RankOrderedNet model(comm.rank());
+      auto wrapped =
+          FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+      ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+      try {
+        model->forward(at::ones({2, 6}));
+        ADD_FAILURE() << "a different unit order on rank 1 was not detected";
+      } catch (const c10::Error& e) {
+        if (headers) {
+          EXPECT_THAT(e.msg(), HasSubstr("first divergence at collective #2:\n"
+                                         "    ranks 0, 2 issued #2 all-gather of 42 Float "
+                                         "(unit 'blocks.1', forward)\n"
+                                         "    rank 1 issued #2 all-gather of 42 Float (unit "
+                                         "'blocks.2', forward)"));
+        } else {
+          EXPECT_THAT(e.msg(),
+                      HasSubstr("FSDP units ran in different orders on different ranks"));
+          EXPECT_THAT(e.msg(), HasSubstr("at position 2 of the order in which units finished "
+                                         "their forward, rank 0 ran 'blocks.1', rank 1 ran "
+                                         "'blocks.2', rank 2 ran 'blocks.1'"));
+        }
+      }
+      EXPECT_EQ((*wrapped)->training_state(), ModelTrainingState::kIdle);
+      EXPECT_EQ((*wrapped)->FullParamBytes(), 0);
+      for (const auto& unit : (*wrapped)->units()) {
+        if (unit->handle() != nullptr) {
+          EXPECT_EQ(unit->handle()->training_state(), HandleTrainingState::kIdle) << unit->fqn();
+        }
+      }
+    }, options);
+    EXPECT_TRUE(status.ok()) << status;
+  }
 }
 
 TEST(FullyShard, ApplyInitializesThroughTheShards) {

@@ -118,6 +118,17 @@ ABSL_FLAG(bool, print_plan, true, "Print the wrap plan (rank 0) before training.
 ABSL_FLAG(uint64_t, seed, 1234, "Model initialization and batch sampling.");
 ABSL_FLAG(int, log_every, 25, "Print progress every this many steps.");
 ABSL_FLAG(int, timeout_s, 600, "Whole-job timeout (launcher mode).");
+ABSL_FLAG(int, collective_timeout_s, 120,
+          "Bound on every collective and on forming the groups: a rank that does not take part "
+          "in time makes the others fail naming the collective, its unit and the ranks' "
+          "fingerprints.");
+ABSL_FLAG(bool, check_collective_headers, true,
+          "Before every collective, check that every rank issues the same one (GlooOptions::"
+          "check_collective_headers): a mismatch is an error naming both sides instead of a "
+          "crash inside Gloo or silently mixed data; costs one small all-to-all each.");
+ABSL_FLAG(int, verify_collectives_every, 0,
+          "Every this many steps, compare every rank's collective fingerprints through the "
+          "store (FsdpOptions::verify_collectives_every); 0: never.");
 
 namespace {
 
@@ -229,28 +240,11 @@ void PrintRankReport(int rank, const RankReport& r, const fsdp::CollectiveCounte
   std::fflush(stdout);
 }
 
-int RunRank(const fsdp::LaunchEnvironment& env, fsdp::FsdpOptions options,
-            const fsdp::WrapPolicy& policy) {
-  fsdp::GlooOptions gloo;
-  gloo.timeout = std::chrono::seconds(120);
-  // The world group (data, loss) and the groups FSDP runs on: the world
-  // itself, or hybrid sharding's shard and replicate groups.
-  std::unique_ptr<fsdp::Collectives> comm;
-  fsdp::HybridShardCollectives hybrid;
-  std::string layout_note;
-  if (fsdp::IsHybrid(options.strategy)) {
-    fsdp::HybridGroupsFromEnvironment groups = fsdp::ValueOrThrow(
-        fsdp::CreateHybridGlooCollectivesFromEnvironment(env, absl::GetFlag(FLAGS_shard_group_size),
-                                                          gloo));
-    comm = std::move(groups.world);
-    hybrid = std::move(groups.hybrid);
-    options.replicate_group = hybrid.replicate.get();
-    layout_note = absl::StrFormat(" (%d shard groups of %d ranks)",
-                                  groups.layout.num_shard_groups(),
-                                  groups.layout.shard_group_size());
-  } else {
-    comm = fsdp::ValueOrThrow(fsdp::CreateGlooCollectivesFromEnvironment(env, gloo));
-  }
+// Trains on groups already formed: `comm` the world, `hybrid` the shard and
+// replicate groups under hybrid sharding (empty otherwise).
+int TrainOnGroups(fsdp::FsdpOptions options, const fsdp::WrapPolicy& policy,
+                  fsdp::Collectives* comm, fsdp::HybridShardCollectives& hybrid,
+                  const std::string& layout_note) {
   fsdp::Collectives& fsdp_group = hybrid.shard ? *hybrid.shard : *comm;
   const int rank = comm->rank(), world = comm->world_size();
   const bool print = rank == 0;
@@ -489,6 +483,44 @@ int RunRank(const fsdp::LaunchEnvironment& env, fsdp::FsdpOptions options,
   return last_loss < first_loss || first_step > 1 ? 0 : 1;
 }
 
+int RunRank(const fsdp::LaunchEnvironment& env, fsdp::FsdpOptions options,
+            const fsdp::WrapPolicy& policy) {
+  fsdp::GlooOptions gloo;
+  gloo.timeout = std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout_s));
+  // Under the launcher's 10 s grace after a rank fails: the others must
+  // finish explaining the failure before they are killed.
+  gloo.fingerprints.report_timeout = std::chrono::seconds(5);
+  gloo.check_collective_headers = absl::GetFlag(FLAGS_check_collective_headers);
+  // The world group (data, loss) and the groups FSDP runs on: the world
+  // itself, or hybrid sharding's shard and replicate groups.
+  std::unique_ptr<fsdp::Collectives> comm;
+  fsdp::HybridShardCollectives hybrid;
+  std::string layout_note;
+  if (fsdp::IsHybrid(options.strategy)) {
+    fsdp::HybridGroupsFromEnvironment groups = fsdp::ValueOrThrow(
+        fsdp::CreateHybridGlooCollectivesFromEnvironment(env, absl::GetFlag(FLAGS_shard_group_size),
+                                                          gloo));
+    comm = std::move(groups.world);
+    hybrid = std::move(groups.hybrid);
+    options.replicate_group = hybrid.replicate.get();
+    layout_note = absl::StrFormat(" (%d shard groups of %d ranks)",
+                                  groups.layout.num_shard_groups(),
+                                  groups.layout.shard_group_size());
+  } else {
+    comm = fsdp::ValueOrThrow(fsdp::CreateGlooCollectivesFromEnvironment(env, gloo));
+  }
+  try {
+    return TrainOnGroups(options, policy, comm.get(), hybrid, layout_note);
+  } catch (...) {
+    // The other ranks' collective errors then quote this one's reason.
+    const std::string why(fsdp::StatusFromCurrentException().message());
+    for (fsdp::Collectives* group : {comm.get(), hybrid.shard.get(), hybrid.replicate.get()}) {
+      if (group != nullptr) group->ReportStopped(why.substr(0, why.find('\n')));
+    }
+    throw;
+  }
+}
+
 
 }  // namespace
 
@@ -516,6 +548,7 @@ int main(int argc, char** argv) {
   }
   fsdp::FsdpOptions options;
   options.strategy = *strategy;
+  options.verify_collectives_every = absl::GetFlag(FLAGS_verify_collectives_every);
   options.backward_prefetch = *prefetch;
   options.forward_prefetch = absl::GetFlag(FLAGS_forward_prefetch);
   for (auto [flag, field] :
@@ -537,10 +570,12 @@ int main(int argc, char** argv) {
   }
   if (absl::GetFlag(FLAGS_world_size) < 1 || absl::GetFlag(FLAGS_steps) < 1 ||
       absl::GetFlag(FLAGS_batch_size) < 1 || absl::GetFlag(FLAGS_block_size) < 2 ||
-      absl::GetFlag(FLAGS_log_every) < 1) {
+      absl::GetFlag(FLAGS_log_every) < 1 || absl::GetFlag(FLAGS_collective_timeout_s) < 1 ||
+      absl::GetFlag(FLAGS_verify_collectives_every) < 0) {
     std::fprintf(stderr,
-                 "train_gpt: --world_size, --steps, --batch_size and --log_every must be >= 1 "
-                 "and --block_size >= 2\n");
+                 "train_gpt: --world_size, --steps, --batch_size, --log_every and "
+                 "--collective_timeout_s must be >= 1, --block_size >= 2 and "
+                 "--verify_collectives_every >= 0\n");
     return 2;
   }
   absl::StatusOr<fsdp::LaunchEnvironment> env = fsdp::ReadLaunchEnvironment();

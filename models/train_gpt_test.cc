@@ -14,6 +14,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -23,6 +24,7 @@ namespace {
 using ::testing::HasSubstr;
 
 constexpr char kTrainGpt[] = "models/train_gpt";
+constexpr char kLaunch[] = "comm/launch";
 
 std::string TempDir(const std::string& name) {
   const char* tmp = std::getenv("TEST_TMPDIR");
@@ -133,14 +135,68 @@ TEST(TrainGpt, RefusesABatchRecordOfAnotherShape) {
   EXPECT_THAT(too_long.output, HasSubstr("holds steps 1..2; --steps=5 must be within them"));
 }
 
-// Starts a long train_gpt job at W = 2 and, once it is training, calls
-// `act(launcher_pid, rank_pids)`; returns the job's output and exit code.
+// Part of the bad-input sweep (issue 10): each bad flag of the main job and
+// of the launcher is refused with an error naming it, and nothing trains.
+TEST(TrainGpt, BadFlagsAreRefusedNamingTheProblem) {
+  struct BadFlags {
+    std::string flags;
+    int exit_code;
+    std::string message;
+  };
+  const std::string dir = TempDir("bad_flags");
+  const std::vector<BadFlags> cases = {
+      {"--world_size=0", 2, "--world_size, --steps, --batch_size, --log_every and"},
+      {"--collective_timeout_s=0", 2, "--collective_timeout_s must be >= 1"},
+      {"--verify_collectives_every=-1", 2, "--verify_collectives_every >= 0"},
+      {"--optimizer=adam", 2, "--optimizer=adam: expected adamw or sgd"},
+      {"--sharding_strategy=ful_shard", 2, "unknown sharding strategy 'ful_shard' (valid: "},
+      {"--param_dtype=int8", 2, "unknown dtype 'int8' (valid: float32/fp32"},
+      {"--backward_prefetch=sideways", 2,
+       "--backward_prefetch=sideways: expected none, backward_pre or backward_post"},
+      {"--wrap_policy=nonsense", 2, "no policy named 'nonsense' (registered: "},
+      {"--policy_plugin=/nonexistent.so", 2, "cannot load wrap policy plugin '/nonexistent.so'"},
+      {"--steps=abc", 1, "Illegal value 'abc' specified for flag 'steps'"},
+      {"--sharding_strategy=hybrid_shard --shard_group_size=3", 1,
+       "hybrid sharding: shard group size 3 is not in [1, world size 2]"},
+      {"--resume --checkpoint_dir=" + dir + "/none", 1,
+       "--resume: no complete checkpoint in --checkpoint_dir='" + dir + "/none'"},
+      {"--init_state_dict=" + dir + "/missing.pt", 1,
+       "cannot read '" + dir + "/missing.pt' as a torch.save archive: cannot open it"},
+  };
+  for (const BadFlags& bad : cases) {
+    SCOPED_TRACE(bad.flags);
+    const CommandResult run =
+        RunCommand(absl::StrCat(kTrainGpt, " --steps=3 --print_plan=false ", bad.flags));
+    EXPECT_EQ(run.exit_code, bad.exit_code) << run.output;
+    EXPECT_THAT(run.output, HasSubstr(bad.message));
+    EXPECT_THAT(run.output, ::testing::Not(HasSubstr("step    1/")));
+  }
+  const std::vector<BadFlags> launcher_cases = {
+      {"--nproc_per_node=0 -- /bin/true", 2, "launcher: world size 0 must be >= 1"},
+      {"--nproc_per_node=2", 2, "fsdp_launch: no program given"},
+      {"--nproc_per_node=2 -- /nonexistent/prog", 2,
+       "launcher: '/nonexistent/prog' is not an executable file"},
+      {"--timeout_s=0 -- /bin/true", 2, "launcher: timeout must be positive"},
+  };
+  for (const BadFlags& bad : launcher_cases) {
+    SCOPED_TRACE(bad.flags);
+    const CommandResult run = RunCommand(absl::StrCat(kLaunch, " ", bad.flags));
+    EXPECT_EQ(run.exit_code, bad.exit_code) << run.output;
+    EXPECT_THAT(run.output, HasSubstr(bad.message));
+  }
+}
+
+// Starts a long train_gpt job at W = 2 (with `extra_flags`) and, once it
+// has printed step `act_at`, calls `act(launcher_pid, rank_pids)`; returns
+// the job's output and exit code.
 template <typename Act>
-CommandResult RunAndInterfere(const Act& act) {
+CommandResult RunAndInterfere(const Act& act, const std::string& extra_flags = "",
+                              int act_at = 3) {
   CommandResult run;
   std::FILE* pipe = ::popen(absl::StrCat("exec ", kTrainGpt,
                                          " --world_size=2 --steps=1000000 --log_every=1 "
-                                         "--print_plan=false --timeout_s=120 2>&1")
+                                         "--print_plan=false --timeout_s=120 ",
+                                         extra_flags, " 2>&1")
                                 .c_str(),
                             "r");
   if (pipe == nullptr) return run;
@@ -158,7 +214,7 @@ CommandResult RunAndInterfere(const Act& act) {
         }
       }
     }
-    if (!acted && pids.size() == 2 && line.rfind("step    3/", 0) == 0) {
+    if (!acted && pids.size() == 2 && line.rfind(absl::StrFormat("step %4d/", act_at), 0) == 0) {
       // The launcher is the ranks' parent.
       std::ifstream stat("/proc/" + std::to_string(pids[0]) + "/stat");
       std::string field;
@@ -174,8 +230,12 @@ CommandResult RunAndInterfere(const Act& act) {
 }
 
 TEST(TrainGpt, WhenARankIsKilledTheOtherStopsAndTheLauncherNamesIt) {
-  const CommandResult run = RunAndInterfere(
-      [](int, const std::vector<int>& ranks) { ::kill(ranks[1], SIGKILL); });
+  std::vector<int> rank_pids;
+  const CommandResult run = RunAndInterfere([&](int, const std::vector<int>& ranks) {
+    rank_pids = ranks;
+    ::kill(ranks[1], SIGKILL);
+  });
+  for (int pid : rank_pids) EXPECT_NE(::kill(pid, 0), 0) << "rank pid " << pid << " lives on";
   std::printf("%s", run.output.c_str());
   EXPECT_EQ(run.exit_code, 1) << run.output;
   EXPECT_THAT(run.output, HasSubstr("train_gpt: the job failed:"));
@@ -184,7 +244,38 @@ TEST(TrainGpt, WhenARankIsKilledTheOtherStopsAndTheLauncherNamesIt) {
   // itself, saying why; it was not killed after the grace period.
   EXPECT_THAT(run.output, HasSubstr("rank 0 exited with code 1"));
   EXPECT_THAT(run.output, HasSubstr("train_gpt rank 0: "));
+  // Its error says which collective failed and that rank 1 went silent.
+  EXPECT_THAT(run.output, HasSubstr("what every rank of the group reported:"));
+  EXPECT_THAT(run.output, HasSubstr("rank 1 sent no report within 5000 ms: dead"));
   EXPECT_THAT(run.output, ::testing::Not(HasSubstr("still running after another rank failed")));
+}
+
+TEST(TrainGpt, AfterARankDiesTheLastCheckpointResumesTheRunExactly) {
+  const std::string dir = TempDir("dead_rank_resume");
+  // The uninterrupted run.
+  const CommandResult reference = RunCommand(absl::StrCat(
+      kTrainGpt, " --world_size=2 --steps=10 --print_plan=false --metrics_jsonl=", dir,
+      "/reference.jsonl"));
+  ASSERT_EQ(reference.exit_code, 0) << reference.output;
+  // The same run, checkpointing every 3 steps, loses rank 1 after step 7.
+  const CommandResult killed = RunAndInterfere(
+      [](int, const std::vector<int>& ranks) { ::kill(ranks[1], SIGKILL); },
+      absl::StrCat("--checkpoint_dir=", dir, "/ckpt --checkpoint_every=3"), /*act_at=*/7);
+  EXPECT_EQ(killed.exit_code, 1) << killed.output;
+  EXPECT_THAT(killed.output, HasSubstr("rank 1 died of signal 9 (Killed)"));
+  EXPECT_THAT(killed.output, HasSubstr("checkpoint " + dir + "/ckpt/step-00000006"));
+  // Resumed from step 6's checkpoint (loads verify every byte), steps 7-10
+  // repeat the uninterrupted run's losses.
+  const CommandResult resumed = RunCommand(absl::StrCat(
+      kTrainGpt, " --world_size=2 --steps=10 --print_plan=false --resume --checkpoint_dir=",
+      dir, "/ckpt --metrics_jsonl=", dir, "/resumed.jsonl"));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_THAT(resumed.output, HasSubstr("resumed from " + dir + "/ckpt/step-00000006"));
+  const std::vector<double> expected = LossesOf(dir + "/reference.jsonl");
+  const std::vector<double> actual = LossesOf(dir + "/resumed.jsonl");
+  ASSERT_EQ(expected.size(), 10u);
+  ASSERT_EQ(actual.size(), 4u);
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(actual[i], expected[6 + i], 1e-6) << "step " << 7 + i;
 }
 
 TEST(TrainGpt, AnInterruptedLauncherStopsEveryRank) {

@@ -34,6 +34,7 @@
 #include "ATen/ATen.h"
 #include "ATen/Parallel.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
@@ -100,7 +101,15 @@ int RunWorker(int argc, char** argv) {
     std::fprintf(stderr, "worker: expected 9 arguments after --worker\n");
     return 2;
   }
-  const std::string mode = argv[2], out_dir = argv[3];
+  std::string mode = argv[2];
+  const std::string out_dir = argv[3];
+  // "<strategy>:no_headers": without the collective header check, to
+  // measure its price.
+  fsdp::GlooOptions gloo;
+  if (absl::EndsWith(mode, ":no_headers")) {
+    mode = mode.substr(0, mode.size() - std::string(":no_headers").size());
+    gloo.check_collective_headers = false;
+  }
   StepConfig c;
   int* fields[] = {&c.n_layer, &c.n_head, &c.n_embd, &c.block_size,
                    &c.batch_per_rank, &c.warmup, &c.steps};
@@ -110,7 +119,7 @@ int RunWorker(int argc, char** argv) {
   const fsdp::LaunchEnvironment env = fsdp::ValueOrThrow(fsdp::ReadLaunchEnvironment());
   std::unique_ptr<fsdp::Collectives> comm;
   if (mode != "single") {
-    comm = fsdp::ValueOrThrow(fsdp::CreateGlooCollectivesFromEnvironment(env));
+    comm = fsdp::ValueOrThrow(fsdp::CreateGlooCollectivesFromEnvironment(env, gloo));
   }
   models::GptConfig config;
   config.n_layer = c.n_layer;
@@ -266,6 +275,8 @@ int main(int argc, char** argv) {
          {"single", "full_shard", "shard_grad_op", "no_shard", "pytorch_ddp"}) {
       Register("BM_TrainStep", mode, world, step);
     }
+    // The price of the collective header check (on in every case above).
+    if (world > 1) Register("BM_TrainStep", "full_shard:no_headers", world, step);
   }
   // Memory against model size, where model state dominates (hundreds of MB
   // per replica): blocks of width 512 (3.1 M parameters each; with

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
+#include "comm/collectives.h"
 #include "optim/optim_internal.h"
 #include "torch/csrc/jit/serialization/pickle.h"
 #include "torch/serialize/input-archive.h"
@@ -209,6 +210,7 @@ absl::StatusOr<OptimStateDict> FullOptimStateDict(FullyShardedModel& model,
   if (model.training_state() != ModelTrainingState::kIdle) {
     return absl::FailedPreconditionError("FullOptimStateDict: the model is in forward or backward");
   }
+  CollectiveLabel label(model.group(), model.replicate_group(), "", "FULL optimizer state dict");
   try {
     return StateDictOf(model.units().front()->module(), &model, optimizer,
                        !rank0_only || model.group().rank() == 0);
@@ -219,6 +221,8 @@ absl::StatusOr<OptimStateDict> FullOptimStateDict(FullyShardedModel& model,
 
 absl::Status LoadFullOptimStateDict(FullyShardedModel& model, torch::optim::Optimizer& optimizer,
                                     const OptimStateDict& state) {
+  CollectiveLabel label(model.group(), model.replicate_group(), "",
+                        "loading a FULL optimizer state dict");
   try {
     return Load(model.units().front()->module(), &model, optimizer, state,
                 absl::StrCat("rank ", model.group().rank(), " of ", model.group().world_size()));
@@ -281,6 +285,8 @@ absl::Status LoadFullOptimStateDictFromRank0(FullyShardedModel& model,
                                              torch::optim::Optimizer& optimizer,
                                              const OptimStateDict& state) {
   Collectives& group = model.group();
+  CollectiveLabel label(group, model.replicate_group(), "",
+                        "loading a FULL optimizer state dict from rank 0");
   absl::Status local;
   try {
     std::string bytes = group.rank() == 0 ? Serialize(state) : std::string();

@@ -392,6 +392,7 @@ absl::Status LoadShardedCheckpoint(FullyShardedModel& model, const std::string& 
 absl::Status SaveCheckpointTensors(Collectives& group, const std::string& dir,
                                    const std::vector<CheckpointTensor>& tensors) {
   const int rank = group.rank(), world = group.world_size();
+  CollectiveLabel label(group, "", "checkpoint save");
   try {
     // A random id, as two 32-bit halves (exact in the float64 that
     // broadcast carries).
@@ -478,6 +479,7 @@ absl::Status LoadCheckpointTensors(Collectives& group, const std::string& dir,
                                    const std::vector<CheckpointTensor>& tensors,
                                    const std::vector<std::string>& ignore_prefixes,
                                    ShardedLoadStats* stats) {
+  CollectiveLabel label(group, "", "checkpoint load");
   std::vector<at::Tensor> staging(tensors.size());
   ShardedLoadStats local_stats;
   absl::Status local;

@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "base/status.h"
 #include "c10/core/GradMode.h"
+#include "comm/collectives.h"
 #include "statedict/model_tensors.h"
 
 namespace fsdp {
@@ -107,6 +108,7 @@ absl::StatusOr<std::vector<at::Tensor>> MatchStateDict(
 absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model, const StateDictSettings& settings,
                                         FullStateDictStats* stats) {
   FSDP_RETURN_IF_ERROR(RequireIdle(model, "FULL state dict"));
+  CollectiveLabel label(model.group(), model.replicate_group(), "", "FULL state dict");
   const StateDict named = NamedTensors(model.units().front()->module());
   const Placements placements = PlacementsOf(model);
   const bool keep = !settings.rank0_only || model.group().rank() == 0;
@@ -165,6 +167,7 @@ absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model, const StateDic
 
 absl::Status LoadFullStateDict(FullyShardedModel& model, const StateDict& state) {
   FSDP_RETURN_IF_ERROR(RequireIdle(model, "loading a FULL state dict"));
+  CollectiveLabel label(model.group(), model.replicate_group(), "", "loading a FULL state dict");
   const StateDict named = NamedTensors(model.units().front()->module());
   const Placements placements = PlacementsOf(model);
   std::vector<std::vector<int64_t>> shapes;

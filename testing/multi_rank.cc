@@ -63,12 +63,12 @@ std::string DescribeCurrentException() {
 // environment, run the body, exit without returning to the test.
 [[noreturn]] void RunAsRankProcess(const RankBody& body, const MultiRankOptions& options) {
   int exit_code = 0;
+  std::unique_ptr<Collectives> comm;
   try {
     LaunchEnvironment env = ValueOrThrow(ReadLaunchEnvironment());
     GlooOptions gloo = options.gloo;
     gloo.timeout = options.collective_timeout;
-    std::unique_ptr<Collectives> comm =
-        ValueOrThrow(CreateGlooCollectivesFromEnvironment(env, gloo));
+    comm = ValueOrThrow(CreateGlooCollectivesFromEnvironment(env, gloo));
     SCOPED_TRACE(absl::StrCat("rank ", env.rank));
     body(*comm);
     if (::testing::Test::HasFailure()) {
@@ -77,7 +77,10 @@ std::string DescribeCurrentException() {
       exit_code = 1;
     }
   } catch (...) {
-    std::fprintf(stderr, "rank process failed: %s\n", DescribeCurrentException().c_str());
+    const std::string error = DescribeCurrentException();
+    // The other ranks' failures then quote this one instead of waiting.
+    if (comm) comm->ReportStopped(error);
+    std::fprintf(stderr, "rank process failed: %s\n", error.c_str());
     exit_code = 1;
   }
   std::fflush(nullptr);
@@ -108,18 +111,20 @@ absl::Status RunOnThreadRanks(int world_size, const RankBody& body,
   for (int rank = 0; rank < world_size; ++rank) {
     threads.emplace_back([=, &body, &options] {
       std::string error;
+      std::unique_ptr<Collectives> comm;
       try {
         SCOPED_TRACE(absl::StrCat("rank ", rank));
         GlooOptions gloo = options.gloo;
         gloo.interface.clear();
         gloo.hostname = "127.0.0.1";
         gloo.timeout = options.collective_timeout;
-        std::unique_ptr<Collectives> comm =
-            ValueOrThrow(CreateGlooCollectives(store, rank, world_size, gloo));
+        comm = ValueOrThrow(CreateGlooCollectives(store, rank, world_size, gloo));
         body(*comm);
       } catch (...) {
         error = DescribeCurrentException();
+        if (comm) comm->ReportStopped(error);
       }
+      comm.reset();  // Closes this rank's connections before it reports done.
       std::lock_guard<std::mutex> lock(shared->mu);
       shared->errors[rank] = error;
       shared->done[rank] = true;

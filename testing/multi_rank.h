@@ -18,7 +18,9 @@
 //     only in the parent. A test may call it more than once.
 //
 // Failures: an exception escaping the body on rank r becomes "rank r: <what>"
-// in the returned status, with every failed rank listed. gtest failures
+// in the returned status, with every failed rank listed, and is published
+// to the group's fingerprint exchange (Collectives::ReportStopped), so that
+// the other ranks' collective errors quote it. gtest failures
 // inside the body are reported by gtest itself, marked "rank r" (thread mode)
 // or found in the failing rank's log, which the status quotes (process mode).
 // Collectives get `collective_timeout`, so a rank stuck in a collective fails
