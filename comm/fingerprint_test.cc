@@ -190,6 +190,27 @@ TEST(GlooFingerprints, WithoutHeadersThePeriodicCheckFindsTheDivergence) {
   }
 }
 
+TEST(GlooFingerprints, MisuseOfTheExchangeIsRefused) {
+  ASSERT_TRUE(RunOnThreadRanks(1, [](Collectives& comm) {
+                FingerprintOptions bad;
+                bad.capacity = 0;
+                try {
+                  comm.AttachFingerprintExchange(nullptr, bad);
+                  ADD_FAILURE() << "capacity 0 accepted";
+                } catch (const c10::Error& e) {
+                  EXPECT_THAT(e.msg(), HasSubstr("capacity and report_timeout must be positive"));
+                }
+                comm.Barrier();
+                try {
+                  comm.AttachFingerprintExchange(nullptr, FingerprintOptions());
+                  ADD_FAILURE() << "attached after a collective";
+                } catch (const c10::Error& e) {
+                  EXPECT_THAT(e.msg(), HasSubstr("attach the fingerprint exchange before the "
+                                                 "first collective"));
+                }
+              }).ok());
+}
+
 TEST(GlooFingerprints, VerifyingEachCollectiveStopsTheFirstDifferentOne) {
   MultiRankOptions options = ShortTimeouts();
   options.gloo.check_collective_headers = false;

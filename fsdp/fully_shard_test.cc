@@ -739,6 +739,22 @@ TEST(FullyShard, WrappingTwiceIsAnError) {
   EXPECT_TRUE(status.ok()) << status;
 }
 
+TEST(FullyShard, BadOptionsAreRefusedAtWrap) {
+  absl::Status status = RunOnThreadRanks(1, [](Collectives& comm) {
+    Net model;
+    FsdpOptions options;
+    options.verify_collectives_every = -1;
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
+    EXPECT_EQ(wrapped.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(wrapped.status().message(),
+                HasSubstr("FsdpOptions::verify_collectives_every must be >= 0 (0: never), "
+                          "got -1"));
+    EXPECT_EQ(GetModuleUnit(model.get()), nullptr) << "nothing registered";
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
 // A parameter used by two sibling units cannot be sharded by either.
 struct SharedWeightBlockImpl : torch::nn::Module, ShardableModule {
   explicit SharedWeightBlockImpl(at::Tensor shared) {

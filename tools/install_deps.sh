@@ -19,6 +19,9 @@ packages=(
   protobuf-compiler
   libopenblas0-pthread  # without it libtorch's matmuls use the reference BLAS (~16x slower)
   python3-torch         # Debian's Python torch, for checkpoint interoperability tests
+  cmake                 # the CMake build (CMakeLists.txt), which CI also checks
+  ninja-build
+  ccache                # keeps CI's CMake rebuilds incremental
 )
 
 missing=()
