@@ -56,6 +56,19 @@ void CheckTensor(const std::string& who, CollectiveOp op, const char* role,
               role, " must be 1-D (a flat buffer) but has shape ", t.sizes());
 }
 
+// Reports by rank; nullopt for missing or damaged ones (a damaged report
+// counts as none rather than being trusted).
+std::vector<std::optional<FingerprintReport>> ParseReports(
+    const std::vector<std::optional<std::string>>& texts, int world_size) {
+  std::vector<std::optional<FingerprintReport>> reports(world_size);
+  for (int r = 0; r < world_size && r < static_cast<int>(texts.size()); ++r) {
+    if (!texts[r]) continue;
+    absl::StatusOr<FingerprintReport> report = ParseReport(*texts[r]);
+    if (report.ok() && report->rank == r) reports[r] = *std::move(report);
+  }
+  return reports;
+}
+
 // Checks the (full, shard) pair of an all-gather or a reduce-scatter.
 void CheckFlatPair(const std::string& who, CollectiveOp op, int world_size,
                    const at::Tensor& full, const char* full_role,
@@ -188,18 +201,7 @@ std::vector<std::optional<FingerprintReport>> Collectives::ExchangeReports(
   } else {
     for (std::string& text : AllGatherBytes(*this, mine)) texts.emplace_back(std::move(text));
   }
-  std::vector<std::optional<FingerprintReport>> reports(world_size_);
-  for (int r = 0; r < world_size_ && r < static_cast<int>(texts.size()); ++r) {
-    if (!texts[r]) continue;
-    absl::StatusOr<FingerprintReport> report = ParseReport(*texts[r]);
-    if (report.ok() && report->rank == r) {
-      reports[r] = *std::move(report);
-    } else {
-      // Reported as silent rather than trusted.
-      reports[r] = std::nullopt;
-    }
-  }
-  return reports;
+  return ParseReports(texts, world_size_);
 }
 
 void Collectives::VerifyConsistency() {
@@ -230,13 +232,8 @@ std::string Collectives::ExplainFailure(const std::string& error) {
       reports = ExchangeReports("failure", error);
     } else {
       // ReportStopped already published; collect only.
-      std::vector<std::optional<std::string>> texts =
-          exchange_->Collect("failure", fingerprint_options_.report_timeout);
-      for (int r = 0; r < world_size_; ++r) {
-        absl::StatusOr<FingerprintReport> report =
-            texts[r] ? ParseReport(*texts[r]) : absl::NotFoundError("no report");
-        reports.push_back(report.ok() ? std::optional(*report) : std::nullopt);
-      }
+      reports = ParseReports(exchange_->Collect("failure", fingerprint_options_.report_timeout),
+                             world_size_);
     }
   } catch (const std::exception& e) {
     // The explanation must never hide the failure it explains.

@@ -40,8 +40,7 @@ std::vector<std::string> FaultInjectingCollectives::fired() const {
 }
 
 std::optional<Fault> FaultInjectingCollectives::Match() {
-  const std::vector<CollectiveRecord> recent = fingerprints().Recent();
-  const CollectiveRecord& record = recent.back();
+  const CollectiveRecord record = fingerprints().Last();
   std::lock_guard<std::mutex> lock(mu_);
   for (auto it = pending_.begin(); it != pending_.end(); ++it) {
     const Fault& f = it->fault;
