@@ -310,10 +310,14 @@ class GlooCollectives final : public Collectives {
       const int64_t* theirs = received[r].data_ptr<int64_t>();
       if (std::equal(header, header + kHeaderFields, theirs)) continue;
       const bool known_op = theirs[1] >= 0 && theirs[1] < kNumCollectiveOps;
+      // The hash covers labels and all earlier collectives: when only it
+      // differs, the explanation below says where.
+      const bool only_hash = std::equal(header, header + kHeaderFields - 1, theirs);
       differing.push_back(absl::StrCat(
           "rank ", r, " issued #", theirs[0], " ",
           known_op ? CollectiveOpName(static_cast<CollectiveOp>(theirs[1])) : "(unknown op)",
-          " of ", theirs[2], " elements", theirs[4] == header[4] ? "" : " after another history"));
+          " of ", theirs[2], " elements",
+          only_hash ? " with another unit or phase, or after other collectives" : ""));
     }
     if (differing.empty()) return nullptr;
     return MakeFailedWork(absl::StrCat(
