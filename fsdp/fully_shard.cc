@@ -462,18 +462,40 @@ void FullyShardedModel::PreForward(FsdpUnit& unit) {
   if (!order_recorded_) pre_forward_order_.push_back(IndexOf(unit));
   Unshard(*handle);
   if (options_.forward_prefetch) Prefetch(unit.forward_prefetch_);
-  if (unit.accumulators_.empty()) {
-    // Created while unsharded: an accumulator records the parameter's shape
-    // when it is made, and backward delivers full-shape gradients.
-    for (const FlatParamEntry& entry : handle->entries()) {
-      if (!entry.param.requires_grad()) continue;
-      std::shared_ptr<torch::autograd::Node> node =
-          torch::autograd::impl::grad_accumulator(entry.param);
-      FsdpUnit* u = &unit;
-      const uintptr_t key = node->add_post_hook(
-          std::make_unique<AccumulatorPostHook>([this, u] { PostBackward(*u); }));
-      unit.accumulators_.emplace_back(std::move(node), key);
-    }
+  HookGradientAccumulators(unit);
+}
+
+void FullyShardedModel::HookGradientAccumulators(FsdpUnit& unit) {
+  // Autograd forgets a parameter's accumulator when set_data gives it
+  // another dtype or device (mixed precision's low-precision copy, CPU
+  // offload's host shard), and this forward's graph then holds a new one
+  // without our hook: every such unit would reduce only at the end of
+  // backward. So the hooks are checked on every forward and moved to the
+  // accumulators this forward uses. Created while unsharded: an
+  // accumulator records the parameter's shape, dtype and device when it is
+  // made, and backward delivers full-shape gradients.
+  const std::vector<FlatParamEntry>& entries = unit.handle_->entries();
+  bool current = !unit.accumulators_.empty();
+  size_t k = 0;
+  for (const FlatParamEntry& entry : entries) {
+    if (!current) break;
+    if (!entry.param.requires_grad()) continue;
+    current = k < unit.accumulators_.size() &&
+              torch::autograd::impl::try_get_grad_accumulator(entry.param) ==
+                  unit.accumulators_[k].first;
+    ++k;
+  }
+  if (current) return;
+  for (auto& [node, key] : unit.accumulators_) node->del_post_hook(key);
+  unit.accumulators_.clear();
+  for (const FlatParamEntry& entry : entries) {
+    if (!entry.param.requires_grad()) continue;
+    std::shared_ptr<torch::autograd::Node> node =
+        torch::autograd::impl::grad_accumulator(entry.param);
+    FsdpUnit* u = &unit;
+    const uintptr_t key = node->add_post_hook(
+        std::make_unique<AccumulatorPostHook>([this, u] { PostBackward(*u); }));
+    unit.accumulators_.emplace_back(std::move(node), key);
   }
 }
 

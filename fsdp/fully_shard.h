@@ -204,6 +204,8 @@ class FullyShardedModel {
   // with the same options (one all-gather).
   void LazyInit();
   void PreForward(FsdpUnit& unit);
+  // Puts PostBackward on the accumulators this forward's graph uses.
+  void HookGradientAccumulators(FsdpUnit& unit);
   void PostForward(FsdpUnit& unit, const std::vector<at::Tensor>& outputs);
   void PreBackward(FsdpUnit& unit);
   void PostBackward(FsdpUnit& unit);

@@ -24,6 +24,7 @@ namespace fsdp {
 namespace {
 
 using ::fsdp::testing::BlockImpl;
+using ::fsdp::testing::g_after_block_backward;
 using ::fsdp::testing::g_in_block_forward;
 using ::fsdp::testing::Inputs;
 using ::fsdp::testing::kGlobalBatch;
@@ -136,11 +137,26 @@ TEST_P(MixedPrecisionParity, MatchesALocalReferenceWithTheSameCasts) {
                   seen.push_back(
                       model->blocks[index]->as<BlockImpl>()->fc->weight.scalar_type());
                 };
+                // Reductions already issued when block 1's backward has run:
+                // block 2's at least, on every step. A parameter whose
+                // accumulator autograd forgot (set_data to another dtype
+                // forgets it) would defer every reduction to the end of
+                // backward from the second step on.
+                std::vector<int64_t> reduced_by_block1;
+                const CollectiveOp reduce_op = c.strategy == ShardingStrategy::kNoShard
+                                                   ? CollectiveOp::kAllReduce
+                                                   : CollectiveOp::kReduceScatter;
+                g_after_block_backward = [&](int index) {
+                  if (index == 1) reduced_by_block1.push_back(comm.counters().Calls(reduce_op));
+                };
                 for (int step = 0; step < kSteps; ++step) {
                   comm.ResetCounters();
                   at::Tensor loss =
                       RankLoss(model->forward(RankInputs(step, comm.rank())), step, comm.rank());
                   loss.backward();
+                  ASSERT_EQ(reduced_by_block1.size(), static_cast<size_t>(step + 1));
+                  EXPECT_GE(reduced_by_block1.back(), 1)
+                      << "step " << step << ": no unit reduced its gradients during backward";
                   if (step > 0) {  // Step 0 adds lazy init's small all-gathers.
                     const CollectiveCounters counters = comm.counters();
                     // What crossed the wire, measured: parameters in param_dtype
@@ -172,6 +188,7 @@ TEST_P(MixedPrecisionParity, MatchesALocalReferenceWithTheSameCasts) {
                       error[comm.rank()], std::abs(global.item<float>() - same_casts.losses[step]));
                 }
                 g_in_block_forward = nullptr;
+                g_after_block_backward = nullptr;
                 for (at::ScalarType dtype : seen) EXPECT_EQ(dtype, compute);
                 // Summoned parameters are the full-precision masters.
                 SummonFullParams full(fsdp, {/*writeback=*/false});
