@@ -9,19 +9,47 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
+#include "c10/core/DeviceGuard.h"
+#include "c10/core/impl/VirtualGuardImpl.h"
 #include "c10/util/Exception.h"
 
 namespace fsdp {
 namespace {
 
-void FreeStorage(const at::Tensor& t) {
-  at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), 0);
+// On a device with streams the caching allocator hands memory back to the
+// stream it was allocated on as soon as it is freed; memory that another
+// stream used must not be reused before that stream's work so far is done.
+// Records `t`'s use by the current stream (PyTorch's record_stream); a no-op
+// on CPU, where work is synchronous.
+void RecordUseOnCurrentStream(const at::Tensor& t) {
+  if (!t.defined() || t.device().is_cpu()) return;
+  c10::impl::VirtualGuardImpl guard(t.device().type());
+  guard.recordDataPtrOnStream(t.storage().data_ptr(), guard.getStream(t.device()));
 }
 
-void AllocateStorage(const at::Tensor& t) {
-  at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(),
-                               t.numel() * t.element_size());
+// Frees (bytes == 0) or allocates the whole storage of `t`, keeping the
+// storage object so that every view of it stays valid across the cycle.
+// The contents are not kept.
+void ResizeStorage(const at::Tensor& t, size_t bytes) {
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  if (storage->device_type() == c10::DeviceType::CPU) {
+    at::native::resize_bytes_cpu(storage, bytes);
+    return;
+  }
+  // The device's allocator allocates on the current device.
+  c10::DeviceGuard on_device(storage->device());
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
+  storage->set_nbytes(bytes);
 }
+
+// The full parameter is filled on the all-gather stream and read on the
+// current (compute) stream, which its free waits for.
+void FreeStorage(const at::Tensor& t) {
+  RecordUseOnCurrentStream(t);
+  ResizeStorage(t, 0);
+}
+
+void AllocateStorage(const at::Tensor& t) { ResizeStorage(t, t.numel() * t.element_size()); }
 
 }  // namespace
 
@@ -109,7 +137,8 @@ FlatParamHandle::FlatParamHandle(std::string unit_name, std::vector<FlatParamEnt
     : unit_name_(std::move(unit_name)),
       params_(std::move(params)),
       group_(group),
-      options_(options) {
+      options_(options),
+      compute_device_(params_.front().param.device()) {
   for (const FlatParamEntry& p : params_) {
     FlatParamInfo info;
     info.fqn = p.fqn;
@@ -142,16 +171,23 @@ FlatParamHandle::FlatParamHandle(std::string unit_name, std::vector<FlatParamEnt
           .copy_(params_[i].param.detach().reshape({-1}));
     }
   }
-  local_shard_ = flat.narrow(0, shard_begin, shard).clone();
+  const at::Tensor mine = flat.narrow(0, shard_begin, shard);
+  if (options_.offload_params) {
+    local_shard_ = EmptyOnHost(mine.numel(), mine.scalar_type());
+    local_shard_.copy_(mine);
+  } else {
+    local_shard_ = mine.clone();
+  }
   // The views parameters swap between are made once: building a view costs
   // about as much as the swap itself, and views of full_ stay valid while
   // its storage is freed and reallocated.
   for (size_t i = 0; i < params_.size(); ++i) shard_views_.push_back(ShardView(local_shard_, i));
   compute_dtype_ = options_.param_dtype.value_or(local_shard_.scalar_type());
   low_precision_ = compute_dtype_ != local_shard_.scalar_type();
-  if (uses_sharded_views() || low_precision_) {
-    // The flat copy, no longer needed, serves as the full buffer when the
-    // dtypes agree: one unit's memory less at wrap time.
+  if (uses_sharded_views() || low_precision_ || options_.offload_params) {
+    // The flat copy (on the compute device), no longer needed, serves as
+    // the full buffer when the dtypes agree: one unit's memory less at wrap
+    // time.
     full_ = low_precision_ ? at::empty({padded_numel_}, tensor_options.dtype(compute_dtype_))
                            : flat;
     for (const FlatParamInfo& info : infos_) {  // Views need the storage allocated.
@@ -194,9 +230,11 @@ void FlatParamHandle::PointParamsAtShard() {
 }
 
 void FlatParamHandle::AllocateShardedGrad(at::Tensor initial) {
-  sharded_grad_ = initial.defined()
-                      ? std::move(initial)
-                      : at::zeros({local_shard_.numel()}, local_shard_.options().dtype(GradDtype()));
+  sharded_grad_ = initial.defined() ? std::move(initial)
+                                    : options_.offload_params
+                                        ? EmptyOnHost(local_shard_.numel(), GradDtype()).zero_()
+                                        : at::zeros({local_shard_.numel()},
+                                                    local_shard_.options().dtype(GradDtype()));
   grad_aliases_.clear();
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor part = ShardView(sharded_grad_, i);
@@ -220,8 +258,29 @@ int64_t FlatParamHandle::full_param_bytes() const {
 }
 
 bool FlatParamHandle::UnshardNeeded() const {
-  return uses_sharded_views() ||
-         (low_precision_ && training_state_ != HandleTrainingState::kSummonFullParams);
+  return uses_sharded_views() || ((low_precision_ || options_.offload_params) &&
+                                  training_state_ != HandleTrainingState::kSummonFullParams);
+}
+
+at::Tensor FlatParamHandle::OnComputeDevice(const at::Tensor& host, at::ScalarType dtype) const {
+  if (!options_.offload_params) return host.to(dtype);
+  // A copy even when the compute device is the host: one code path.
+  return host.to(compute_device_, dtype, /*non_blocking=*/true, /*copy=*/true);
+}
+
+at::Tensor FlatParamHandle::EmptyOnHost(int64_t numel, at::ScalarType dtype) const {
+  return at::empty({numel}, at::TensorOptions().dtype(dtype).device(at::kCPU).pinned_memory(
+                                compute_device_.type() == c10::DeviceType::CUDA));
+}
+
+int64_t FlatParamHandle::ShardBytesOn(c10::DeviceType type) const {
+  int64_t bytes = 0;
+  for (const at::Tensor* t : {&local_shard_, &sharded_grad_}) {
+    if (t->defined() && t->device().type() == type) {
+      bytes += static_cast<int64_t>(t->storage().nbytes());
+    }
+  }
+  return bytes;
 }
 
 at::ScalarType FlatParamHandle::GradDtype() const {
@@ -233,18 +292,17 @@ at::ScalarType FlatParamHandle::GradDtype() const {
 void FlatParamHandle::StartUnshard() {
   // NO_SHARD's low-precision copy is a local cast, made in FinishUnshard.
   if (!uses_sharded_views() || unsharded_ || pending_unshard_) return;
+  const bool copies = low_precision_ || options_.offload_params;
   if (low_precision_ && training_state_ == HandleTrainingState::kSummonFullParams) {
-    summon_full_ = at::empty({padded_numel_}, local_shard_.options());
-    pending_unshard_ = group_.AllGatherIntoTensor(summon_full_, local_shard_);
+    summon_full_ = at::empty({padded_numel_}, local_shard_.options().device(compute_device_));
+    if (options_.offload_params) send_buffer_ = OnComputeDevice(local_shard_, local_shard_.scalar_type());
+    pending_unshard_ = group_.AllGatherIntoTensor(
+        summon_full_, options_.offload_params ? send_buffer_ : local_shard_);
     return;
   }
   AllocateStorage(full_);
-  if (low_precision_) {
-    send_buffer_ = local_shard_.to(compute_dtype_);
-    pending_unshard_ = group_.AllGatherIntoTensor(full_, send_buffer_);
-  } else {
-    pending_unshard_ = group_.AllGatherIntoTensor(full_, local_shard_);
-  }
+  if (copies) send_buffer_ = OnComputeDevice(local_shard_, compute_dtype_);
+  pending_unshard_ = group_.AllGatherIntoTensor(full_, copies ? send_buffer_ : local_shard_);
 }
 
 void FlatParamHandle::FinishUnshard() {
@@ -252,7 +310,7 @@ void FlatParamHandle::FinishUnshard() {
   if (!uses_sharded_views()) {
     at::NoGradGuard no_grad;
     AllocateStorage(full_);
-    full_.copy_(local_shard_);
+    full_.copy_(local_shard_, /*non_blocking=*/true);  // The host is not read before the stream.
     PointParamsAtFull();
     unsharded_ = true;
     return;
@@ -303,7 +361,7 @@ void FlatParamHandle::DiscardPendingUnshard() {
 }
 
 void FlatParamHandle::Reshard() {
-  if (uses_sharded_views() || low_precision_) {
+  if (uses_sharded_views() || low_precision_ || options_.offload_params) {
     TORCH_CHECK(pending_unshard_ == nullptr, Describe(),
                 ": Reshard while an all-gather is pending (call FinishUnshard first)");
     if (unsharded_) {
@@ -352,7 +410,8 @@ void FlatParamHandle::ReduceGradients() {
   at::NoGradGuard no_grad;
   // Copying the gradients in casts them to the reduction's dtype.
   const at::ScalarType reduce_dtype = options_.reduce_dtype.value_or(compute_dtype_);
-  at::Tensor flat_grad = at::zeros({padded_numel_}, local_shard_.options().dtype(reduce_dtype));
+  at::Tensor flat_grad = at::zeros(
+      {padded_numel_}, local_shard_.options().dtype(reduce_dtype).device(compute_device_));
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor grad = params_[i].param.grad();
     if (!grad.defined()) continue;  // Unused in this backward: contributes zero.
@@ -361,6 +420,7 @@ void FlatParamHandle::ReduceGradients() {
                 at::IntArrayRef(infos_[i].shape),
                 " (was PrepareGradientsForBackward called before backward?)");
     flat_grad.narrow(0, infos_[i].offset, infos_[i].numel).copy_(grad.reshape({-1}));
+    RecordUseOnCurrentStream(grad);  // Made on compute, read here (the reduction's stream).
     params_[i].param.mutable_grad() = at::Tensor();
   }
   at::Tensor reduced = uses_sharded_views()
@@ -389,14 +449,26 @@ void FlatParamHandle::ReduceGradients() {
     if (postdivide != 1) reduced.div_(postdivide);
   }
   if (reduced.scalar_type() != GradDtype()) reduced = reduced.to(GradDtype());
-  if (sharded_grad_.defined()) {
+  if (options_.offload_params) {
+    // Accumulated on the compute device, in stream order: nothing here
+    // waits for the device (see "CPU offload" in the header).
+    if (sharded_grad_.defined()) {
+      reduced.add_(OnComputeDevice(sharded_grad_, sharded_grad_.scalar_type()));
+    } else {
+      AllocateShardedGrad(EmptyOnHost(reduced.numel(), reduced.scalar_type()));
+    }
+    sharded_grad_.copy_(reduced, /*non_blocking=*/true);
+  } else if (sharded_grad_.defined()) {
     sharded_grad_.add_(reduced);
   } else {
     AllocateShardedGrad(std::move(reduced));
   }
   gradients_pending_ = true;
   holds_unreduced_ = false;
-  if (!uses_sharded_views()) PublishGradients();  // Shapes already match.
+  // NO_SHARD's shapes already match (its parameters view the shard), unless
+  // offloading, where the parameters are on the compute device until
+  // Reshard points them at the host.
+  if (!uses_sharded_views() && !options_.offload_params) PublishGradients();
 }
 
 void FlatParamHandle::WritebackShard() {
@@ -411,8 +483,11 @@ void FlatParamHandle::UnshardGradients() {
   if (!uses_sharded_views() || !sharded_grad_.defined()) return;
   TORCH_CHECK(!holds_unreduced_ && !gradients_pending_, Describe(),
               ": gradients are not reduced yet (inside no_sync or backward)");
-  full_grad_ = at::empty({padded_numel_}, sharded_grad_.options());
-  group_.AllGatherIntoTensor(full_grad_, sharded_grad_)->Wait();
+  full_grad_ = at::empty({padded_numel_}, sharded_grad_.options().device(compute_device_));
+  const at::Tensor send = options_.offload_params
+                              ? OnComputeDevice(sharded_grad_, sharded_grad_.scalar_type())
+                              : sharded_grad_;
+  group_.AllGatherIntoTensor(full_grad_, send)->Wait();
   for (size_t i = 0; i < params_.size(); ++i) {
     params_[i].param.mutable_grad() =
         full_grad_.narrow(0, infos_[i].offset, infos_[i].numel).view(infos_[i].shape);

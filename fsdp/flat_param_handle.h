@@ -40,6 +40,25 @@
 // NO_SHARD: the shard is the whole unpadded flat buffer, the parameters
 // always view it, and gradients are all-reduced instead.
 //
+// CPU offload (FlatParamHandleOptions::offload_params): the *compute
+// device* is the device the parameters are on at Create. The shard and the
+// sharded gradient live in host memory (pinned when the compute device is
+// CUDA), so the parameters point at host tensors between Reshard and the
+// next Unshard and an optimizer over them steps on the host. Unshard copies
+// the shard to the compute device (cast to param_dtype on the way) and
+// all-gathers it there; ReduceGradients reduces on the compute device and
+// copies the result to the host. Accumulation across backward passes is
+// done on the compute device, stream-ordered (the accumulated host gradient
+// is copied in, added to, copied back), so no reduction waits on the host;
+// on a device with streams the host copy is therefore complete only once
+// the current stream is: FullyShardedModel synchronizes at the end of
+// backward, and a caller driving a handle directly must do the same before
+// reading the gradients. NO_SHARD offloads alike (its "shard" is the whole
+// flat parameter) except under kSummonFullParams, where its parameters
+// point at the host copy itself. With the compute device CPU every copy is
+// still made (same code path, nothing saved): that is what the CPU tests
+// run.
+//
 // Thread safety: none; the runtime drives a handle from one thread.
 #ifndef FSDP_FSDP_FLAT_PARAM_HANDLE_H_
 #define FSDP_FSDP_FLAT_PARAM_HANDLE_H_
@@ -108,6 +127,8 @@ struct FlatParamHandleOptions {
   std::optional<at::ScalarType> param_dtype;
   std::optional<at::ScalarType> reduce_dtype;
   bool keep_low_precision_grads = false;
+  // See "CPU offload" above (PyTorch's CPUOffload(offload_params=True)).
+  bool offload_params = false;
 };
 
 class FlatParamHandle {
@@ -212,6 +233,13 @@ class FlatParamHandle {
   // Bytes currently allocated for the full parameter (0 when resharded):
   // what the memory tests sample.
   int64_t full_param_bytes() const;
+  // Where the unit computes (the parameters' device at Create) and where
+  // its shard and sharded gradient live (the host when offloading).
+  c10::Device compute_device() const { return compute_device_; }
+  bool offloads_params() const { return options_.offload_params; }
+  // Bytes of the shard and of the sharded gradient (0 before the first
+  // reduction) by where they live: what the offload tests measure.
+  int64_t ShardBytesOn(c10::DeviceType type) const;
 
  private:
   FlatParamHandle(std::string unit_name, std::vector<FlatParamEntry> params,
@@ -234,6 +262,13 @@ class FlatParamHandle {
   // low-precision copy to make (not under kSummonFullParams).
   bool UnshardNeeded() const;
   at::ScalarType GradDtype() const;  // Of the reduced gradient.
+  // `host` (the shard or sharded gradient) on the compute device in
+  // `dtype`: itself when it is there already, else a copy issued on the
+  // current stream.
+  at::Tensor OnComputeDevice(const at::Tensor& host, at::ScalarType dtype) const;
+  // A 1-D tensor in host memory (pinned for a CUDA compute device), for
+  // what offloading keeps there.
+  at::Tensor EmptyOnHost(int64_t numel, at::ScalarType dtype) const;
   std::string Describe() const;  // "unit 'h.0' on rank 1 of 4"
 
   const std::string unit_name_;
@@ -241,20 +276,23 @@ class FlatParamHandle {
   std::vector<FlatParamInfo> infos_;
   Collectives& group_;
   const FlatParamHandleOptions options_;
+  const c10::Device compute_device_;
   int64_t flat_numel_ = 0;
   int64_t padded_numel_ = 0;
 
-  at::Tensor local_shard_;   // S elements; NO_SHARD: F elements.
-  // P elements in compute_dtype_; storage freed while resharded. Only for
-  // strategies that shard, or with a param_dtype.
+  at::Tensor local_shard_;   // S elements; NO_SHARD: F elements. Host when offloading.
+  // P elements in compute_dtype_ on the compute device; storage freed while
+  // resharded. Only for strategies that shard, with a param_dtype, or when
+  // offloading.
   at::Tensor full_;
   std::vector<at::Tensor> full_views_;   // Parameter i's view of full_.
   at::ScalarType compute_dtype_ = at::kFloat;  // param_dtype, or the shard's.
   bool low_precision_ = false;                 // compute_dtype_ != the shard's.
   at::Tensor summon_full_;   // Full precision, while a summon is unsharded.
-  at::Tensor send_buffer_;   // The cast shard of a pending all-gather.
+  // The cast or device copy of the shard a pending all-gather sends.
+  at::Tensor send_buffer_;
   std::vector<at::Tensor> shard_views_;  // Parameter i's view of local_shard_.
-  at::Tensor sharded_grad_;  // Like local_shard_; undefined until first needed.
+  at::Tensor sharded_grad_;  // Like local_shard_ (host when offloading); undefined until first needed.
   at::Tensor full_grad_;     // P elements while UnshardGradients is in effect.
   std::vector<at::Tensor> grad_aliases_;  // Parameter i's part of sharded_grad_.
   bool gradients_pending_ = false;  // Reduced into sharded_grad_, not yet in .grad.

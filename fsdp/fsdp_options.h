@@ -74,6 +74,15 @@ struct FsdpOptions {
   // collective and its unit, if they differ. Catches what no timeout does:
   // equal-sized collectives of different units paired silently. 0: never.
   int verify_collectives_every = 0;
+  // PyTorch's CPUOffload(offload_params=True): every unit's shard and
+  // sharded gradient live in host memory (pinned when computing on CUDA),
+  // so an optimizer over the model's parameters steps on the host, with its
+  // state there too; each unshard copies the shard to the compute device
+  // (where the parameters were at Wrap) and each reduction copies its result
+  // back (fsdp/flat_param_handle.h, "CPU offload"). Gradient accumulation
+  // works with it, inside NoSync (the full gradients then stay on the
+  // compute device until the reducing backward) and outside.
+  bool offload_params = false;
   // Subtrees FSDP leaves alone: no policy looks into them and their
   // parameters are neither sharded nor reduced (each rank keeps and trains
   // its own copy, as PyTorch's ignored_modules). They must outlive the

@@ -333,6 +333,7 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
                                                                    : *mp.param_dtype);
       }
       handle_options.keep_low_precision_grads = mp.keep_low_precision_grads;
+      handle_options.offload_params = options.offload_params;
       auto handle = FlatParamHandle::Create(UnitName(planned.fqn),
                                             std::move(entries[u]), group, handle_options);
       if (!handle.ok()) return handle.status();
@@ -414,6 +415,7 @@ void FullyShardedModel::LazyInit() {
                    ",limit_all_gathers=", options_.limit_all_gathers,
                    ",check_execution_order=", options_.check_execution_order,
                    ",verify_collectives_every=", options_.verify_collectives_every,
+                   ",offload_params=", options_.offload_params,
                    ",replicate_group_size=",
                    options_.replicate_group ? options_.replicate_group->world_size() : 0, ";"));
   for (const auto& unit : units_) {
@@ -634,7 +636,6 @@ void FullyShardedModel::Reshard(FlatParamHandle& handle) {
 void FullyShardedModel::FinishBackward() {
   // A root without a forward scope never ends the first forward for us.
   if (!order_recorded_) RecordExecutionOrder();
-  RuntimeStreams::WaitStream(streams_->compute(), streams_->reduce_scatter());
   // Units some of whose parameters got no gradient have not reduced yet;
   // every rank reaches here with the same units in that state, in the same
   // (pre-)order.
@@ -657,6 +658,13 @@ void FullyShardedModel::FinishBackward() {
     }
     unit->pre_backward_done_ = false;
     unit->gradients_ready_ = 0;
+  }
+  // After the loop: it may have issued reductions.
+  RuntimeStreams::WaitStream(streams_->compute(), streams_->reduce_scatter());
+  if (options_.offload_params) {
+    // The host gradients are written by asynchronous device-to-host
+    // copies; the optimizer reads them on the host right after this.
+    DeviceEvent::RecordOn(streams_->compute()).Synchronize();
   }
   backward_callback_queued_ = false;
   SetModelState(ModelTrainingState::kIdle);

@@ -78,6 +78,9 @@ ABSL_FLAG(std::string, reduce_dtype, "",
 ABSL_FLAG(std::string, backward_prefetch, "backward_pre",
           "none, backward_pre or backward_post.");
 ABSL_FLAG(bool, forward_prefetch, false, "All-gather the next unit during forward.");
+ABSL_FLAG(bool, offload_params, false,
+          "CPU offload: shards, gradients and optimizer state in host memory; the optimizer "
+          "steps on the host (a CPU run makes the copies and saves nothing).");
 ABSL_FLAG(std::string, wrap_policy, "module:Block",
           "Which modules become FSDP units: a policy spec (policies/policy_spec.h), e.g. "
           "'module:Block', 'module:Block,strategy=shard_grad_op', 'none', or a plugin's "
@@ -551,6 +554,7 @@ int main(int argc, char** argv) {
   options.verify_collectives_every = absl::GetFlag(FLAGS_verify_collectives_every);
   options.backward_prefetch = *prefetch;
   options.forward_prefetch = absl::GetFlag(FLAGS_forward_prefetch);
+  options.offload_params = absl::GetFlag(FLAGS_offload_params);
   for (auto [flag, field] :
        {std::pair<std::string, std::optional<fsdp::DType>*>{
             absl::GetFlag(FLAGS_param_dtype), &options.mixed_precision.param_dtype},

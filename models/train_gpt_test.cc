@@ -108,6 +108,26 @@ TEST(TrainGpt, ReplaysItsRecordedBatchesInPyTorchAndAtAnotherWorldSize) {
   EXPECT_GT(std::abs(want[0] - want[7]), 0.1);
 }
 
+// CPU offload changes where shards, gradients and optimizer state live, not
+// what is computed: the same losses, to the last printed digit, with and
+// without it (here with mixed precision and gradient clipping, the job's
+// default).
+TEST(TrainGpt, OffloadingParamsTrainsTheSameModel) {
+  const std::string dir = TempDir("offload");
+  const std::string common =
+      " --steps=6 --log_every=3 --print_plan=false --world_size=2 --batch_size=4"
+      " --param_dtype=bf16 --reduce_dtype=fp32 --metrics_jsonl=";
+  const CommandResult on_device =
+      RunCommand(absl::StrCat(kTrainGpt, common, dir, "/device.jsonl"));
+  ASSERT_EQ(on_device.exit_code, 0) << on_device.output;
+  const CommandResult offloaded = RunCommand(
+      absl::StrCat(kTrainGpt, common, dir, "/offloaded.jsonl --offload_params"));
+  ASSERT_EQ(offloaded.exit_code, 0) << offloaded.output;
+  const std::vector<double> want = LossesOf(dir + "/device.jsonl");
+  ASSERT_EQ(want.size(), 6u);
+  EXPECT_EQ(LossesOf(dir + "/offloaded.jsonl"), want);
+}
+
 TEST(TrainGpt, RefusesABatchRecordOfAnotherShape) {
   const std::string dir = TempDir("replay_shape");
   const CommandResult record = RunCommand(absl::StrCat(kTrainGpt,

@@ -104,11 +104,16 @@ int RunWorker(int argc, char** argv) {
   std::string mode = argv[2];
   const std::string out_dir = argv[3];
   // "<strategy>:no_headers": without the collective header check, to
-  // measure its price.
+  // measure its price; "<strategy>:offload": with CPU offload, to measure
+  // the price of its copies where they save nothing (compute on CPU).
   fsdp::GlooOptions gloo;
+  bool offload = false;
   if (absl::EndsWith(mode, ":no_headers")) {
     mode = mode.substr(0, mode.size() - std::string(":no_headers").size());
     gloo.check_collective_headers = false;
+  } else if (absl::EndsWith(mode, ":offload")) {
+    mode = mode.substr(0, mode.size() - std::string(":offload").size());
+    offload = true;
   }
   StepConfig c;
   int* fields[] = {&c.n_layer, &c.n_head, &c.n_embd, &c.block_size,
@@ -132,6 +137,7 @@ int RunWorker(int argc, char** argv) {
   if (comm != nullptr) {
     fsdp::FsdpOptions options;
     options.strategy = fsdp::ValueOrThrow(fsdp::ParseShardingStrategy(mode));
+    options.offload_params = offload;
     wrapped = fsdp::ValueOrThrow(fsdp::FullyShardedModel::Wrap(
         model.ptr(), *comm, options, fsdp::SelectModulesOfType<models::BlockImpl>()));
   }
@@ -277,6 +283,7 @@ int main(int argc, char** argv) {
     }
     // The price of the collective header check (on in every case above).
     if (world > 1) Register("BM_TrainStep", "full_shard:no_headers", world, step);
+    if (world == 2) Register("BM_TrainStep", "full_shard:offload", world, step);
   }
   // Memory against model size, where model state dominates (hundreds of MB
   // per replica): blocks of width 512 (3.1 M parameters each; with
