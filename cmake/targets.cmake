@@ -117,6 +117,14 @@ add_test(NAME //fsdp:comm_hooks_test COMMAND fsdp_comm_hooks_test WORKING_DIRECT
 set_tests_properties(//fsdp:comm_hooks_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_comm_hooks_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_comm_hooks_test")
 
+# //fsdp:cpu_offload_test
+add_executable(fsdp_cpu_offload_test ${PROJECT_SOURCE_DIR}/fsdp/cpu_offload_test.cc ${PROJECT_SOURCE_DIR}/fsdp/test_models.h)
+set_target_properties(fsdp_cpu_offload_test PROPERTIES OUTPUT_NAME cpu_offload_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
+target_link_libraries(fsdp_cpu_offload_test PRIVATE fsdp_fully_shard fsdp_test_util comm_hybrid_groups testing_multi_rank third_party_c10d_gloo third_party_gtest_main fsdp_torch)
+add_test(NAME //fsdp:cpu_offload_test COMMAND fsdp_cpu_offload_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//fsdp:cpu_offload_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_cpu_offload_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_cpu_offload_test")
+
 # //fsdp:failure_modes_test
 add_executable(fsdp_failure_modes_test ${PROJECT_SOURCE_DIR}/fsdp/failure_modes_test.cc)
 set_target_properties(fsdp_failure_modes_test PROPERTIES OUTPUT_NAME failure_modes_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)

@@ -42,14 +42,15 @@ bool IsSupportedDtype(at::ScalarType dtype) {
 // Checks one tensor argument of operation `op`; `role` is "input", "output"
 // or "tensor".
 void CheckTensor(const std::string& who, CollectiveOp op, const char* role,
-                 const at::Tensor& t, bool require_1d) {
+                 const at::Tensor& t, bool require_1d, const Collectives& group) {
   TORCH_CHECK(t.defined(), who, ": ", CollectiveOpName(op), ": ", role,
               " is an undefined tensor");
   TORCH_CHECK(IsSupportedDtype(t.scalar_type()), who, ": ", CollectiveOpName(op),
               ": ", role, " has dtype ", t.scalar_type(),
               "; supported are Float, Double, Half and BFloat16");
-  TORCH_CHECK(t.device().is_cpu(), who, ": ", CollectiveOpName(op), ": ", role,
-              " is on ", t.device(), "; this implementation handles CPU tensors");
+  TORCH_CHECK(group.HandlesDevice(t.device()), who, ": ", CollectiveOpName(op), ": ", role,
+              " is on ", t.device(), ", which this group does not handle (",
+              group.DevicesHandled(), ")");
   TORCH_CHECK(t.is_contiguous(), who, ": ", CollectiveOpName(op), ": ", role,
               " must be contiguous");
   TORCH_CHECK(!require_1d || t.dim() == 1, who, ": ", CollectiveOpName(op), ": ",
@@ -70,11 +71,15 @@ std::vector<std::optional<FingerprintReport>> ParseReports(
 }
 
 // Checks the (full, shard) pair of an all-gather or a reduce-scatter.
-void CheckFlatPair(const std::string& who, CollectiveOp op, int world_size,
+void CheckFlatPair(const std::string& who, CollectiveOp op, const Collectives& group,
                    const at::Tensor& full, const char* full_role,
                    const at::Tensor& shard, const char* shard_role) {
-  CheckTensor(who, op, full_role, full, /*require_1d=*/true);
-  CheckTensor(who, op, shard_role, shard, /*require_1d=*/true);
+  const int world_size = group.world_size();
+  CheckTensor(who, op, full_role, full, /*require_1d=*/true, group);
+  CheckTensor(who, op, shard_role, shard, /*require_1d=*/true, group);
+  TORCH_CHECK(full.device() == shard.device(), who, ": ", CollectiveOpName(op), ": ",
+              full_role, " is on ", full.device(), " but ", shard_role, " is on ",
+              shard.device());
   TORCH_CHECK(full.scalar_type() == shard.scalar_type(), who, ": ",
               CollectiveOpName(op), ": ", full_role, " dtype ", full.scalar_type(),
               " does not match ", shard_role, " dtype ", shard.scalar_type());
@@ -307,7 +312,7 @@ void Collectives::ResetCounters() {
 
 std::unique_ptr<CollectiveWork> Collectives::AllGatherIntoTensor(
     const at::Tensor& output, const at::Tensor& input) {
-  CheckFlatPair(Describe(), CollectiveOp::kAllGather, world_size_, output, "output",
+  CheckFlatPair(Describe(), CollectiveOp::kAllGather, *this, output, "output",
                 input, "input");
   Count(CollectiveOp::kAllGather, output.nbytes());
   CollectiveRecord record =
@@ -322,7 +327,7 @@ std::unique_ptr<CollectiveWork> Collectives::AllGatherIntoTensor(
 
 std::unique_ptr<CollectiveWork> Collectives::ReduceScatterTensor(
     const at::Tensor& output, const at::Tensor& input, ReduceOp op) {
-  CheckFlatPair(Describe(), CollectiveOp::kReduceScatter, world_size_, input, "input",
+  CheckFlatPair(Describe(), CollectiveOp::kReduceScatter, *this, input, "input",
                 output, "output");
   TORCH_CHECK(op == ReduceOp::kSum || op == ReduceOp::kAvg, Describe(),
               ": reduce-scatter: invalid ReduceOp ", static_cast<int>(op));
@@ -340,7 +345,7 @@ std::unique_ptr<CollectiveWork> Collectives::ReduceScatterTensor(
 std::unique_ptr<CollectiveWork> Collectives::AllReduce(const at::Tensor& tensor,
                                                        ReduceOp op) {
   CheckTensor(Describe(), CollectiveOp::kAllReduce, "tensor", tensor,
-              /*require_1d=*/false);
+              /*require_1d=*/false, *this);
   TORCH_CHECK(op == ReduceOp::kSum || op == ReduceOp::kAvg, Describe(),
               ": all-reduce: invalid ReduceOp ", static_cast<int>(op));
   Count(CollectiveOp::kAllReduce, tensor.nbytes());
@@ -353,7 +358,7 @@ std::unique_ptr<CollectiveWork> Collectives::AllReduce(const at::Tensor& tensor,
 std::unique_ptr<CollectiveWork> Collectives::Broadcast(const at::Tensor& tensor,
                                                        int root) {
   CheckTensor(Describe(), CollectiveOp::kBroadcast, "tensor", tensor,
-              /*require_1d=*/false);
+              /*require_1d=*/false, *this);
   TORCH_CHECK(root >= 0 && root < world_size_, Describe(), ": broadcast: root ", root,
               " is not a rank of this group (world_size ", world_size_, ")");
   Count(CollectiveOp::kBroadcast, tensor.nbytes());

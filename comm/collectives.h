@@ -15,6 +15,9 @@
 //     output tensor may be read only after Wait() returns. Inputs must not be
 //     modified before then. Implementations may finish part of the work (a
 //     local reduction, a cast) inside Wait(), on the waiting thread.
+//   * Tensors live where the implementation handles them (HandlesDevice:
+//     the host for Gloo; the group's CUDA device, and the host by staging,
+//     for NCCL), input and output on the same device.
 //   * Supported dtypes: float32, float64, float16 and bfloat16 for every
 //     operation. How 16-bit reductions accumulate is the implementation's
 //     (Gloo: float32, see gloo_collectives.h).
@@ -44,7 +47,8 @@
 // thread. Collectives are neither copyable
 // nor movable.
 //
-// Implementations live in separate targets (gloo_collectives for CPU). They
+// Implementations live in separate targets (gloo_collectives for CPU,
+// nccl_collectives for CUDA under --config=cuda). They
 // override the Do* hooks; the public methods validate arguments and count
 // calls and bytes, the same way for every implementation.
 #ifndef FSDP_COMM_COLLECTIVES_H_
@@ -128,6 +132,10 @@ class Collectives {
 
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
+  // Where the tensors of this group's collectives may live; others are
+  // refused before anything is sent. The default is the host (Gloo).
+  virtual bool HandlesDevice(const c10::Device& device) const { return device.is_cpu(); }
+  virtual std::string DevicesHandled() const { return "it handles CPU tensors"; }
 
   // output[r*n : (r+1)*n] = input of rank r, where n = input.numel().
   // REQUIRES: input and output contiguous and 1-D, same dtype and device,

@@ -246,6 +246,12 @@ TEST(Collectives, RejectsBadArgumentsWithClearErrors) {
     expect_error([&] { comm.Broadcast(at::zeros({3}), 2); },
                  "broadcast: root 2 is not a rank of this group (world_size 2)");
     expect_error([&] { comm.Broadcast(at::zeros({3}), -1); }, "root -1");
+    const at::Tensor meta = at::empty({4}, at::TensorOptions().device(at::kMeta));
+    expect_error([&] { comm.AllReduce(meta, ReduceOp::kSum); },
+                 "all-reduce: tensor is on meta, which this group does not handle (it "
+                 "handles CPU tensors)");
+    expect_error([&] { comm.AllGatherIntoTensor(at::zeros({8}), meta); },
+                 "all-gather: input is on meta, which this group does not handle");
     EXPECT_EQ(comm.counters().Calls(CollectiveOp::kAllGather), 0)
         << "refused calls must not be counted";
 

@@ -33,7 +33,14 @@ EXTERNAL = {
     "@libtorch_cc_api//:headers": None,
 }
 # CUDA-only targets (--config=cuda in Bazel; not part of the CMake build yet).
-SKIPPED_PREFIXES = ("//third_party:cuda", "//third_party:nccl", "@local_cuda//")
+SKIPPED_PREFIXES = (
+    "//third_party:cuda",
+    "//third_party:c10_cuda",
+    "//third_party:nccl",
+    "@local_cuda//",
+    "//comm:nccl_collectives",
+    "//fsdp:cuda_test",
+)
 TEST_TIMEOUTS = {"small": 60, "medium": 300, "large": 900, "enormous": 3600}
 
 

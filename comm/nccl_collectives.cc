@@ -1,0 +1,334 @@
+#include "comm/nccl_collectives.h"
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <cstring>
+#include <functional>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "ATen/ATen.h"
+#include "absl/strings/str_cat.h"
+#include "c10/cuda/CUDACachingAllocator.h"
+#include "c10/cuda/CUDAGuard.h"
+#include "c10/cuda/CUDAStream.h"
+#include "c10/util/Exception.h"
+#include "torch/csrc/distributed/c10d/Store.hpp"
+
+namespace fsdp {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+ncclDataType_t NcclType(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat:
+      return ncclFloat32;
+    case at::kDouble:
+      return ncclFloat64;
+    case at::kHalf:
+      return ncclFloat16;
+    case at::kBFloat16:
+      return ncclBfloat16;
+    default:
+      TORCH_CHECK(false, "NCCL collectives: unsupported dtype ", c10::toString(type),
+                  " (float32, float64, float16 and bfloat16 are)");
+  }
+}
+
+ncclRedOp_t NcclOp(ReduceOp op) { return op == ReduceOp::kAvg ? ncclAvg : ncclSum; }
+
+class NcclCollectives;
+
+// One issued collective: an event recorded after it on its stream, and for
+// host tensors the copy back that completes it.
+class NcclWork final : public CollectiveWork {
+ public:
+  NcclWork(NcclCollectives* group, std::string what, cudaEvent_t event,
+           std::function<void()> finish_on_host)
+      : group_(group),
+        what_(std::move(what)),
+        event_(event),
+        finish_on_host_(std::move(finish_on_host)) {}
+  ~NcclWork() override;
+  void Wait() override;
+
+ private:
+  NcclCollectives* group_;
+  const std::string what_;
+  cudaEvent_t event_;
+  std::function<void()> finish_on_host_;  // Null for device tensors.
+  bool waited_ = false;
+  std::string error_;
+};
+
+class NcclCollectives final : public Collectives {
+ public:
+  NcclCollectives(int rank, int world_size, int device_index, ncclComm_t comm,
+                  const NcclOptions& options)
+      : Collectives(rank, world_size),
+        device_(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index)),
+        comm_(comm),
+        options_(options) {}
+
+  ~NcclCollectives() override {
+    if (aborted_) return;
+    // A communicator with pending work must be aborted, not destroyed
+    // (destroy would wait for peers that may be gone).
+    ncclResult_t async = ncclSuccess;
+    ncclCommGetAsyncError(comm_, &async);
+    if (async != ncclSuccess) {
+      ncclCommAbort(comm_);
+    } else {
+      ncclCommDestroy(comm_);
+    }
+  }
+
+  // Throws naming `what` if NCCL reported an asynchronous error.
+  void CheckAsyncError(const std::string& what) {
+    TORCH_CHECK(!aborted_, Describe(), ": ", what, ": the communicator was aborted after ",
+                abort_reason_);
+    ncclResult_t async = ncclSuccess;
+    const ncclResult_t got = ncclCommGetAsyncError(comm_, &async);
+    TORCH_CHECK(got == ncclSuccess && async == ncclSuccess, Describe(), ": ", what,
+                " failed in NCCL: ", ncclGetErrorString(got != ncclSuccess ? got : async),
+                " (", ncclGetLastError(comm_), ")");
+  }
+
+  void Abort(const std::string& reason) {
+    if (aborted_) return;
+    aborted_ = true;
+    abort_reason_ = reason;
+    ncclCommAbort(comm_);
+  }
+
+  // Waits on the host for `event`, up to the timeout; aborts on expiry.
+  void HostWait(cudaEvent_t event, const std::string& what) {
+    const Clock::time_point deadline = Clock::now() + options_.timeout;
+    for (;;) {
+      const cudaError_t state = cudaEventQuery(event);
+      if (state == cudaSuccess) return;
+      TORCH_CHECK(state == cudaErrorNotReady, Describe(), ": ", what, ": CUDA error ",
+                  cudaGetErrorString(state));
+      CheckAsyncError(what);
+      if (Clock::now() > deadline) {
+        const std::string reason = absl::StrCat(
+            what, " did not complete within ", options_.timeout.count(), " ms");
+        Abort(reason);
+        TORCH_CHECK(false, Describe(), ": ", reason,
+                    " (a peer is dead, hung, or issued another collective); the communicator "
+                    "was aborted");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+  bool HandlesDevice(const c10::Device& device) const override {
+    return device.is_cpu() || device == device_;
+  }
+  std::string DevicesHandled() const override {
+    return absl::StrCat("it handles ", device_.str(), ", and host tensors by staging");
+  }
+
+  bool blocking_wait() const { return options_.blocking_wait; }
+  const c10::Device& device() const { return device_; }
+
+ protected:
+  std::unique_ptr<CollectiveWork> DoAllGather(const at::Tensor& output,
+                                              const at::Tensor& input) override {
+    return Issue("all-gather", {input}, {output}, [&](const std::vector<at::Tensor>& in,
+                                                      const std::vector<at::Tensor>& out,
+                                                      cudaStream_t stream) {
+      return ncclAllGather(in[0].data_ptr(), out[0].data_ptr(), in[0].numel(),
+                           NcclType(in[0].scalar_type()), comm_, stream);
+    });
+  }
+
+  std::unique_ptr<CollectiveWork> DoReduceScatter(const at::Tensor& output,
+                                                  const at::Tensor& input,
+                                                  ReduceOp op) override {
+    return Issue("reduce-scatter", {input}, {output},
+                 [&](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& out,
+                     cudaStream_t stream) {
+                   return ncclReduceScatter(in[0].data_ptr(), out[0].data_ptr(), out[0].numel(),
+                                            NcclType(in[0].scalar_type()), NcclOp(op), comm_,
+                                            stream);
+                 });
+  }
+
+  std::unique_ptr<CollectiveWork> DoAllReduce(const at::Tensor& tensor, ReduceOp op) override {
+    return Issue("all-reduce", {tensor}, {tensor},
+                 [&](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& out,
+                     cudaStream_t stream) {
+                   return ncclAllReduce(in[0].data_ptr(), out[0].data_ptr(), in[0].numel(),
+                                        NcclType(in[0].scalar_type()), NcclOp(op), comm_,
+                                        stream);
+                 });
+  }
+
+  std::unique_ptr<CollectiveWork> DoBroadcast(const at::Tensor& tensor, int root) override {
+    return Issue("broadcast", {tensor}, {tensor},
+                 [&](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& out,
+                     cudaStream_t stream) {
+                   return ncclBroadcast(in[0].data_ptr(), out[0].data_ptr(), in[0].numel(),
+                                        NcclType(in[0].scalar_type()), root, comm_, stream);
+                 });
+  }
+
+  void DoBarrier() override {
+    c10::cuda::CUDAGuard on_device(device_);
+    const at::Tensor one = at::ones({1}, at::TensorOptions().device(device_));
+    std::unique_ptr<CollectiveWork> work = DoAllReduce(one, ReduceOp::kSum);
+    const bool blocking = options_.blocking_wait;
+    options_.blocking_wait = true;  // A barrier returns when every rank entered it.
+    try {
+      work->Wait();
+    } catch (...) {
+      options_.blocking_wait = blocking;
+      throw;
+    }
+    options_.blocking_wait = blocking;
+  }
+
+ private:
+  using Launch = std::function<ncclResult_t(const std::vector<at::Tensor>&,
+                                            const std::vector<at::Tensor>&, cudaStream_t)>;
+
+  // Issues `launch` on the current stream of the group's device. Host
+  // tensors are staged through the device; `outputs` may alias `inputs`
+  // (in-place collectives), which staging preserves.
+  std::unique_ptr<CollectiveWork> Issue(const char* op, const std::vector<at::Tensor>& inputs,
+                                        const std::vector<at::Tensor>& outputs,
+                                        const Launch& launch) {
+    const std::string what = absl::StrCat(op, " of ", inputs[0].numel(), " ",
+                                          c10::toString(inputs[0].scalar_type()));
+    CheckAsyncError(what);
+    const bool on_host = inputs[0].device().is_cpu();
+    for (const at::Tensor& t : inputs) {
+      TORCH_CHECK(t.device().is_cpu() == on_host && (on_host || t.device() == device_),
+                  Describe(), ": ", what, ": tensors must be on this group's device ",
+                  device_.str(), " (or all on the host), got one on ", t.device().str());
+    }
+    c10::cuda::CUDAGuard on_device(device_);
+    c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(device_.index());
+    std::vector<at::Tensor> in = inputs;
+    std::vector<at::Tensor> out = outputs;
+    if (on_host) {
+      const bool in_place = inputs[0].is_same(outputs[0]);
+      in[0] = inputs[0].to(device_);
+      out[0] = in_place ? in[0] : at::empty_like(outputs[0], outputs[0].options().device(device_));
+    }
+    for (const at::Tensor* t : {&in[0], &out[0]}) {
+      // The tensors may have been allocated on another stream.
+      c10::cuda::CUDACachingAllocator::recordStream(t->storage().data_ptr(), stream);
+    }
+    const ncclResult_t result = launch(in, out, stream.stream());
+    TORCH_CHECK(result == ncclSuccess, Describe(), ": ", what,
+                " could not be issued: ", ncclGetErrorString(result), " (",
+                ncclGetLastError(comm_), ")");
+    cudaEvent_t event = nullptr;
+    cudaError_t status = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+    if (status == cudaSuccess) status = cudaEventRecord(event, stream.stream());
+    TORCH_CHECK(status == cudaSuccess, Describe(), ": ", what, ": recording its event: ",
+                cudaGetErrorString(status));
+    std::function<void()> finish;
+    if (on_host) {
+      const at::Tensor host_out = outputs[0];
+      const at::Tensor device_out = out[0];
+      finish = [host_out, device_out] { host_out.copy_(device_out); };
+    }
+    return std::make_unique<NcclWork>(this, what, event, std::move(finish));
+  }
+
+  const c10::Device device_;
+  ncclComm_t comm_;
+  NcclOptions options_;
+  bool aborted_ = false;
+  std::string abort_reason_;
+};
+
+NcclWork::~NcclWork() {
+  if (!waited_) {
+    // Later work on the current stream must not reuse the buffers first.
+    c10::cuda::CUDAGuard on_device(group_->device());
+    cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(group_->device().index()).stream(),
+                        event_, 0);
+  }
+  cudaEventDestroy(event_);
+}
+
+void NcclWork::Wait() {
+  if (waited_) {
+    TORCH_CHECK(error_.empty(), error_);
+    return;
+  }
+  waited_ = true;
+  try {
+    c10::cuda::CUDAGuard on_device(group_->device());
+    if (finish_on_host_ || group_->blocking_wait()) group_->HostWait(event_, what_);
+    group_->CheckAsyncError(what_);
+    const cudaError_t status = cudaStreamWaitEvent(
+        c10::cuda::getCurrentCUDAStream(group_->device().index()).stream(), event_, 0);
+    TORCH_CHECK(status == cudaSuccess, what_, ": waiting for its event: ",
+                cudaGetErrorString(status));
+    if (finish_on_host_) finish_on_host_();
+  } catch (const c10::Error& e) {
+    error_ = e.what_without_backtrace();
+    throw;
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Collectives>> CreateNcclCollectives(
+    c10::intrusive_ptr<c10d::Store> store, int rank, int world_size, int device_index,
+    const NcclOptions& options) {
+  const std::string who = absl::StrCat("rank ", rank, " of ", world_size, " on cuda:",
+                                       device_index, ": ");
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    return absl::InvalidArgumentError(absl::StrCat(who, "rank out of range"));
+  }
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || device_index < 0 ||
+      device_index >= devices) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, "no such CUDA device (", devices, " visible)"));
+  }
+  const std::string key = absl::StrCat("fsdp/nccl/", options.group_name, "/unique_id");
+  ncclUniqueId id;
+  try {
+    if (rank == 0) {
+      const ncclResult_t made = ncclGetUniqueId(&id);
+      if (made != ncclSuccess) {
+        return absl::InternalError(
+            absl::StrCat(who, "ncclGetUniqueId: ", ncclGetErrorString(made)));
+      }
+      const auto* bytes = reinterpret_cast<const uint8_t*>(&id);
+      store->set(key, std::vector<uint8_t>(bytes, bytes + sizeof(id)));
+    } else {
+      const std::vector<uint8_t> bytes = store->get(key);  // Bounded by the store's timeout.
+      if (bytes.size() != sizeof(id)) {
+        return absl::InternalError(absl::StrCat(who, "the NCCL id under '", key, "' has ",
+                                                bytes.size(), " bytes, expected ",
+                                                sizeof(id)));
+      }
+      std::memcpy(&id, bytes.data(), sizeof(id));
+    }
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat(who, "exchanging the NCCL id through the store: ", e.what()));
+  }
+  c10::cuda::CUDAGuard on_device(static_cast<c10::DeviceIndex>(device_index));
+  ncclComm_t comm = nullptr;
+  const ncclResult_t init = ncclCommInitRank(&comm, world_size, id, rank);
+  if (init != ncclSuccess) {
+    return absl::InternalError(
+        absl::StrCat(who, "ncclCommInitRank: ", ncclGetErrorString(init)));
+  }
+  return std::unique_ptr<Collectives>(
+      new NcclCollectives(rank, world_size, device_index, comm, options));
+}
+
+}  // namespace fsdp
