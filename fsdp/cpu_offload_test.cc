@@ -179,7 +179,9 @@ TEST_P(CpuOffload, MatchesTheRunWithoutOffloadAndLocalTraining) {
     EXPECT_NEAR(offloaded.losses[step], local.losses[step],
                 1e-5 * std::abs(local.losses[step]) + 1e-7)
         << "step " << step;
-    if (c.clip) EXPECT_NEAR(offloaded.norms[step], local.norms[step], 1e-5 * local.norms[step]);
+    if (c.clip) {
+      EXPECT_NEAR(offloaded.norms[step], local.norms[step], 1e-5 * local.norms[step]);
+    }
   }
   for (const auto& [fqn, want] : local.params) {
     EXPECT_TRUE(at::allclose(offloaded.params.at(fqn), want, 1e-5, 1e-6))

@@ -776,14 +776,23 @@ at::Tensor FullyShardedModel::ClipGradNorm(double max_norm, double norm_type) {
     const bool is_sharded = unit->strategy_ != ShardingStrategy::kNoShard;
     any_sharded = any_sharded || is_sharded;
     at::Tensor& part = is_sharded ? sharded : replicated;
+    // Summed where the unit's gradients are (the compute device, or the
+    // host when offloading), then moved to the host once per unit.
+    at::Tensor unit_part;
     for (const FlatParamEntry& entry : unit->handle_->entries()) {
       const at::Tensor& g = entry.param.grad();
       if (!g.defined()) continue;
       grads.push_back(g);
       if (g.numel() == 0) continue;
       const at::Tensor n = g.detach().abs().to(at::kDouble);
-      part = infinity ? at::maximum(part, n.max().view({1}))
-                      : part + n.pow(norm_type).sum().view({1});
+      const at::Tensor term = infinity ? n.max().view({1}) : n.pow(norm_type).sum().view({1});
+      unit_part = !unit_part.defined() ? term
+                  : infinity           ? at::maximum(unit_part, term)
+                                       : unit_part + term;
+    }
+    if (unit_part.defined()) {
+      unit_part = unit_part.to(at::kCPU);
+      part = infinity ? at::maximum(part, unit_part) : part + unit_part;
     }
   }
   if (any_sharded && group_.world_size() > 1) {
