@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "ATen/ATen.h"
+#include "ATen/core/grad_mode.h"
 #include "ATen/native/Resize.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"

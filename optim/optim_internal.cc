@@ -5,7 +5,6 @@
 
 #include "ATen/ATen.h"
 #include "absl/strings/str_cat.h"
-#include "c10/util/string_utils.h"
 
 namespace fsdp::optim_internal {
 namespace {
@@ -46,8 +45,28 @@ torch::serialize::InputArchive ArchiveOf(const RawState& raw) {
   return Reopen(out);
 }
 
-std::string StateKey(const at::Tensor& param) {
-  return c10::guts::to_string(param.unsafeGetTensorImpl());
+namespace {
+
+// One specialization per libtorch generation; both compile under either.
+template <typename Key>
+Key KeyOfImpl(c10::TensorImpl* impl);
+
+template <>
+[[maybe_unused]] std::string KeyOfImpl<std::string>(c10::TensorImpl* impl) {
+  std::ostringstream out;  // What libtorch 1.x's c10::guts::to_string writes.
+  out << impl;
+  return out.str();
+}
+
+template <>
+[[maybe_unused]] void* KeyOfImpl<void*>(c10::TensorImpl* impl) {
+  return impl;
+}
+
+}  // namespace
+
+OptimizerStateKey StateKey(const at::Tensor& param) {
+  return KeyOfImpl<OptimizerStateKey>(param.unsafeGetTensorImpl());
 }
 
 std::map<std::string, c10::IValue> OptionsOf(const torch::optim::OptimizerOptions& options) {
@@ -118,14 +137,14 @@ absl::StatusOr<std::vector<std::vector<const ParamPlace*>>> GroupsOf(
   return groups;
 }
 
-std::vector<std::string> PrimeMissingState(
+std::vector<OptimizerStateKey> PrimeMissingState(
     torch::optim::Optimizer& optimizer, const std::vector<std::vector<const ParamPlace*>>& groups,
     const std::vector<const ParamPlace*>& wanted) {
   std::vector<const ParamPlace*> unprimed;
   for (const ParamPlace* place : wanted) {
     if (optimizer.state().count(StateKey(place->param)) == 0) unprimed.push_back(place);
   }
-  std::vector<std::string> created;
+  std::vector<OptimizerStateKey> created;
   if (unprimed.empty()) return created;
   at::NoGradGuard no_grad;
   std::vector<std::pair<at::Tensor, at::Tensor>> saved_grads;
@@ -150,8 +169,9 @@ std::vector<std::string> PrimeMissingState(
   return created;
 }
 
-void UndoPriming(torch::optim::Optimizer& optimizer, const std::vector<std::string>& created) {
-  for (const std::string& key : created) optimizer.state().erase(key);
+void UndoPriming(torch::optim::Optimizer& optimizer,
+                 const std::vector<OptimizerStateKey>& created) {
+  for (const OptimizerStateKey& key : created) optimizer.state().erase(key);
 }
 
 }  // namespace fsdp::optim_internal

@@ -7,6 +7,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -31,8 +32,12 @@ struct RawState {
 RawState ReadRaw(const std::function<void(torch::serialize::OutputArchive&)>& serialize);
 // An archive holding `raw`, for an object's serialize(InputArchive&).
 torch::serialize::InputArchive ArchiveOf(const RawState& raw);
+// The key type of Optimizer::state(): the parameter's TensorImpl address,
+// printed as a string in libtorch 1.x and the address itself in 2.x.
+using OptimizerStateKey =
+    std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>::key_type;
 // The key of `param` in Optimizer::state().
-std::string StateKey(const at::Tensor& param);
+OptimizerStateKey StateKey(const at::Tensor& param);
 std::map<std::string, c10::IValue> OptionsOf(const torch::optim::OptimizerOptions& options);
 
 struct ParamPlace {
@@ -57,10 +62,11 @@ absl::StatusOr<std::vector<std::vector<const ParamPlace*>>> GroupsOf(
 // learning rate 0 with zero gradients for exactly those parameters (no
 // parameter changes; gradients are restored). Returns the state keys it
 // created, for UndoPriming.
-std::vector<std::string> PrimeMissingState(torch::optim::Optimizer& optimizer,
+std::vector<OptimizerStateKey> PrimeMissingState(torch::optim::Optimizer& optimizer,
                                            const std::vector<std::vector<const ParamPlace*>>& groups,
                                            const std::vector<const ParamPlace*>& wanted);
-void UndoPriming(torch::optim::Optimizer& optimizer, const std::vector<std::string>& created);
+void UndoPriming(torch::optim::Optimizer& optimizer,
+                 const std::vector<OptimizerStateKey>& created);
 
 }  // namespace fsdp::optim_internal
 

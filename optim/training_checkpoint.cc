@@ -164,7 +164,7 @@ absl::Status LoadTrainingCheckpoint(FullyShardedModel& model, torch::optim::Opti
     FSDP_ASSIGN_OR_RETURN(auto groups, GroupsOf(optimizer, places));
     std::vector<const ParamPlace*> all;
     for (const auto& group : groups) all.insert(all.end(), group.begin(), group.end());
-    const std::vector<std::string> created =
+    const std::vector<optim_internal::OptimizerStateKey> created =
         optim_internal::PrimeMissingState(optimizer, groups, all);
     absl::StatusOr<OptimizerTensors> optim = OptimizerCheckpointTensors(optimizer, groups, true);
     if (!optim.ok()) {
