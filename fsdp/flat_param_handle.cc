@@ -296,7 +296,9 @@ void FlatParamHandle::StartUnshard() {
   const bool copies = low_precision_ || options_.offload_params;
   if (low_precision_ && training_state_ == HandleTrainingState::kSummonFullParams) {
     summon_full_ = at::empty({padded_numel_}, local_shard_.options().device(compute_device_));
-    if (options_.offload_params) send_buffer_ = OnComputeDevice(local_shard_, local_shard_.scalar_type());
+    if (options_.offload_params) {
+      send_buffer_ = OnComputeDevice(local_shard_, local_shard_.scalar_type());
+    }
     pending_unshard_ = group_.AllGatherIntoTensor(
         summon_full_, options_.offload_params ? send_buffer_ : local_shard_);
     return;
