@@ -493,7 +493,7 @@ target_link_libraries(third_party_blas_benchmark PRIVATE third_party_benchmark_m
 add_library(third_party_c10d_gloo INTERFACE)
 target_link_libraries(third_party_c10d_gloo INTERFACE fsdp_torch)
 target_compile_definitions(third_party_c10d_gloo INTERFACE USE_DISTRIBUTED USE_C10D_GLOO)
-target_link_libraries(third_party_c10d_gloo INTERFACE -lgloo)
+target_link_libraries(third_party_c10d_gloo INTERFACE ${FSDP_GLOO_LIBRARY})
 
 # //third_party:gtest
 add_library(third_party_gtest INTERFACE)

@@ -23,7 +23,7 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
   auto heads = [&](const at::Tensor& z) { return z.view({b, t, n_head, hs}).transpose(1, 2); };
   at::Tensor q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
   at::Tensor att = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hs));
-  at::Tensor causal = at::ones({t, t}, at::kBool).tril().logical_not();
+  at::Tensor causal = at::ones({t, t}, x.options().dtype(at::kBool)).tril().logical_not();
   att = att.masked_fill(causal, -std::numeric_limits<float>::infinity()).softmax(-1);
   at::Tensor y = at::matmul(att, v).transpose(1, 2).contiguous().view({b, t, c});
   return c_proj->forward(y);

@@ -37,7 +37,7 @@ fi
 cuda="${FSDP_CUDA_PATH:-/usr/local/cuda}"
 sources=$(git ls-files '*.cc' | grep -v -E '^third_party/(nccl_version|tsan_suppressions)\.cc$')
 if [[ ! -e "${cuda}/include/nccl.h" ]]; then
-  sources=$(echo "${sources}" | grep -v -E '^(comm/nccl_collectives|fsdp/cuda_test)\.cc$')
+  sources=$(echo "${sources}" | grep -v -E '^(comm/nccl_collectives|fsdp/cuda_test|models/cuda_step_benchmark)\.cc$')
 fi
 
 check_one() {

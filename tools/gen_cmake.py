@@ -40,7 +40,11 @@ SKIPPED_PREFIXES = (
     "@local_cuda//",
     "//comm:nccl_collectives",
     "//fsdp:cuda_test",
+    "//models:cuda_step_benchmark",
 )
+# Linker flags that CMakeLists.txt decides: Gloo is a library of its own
+# beside Debian's libtorch, but inside a pip torch's libtorch_cpu.
+LINKOPT_SUBSTITUTES = {"-lgloo": "${FSDP_GLOO_LIBRARY}"}
 TEST_TIMEOUTS = {"small": 60, "medium": 300, "large": 900, "enormous": 3600}
 
 
@@ -163,7 +167,9 @@ def generate(rules):
                          % (target, scope, " ".join(defines)))
         # Libraries go with the libraries (after the objects); the rest are
         # linker options.
-        libraries = [o for o in linkopts if o.startswith("-l") or o == "-pthread"]
+        linkopts = [LINKOPT_SUBSTITUTES.get(o, o) for o in linkopts]
+        libraries = [o for o in linkopts
+                     if o.startswith(("-l", "${")) or o == "-pthread"]
         options = [o for o in linkopts if o not in libraries]
         if libraries:
             lines.append("target_link_libraries(%s %s %s)" % (target, scope, " ".join(libraries)))

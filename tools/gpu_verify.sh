@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# The GPU path's checks, on a machine with a CUDA GPU and a pip-installed
+# CUDA torch (README, "GPU builds"): builds the CUDA targets with CMake
+# against that torch, runs //fsdp:cuda_test (world size 1), runs the
+# training-step benchmark on both sides (ours, models/cuda_step_benchmark.cc;
+# PyTorch's FullyShardedDataParallel and fully_shard,
+# models/fsdp_step_benchmark.py) and writes them side by side. With
+# --cpu-tests it then builds every target and runs the CPU test suite against
+# that torch too.
+#
+#   tools/fetch_gpu_deps.sh                       # first, where apt works
+#   tools/gpu_verify.sh [--cpu-tests] OUT_DIR     # on the GPU machine
+#
+# Needs there: python3 with the CUDA torch, cmake, ninja, g++, the CUDA
+# toolkit; abseil, googletest, google-benchmark and protobuf come from the
+# Debian packages in .gpu_deps/ (FSDP_GPU_DEPS), unpacked with dpkg -x.
+# Writes to OUT_DIR at most 8 files: summary.txt (each stage's outcome),
+# build.log, cuda_test.log, cpp_step.json, pytorch_step.jsonl,
+# step_table.md, ctest.log. A failing stage is recorded and the next runs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+cpu_tests=0
+if [[ "${1:-}" == "--cpu-tests" ]]; then
+  cpu_tests=1
+  shift
+fi
+out=${1:?usage: tools/gpu_verify.sh [--cpu-tests] OUT_DIR}
+mkdir -p "$out"
+summary="$out/summary.txt"
+: >"$summary"
+note() { echo "$*" | tee -a "$summary"; }
+stage() {  # stage NAME LOG COMMAND...: runs it, appending to LOG, and notes the outcome.
+  local name=$1 log=$2 start=$SECONDS
+  shift 2
+  if "$@" >>"$log" 2>&1; then
+    note "$name: ok ($((SECONDS - start)) s)"
+  else
+    note "$name: FAILED, exit $? ($((SECONDS - start)) s; see $(basename "$log"))"
+    return 1
+  fi
+}
+
+[[ -d /usr/local/cuda/bin ]] && export PATH="/usr/local/cuda/bin:$PATH"
+note "host: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1)"
+torch_info=$(python3 -c '
+import os, torch
+print(torch.utils.cmake_prefix_path)
+print(os.path.dirname(torch.__file__))
+print(torch.__version__, torch.version.cuda, torch.cuda.is_available())') || {
+  note "python3 cannot import torch"
+  exit 1
+}
+torch_cmake=$(sed -n 1p <<<"$torch_info")
+torch_dir=$(sed -n 2p <<<"$torch_info")
+note "torch: $(sed -n 3p <<<"$torch_info") (version, CUDA, GPU visible) at $torch_dir"
+
+# NCCL: the one the torch loads (a pip nvidia-nccl package), so that one
+# libnccl.so.2 serves both; else the CUDA toolkit's (CMakeLists.txt).
+nccl_root=""
+nccl_header=$(find "$(dirname "$torch_dir")/nvidia" -name nccl.h -path '*include*' 2>/dev/null | head -1)
+[[ -n "$nccl_header" ]] && nccl_root=$(dirname "$(dirname "$nccl_header")")
+note "nccl: ${nccl_root:-from the CUDA toolkit}"
+
+deps_dir=${FSDP_GPU_DEPS:-.gpu_deps}
+prefix=/tmp/fsdp_gpu_deps
+gloo_headers=/tmp/fsdp_gpu_gloo
+rm -rf "$prefix" "$gloo_headers"
+mkdir -p "$prefix" "$gloo_headers"
+for deb in "$deps_dir"/*.deb; do
+  case "$(basename "$deb")" in
+    libgloo-dev_*) dpkg -x "$deb" "$gloo_headers" ;;
+    *) dpkg -x "$deb" "$prefix" ;;
+  esac
+done
+extra_flags=""
+if [[ ! -e "$torch_dir/include/gloo/algorithm.h" ]]; then
+  extra_flags="-isystem $gloo_headers/usr/include"  # Headers only; the code is in libtorch.
+  note "gloo: headers from Debian's libgloo-dev (this torch ships none)"
+fi
+export LD_LIBRARY_PATH="$prefix/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+build=build-gpu
+stage configure "$out/build.log" cmake -S . -B "$build" -G Ninja -DFSDP_CUDA=ON \
+  -DCMAKE_PREFIX_PATH="$torch_cmake" -DFSDP_DEPS_PREFIX="$prefix" \
+  -DFSDP_NCCL_ROOT="$nccl_root" -DCMAKE_CXX_FLAGS="$extra_flags" || exit 1
+if stage build_cuda_targets "$out/build.log" cmake --build "$build" \
+    --target fsdp_cuda_test models_cuda_step_benchmark; then
+  stage cuda_test "$out/cuda_test.log" "$build/fsdp/cuda_test"
+  stage cpp_step_benchmark "$out/build.log" "$build/models/cuda_step_benchmark" \
+    --benchmark_out="$out/cpp_step.json" --benchmark_out_format=json
+fi
+rm -f "$out/pytorch_step.jsonl"
+stage pytorch_step_benchmark "$out/build.log" env PYTHONUNBUFFERED=1 \
+  python3 models/fsdp_step_benchmark.py "$out/pytorch_step.jsonl"
+if [[ -s "$out/cpp_step.json" && -s "$out/pytorch_step.jsonl" ]]; then
+  python3 tools/gpu_step_table.py "$out/cpp_step.json" "$out/pytorch_step.jsonl" \
+    >"$out/step_table.md" && cat "$out/step_table.md"
+fi
+
+if ((cpu_tests)); then
+  stage build_all "$out/build.log" cmake --build "$build" &&
+    stage ctest "$out/ctest.log" ctest --test-dir "$build" -j "$(nproc)" -E cuda_test \
+      --output-on-failure
+  tail -5 "$out/ctest.log" | tee -a "$summary"
+fi
