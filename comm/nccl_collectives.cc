@@ -15,6 +15,8 @@
 #include "c10/cuda/CUDAGuard.h"
 #include "c10/cuda/CUDAStream.h"
 #include "c10/util/Exception.h"
+#include "torch/csrc/distributed/c10d/PrefixStore.hpp"
+#include "torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp"
 #include "torch/csrc/distributed/c10d/Store.hpp"
 
 namespace fsdp {
@@ -40,6 +42,81 @@ ncclDataType_t NcclType(at::ScalarType type) {
 
 ncclRedOp_t NcclOp(ReduceOp op) { return op == ReduceOp::kAvg ? ncclAvg : ncclSum; }
 
+// Host tensors are staged through the group's device on the current stream:
+// the device tensors to issue the collective on, and what completes the host
+// output once it is done. `output` may alias `input` (in-place collectives),
+// which staging preserves.
+struct Staged {
+  at::Tensor in, out;
+  std::function<void()> finish_on_host;  // Null for device tensors.
+};
+
+Staged StageOnDevice(const at::Tensor& input, const at::Tensor& output,
+                     const c10::Device& device) {
+  if (!input.device().is_cpu()) return Staged{input, output, nullptr};
+  Staged staged;
+  staged.in = input.to(device);
+  staged.out = input.is_same(output)
+                   ? staged.in
+                   : at::empty_like(output, output.options().device(device));
+  const at::Tensor device_out = staged.out;
+  staged.finish_on_host = [output, device_out] { output.copy_(device_out); };
+  return staged;
+}
+
+// What both transports share: the device, host-tensor placement checks,
+// the barrier, and the options.
+class NcclGroup : public Collectives {
+ public:
+  NcclGroup(int rank, int world_size, int device_index, const NcclOptions& options)
+      : Collectives(rank, world_size),
+        device_(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index)),
+        options_(options) {}
+
+  bool HandlesDevice(const c10::Device& device) const override {
+    return device.is_cpu() || device == device_;
+  }
+  std::string DevicesHandled() const override {
+    return absl::StrCat("it handles ", device_.str(), ", and host tensors by staging");
+  }
+
+  bool blocking_wait() const { return options_.blocking_wait; }
+  const NcclOptions& options() const { return options_; }
+  const c10::Device& device() const { return device_; }
+
+ protected:
+  // Names the collective for messages, and checks where its tensors are.
+  std::string Check(const char* op, const std::vector<at::Tensor>& tensors) const {
+    const std::string what = absl::StrCat(op, " of ", tensors[0].numel(), " ",
+                                          c10::toString(tensors[0].scalar_type()));
+    const bool on_host = tensors[0].device().is_cpu();
+    for (const at::Tensor& t : tensors) {
+      TORCH_CHECK(t.device().is_cpu() == on_host && (on_host || t.device() == device_),
+                  Describe(), ": ", what, ": tensors must be on this group's device ",
+                  device_.str(), " (or all on the host), got one on ", t.device().str());
+    }
+    return what;
+  }
+
+  void DoBarrier() override {
+    c10::cuda::CUDAGuard on_device(device_);
+    const at::Tensor one = at::ones({1}, at::TensorOptions().device(device_));
+    std::unique_ptr<CollectiveWork> work = DoAllReduce(one, ReduceOp::kSum);
+    const bool blocking = options_.blocking_wait;
+    options_.blocking_wait = true;  // A barrier returns when every rank entered it.
+    try {
+      work->Wait();
+    } catch (...) {
+      options_.blocking_wait = blocking;
+      throw;
+    }
+    options_.blocking_wait = blocking;
+  }
+
+  const c10::Device device_;
+  NcclOptions options_;
+};
+
 class NcclCollectives;
 
 // One issued collective: an event recorded after it on its stream, and for
@@ -64,14 +141,11 @@ class NcclWork final : public CollectiveWork {
   std::string error_;
 };
 
-class NcclCollectives final : public Collectives {
+class NcclCollectives final : public NcclGroup {
  public:
   NcclCollectives(int rank, int world_size, int device_index, ncclComm_t comm,
                   const NcclOptions& options)
-      : Collectives(rank, world_size),
-        device_(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index)),
-        comm_(comm),
-        options_(options) {}
+      : NcclGroup(rank, world_size, device_index, options), comm_(comm) {}
 
   ~NcclCollectives() override {
     if (aborted_) return;
@@ -125,17 +199,6 @@ class NcclCollectives final : public Collectives {
     }
   }
 
-  bool HandlesDevice(const c10::Device& device) const override {
-    return device.is_cpu() || device == device_;
-  }
-  std::string DevicesHandled() const override {
-    return absl::StrCat("it handles ", device_.str(), ", and host tensors by staging");
-  }
-
-  bool blocking_wait() const { return options_.blocking_wait; }
-  const c10::Device& device() const { return device_; }
-
- protected:
   std::unique_ptr<CollectiveWork> DoAllGather(const at::Tensor& output,
                                               const at::Tensor& input) override {
     return Issue("all-gather", {input}, {output}, [&](const std::vector<at::Tensor>& in,
@@ -177,21 +240,6 @@ class NcclCollectives final : public Collectives {
                  });
   }
 
-  void DoBarrier() override {
-    c10::cuda::CUDAGuard on_device(device_);
-    const at::Tensor one = at::ones({1}, at::TensorOptions().device(device_));
-    std::unique_ptr<CollectiveWork> work = DoAllReduce(one, ReduceOp::kSum);
-    const bool blocking = options_.blocking_wait;
-    options_.blocking_wait = true;  // A barrier returns when every rank entered it.
-    try {
-      work->Wait();
-    } catch (...) {
-      options_.blocking_wait = blocking;
-      throw;
-    }
-    options_.blocking_wait = blocking;
-  }
-
  private:
   using Launch = std::function<ncclResult_t(const std::vector<at::Tensor>&,
                                             const std::vector<at::Tensor>&, cudaStream_t)>;
@@ -202,29 +250,16 @@ class NcclCollectives final : public Collectives {
   std::unique_ptr<CollectiveWork> Issue(const char* op, const std::vector<at::Tensor>& inputs,
                                         const std::vector<at::Tensor>& outputs,
                                         const Launch& launch) {
-    const std::string what = absl::StrCat(op, " of ", inputs[0].numel(), " ",
-                                          c10::toString(inputs[0].scalar_type()));
+    const std::string what = Check(op, inputs);
     CheckAsyncError(what);
-    const bool on_host = inputs[0].device().is_cpu();
-    for (const at::Tensor& t : inputs) {
-      TORCH_CHECK(t.device().is_cpu() == on_host && (on_host || t.device() == device_),
-                  Describe(), ": ", what, ": tensors must be on this group's device ",
-                  device_.str(), " (or all on the host), got one on ", t.device().str());
-    }
     c10::cuda::CUDAGuard on_device(device_);
     c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(device_.index());
-    std::vector<at::Tensor> in = inputs;
-    std::vector<at::Tensor> out = outputs;
-    if (on_host) {
-      const bool in_place = inputs[0].is_same(outputs[0]);
-      in[0] = inputs[0].to(device_);
-      out[0] = in_place ? in[0] : at::empty_like(outputs[0], outputs[0].options().device(device_));
-    }
-    for (const at::Tensor* t : {&in[0], &out[0]}) {
+    Staged staged = StageOnDevice(inputs[0], outputs[0], device_);
+    for (const at::Tensor* t : {&staged.in, &staged.out}) {
       // The tensors may have been allocated on another stream.
       c10::cuda::CUDACachingAllocator::recordStream(t->storage().data_ptr(), stream);
     }
-    const ncclResult_t result = launch(in, out, stream.stream());
+    const ncclResult_t result = launch({staged.in}, {staged.out}, stream.stream());
     TORCH_CHECK(result == ncclSuccess, Describe(), ": ", what,
                 " could not be issued: ", ncclGetErrorString(result), " (",
                 ncclGetLastError(comm_), ")");
@@ -233,18 +268,10 @@ class NcclCollectives final : public Collectives {
     if (status == cudaSuccess) status = cudaEventRecord(event, stream.stream());
     TORCH_CHECK(status == cudaSuccess, Describe(), ": ", what, ": recording its event: ",
                 cudaGetErrorString(status));
-    std::function<void()> finish;
-    if (on_host) {
-      const at::Tensor host_out = outputs[0];
-      const at::Tensor device_out = out[0];
-      finish = [host_out, device_out] { host_out.copy_(device_out); };
-    }
-    return std::make_unique<NcclWork>(this, what, event, std::move(finish));
+    return std::make_unique<NcclWork>(this, what, event, std::move(staged.finish_on_host));
   }
 
-  const c10::Device device_;
   ncclComm_t comm_;
-  NcclOptions options_;
   bool aborted_ = false;
   std::string abort_reason_;
 };
@@ -280,6 +307,141 @@ void NcclWork::Wait() {
   }
 }
 
+// The ProcessGroupNCCL transport: c10d issues each collective on a stream of
+// its own after making it wait for the caller's current stream, records the
+// tensors' use there, and runs its watchdog; a work's wait() makes the
+// current stream wait for that stream.
+class ProcessGroupNcclCollectives;
+
+class ProcessGroupNcclWork final : public CollectiveWork {
+ public:
+  ProcessGroupNcclWork(const ProcessGroupNcclCollectives* group, std::string what,
+                       c10::intrusive_ptr<c10d::Work> work,
+                       std::function<void()> finish_on_host)
+      : group_(group),
+        what_(std::move(what)),
+        work_(std::move(work)),
+        finish_on_host_(std::move(finish_on_host)) {}
+  ~ProcessGroupNcclWork() override {
+    if (waited_) return;
+    try {
+      work_->wait();  // Later work on the current stream must not reuse the buffers first.
+    } catch (...) {
+    }
+  }
+  void Wait() override;
+
+ private:
+  const ProcessGroupNcclCollectives* group_;
+  const std::string what_;
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::function<void()> finish_on_host_;
+  bool waited_ = false;
+  std::string error_;
+};
+
+class ProcessGroupNcclCollectives final : public NcclGroup {
+ public:
+  ProcessGroupNcclCollectives(int rank, int world_size, int device_index,
+                              c10::intrusive_ptr<c10d::ProcessGroupNCCL> group,
+                              const NcclOptions& options)
+      : NcclGroup(rank, world_size, device_index, options), group_(std::move(group)) {}
+
+  std::string Name() const { return Describe(); }
+
+ protected:
+  std::unique_ptr<CollectiveWork> DoAllGather(const at::Tensor& output,
+                                              const at::Tensor& input) override {
+    return Issue("all-gather", input, output, [&](at::Tensor& in, at::Tensor& out) {
+      return group_->_allgather_base(out, in, c10d::AllgatherOptions());
+    });
+  }
+
+  std::unique_ptr<CollectiveWork> DoReduceScatter(const at::Tensor& output,
+                                                  const at::Tensor& input,
+                                                  ReduceOp op) override {
+    return Issue("reduce-scatter", input, output, [&](at::Tensor& in, at::Tensor& out) {
+      c10d::ReduceScatterOptions options;
+      options.reduceOp = C10dOp(op);
+      return group_->_reduce_scatter_base(out, in, options);
+    });
+  }
+
+  std::unique_ptr<CollectiveWork> DoAllReduce(const at::Tensor& tensor, ReduceOp op) override {
+    return Issue("all-reduce", tensor, tensor, [&](at::Tensor& in, at::Tensor&) {
+      c10d::AllreduceOptions options;
+      options.reduceOp = C10dOp(op);
+      std::vector<at::Tensor> tensors = {in};
+      return group_->allreduce(tensors, options);
+    });
+  }
+
+  std::unique_ptr<CollectiveWork> DoBroadcast(const at::Tensor& tensor, int root) override {
+    return Issue("broadcast", tensor, tensor, [&](at::Tensor& in, at::Tensor&) {
+      c10d::BroadcastOptions options;
+      options.rootRank = root;
+      std::vector<at::Tensor> tensors = {in};
+      return group_->broadcast(tensors, options);
+    });
+  }
+
+ private:
+  using Launch = std::function<c10::intrusive_ptr<c10d::Work>(at::Tensor&, at::Tensor&)>;
+
+  static c10d::ReduceOp C10dOp(ReduceOp op) {
+    return op == ReduceOp::kAvg ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+  }
+
+  std::unique_ptr<CollectiveWork> Issue(const char* op, const at::Tensor& input,
+                                        const at::Tensor& output, const Launch& launch) {
+    const std::string what = Check(op, {input, output});
+    c10::cuda::CUDAGuard on_device(device_);
+    Staged staged = StageOnDevice(input, output, device_);
+    c10::intrusive_ptr<c10d::Work> work;
+    try {
+      work = launch(staged.in, staged.out);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, Describe(), ": ", what, " could not be issued: ", e.what());
+    }
+    return std::make_unique<ProcessGroupNcclWork>(this, what, std::move(work),
+                                                  std::move(staged.finish_on_host));
+  }
+
+  c10::intrusive_ptr<c10d::ProcessGroupNCCL> group_;
+};
+
+void ProcessGroupNcclWork::Wait() {
+  if (waited_) {
+    TORCH_CHECK(error_.empty(), error_);
+    return;
+  }
+  waited_ = true;
+  try {
+    if (finish_on_host_ || group_->blocking_wait()) {
+      const Clock::time_point deadline = Clock::now() + group_->options().timeout;
+      while (!work_->isCompleted()) {
+        if (Clock::now() > deadline) {
+          work_->abort();
+          TORCH_CHECK(false, group_->Name(), ": ", what_, " did not complete within ",
+                      group_->options().timeout.count(),
+                      " ms (a peer is dead, hung, or issued another collective); it was "
+                      "aborted");
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+    try {
+      work_->wait();  // The current stream waits; rethrows what c10d caught.
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, group_->Name(), ": ", what_, " failed: ", e.what());
+    }
+    if (finish_on_host_) finish_on_host_();
+  } catch (const c10::Error& e) {
+    error_ = e.what_without_backtrace();
+    throw;
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Collectives>> CreateNcclCollectives(
@@ -295,6 +457,21 @@ absl::StatusOr<std::unique_ptr<Collectives>> CreateNcclCollectives(
       device_index >= devices) {
     return absl::InvalidArgumentError(
         absl::StrCat(who, "no such CUDA device (", devices, " visible)"));
+  }
+  if (options.transport == NcclTransport::kProcessGroup) {
+    try {
+      c10::cuda::CUDAGuard on_device(static_cast<c10::DeviceIndex>(device_index));
+      auto pg_options = c10d::ProcessGroupNCCL::Options::create();
+      pg_options->timeout = options.timeout;
+      auto group = c10::make_intrusive<c10d::ProcessGroupNCCL>(
+          c10::make_intrusive<c10d::PrefixStore>(
+              absl::StrCat("fsdp/nccl_pg/", options.group_name), store),
+          rank, world_size, pg_options);
+      return std::unique_ptr<Collectives>(new ProcessGroupNcclCollectives(
+          rank, world_size, device_index, std::move(group), options));
+    } catch (const std::exception& e) {
+      return absl::InternalError(absl::StrCat(who, "creating ProcessGroupNCCL: ", e.what()));
+    }
   }
   const std::string key = absl::StrCat("fsdp/nccl/", options.group_name, "/unique_id");
   ncclUniqueId id;

@@ -7,7 +7,8 @@
 // Communicators are created through the job's rendezvous store (the same
 // TCPStore the Gloo groups use): rank 0 makes the NCCL unique id and sets
 // it under a key derived from the group name; every rank reads it and calls
-// ncclCommInitRank.
+// ncclCommInitRank. (With NcclTransport::kProcessGroup, libtorch's
+// ProcessGroupNCCL does the same under a prefix of the group name.)
 //
 // Streams: a collective is issued on the calling thread's current CUDA
 // stream for the group's device, which is how the FSDP runtime orders it
@@ -45,8 +46,23 @@ class Store;
 
 namespace fsdp {
 
+// How collectives reach NCCL. The FSDP runtime works with either;
+// //comm:nccl_collectives_benchmark measures both (README, "GPU builds").
+enum class NcclTransport {
+  // ncclAllGather & co. on the caller's current stream: the FSDP runtime's
+  // all-gather and reduce-scatter streams are the streams NCCL runs on, and
+  // a collective costs one event; no threads of its own.
+  kDirect,
+  // c10d::ProcessGroupNCCL from libtorch: its own stream per device (made to
+  // wait for the caller's), its watchdog thread, and its TORCH_NCCL_*
+  // environment settings.
+  kProcessGroup,
+};
+
 struct NcclOptions {
-  // Distinguishes groups on one store (the unique id's key).
+  NcclTransport transport = NcclTransport::kDirect;
+  // Distinguishes groups on one store (the unique id's key, or the
+  // process group's store prefix).
   std::string group_name = "default";
   // Wait() blocks the host until the collective is done, up to `timeout`.
   bool blocking_wait = false;

@@ -49,13 +49,13 @@ struct Trained {
 };
 
 // `fsdp_options` null: the unwrapped model.
-Trained Train(const FsdpOptions* fsdp_options) {
+Trained Train(const FsdpOptions* fsdp_options, const NcclOptions& nccl = {}) {
   Net model;
   model->to(kCuda);
   std::unique_ptr<Collectives> group;
   std::unique_ptr<FullyShardedModel> wrapped;
   if (fsdp_options != nullptr) {
-    group = CreateNcclCollectives(c10::make_intrusive<c10d::HashStore>(), 0, 1, 0).value();
+    group = CreateNcclCollectives(c10::make_intrusive<c10d::HashStore>(), 0, 1, 0, nccl).value();
     wrapped = FullyShardedModel::Wrap(model.ptr(), *group, *fsdp_options,
                                       SelectModulesOfType<BlockImpl>())
                   .value();
@@ -95,6 +95,16 @@ TEST(CudaFsdp, FullShardMatchesTheUnwrappedModelOnTheDevice) {
   const Trained local = Train(nullptr);
   FsdpOptions options;
   ExpectClose(Train(&options), local, 1e-5);
+}
+
+// At world size 1 no collective reaches the transport; this checks that
+// libtorch's ProcessGroupNCCL is created and linked with this build.
+TEST(CudaFsdp, ProcessGroupTransportMatchesTheUnwrappedModel) {
+  const Trained local = Train(nullptr);
+  FsdpOptions options;
+  NcclOptions nccl;
+  nccl.transport = NcclTransport::kProcessGroup;
+  ExpectClose(Train(&options, nccl), local, 1e-5);
 }
 
 TEST(CudaFsdp, OffloadMatchesAndKeepsModelStateOffTheDevice) {

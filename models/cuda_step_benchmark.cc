@@ -1,10 +1,10 @@
 // Training-step benchmark of the GPT (models/gpt.h) on CUDA devices: this
 // project's FSDP over NCCL for each sharding strategy, with bf16 mixed
-// precision and with CPU offload, against the unwrapped model on the same
-// device. Its PyTorch counterpart is models/fsdp_step_benchmark.py (PyTorch's
-// FullyShardedDataParallel and fully_shard on the same model, batch and
-// optimizer); tools/gpu_verify.sh runs both and tools/gpu_step_table.py puts
-// them side by side.
+// precision, with CPU offload and over ProcessGroupNCCL, against the
+// unwrapped model on the same device. Its PyTorch counterpart is
+// models/fsdp_step_benchmark.py (PyTorch's FullyShardedDataParallel and
+// fully_shard on the same model, batch and optimizer); tools/gpu_verify.sh
+// runs both and tools/gpu_step_table.py puts them side by side.
 //
 //   cuda_step_benchmark                                # world size 1
 //   launch --nproc_per_node=W -- cuda_step_benchmark   # one GPU per rank
@@ -61,6 +61,7 @@ struct Case {
   fsdp::ShardingStrategy strategy = fsdp::ShardingStrategy::kFullShard;
   bool bf16 = false;  // param_dtype bfloat16, reduce_dtype float32.
   bool offload = false;
+  fsdp::NcclTransport transport = fsdp::NcclTransport::kDirect;
 };
 
 // The job this process is a rank of; set up once in main.
@@ -74,7 +75,9 @@ Job* job = nullptr;
 int64_t ModelStateBytesOnDevice(torch::nn::Module& model, torch::optim::AdamW& optimizer) {
   auto on_device = [](const at::Tensor& t) { return t.defined() && t.is_cuda() ? t.nbytes() : 0; };
   int64_t bytes = 0;
-  for (const at::Tensor& p : fsdp::UniqueParameters(model)) bytes += on_device(p) + on_device(p.grad());
+  for (const at::Tensor& p : fsdp::UniqueParameters(model)) {
+    bytes += on_device(p) + on_device(p.grad());
+  }
   for (const auto& item : optimizer.state()) {
     auto& adamw = static_cast<torch::optim::AdamWParamState&>(*item.second);
     bytes += on_device(adamw.exp_avg()) + on_device(adamw.exp_avg_sq());
@@ -103,6 +106,7 @@ void RunCase(benchmark::State& state, const Case& kase, const StepConfig& c) {
   if (kase.wrap) {
     fsdp::NcclOptions nccl;
     nccl.group_name = absl::StrFormat("bench%d", job->groups_made++);
+    nccl.transport = kase.transport;
     group = fsdp::ValueOrThrow(fsdp::CreateNcclCollectives(
         job->store, job->env.rank, job->env.world_size, index, nccl));
     fsdp::FsdpOptions options;
@@ -193,6 +197,10 @@ int main(int argc, char** argv) {
       Register(name, c, "no_shard", Case{true, fsdp::ShardingStrategy::kNoShard});
       Register(name, c, "full_shard:bf16", Case{true, kFull, /*bf16=*/true});
       Register(name, c, "full_shard:offload", Case{true, kFull, false, /*offload=*/true});
+      // The same over libtorch's ProcessGroupNCCL instead of direct NCCL
+      // calls (identical at world size 1, where no collective reaches NCCL).
+      Register(name, c, "full_shard:process_group",
+               Case{true, kFull, false, false, fsdp::NcclTransport::kProcessGroup});
     }
     if (the_job.env.rank != 0) {
       // Only rank 0 writes the --benchmark_out file.

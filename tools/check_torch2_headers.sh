@@ -37,12 +37,12 @@ fi
 cuda="${FSDP_CUDA_PATH:-/usr/local/cuda}"
 sources=$(git ls-files '*.cc' | grep -v -E '^third_party/(nccl_version|tsan_suppressions)\.cc$')
 if [[ ! -e "${cuda}/include/nccl.h" ]]; then
-  sources=$(echo "${sources}" | grep -v -E '^(comm/nccl_collectives|fsdp/cuda_test|models/cuda_step_benchmark)\.cc$')
+  sources=$(echo "${sources}" | grep -v -E '^(comm/nccl_collectives(_benchmark)?|fsdp/cuda_test|models/cuda_step_benchmark)\.cc$')
 fi
 
 check_one() {
   local out
-  if ! out=$(g++ -std=c++17 -fsyntax-only -DUSE_DISTRIBUTED -DUSE_C10D_GLOO -I. -Ibazel-bin \
+  if ! out=$(g++ -std=c++17 -fsyntax-only -DUSE_DISTRIBUTED -DUSE_C10D_GLOO -DUSE_C10D_NCCL -I. -Ibazel-bin \
       -isystem "${INCLUDE}" -isystem "${INCLUDE}/torch/csrc/api/include" \
       -isystem "${CUDA}/include" -isystem third_party/c10_cuda_shim "$1" 2>&1); then
     echo "=== $1"

@@ -38,7 +38,7 @@ SKIPPED_PREFIXES = (
     "//third_party:c10_cuda",
     "//third_party:nccl",
     "@local_cuda//",
-    "//comm:nccl_collectives",
+    "//comm:nccl_collectives",  # And //comm:nccl_collectives_benchmark.
     "//fsdp:cuda_test",
     "//models:cuda_step_benchmark",
 )

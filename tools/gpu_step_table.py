@@ -18,6 +18,7 @@ COUNTERPARTS = {
     "no_shard": ["fsdp:no_shard"],
     "full_shard:bf16": ["fsdp:full_shard:bf16", "fully_shard:full_shard:bf16"],
     "full_shard:offload": ["fsdp:full_shard:offload", "fully_shard:full_shard:offload"],
+    "full_shard:process_group": ["fsdp:full_shard", "fully_shard:full_shard"],
 }
 
 

@@ -4,7 +4,9 @@
 # against that torch, runs //fsdp:cuda_test (world size 1), runs the
 # training-step benchmark on both sides (ours, models/cuda_step_benchmark.cc;
 # PyTorch's FullyShardedDataParallel and fully_shard,
-# models/fsdp_step_benchmark.py) and writes them side by side. With
+# models/fsdp_step_benchmark.py) and writes them side by side; with two GPUs
+# or more, also the NCCL transports against each other
+# (comm/nccl_collectives_benchmark.cc). With
 # --cpu-tests it then builds every target and runs the CPU test suite against
 # that torch too.
 #
@@ -16,7 +18,7 @@
 # Debian packages in .gpu_deps/ (FSDP_GPU_DEPS), unpacked with dpkg -x.
 # Writes to OUT_DIR at most 8 files: summary.txt (each stage's outcome),
 # build.log, cuda_test.log, cpp_step.json, pytorch_step.jsonl,
-# step_table.md, ctest.log. A failing stage is recorded and the next runs.
+# step_table.md, nccl.json (two GPUs or more), ctest.log. A failing stage is recorded and the next runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -85,10 +87,17 @@ stage configure "$out/build.log" cmake -S . -B "$build" -G Ninja -DFSDP_CUDA=ON 
   -DCMAKE_PREFIX_PATH="$torch_cmake" -DFSDP_DEPS_PREFIX="$prefix" \
   -DFSDP_NCCL_ROOT="$nccl_root" -DCMAKE_CXX_FLAGS="$extra_flags" || exit 1
 if stage build_cuda_targets "$out/build.log" cmake --build "$build" \
-    --target fsdp_cuda_test models_cuda_step_benchmark; then
+    --target fsdp_cuda_test models_cuda_step_benchmark comm_nccl_collectives_benchmark; then
   stage cuda_test "$out/cuda_test.log" "$build/fsdp/cuda_test"
   stage cpp_step_benchmark "$out/build.log" "$build/models/cuda_step_benchmark" \
     --benchmark_out="$out/cpp_step.json" --benchmark_out_format=json
+  # The two NCCL transports (direct, ProcessGroupNCCL) need two GPUs or more.
+  if (($(nvidia-smi -L 2>/dev/null | wc -l) >= 2)); then
+    stage nccl_transports "$out/build.log" "$build/comm/nccl_collectives_benchmark" \
+      --benchmark_out="$out/nccl.json" --benchmark_out_format=json
+  else
+    note "nccl_transports: skipped (one GPU: NCCL needs a device per rank)"
+  fi
 fi
 rm -f "$out/pytorch_step.jsonl"
 stage pytorch_step_benchmark "$out/build.log" env PYTHONUNBUFFERED=1 \
