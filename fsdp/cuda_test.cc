@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "ATen/cuda/Sleep.h"
 #include "c10/cuda/CUDACachingAllocator.h"
 #include "c10/cuda/CUDAFunctions.h"
 #include "comm/nccl_collectives.h"
@@ -23,6 +24,8 @@
 #include "fsdp/test_util.h"
 #include "gtest/gtest.h"
 #include "torch/csrc/distributed/c10d/HashStore.hpp"
+#include "torch/nn/modules/container/sequential.h"
+#include "torch/nn/modules/linear.h"
 
 namespace fsdp {
 namespace {
@@ -48,10 +51,11 @@ struct Trained {
   int64_t device_bytes_after_step = 0;
 };
 
-// `fsdp_options` null: the unwrapped model.
+// `fsdp_options` null: the unwrapped model. With device_id set, the model is
+// built on the host and Wrap moves it.
 Trained Train(const FsdpOptions* fsdp_options, const NcclOptions& nccl = {}) {
   Net model;
-  model->to(kCuda);
+  if (fsdp_options == nullptr || !fsdp_options->device_id) model->to(kCuda);
   std::unique_ptr<Collectives> group;
   std::unique_ptr<FullyShardedModel> wrapped;
   if (fsdp_options != nullptr) {
@@ -66,7 +70,9 @@ Trained Train(const FsdpOptions* fsdp_options, const NcclOptions& nccl = {}) {
     at::Tensor loss = at::mse_loss(model->forward(Inputs(step, 0).to(kCuda)).to(at::kFloat),
                                    Targets(step, 0).to(kCuda));
     loss.backward();
-    if (wrapped != nullptr) EXPECT_EQ(wrapped->FullParamBytes(), 0) << "step " << step;
+    if (wrapped != nullptr) {
+      EXPECT_EQ(wrapped->FullParamBytes(), 0) << "step " << step;
+    }
     optimizer->step();
     optimizer->zero_grad();
     t.losses.push_back(loss.item<float>());
@@ -105,6 +111,82 @@ TEST(CudaFsdp, ProcessGroupTransportMatchesTheUnwrappedModel) {
   NcclOptions nccl;
   nccl.transport = NcclTransport::kProcessGroup;
   ExpectClose(Train(&options, nccl), local, 1e-5);
+}
+
+TEST(CudaFsdp, DeviceIdMovesAHostModelAndTrainsTheSame) {
+  const Trained local = Train(nullptr);
+  FsdpOptions options;
+  options.device_id = kCuda;
+  ExpectClose(Train(&options), local, 1e-5);
+}
+
+// 8 units of 4 MiB: with device_id and offload, Wrap never holds more than
+// about one unit on the device (its moved parameters and its flat buffer);
+// the model built on the device first would hold all 32 MiB.
+struct WideBlockImpl : torch::nn::Module, ShardableModule {
+  WideBlockImpl() { fc = register_module("fc", torch::nn::Linear(1024, 1024)); }
+  at::Tensor forward(at::Tensor x) {
+    UnitForward unit(this);
+    return unit.Return(at::tanh(fc->forward(x)));
+  }
+  torch::nn::Linear fc{nullptr};
+};
+
+TEST(CudaFsdp, DeviceIdWithOffloadWrapsUnitByUnit) {
+  torch::nn::Sequential model;
+  for (int i = 0; i < 8; ++i) model->push_back(std::make_shared<WideBlockImpl>());
+  const int64_t unit_bytes = (1024 * 1024 + 1024) * 4;
+  auto group = CreateNcclCollectives(c10::make_intrusive<c10d::HashStore>(), 0, 1, 0).value();
+  FsdpOptions options;
+  options.device_id = kCuda;
+  options.offload_params = true;
+  c10::cuda::device_synchronize();
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  c10::cuda::CUDACachingAllocator::resetPeakStats(0);
+  const int64_t before = DeviceBytesAllocated();
+  auto wrapped =
+      FullyShardedModel::Wrap(model.ptr(), *group, options, SelectModulesOfType<WideBlockImpl>());
+  ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+  const int64_t peak =
+      c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].peak - before;
+  std::printf("device peak during Wrap: %lld bytes (one unit: %lld, model: %lld)\n",
+              static_cast<long long>(peak), static_cast<long long>(unit_bytes),
+              static_cast<long long>(8 * unit_bytes));
+  EXPECT_LE(peak, 3 * unit_bytes);
+  for (const auto& unit : (*wrapped)->units()) {
+    if (unit->handle() == nullptr) continue;
+    EXPECT_EQ(unit->handle()->compute_device(), kCuda) << unit->fqn();
+    EXPECT_TRUE(unit->handle()->local_shard().is_pinned()) << unit->fqn();
+  }
+  const at::Tensor x = at::ones({2, 1024}, at::TensorOptions().device(kCuda));
+  EXPECT_TRUE(model->forward(x).is_cuda());
+}
+
+// The all-gather stream waits for the compute stream before reading shards:
+// an update of the shards queued on the compute stream behind a long kernel
+// (as an optimizer step may be) is what the next forward computes with.
+// Without that wait the gather (a copy at world size 1) runs at once on
+// its own stream and reads the old values.
+TEST(CudaFsdp, UnshardSeesShardUpdatesStillQueuedOnTheComputeStream) {
+  for (ShardingStrategy strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kNoShard}) {
+    torch::nn::Sequential model;
+    for (int i = 0; i < 2; ++i) model->push_back(std::make_shared<WideBlockImpl>());
+    model->to(kCuda);
+    auto group = CreateNcclCollectives(c10::make_intrusive<c10d::HashStore>(), 0, 1, 0).value();
+    FsdpOptions options;
+    options.strategy = strategy;
+    options.mixed_precision.param_dtype = DType::kBFloat16;  // NO_SHARD then copies too.
+    auto wrapped = FullyShardedModel::Wrap(model.ptr(), *group, options,
+                                           SelectModulesOfType<WideBlockImpl>())
+                       .value();
+    at::NoGradGuard no_grad;
+    const at::Tensor x = at::ones({2, 1024}, at::TensorOptions().device(kCuda));
+    ASSERT_GT(model->forward(x).abs().max().item<float>(), 0);
+    at::cuda::sleep(int64_t{1} << 31);  // About a second on the compute stream.
+    for (const at::Tensor& p : model->parameters()) p.zero_();
+    EXPECT_EQ(model->forward(x).abs().max().item<float>(), 0)
+        << ShardingStrategyName(strategy);
+  }
 }
 
 TEST(CudaFsdp, OffloadMatchesAndKeepsModelStateOffTheDevice) {

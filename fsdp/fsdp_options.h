@@ -5,8 +5,10 @@
 #define FSDP_FSDP_FSDP_OPTIONS_H_
 
 #include <functional>
+#include <optional>
 #include <vector>
 
+#include "c10/core/Device.h"
 #include "c10/core/ScalarType.h"
 #include "comm/collectives.h"
 #include "fsdp/trace.h"
@@ -83,6 +85,18 @@ struct FsdpOptions {
   // works with it, inside NoSync (the full gradients then stay on the
   // compute device until the reducing backward) and outside.
   bool offload_params = false;
+  // PyTorch's device_id: the device the units compute on. Wrap moves each
+  // unit's parameters there just before sharding it (set_data: the tensors
+  // keep their identities), deferred ones (DeferParameterAllocation) after
+  // param_init_fn filled them on the host, and then every buffer outside
+  // ignored modules. A model built on the host that does not fit on the
+  // device whole can be wrapped so: the device never holds more than the
+  // shards so far and one unit's full parameters (with offload_params, the
+  // one unit alone). Unset: the parameters stay where they are, all on one
+  // device. Must name a device with its index (cuda:0, not cuda);
+  // parameters already on another accelerator are an error. If a move fails
+  // (out of memory), the units before it stay sharded on the device.
+  std::optional<c10::Device> device_id;
   // Subtrees FSDP leaves alone: no policy looks into them and their
   // parameters are neither sharded nor reduced (each rank keeps and trains
   // its own copy, as PyTorch's ignored_modules). They must outlive the

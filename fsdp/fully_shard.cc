@@ -123,6 +123,19 @@ std::string OwnerFqn(const std::string& param_fqn) {
   return dot == std::string::npos ? "" : param_fqn.substr(0, dot);
 }
 
+// The unit that owns the module holding the parameter or buffer named
+// `fqn`: the deepest unit whose FQN prefixes it.
+const PlannedUnit& OwningUnit(const WrapPlan& plan, const std::string& fqn) {
+  const PlannedUnit* owner = &plan.units.front();
+  for (const PlannedUnit& unit : plan.units) {
+    if (!unit.fqn.empty() && absl::StartsWith(fqn, unit.fqn + ".") &&
+        unit.fqn.size() > owner->fqn.size()) {
+      owner = &unit;
+    }
+  }
+  return *owner;
+}
+
 // buffer_dtype: each floating buffer outside ignored modules takes the
 // buffer_dtype of the unit that owns its module (the deepest unit whose FQN
 // prefixes it); its original dtype is remembered for FULL state dicts.
@@ -136,14 +149,7 @@ void CastBuffers(torch::nn::Module& root, const WrapPlan& plan, const FsdpOption
         ignored.count(buffer.unsafeGetTensorImpl()) != 0) {
       continue;
     }
-    const PlannedUnit* owner = &plan.units.front();
-    for (const PlannedUnit& unit : plan.units) {
-      if (!unit.fqn.empty() && absl::StartsWith(item.key(), unit.fqn + ".") &&
-          unit.fqn.size() > owner->fqn.size()) {
-        owner = &unit;
-      }
-    }
-    const std::optional<DType> dtype = owner->mixed_precision.buffer_dtype;
+    const std::optional<DType> dtype = OwningUnit(plan, item.key()).mixed_precision.buffer_dtype;
     if (!dtype || ToScalarType(*dtype) == buffer.scalar_type()) continue;
     original.emplace(buffer.unsafeGetTensorImpl(), buffer.scalar_type());
     buffer.set_data(buffer.to(ToScalarType(*dtype)));
@@ -196,6 +202,38 @@ absl::Status MaterializeUnit(const PlannedUnit& unit,
       if (IsDeferred(b)) AllocateDeferred(b);
     }
     options.param_init_fn(*it->second);
+  }
+  return absl::OkStatus();
+}
+
+// device_id: `tensors` move to `device` in place of their data.
+void MoveToDevice(const std::vector<at::Tensor>& tensors, const c10::Device& device) {
+  at::NoGradGuard no_grad;
+  for (const at::Tensor& t : tensors) {
+    if (t.defined() && t.device() != device) t.set_data(t.to(device));
+  }
+}
+
+// device_id must name one concrete device, and parameters already on an
+// accelerator must be on it (they are not moved between accelerators).
+absl::Status CheckDeviceId(const FsdpOptions& options, const WrapPlan& plan) {
+  if (!options.device_id) return absl::OkStatus();
+  const c10::Device& device = *options.device_id;
+  if (device.is_meta() || (!device.is_cpu() && !device.has_index())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "FsdpOptions::device_id must name a device with its index (e.g. cuda:0), got '",
+        device.str(), "'"));
+  }
+  for (const PlannedUnit& unit : plan.units) {
+    for (size_t i = 0; i < unit.params.size(); ++i) {
+      const c10::Device on = unit.params[i].device();
+      if (!on.is_cpu() && on != device) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "parameter '", unit.param_fqns[i], "' is on ", on.str(),
+            " but FsdpOptions::device_id is ", device.str(),
+            "; build the model on the host or on that device"));
+      }
+    }
   }
   return absl::OkStatus();
 }
@@ -270,6 +308,9 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
   if (!plan.ok()) {
     return absl::Status(plan.status().code(), absl::StrCat(who, plan.status().message()));
   }
+  if (absl::Status device_ok = CheckDeviceId(options, *plan); !device_ok.ok()) {
+    return absl::Status(device_ok.code(), absl::StrCat(who, device_ok.message()));
+  }
   std::unique_ptr<FullyShardedModel> model(new FullyShardedModel(root, group, options));
   // Every unit's parameters are checked before any handle swaps them to
   // shards: a failed Wrap leaves the model as it was.
@@ -290,11 +331,18 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
   for (const auto& unit_entries : entries) {
     if (!unit_entries.empty()) device = unit_entries.front().param.device();
   }
+  if (options.device_id) device = *options.device_id;
   std::map<std::string, torch::nn::Module*> modules;
   for (const auto& item : root->named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
     modules[item.key()] = item.value().get();
   }
-  model->streams_ = std::make_unique<RuntimeStreams>(device);
+  try {
+    model->streams_ = std::make_unique<RuntimeStreams>(device);
+  } catch (...) {
+    const absl::Status failed = StatusFromCurrentException();
+    return absl::Status(failed.code(), absl::StrCat(who, "cannot compute on ", device.str(),
+                                                    ": ", failed.message()));
+  }
   for (size_t u = 0; u < plan->units.size(); ++u) {
     const PlannedUnit& planned = plan->units[u];
     auto unit = std::make_unique<FsdpUnit>();
@@ -310,6 +358,7 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
       // the model held before Wrap.
       try {
         FSDP_RETURN_IF_ERROR(MaterializeUnit(planned, modules, options));
+        if (options.device_id) MoveToDevice(planned.params, *options.device_id);
         if (options.sync_module_states) {
           CollectiveLabel label(group, options.replicate_group, UnitName(planned.fqn),
                                 "sync_module_states");
@@ -360,6 +409,14 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
         at::NoGradGuard no_grad;
         options.param_init_fn(*module);
       }
+    }
+    if (options.device_id) {
+      const std::set<const c10::TensorImpl*> ignored = IgnoredBuffers(options);
+      std::vector<at::Tensor> buffers;
+      for (const at::Tensor& b : root->buffers()) {
+        if (ignored.count(b.unsafeGetTensorImpl()) == 0) buffers.push_back(b);
+      }
+      MoveToDevice(buffers, *options.device_id);
     }
     if (options.sync_module_states) {
       CollectiveLabel label(group, options.replicate_group, "buffers", "sync_module_states");
@@ -602,6 +659,9 @@ void FullyShardedModel::IssueUnshard(FlatParamHandle& handle) {
     return;
   }
   limiter_.BeforeAllGather();
+  // The shard may have been written on the compute stream since its last
+  // gather (the optimizer step, a state dict load): gather it after that.
+  RuntimeStreams::WaitStream(streams_->all_gather(), streams_->compute());
   c10::StreamGuard on_all_gather(streams_->all_gather());
   CollectiveLabel label(group_, handle.unit_name(),
                         handle.training_state() == HandleTrainingState::kBackwardPre ||
@@ -617,6 +677,10 @@ void FullyShardedModel::Unshard(FlatParamHandle& handle) {
   const bool gathers = handle.uses_sharded_views() && !handle.is_unsharded();
   TraceSpan unshard(gathers ? options_.trace : nullptr, "unshard", handle.unit_name());
   IssueUnshard(handle);
+  if (!handle.uses_sharded_views() && !handle.is_unsharded()) {
+    // NO_SHARD's local copy (mixed precision, offload) reads the shard too.
+    RuntimeStreams::WaitStream(streams_->all_gather(), streams_->compute());
+  }
   {
     c10::StreamGuard on_all_gather(streams_->all_gather());
     TraceSpan wait(handle.has_pending_unshard() ? options_.trace : nullptr, "all-gather wait",

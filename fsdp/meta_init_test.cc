@@ -141,6 +141,76 @@ TEST(MetaInit, WithoutParamInitFnDeferredParametersAreNamed) {
   EXPECT_TRUE(status.ok()) << status;
 }
 
+// device_id on the host: every move is a no-op, and the path a GPU takes
+// (materialize, move, shard, unit by unit) gives the eager model's values.
+TEST(MetaInit, DeviceIdOnTheHostMatchesEagerInitialization) {
+  absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
+                Tower eager(/*deferred=*/false);
+                InitEagerly(*eager);
+                auto eager_fsdp = FullyShardedModel::Wrap(
+                    eager.ptr(), comm, {}, SelectModulesOfType<WideBlockImpl>());
+                ASSERT_TRUE(eager_fsdp.ok());
+                Tower meta(/*deferred=*/true);
+                FsdpOptions options;
+                options.param_init_fn = InitLinear;
+                options.device_id = c10::Device(c10::DeviceType::CPU);
+                auto meta_fsdp = FullyShardedModel::Wrap(meta.ptr(), comm, options,
+                                                         SelectModulesOfType<WideBlockImpl>());
+                ASSERT_TRUE(meta_fsdp.ok()) << meta_fsdp.status();
+                SummonFullParams a(**meta_fsdp, {false}), b(**eager_fsdp, {false});
+                const auto want = eager->named_parameters();
+                for (const auto& item : meta->named_parameters()) {
+                  EXPECT_TRUE(item.value().device().is_cpu()) << item.key();
+                  EXPECT_TRUE(at::equal(item.value(), want[item.key()])) << item.key();
+                }
+              });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+// Nothing is sharded when Wrap refuses device_id.
+void ExpectUnwrapped(TowerImpl& model) {
+  for (const auto& block : *model.blocks) {
+    EXPECT_EQ(GetModuleUnit(block.get()), nullptr);
+    const at::Tensor& weight = block->as<WideBlockImpl>()->fc->weight;
+    EXPECT_EQ(weight.numel(), kWidth * kWidth);
+    EXPECT_TRUE(weight.device().is_cpu());
+  }
+}
+
+TEST(MetaInit, DeviceIdMustNameOneDevice) {
+  absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
+                for (const char* device : {"meta", "cuda"}) {
+                  Tower model(/*deferred=*/false);
+                  FsdpOptions options;
+                  options.device_id = c10::Device(device);
+                  auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
+                                                         SelectModulesOfType<WideBlockImpl>());
+                  EXPECT_EQ(wrapped.status().code(), absl::StatusCode::kInvalidArgument);
+                  EXPECT_THAT(wrapped.status().message(),
+                              HasSubstr(std::string("FsdpOptions::device_id must name a device "
+                                                    "with its index (e.g. cuda:0), got '") +
+                                        device + "'"));
+                  ExpectUnwrapped(*model);
+                }
+              });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+TEST(MetaInit, DeviceIdThisBuildCannotReachIsRefusedBeforeAnyMove) {
+  if (at::hasCUDA()) GTEST_SKIP() << "CUDA is available: //fsdp:cuda_test covers device_id";
+  absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
+                Tower model(/*deferred=*/false);
+                FsdpOptions options;
+                options.device_id = c10::Device("cuda:0");
+                auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
+                                                       SelectModulesOfType<WideBlockImpl>());
+                EXPECT_THAT(wrapped.status().message(),
+                            HasSubstr("cannot compute on cuda:0"));
+                ExpectUnwrapped(*model);
+              });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
 // Measured in each of 4 rank processes: building deferred and wrapping
 // never holds the whole unsharded model (64 MiB); building eagerly does.
 std::string FiguresPath(int rank) {

@@ -8,6 +8,7 @@
 # default /usr/local/cuda), and are skipped without them.
 #
 #   tools/check_torch2_headers.sh        # prints each failing file's errors
+#   FSDP_CXX_STANDARD=c++20 tools/check_torch2_headers.sh   # as libtorch >= 2.13 needs
 #
 # Needs the Bazel build's generated headers (bazel build //statedict/...).
 set -euo pipefail
@@ -42,7 +43,7 @@ fi
 
 check_one() {
   local out
-  if ! out=$(g++ -std=c++17 -fsyntax-only -DUSE_DISTRIBUTED -DUSE_C10D_GLOO -DUSE_C10D_NCCL -I. -Ibazel-bin \
+  if ! out=$(g++ -std="${STANDARD}" -fsyntax-only -DUSE_DISTRIBUTED -DUSE_C10D_GLOO -DUSE_C10D_NCCL -I. -Ibazel-bin \
       -isystem "${INCLUDE}" -isystem "${INCLUDE}/torch/csrc/api/include" \
       -isystem "${CUDA}/include" -isystem third_party/c10_cuda_shim "$1" 2>&1); then
     echo "=== $1"
@@ -51,10 +52,10 @@ check_one() {
   fi
 }
 export -f check_one
-export INCLUDE="${include}" CUDA="${cuda}"
+export INCLUDE="${include}" CUDA="${cuda}" STANDARD="${FSDP_CXX_STANDARD:-c++17}"
 count=$(echo "${sources}" | wc -l)
 if echo "${sources}" | xargs -P "$(nproc)" -n 1 bash -c 'check_one "$0"'; then
-  echo "check_torch2_headers: ${count} files compile against libtorch 2.6 headers"
+  echo "check_torch2_headers: ${count} files compile against libtorch 2.6 headers (${STANDARD})"
 else
   echo "check_torch2_headers: some of ${count} files do not compile against libtorch 2.6" >&2
   exit 1
