@@ -53,6 +53,7 @@ Collectives& RankGroup(NcclTransport transport, int world_size, int rank) {
   if (ranks.empty()) {
     ranks.resize(world_size);
     auto store = c10::make_intrusive<c10d::HashStore>();
+    std::vector<absl::Status> made(world_size);
     std::vector<std::thread> threads;
     for (int r = 0; r < world_size; ++r) {
       threads.emplace_back([&, r] {
@@ -60,15 +61,20 @@ Collectives& RankGroup(NcclTransport transport, int world_size, int rank) {
         NcclOptions options;
         options.transport = transport;
         options.group_name = absl::StrCat("bench", static_cast<int>(transport), "/", world_size);
-        ranks[r] = ValueOrThrow(CreateNcclCollectives(store, r, world_size, r, options));
+        absl::StatusOr<std::unique_ptr<Collectives>> group =
+            CreateNcclCollectives(store, r, world_size, r, options);
+        made[r] = group.status();
+        if (group.ok()) ranks[r] = std::move(*group);
       });
     }
     for (std::thread& t : threads) t.join();
+    for (const absl::Status& status : made) ThrowIfError(status);
   }
+  TORCH_CHECK(ranks[rank] != nullptr, "no group for rank ", rank, " (its creation failed)");
   return *ranks[rank];
 }
 
-void BM_Nccl(benchmark::State& state, NcclTransport transport, Op op) {
+void RunOrThrow(benchmark::State& state, NcclTransport transport, Op op) {
   const int world = state.threads();
   const int rank = state.thread_index();
   if (world < 2) {
@@ -114,6 +120,14 @@ void BM_Nccl(benchmark::State& state, NcclTransport transport, Op op) {
   state.counters["issue_us"] = benchmark::Counter(
       issue_seconds * 1e6 / (kBatch * static_cast<double>(state.iterations())),
       benchmark::Counter::kAvgThreads);
+}
+
+void BM_Nccl(benchmark::State& state, NcclTransport transport, Op op) {
+  try {
+    RunOrThrow(state, transport, op);
+  } catch (...) {
+    state.SkipWithError(std::string(StatusFromCurrentException().message()).c_str());
+  }
 }
 
 void Register(const char* transport_name, NcclTransport transport, const char* op_name, Op op,

@@ -85,7 +85,7 @@ int64_t ModelStateBytesOnDevice(torch::nn::Module& model, torch::optim::AdamW& o
   return bytes;
 }
 
-void RunCase(benchmark::State& state, const Case& kase, const StepConfig& c) {
+void RunCaseOrThrow(benchmark::State& state, const Case& kase, const StepConfig& c) {
   const c10::DeviceIndex index = static_cast<c10::DeviceIndex>(job->env.local_rank);
   const c10::Device device(c10::DeviceType::CUDA, index);
   c10::cuda::set_device(index);
@@ -153,6 +153,17 @@ void RunCase(benchmark::State& state, const Case& kase, const StepConfig& c) {
   state.counters["peak_allocated_MiB"] = stats.allocated_bytes[0].peak / 1048576.0;
   state.counters["peak_reserved_MiB"] = stats.reserved_bytes[0].peak / 1048576.0;
   state.counters["model_state_MiB"] = ModelStateBytesOnDevice(*model, optimizer) / 1048576.0;
+}
+
+// A case that fails (out of memory, a refused option) is reported as failed
+// and the next one runs.
+void RunCase(benchmark::State& state, const Case& kase, const StepConfig& c) {
+  try {
+    RunCaseOrThrow(state, kase, c);
+  } catch (...) {
+    state.SkipWithError(
+        std::string(fsdp::StatusFromCurrentException().message()).c_str());
+  }
 }
 
 void Register(const char* model_name, const StepConfig& c, const char* case_name,
