@@ -90,9 +90,9 @@ struct FsdpOptions {
   // keep their identities), deferred ones (DeferParameterAllocation) after
   // param_init_fn filled them on the host, and then every buffer outside
   // ignored modules. A model built on the host that does not fit on the
-  // device whole can be wrapped so: the device never holds more than the
-  // shards so far and one unit's full parameters (with offload_params, the
-  // one unit alone). Unset: the parameters stay where they are, all on one
+  // device whole can be wrapped so: beyond the shards made so far (none
+  // with offload_params), the device holds one unit at a time, twice while
+  // it is flattened. Unset: the parameters stay where they are, all on one
   // device. Must name a device with its index (cuda:0, not cuda);
   // parameters already on another accelerator are an error. If a move fails
   // (out of memory), the units before it stay sharded on the device.
