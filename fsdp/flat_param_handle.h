@@ -213,6 +213,9 @@ class FlatParamHandle {
   const std::string& unit_name() const { return unit_name_; }
   ShardingStrategy strategy() const { return options_.strategy; }
   bool is_unsharded() const { return unsharded_; }
+  // Whether Unshard has anything to do now: a strategy that shards, or a
+  // low-precision or offload copy to make (not under kSummonFullParams).
+  bool UnshardNeeded() const;
   // Trainable (every parameter requires grad) or frozen (none does).
   bool requires_grad() const { return params_.front().param.requires_grad(); }
   bool uses_sharded_views() const { return options_.strategy != ShardingStrategy::kNoShard; }
@@ -258,9 +261,6 @@ class FlatParamHandle {
   void PublishGradients();
   // Allocates sharded_grad_ (zeroed, or adopting `initial`) and its aliases.
   void AllocateShardedGrad(at::Tensor initial);
-  // Whether Unshard has anything to do now: a strategy that shards, or a
-  // low-precision copy to make (not under kSummonFullParams).
-  bool UnshardNeeded() const;
   at::ScalarType GradDtype() const;  // Of the reduced gradient.
   // `host` (the shard or sharded gradient) on the compute device in
   // `dtype`: itself when it is there already, else a copy issued on the

@@ -677,7 +677,7 @@ void FullyShardedModel::Unshard(FlatParamHandle& handle) {
   const bool gathers = handle.uses_sharded_views() && !handle.is_unsharded();
   TraceSpan unshard(gathers ? options_.trace : nullptr, "unshard", handle.unit_name());
   IssueUnshard(handle);
-  if (!handle.uses_sharded_views() && !handle.is_unsharded()) {
+  if (!handle.uses_sharded_views() && handle.UnshardNeeded() && !handle.is_unsharded()) {
     // NO_SHARD's local copy (mixed precision, offload) reads the shard too.
     RuntimeStreams::WaitStream(streams_->all_gather(), streams_->compute());
   }

@@ -18,7 +18,8 @@
 # Debian packages in .gpu_deps/ (FSDP_GPU_DEPS), unpacked with dpkg -x.
 # Writes to OUT_DIR at most 8 files: summary.txt (each stage's outcome),
 # build.log, cuda_test.log, cpp_step.json, pytorch_step.jsonl,
-# step_table.md, nccl.json (two GPUs or more), ctest.log. A failing stage is recorded and the next runs.
+# step_table.md, nccl.json (two GPUs or more), ctest.log. A failing stage
+# is recorded and the next runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -58,12 +59,14 @@ print(20 if (major, minor) >= (2, 13) else 17)') || {
 torch_cmake=$(sed -n 1p <<<"$torch_info")
 torch_dir=$(sed -n 2p <<<"$torch_info")
 cxx_standard=$(sed -n 4p <<<"$torch_info")  # ATen requires C++20 from torch 2.13 on.
-note "torch: $(sed -n 3p <<<"$torch_info") (version, CUDA, GPU visible) at $torch_dir; C++$cxx_standard"
+note "torch: $(sed -n 3p <<<"$torch_info") (version, CUDA, GPU visible)" \
+  "at $torch_dir; C++$cxx_standard"
 
 # NCCL: the one the torch loads (a pip nvidia-nccl package), so that one
 # libnccl.so.2 serves both; else the CUDA toolkit's (CMakeLists.txt).
 nccl_root=""
-nccl_header=$(find "$(dirname "$torch_dir")/nvidia" -name nccl.h -path '*include*' 2>/dev/null | head -1)
+nccl_header=$(find "$(dirname "$torch_dir")/nvidia" -name nccl.h -path '*include*' 2>/dev/null |
+  head -1)
 [[ -n "$nccl_header" ]] && nccl_root=$(dirname "$(dirname "$nccl_header")")
 note "nccl: ${nccl_root:-from the CUDA toolkit}"
 
