@@ -265,18 +265,39 @@ add_test(NAME //models:gpt_test COMMAND models_gpt_test WORKING_DIRECTORY ${CMAK
 set_tests_properties(//models:gpt_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/models_gpt_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/models_gpt_test")
 
+# //models:job_test_util
+add_library(models_job_test_util SHARED ${PROJECT_SOURCE_DIR}/models/job_test_util.cc ${PROJECT_SOURCE_DIR}/models/job_test_util.h)
+set_target_properties(models_job_test_util PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models)
+target_link_libraries(models_job_test_util PUBLIC third_party_absl_base third_party_gtest)
+
+# //models:output_paths
+add_library(models_output_paths SHARED ${PROJECT_SOURCE_DIR}/models/output_paths.cc ${PROJECT_SOURCE_DIR}/models/output_paths.h)
+set_target_properties(models_output_paths PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models)
+target_link_libraries(models_output_paths PUBLIC third_party_absl_base third_party_absl_status)
+
 # //models:train_gpt
 add_executable(models_train_gpt ${PROJECT_SOURCE_DIR}/models/train_gpt_main.cc)
 set_target_properties(models_train_gpt PROPERTIES OUTPUT_NAME train_gpt RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
-target_link_libraries(models_train_gpt PRIVATE models_gpt base_status comm_collectives comm_launch_environment comm_local_launcher comm_rendezvous fsdp_fully_shard fsdp_trace optim_training_checkpoint policies_builtin_policies policies_registry statedict_state_dict statedict_torch_file third_party_absl_flags fsdp_torch)
+target_link_libraries(models_train_gpt PRIVATE models_gpt models_output_paths optim_run_checkpoints base_status comm_collectives comm_launch_environment comm_local_launcher comm_rendezvous fsdp_fully_shard fsdp_trace optim_training_checkpoint policies_builtin_policies policies_registry statedict_state_dict statedict_torch_file third_party_absl_flags fsdp_torch)
+
+# //models:train_gpt_bad_input_test
+add_executable(models_train_gpt_bad_input_test ${PROJECT_SOURCE_DIR}/models/train_gpt_bad_input_test.cc)
+set_target_properties(models_train_gpt_bad_input_test PROPERTIES OUTPUT_NAME train_gpt_bad_input_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
+target_link_libraries(models_train_gpt_bad_input_test PRIVATE models_job_test_util third_party_absl_base third_party_gtest_main)
+configure_file(${PROJECT_SOURCE_DIR}/models/gpt_interop.py "${CMAKE_BINARY_DIR}/models/gpt_interop.py" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/models/replay_gpt.py "${CMAKE_BINARY_DIR}/models/replay_gpt.py" COPYONLY)
+add_dependencies(models_train_gpt_bad_input_test models_train_gpt comm_launch)
+add_test(NAME //models:train_gpt_bad_input_test COMMAND models_train_gpt_bad_input_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//models:train_gpt_bad_input_test PROPERTIES TIMEOUT 900 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/models_train_gpt_bad_input_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/models_train_gpt_bad_input_test")
 
 # //models:train_gpt_test
 add_executable(models_train_gpt_test ${PROJECT_SOURCE_DIR}/models/train_gpt_test.cc)
 set_target_properties(models_train_gpt_test PROPERTIES OUTPUT_NAME train_gpt_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
-target_link_libraries(models_train_gpt_test PRIVATE third_party_absl_base third_party_gtest_main)
+target_link_libraries(models_train_gpt_test PRIVATE models_job_test_util third_party_absl_base third_party_gtest_main)
 configure_file(${PROJECT_SOURCE_DIR}/models/gpt_interop.py "${CMAKE_BINARY_DIR}/models/gpt_interop.py" COPYONLY)
 configure_file(${PROJECT_SOURCE_DIR}/models/replay_gpt.py "${CMAKE_BINARY_DIR}/models/replay_gpt.py" COPYONLY)
-add_dependencies(models_train_gpt_test models_train_gpt comm_launch)
+add_dependencies(models_train_gpt_test models_train_gpt)
 add_test(NAME //models:train_gpt_test COMMAND models_train_gpt_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//models:train_gpt_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/models_train_gpt_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/models_train_gpt_test")
@@ -307,6 +328,19 @@ target_link_libraries(optim_optim_state_test PRIVATE optim_optim_state comm_coll
 add_test(NAME //optim:optim_state_test COMMAND optim_optim_state_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//optim:optim_state_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/optim_optim_state_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/optim_optim_state_test")
+
+# //optim:run_checkpoints
+add_library(optim_run_checkpoints SHARED ${PROJECT_SOURCE_DIR}/optim/run_checkpoints.cc ${PROJECT_SOURCE_DIR}/optim/run_checkpoints.h)
+set_target_properties(optim_run_checkpoints PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/optim)
+target_link_libraries(optim_run_checkpoints PUBLIC statedict_state_dict third_party_absl_base third_party_absl_status)
+
+# //optim:run_checkpoints_test
+add_executable(optim_run_checkpoints_test ${PROJECT_SOURCE_DIR}/optim/run_checkpoints_test.cc)
+set_target_properties(optim_run_checkpoints_test PROPERTIES OUTPUT_NAME run_checkpoints_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/optim ENABLE_EXPORTS ON)
+target_link_libraries(optim_run_checkpoints_test PRIVATE optim_run_checkpoints comm_collectives statedict_state_dict testing_multi_rank third_party_absl_base third_party_gtest_main fsdp_torch)
+add_test(NAME //optim:run_checkpoints_test COMMAND optim_run_checkpoints_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//optim:run_checkpoints_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/optim_run_checkpoints_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/optim_run_checkpoints_test")
 
 # //optim:training_checkpoint
 add_library(optim_training_checkpoint SHARED ${PROJECT_SOURCE_DIR}/optim/training_checkpoint.cc ${PROJECT_SOURCE_DIR}/optim/training_checkpoint.h)

@@ -9,30 +9,33 @@
 // job. Every rank draws the same global batch of
 // world_size * batch_size sequences and trains on its slice, so the run
 // matches single-process training on the global batch.
-#include <dirent.h>
+#include <fnmatch.h>
 #include <sys/resource.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
-#include <algorithm>
-#include <map>
-#include <optional>
-#include <utility>
-#include <stdexcept>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <functional>
+#include <limits>
 #include <memory>
+#include <optional>
 #include <random>
+#include <set>
+#include <stdexcept>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "ATen/ATen.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "base/status.h"
 #include "comm/collectives.h"
 #include "comm/launch_environment.h"
@@ -41,10 +44,12 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/trace.h"
 #include "models/gpt.h"
+#include "models/output_paths.h"
+#include "optim/run_checkpoints.h"
+#include "optim/training_checkpoint.h"
 #include "policies/registry.h"
 #include "statedict/state_dict.h"
 #include "statedict/torch_file.h"
-#include "optim/training_checkpoint.h"
 #include "torch/optim/adamw.h"
 #include "torch/optim/sgd.h"
 
@@ -56,11 +61,15 @@ ABSL_FLAG(int, n_layer, 2, "Transformer blocks (one FSDP unit each).");
 ABSL_FLAG(int, n_head, 4, "Attention heads.");
 ABSL_FLAG(int, n_embd, 64, "Model width.");
 ABSL_FLAG(std::string, optimizer, "adamw", "adamw or sgd (with momentum --beta1).");
-ABSL_FLAG(double, lr, 3e-3, "Learning rate.");
-ABSL_FLAG(double, weight_decay, 0.01, "Weight decay (decoupled for AdamW).");
-ABSL_FLAG(double, beta1, 0.9, "AdamW beta1; SGD momentum.");
-ABSL_FLAG(double, beta2, 0.99, "AdamW beta2.");
-ABSL_FLAG(double, eps, 1e-8, "AdamW epsilon.");
+// The optimizer's hyper-parameters are optional flags: on --resume, one
+// given on the command line replaces the checkpoint's value (and says so),
+// one not given keeps the checkpoint's.
+ABSL_FLAG(std::optional<double>, lr, std::nullopt, "Learning rate (default 3e-3).");
+ABSL_FLAG(std::optional<double>, weight_decay, std::nullopt,
+          "Weight decay, decoupled for AdamW (default 0.01).");
+ABSL_FLAG(std::optional<double>, beta1, std::nullopt, "AdamW beta1; SGD momentum (default 0.9).");
+ABSL_FLAG(std::optional<double>, beta2, std::nullopt, "AdamW beta2 (default 0.99).");
+ABSL_FLAG(std::optional<double>, eps, std::nullopt, "AdamW epsilon (default 1e-8).");
 ABSL_FLAG(double, grad_clip, 1.0,
           "Clip the global gradient norm to this (across all ranks and units); 0: off.");
 ABSL_FLAG(std::string, metrics_jsonl, "",
@@ -91,17 +100,39 @@ ABSL_FLAG(std::string, policy_plugin, "",
 ABSL_FLAG(std::string, init_state_dict, "",
           "Start from this state dict: a torch.save file (e.g. torch.save(model.state_dict()) "
           "of a PyTorch GPT with nanoGPT's layout) or one written by --export_state_dict.");
+ABSL_FLAG(std::vector<std::string>, init_state_dict_ignore, {},
+          "Comma-separated globs (fnmatch) of --init_state_dict entries to drop when this model "
+          "has no such entry, e.g. '*.attn.bias' for the causal-mask buffers that nanoGPT "
+          "checkpoints from torch < 2 carry. An entry the model has is never dropped.");
 ABSL_FLAG(std::string, init_state_dict_key, "",
           "Take the state dict from this key of the file's top-level dict (nanoGPT's ckpt.pt: "
           "'model').");
 ABSL_FLAG(std::string, export_state_dict, "",
           "Write the final FULL state dict here (rank 0), readable by Python's torch.load.");
 ABSL_FLAG(std::string, checkpoint_dir, "",
-          "Save SHARDED training checkpoints (model and AdamW state) here, one subdirectory "
-          "step-NNNNNNNN per checkpoint; the two newest are kept.");
+          "Save SHARDED training checkpoints (model and optimizer state) here, one subdirectory "
+          "step-NNNNNNNN per checkpoint, labelled with the run's id (optim/run_checkpoints.h). "
+          "A new run refuses a directory holding other checkpoints (see --resume and "
+          "--overwrite_checkpoints).");
 ABSL_FLAG(int, checkpoint_every, 100, "Steps between checkpoints (with --checkpoint_dir).");
+ABSL_FLAG(int, keep_checkpoints, 2,
+          "How many of this run's newest checkpoints clean-up keeps; it never removes another "
+          "run's.");
 ABSL_FLAG(bool, resume, false,
-          "Continue from the newest complete checkpoint in --checkpoint_dir (any world size).");
+          "Continue the run whose newest complete checkpoint is in --checkpoint_dir (any world "
+          "size).");
+ABSL_FLAG(bool, overwrite_checkpoints, false,
+          "A new run may use a --checkpoint_dir that holds another run's checkpoints: they are "
+          "removed once this run's first checkpoint is saved.");
+ABSL_FLAG(std::string, on_nonfinite, "stop",
+          "When the loss or the gradient norm of a step is not finite: 'stop' the job naming "
+          "the step, or 'skip' the step's update (see --max_consecutive_skips).");
+ABSL_FLAG(int, TEST_nan_loss_at_step, 0,
+          "Testing aid for --on_nonfinite: the last rank's loss of this step is made NaN "
+          "before backward (its gradients, hence every rank's, become NaN too); 0: never.");
+ABSL_FLAG(int, max_consecutive_skips, 10,
+          "With --on_nonfinite=skip: stop once more than this many steps in a row were "
+          "skipped.");
 ABSL_FLAG(std::string, record_batches, "",
           "Write every step's global batch of token ids here (rank 0, at the end), readable "
           "by torch.load: {'tokens': int64 [steps, world_size * batch_size, block_size + 1], "
@@ -155,34 +186,6 @@ std::string MakeCorpus(uint64_t seed, size_t bytes) {
     text += std::to_string(a) + "+" + std::to_string(b) + "=" + std::to_string(a + b) + "\n";
   }
   return text;
-}
-
-// Complete checkpoints (those with a manifest) in `dir`, by step.
-std::map<int, std::string> CompleteCheckpoints(const std::string& dir) {
-  std::map<int, std::string> found;
-  DIR* d = opendir(dir.c_str());
-  if (d == nullptr) return found;
-  while (dirent* e = readdir(d)) {
-    int step = 0;
-    const std::string name = e->d_name;
-    if (name.rfind("step-", 0) != 0 || !absl::SimpleAtoi(name.substr(5), &step)) continue;
-    const std::string path = dir + "/" + name;
-    struct stat st;
-    if (stat((path + "/manifest.pb").c_str(), &st) == 0) found[step] = path;
-  }
-  closedir(d);
-  return found;
-}
-
-void RemoveCheckpoint(const std::string& path) {
-  DIR* d = opendir(path.c_str());
-  if (d == nullptr) return;
-  while (dirent* e = readdir(d)) {
-    const std::string name = e->d_name;
-    if (name != "." && name != "..") unlink((path + "/" + name).c_str());
-  }
-  closedir(d);
-  rmdir(path.c_str());
 }
 
 absl::StatusOr<fsdp::BackwardPrefetch> ParseBackwardPrefetch(const std::string& name) {
@@ -243,6 +246,333 @@ void PrintRankReport(int rank, const RankReport& r, const fsdp::CollectiveCounte
   std::fflush(stdout);
 }
 
+// The corpus MakeCorpus generates; a sequence needs block_size + 1 bytes.
+constexpr int64_t kCorpusBytes = int64_t{1} << 20;
+
+// A rough upper bound of one rank's training memory: parameters, gradients
+// and two optimizer moments unsharded (sharding only lowers it), and the
+// activations autograd keeps for backward, dominated by the attention
+// matrices (batch x heads x block_size^2 per layer, about four copies).
+double EstimatedRankBytes() {
+  const double b = absl::GetFlag(FLAGS_batch_size), t = absl::GetFlag(FLAGS_block_size),
+               l = absl::GetFlag(FLAGS_n_layer), h = absl::GetFlag(FLAGS_n_head),
+               c = absl::GetFlag(FLAGS_n_embd), vocab = 256;
+  const double params = l * (12 * c * c + 13 * c) + (vocab + t + 2) * c;
+  const double attention = l * b * h * t * t * 4 * 4;
+  const double other_activations = l * b * t * c * 4 * 24 + b * t * vocab * 4 * 4;
+  return params * 4 * 4 + attention + other_activations;
+}
+
+// Every problem with the flags, each naming the flag and what is valid;
+// `world_size` and `ranks_on_host` as the job will have them.
+std::vector<std::string> FlagProblems(fsdp::ShardingStrategy strategy, int world_size,
+                                      int ranks_on_host) {
+  std::vector<std::string> problems;
+  auto at_least = [&](const char* flag, int64_t value, int64_t min) {
+    if (value < min) problems.push_back(absl::StrFormat("--%s=%d: must be >= %d", flag, value, min));
+  };
+  at_least("world_size", world_size, 1);
+  at_least("steps", absl::GetFlag(FLAGS_steps), 1);
+  at_least("batch_size", absl::GetFlag(FLAGS_batch_size), 1);
+  at_least("n_layer", absl::GetFlag(FLAGS_n_layer), 1);
+  at_least("n_head", absl::GetFlag(FLAGS_n_head), 1);
+  at_least("n_embd", absl::GetFlag(FLAGS_n_embd), 1);
+  at_least("checkpoint_every", absl::GetFlag(FLAGS_checkpoint_every), 1);
+  at_least("keep_checkpoints", absl::GetFlag(FLAGS_keep_checkpoints), 1);
+  at_least("log_every", absl::GetFlag(FLAGS_log_every), 1);
+  at_least("timeout_s", absl::GetFlag(FLAGS_timeout_s), 1);
+  at_least("collective_timeout_s", absl::GetFlag(FLAGS_collective_timeout_s), 1);
+  at_least("verify_collectives_every", absl::GetFlag(FLAGS_verify_collectives_every), 0);
+  at_least("max_consecutive_skips", absl::GetFlag(FLAGS_max_consecutive_skips), 0);
+  at_least("shard_group_size", absl::GetFlag(FLAGS_shard_group_size), 0);
+  const int block_size = absl::GetFlag(FLAGS_block_size);
+  if (block_size < 2 || block_size > kCorpusBytes - 2) {
+    problems.push_back(absl::StrFormat("--block_size=%d: must be in [2, %d] (the corpus is %d "
+                                       "bytes)",
+                                       block_size, kCorpusBytes - 2, kCorpusBytes));
+  }
+  const int n_head = absl::GetFlag(FLAGS_n_head), n_embd = absl::GetFlag(FLAGS_n_embd);
+  if (n_head >= 1 && n_embd >= 1 && n_embd % n_head != 0) {
+    problems.push_back(absl::StrFormat("--n_embd=%d: must be a multiple of --n_head=%d", n_embd,
+                                       n_head));
+  }
+  struct Real {
+    const char* flag;
+    std::optional<double> value;
+    double min;
+    bool min_inclusive;
+    double below;  // Exclusive upper bound.
+    const char* range;
+  };
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  for (const Real& r : {Real{"lr", absl::GetFlag(FLAGS_lr), 0, true, kInf, ">= 0 and finite"},
+                        Real{"weight_decay", absl::GetFlag(FLAGS_weight_decay), 0, true, kInf,
+                             ">= 0 and finite"},
+                        Real{"beta1", absl::GetFlag(FLAGS_beta1), 0, true, 1, "in [0, 1)"},
+                        Real{"beta2", absl::GetFlag(FLAGS_beta2), 0, true, 1, "in [0, 1)"},
+                        Real{"eps", absl::GetFlag(FLAGS_eps), 0, false, kInf, "> 0 and finite"},
+                        Real{"grad_clip", absl::GetFlag(FLAGS_grad_clip), 0, true, kInf,
+                             ">= 0 and finite (0: off)"}}) {
+    if (!r.value.has_value()) continue;
+    const double v = *r.value;
+    const bool ok = std::isfinite(v) && (r.min_inclusive ? v >= r.min : v > r.min) && v < r.below;
+    if (!ok) problems.push_back(absl::StrFormat("--%s=%g: must be %s", r.flag, v, r.range));
+  }
+  if (const std::string o = absl::GetFlag(FLAGS_optimizer); o != "adamw" && o != "sgd") {
+    problems.push_back("--optimizer=" + o + ": expected adamw or sgd");
+  }
+  if (const std::string n = absl::GetFlag(FLAGS_on_nonfinite); n != "stop" && n != "skip") {
+    problems.push_back("--on_nonfinite=" + n + ": expected stop or skip");
+  }
+  if (const int g = absl::GetFlag(FLAGS_shard_group_size); g > 0) {
+    if (!fsdp::IsHybrid(strategy)) {
+      problems.push_back(absl::StrFormat(
+          "--shard_group_size=%d: applies only to --sharding_strategy=hybrid_shard or "
+          "_hybrid_shard_zero2, not %s",
+          g, fsdp::ShardingStrategyName(strategy)));
+    } else if (world_size >= 1 && world_size % g != 0) {
+      problems.push_back(absl::StrFormat(
+          "--shard_group_size=%d: must divide the world size %d", g, world_size));
+    }
+  }
+  const bool has_dir = !absl::GetFlag(FLAGS_checkpoint_dir).empty();
+  if (absl::GetFlag(FLAGS_resume) && !has_dir) {
+    problems.push_back("--resume: needs --checkpoint_dir");
+  }
+  if (absl::GetFlag(FLAGS_overwrite_checkpoints) &&
+      (!has_dir || absl::GetFlag(FLAGS_resume))) {
+    problems.push_back(
+        "--overwrite_checkpoints: only for a new run (no --resume) with --checkpoint_dir");
+  }
+  if (problems.empty()) {
+    const double need = EstimatedRankBytes() * ranks_on_host;
+    const double have =
+        static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
+    if (need > have) {
+      problems.push_back(absl::StrFormat(
+          "--block_size=%d, --batch_size=%d, --n_layer=%d, --n_head=%d, --n_embd=%d: training "
+          "needs about %.0f GiB on this host (%d ranks; attention matrices grow with "
+          "block_size^2), which has %.0f GiB of memory",
+          block_size, absl::GetFlag(FLAGS_batch_size), absl::GetFlag(FLAGS_n_layer), n_head,
+          n_embd, need / (1 << 30), ranks_on_host, have / (1 << 30)));
+    }
+  }
+  return problems;
+}
+
+// Creates and test-writes every output path, so that a bad one fails now.
+absl::Status PrepareOutputs() {
+  for (const auto& [flag, dir] :
+       {std::pair<const char*, std::string>{"--checkpoint_dir", absl::GetFlag(FLAGS_checkpoint_dir)},
+        {"--trace_dir", absl::GetFlag(FLAGS_trace_dir)}}) {
+    if (!dir.empty()) FSDP_RETURN_IF_ERROR(fsdp::PrepareOutputDirectory(flag, dir));
+  }
+  for (const auto& [flag, file] :
+       {std::pair<const char*, std::string>{"--export_state_dict",
+                                            absl::GetFlag(FLAGS_export_state_dict)},
+        {"--record_batches", absl::GetFlag(FLAGS_record_batches)},
+        {"--metrics_jsonl", absl::GetFlag(FLAGS_metrics_jsonl)}}) {
+    if (!file.empty()) FSDP_RETURN_IF_ERROR(fsdp::PrepareOutputFile(flag, file));
+  }
+  return absl::OkStatus();
+}
+
+// The run's checkpoint directory (none without --checkpoint_dir), checked
+// against --resume, --overwrite_checkpoints and --steps.
+absl::StatusOr<std::optional<fsdp::RunCheckpoints>> OpenCheckpoints(const std::string& run_id) {
+  const std::string dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  if (dir.empty()) return std::nullopt;
+  fsdp::RunCheckpointsOptions options;
+  options.resume = absl::GetFlag(FLAGS_resume);
+  options.overwrite = absl::GetFlag(FLAGS_overwrite_checkpoints);
+  options.keep = absl::GetFlag(FLAGS_keep_checkpoints);
+  absl::StatusOr<fsdp::RunCheckpoints> run = fsdp::RunCheckpoints::Open(dir, options, run_id);
+  if (!run.ok()) {
+    return absl::Status(run.status().code(),
+                        absl::StrCat("--checkpoint_dir=", dir, ": ", run.status().message()));
+  }
+  const int steps = absl::GetFlag(FLAGS_steps);
+  if (run->resume_from() && run->resume_from()->step >= steps) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--steps=%d: the run in '%s' has already reached step %d (%s); pass a larger --steps "
+        "to train further",
+        steps, dir, run->resume_from()->step, run->resume_from()->path));
+  }
+  return std::optional<fsdp::RunCheckpoints>(*std::move(run));
+}
+
+// One optimizer hyper-parameter: its flag, and its value in a group.
+struct Hyperparameter {
+  const char* name;
+  std::optional<double> flag;
+  double fresh_default;
+  double current;
+  std::function<void(double)> set;
+};
+
+std::vector<Hyperparameter> HyperparametersOf(torch::optim::OptimizerOptions& options) {
+  if (auto* o = dynamic_cast<torch::optim::AdamWOptions*>(&options)) {
+    return {{"lr", absl::GetFlag(FLAGS_lr), 3e-3, o->lr(), [o](double v) { o->lr(v); }},
+            {"weight_decay", absl::GetFlag(FLAGS_weight_decay), 0.01, o->weight_decay(),
+             [o](double v) { o->weight_decay(v); }},
+            {"beta1", absl::GetFlag(FLAGS_beta1), 0.9, std::get<0>(o->betas()),
+             [o](double v) { o->betas(std::make_tuple(v, std::get<1>(o->betas()))); }},
+            {"beta2", absl::GetFlag(FLAGS_beta2), 0.99, std::get<1>(o->betas()),
+             [o](double v) { o->betas(std::make_tuple(std::get<0>(o->betas()), v)); }},
+            {"eps", absl::GetFlag(FLAGS_eps), 1e-8, o->eps(), [o](double v) { o->eps(v); }}};
+  }
+  auto* o = dynamic_cast<torch::optim::SGDOptions*>(&options);
+  TORCH_CHECK(o != nullptr, "train_gpt: an optimizer of neither AdamW nor SGD");
+  return {{"lr", absl::GetFlag(FLAGS_lr), 3e-3, o->lr(), [o](double v) { o->lr(v); }},
+          {"weight_decay", absl::GetFlag(FLAGS_weight_decay), 0.01, o->weight_decay(),
+           [o](double v) { o->weight_decay(v); }},
+          {"beta1", absl::GetFlag(FLAGS_beta1), 0.9, o->momentum(),
+           [o](double v) { o->momentum(v); }}};
+}
+
+// The optimizer the flags ask for, each hyper-parameter not given at its
+// default.
+std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(std::vector<at::Tensor> params) {
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  if (absl::GetFlag(FLAGS_optimizer) == "sgd") {
+    optimizer = std::make_unique<torch::optim::SGD>(std::move(params),
+                                                    torch::optim::SGDOptions(3e-3));
+  } else {
+    optimizer = std::make_unique<torch::optim::AdamW>(std::move(params),
+                                                      torch::optim::AdamWOptions(3e-3));
+  }
+  for (auto& group : optimizer->param_groups()) {
+    for (const Hyperparameter& h : HyperparametersOf(group.options())) {
+      h.set(h.flag.value_or(h.fresh_default));
+    }
+  }
+  return optimizer;
+}
+
+// After loading a checkpoint: every hyper-parameter given on the command
+// line replaces the checkpoint's; the others keep the checkpoint's. Returns
+// what the optimizer now uses, and where each value came from.
+std::string ApplyGivenHyperparameters(torch::optim::Optimizer& optimizer) {
+  std::vector<std::string> described;
+  for (size_t g = 0; g < optimizer.param_groups().size(); ++g) {
+    for (const Hyperparameter& h : HyperparametersOf(optimizer.param_groups()[g].options())) {
+      if (h.flag.has_value() && *h.flag != h.current) {
+        h.set(*h.flag);
+        if (g == 0) {
+          described.push_back(absl::StrFormat("%s %g (--%s; the checkpoint's was %g)", h.name,
+                                              *h.flag, h.name, h.current));
+        }
+      } else if (g == 0) {
+        described.push_back(absl::StrFormat("%s %g (the checkpoint's)", h.name, h.current));
+      }
+    }
+  }
+  return absl::StrJoin(described, ", ");
+}
+
+// --init_state_dict into the wrapped model; `model_keys` are its state
+// dict's names. Errors name the file.
+void LoadInitialState(fsdp::FullyShardedModel& fsdp_model, const std::set<std::string>& model_keys,
+                      bool print) {
+  const std::string path = absl::GetFlag(FLAGS_init_state_dict);
+  const std::vector<std::string> ignore = absl::GetFlag(FLAGS_init_state_dict_ignore);
+  // Every rank reads the file and keeps its own shards.
+  const fsdp::StateDict state = fsdp::ValueOrThrow(
+      fsdp::LoadTorchStateDict(path, absl::GetFlag(FLAGS_init_state_dict_key)));
+  fsdp::StateDict kept;
+  std::vector<std::string> dropped;
+  bool unexpected = false;
+  for (const auto& [name, tensor] : state) {
+    if (model_keys.count(name) == 0) {
+      bool matched = false;
+      for (const std::string& glob : ignore) {
+        matched = matched || fnmatch(glob.c_str(), name.c_str(), 0) == 0;
+      }
+      if (matched) {
+        dropped.push_back(name);
+        continue;
+      }
+      unexpected = true;
+    }
+    kept.emplace_back(name, tensor);
+  }
+  if (absl::Status loaded = fsdp::LoadStateDict(fsdp_model, kept); !loaded.ok()) {
+    throw std::runtime_error(absl::StrCat(
+        "--init_state_dict=", path, ": ", loaded.message(),
+        unexpected ? " (entries the model does not have can be dropped with "
+                     "--init_state_dict_ignore=GLOB,...; nanoGPT checkpoints from torch < 2 "
+                     "carry their causal masks as '*.attn.bias')"
+                   : ""));
+  }
+  if (print) {
+    std::printf("initialized from %s%s\n", path.c_str(),
+                dropped.empty() ? ""
+                                : absl::StrCat(" (dropped by --init_state_dict_ignore: ",
+                                               absl::StrJoin(dropped, ", "), ")")
+                                      .c_str());
+  }
+}
+
+// The batches the run trains on: --replay_batches' recorded ones, or drawn
+// from the corpus with a generator every rank seeds alike.
+class BatchSource {
+ public:
+  BatchSource(int64_t global_batch, int64_t block_size, int steps)
+      : global_batch_(global_batch), t_(block_size), sampler_(absl::GetFlag(FLAGS_seed) + 1) {
+    const std::string corpus = MakeCorpus(absl::GetFlag(FLAGS_seed), kCorpusBytes);
+    data_ = at::from_blob(const_cast<char*>(corpus.data()), {static_cast<int64_t>(corpus.size())},
+                          at::kChar)
+                .to(at::kLong)
+                .remainder(256);
+    const std::string path = absl::GetFlag(FLAGS_replay_batches);
+    if (path.empty()) return;
+    const fsdp::StateDict recorded = fsdp::ValueOrThrow(fsdp::LoadTorchStateDict(path));
+    for (const auto& [name, tensor] : recorded) {
+      if (name == "tokens") replay_ = tensor;
+      if (name == "first_step") replay_first_step_ = tensor.item<int64_t>();
+    }
+    if (!replay_.defined() || replay_.dim() != 3 || replay_.scalar_type() != at::kLong ||
+        replay_.size(1) != global_batch || replay_.size(2) != t_ + 1) {
+      throw std::runtime_error(absl::StrFormat(
+          "--replay_batches=%s: expected an int64 'tokens' tensor of shape [steps, %d, %d] "
+          "(world_size * batch_size, block_size + 1), found %s",
+          path, global_batch, t_ + 1,
+          replay_.defined() ? absl::StrCat(std::string(c10::toString(replay_.scalar_type())),
+                                           " of shape ", c10::str(replay_.sizes()))
+                            : std::string("no 'tokens' entry")));
+    }
+    const int64_t last = replay_first_step_ + replay_.size(0) - 1;
+    if (replay_first_step_ != 1 || steps > last) {
+      throw std::runtime_error(absl::StrFormat(
+          "--replay_batches=%s holds steps %d..%d; --steps=%d must be within them", path,
+          replay_first_step_, last, steps));
+    }
+  }
+
+  // Drops the batches of steps 1..`steps` (already taken by a resumed run).
+  void Skip(int64_t steps) {
+    sampler_.discard(static_cast<unsigned long long>(steps) * global_batch_);
+  }
+
+  // The global batch of `step`: [global batch, block_size + 1] token ids.
+  at::Tensor Next(int step) {
+    if (replay_.defined()) return replay_[step - replay_first_step_];
+    std::vector<at::Tensor> rows;
+    for (int64_t i = 0; i < global_batch_; ++i) {
+      const int64_t offset = static_cast<int64_t>(sampler_() % (data_.numel() - t_ - 1));
+      rows.push_back(data_.narrow(0, offset, t_ + 1));
+    }
+    return at::stack(rows);
+  }
+
+ private:
+  int64_t global_batch_, t_;
+  std::mt19937_64 sampler_;
+  at::Tensor data_;
+  at::Tensor replay_;  // [steps, global batch, t + 1], from --replay_batches.
+  int64_t replay_first_step_ = 1;
+};
+
 // Trains on groups already formed: `comm` the world, `hybrid` the shard and
 // replicate groups under hybrid sharding (empty otherwise).
 int TrainOnGroups(fsdp::FsdpOptions options, const fsdp::WrapPolicy& policy,
@@ -260,6 +590,14 @@ int TrainOnGroups(fsdp::FsdpOptions options, const fsdp::WrapPolicy& policy,
     };
   }
 
+  // Rank 0's run id is the one its manifests record; every rank uses it.
+  std::optional<fsdp::RunCheckpoints> checkpoints;
+  if (!absl::GetFlag(FLAGS_checkpoint_dir).empty()) {
+    std::string run_id = rank == 0 ? fsdp::NewRunId() : std::string();
+    fsdp::BroadcastBytes(*comm, run_id, /*root=*/0);
+    checkpoints = fsdp::ValueOrThrow(OpenCheckpoints(run_id));
+  }
+
   models::GptConfig config;
   config.block_size = absl::GetFlag(FLAGS_block_size);
   config.n_layer = absl::GetFlag(FLAGS_n_layer);
@@ -270,53 +608,33 @@ int TrainOnGroups(fsdp::FsdpOptions options, const fsdp::WrapPolicy& policy,
   int64_t unsharded_param_bytes = 0;
   for (const auto& p : model->parameters()) unsharded_param_bytes += p.nbytes();
   unsharded_param_bytes -= model->lm_head->weight.nbytes();  // Tied: counted once.
+  std::set<std::string> model_keys;
+  for (const auto& [name, tensor] : fsdp::ModuleStateDict(*model)) model_keys.insert(name);
 
   std::unique_ptr<fsdp::FullyShardedModel> fsdp_model =
       fsdp::ValueOrThrow(fsdp::FullyShardedModel::Wrap(model.ptr(), fsdp_group, options, policy));
   if (print && absl::GetFlag(FLAGS_print_plan)) {
     std::printf("%s", fsdp_model->plan().ToString().c_str());
   }
-  if (const std::string init = absl::GetFlag(FLAGS_init_state_dict); !init.empty()) {
-    // Every rank reads the file and keeps its own shards.
-    const fsdp::StateDict state = fsdp::ValueOrThrow(
-        fsdp::LoadTorchStateDict(init, absl::GetFlag(FLAGS_init_state_dict_key)));
-    fsdp::ThrowIfError(fsdp::LoadStateDict(*fsdp_model, state));
-    if (print) std::printf("initialized from %s\n", init.c_str());
+  if (!absl::GetFlag(FLAGS_init_state_dict).empty()) {
+    LoadInitialState(*fsdp_model, model_keys, print);
   }
   int64_t shard_param_bytes = 0;
   for (const auto& unit : fsdp_model->units()) {
     if (unit->handle() != nullptr) shard_param_bytes += unit->handle()->local_shard().nbytes();
   }
-  std::unique_ptr<torch::optim::Optimizer> optimizer_holder;
-  if (absl::GetFlag(FLAGS_optimizer) == "sgd") {
-    optimizer_holder = std::make_unique<torch::optim::SGD>(
-        fsdp::UniqueParameters(*model), torch::optim::SGDOptions(absl::GetFlag(FLAGS_lr))
-                                            .momentum(absl::GetFlag(FLAGS_beta1))
-                                            .weight_decay(absl::GetFlag(FLAGS_weight_decay)));
-  } else {
-    optimizer_holder = std::make_unique<torch::optim::AdamW>(
-        fsdp::UniqueParameters(*model),
-        torch::optim::AdamWOptions(absl::GetFlag(FLAGS_lr))
-            .betas(std::make_tuple(absl::GetFlag(FLAGS_beta1), absl::GetFlag(FLAGS_beta2)))
-            .eps(absl::GetFlag(FLAGS_eps))
-            .weight_decay(absl::GetFlag(FLAGS_weight_decay)));
-  }
+  std::unique_ptr<torch::optim::Optimizer> optimizer_holder =
+      MakeOptimizer(fsdp::UniqueParameters(*model));
   torch::optim::Optimizer& optimizer = *optimizer_holder;
   std::FILE* metrics = nullptr;
   if (rank == 0 && !absl::GetFlag(FLAGS_metrics_jsonl).empty()) {
     metrics = std::fopen(absl::GetFlag(FLAGS_metrics_jsonl).c_str(), "a");
     if (metrics == nullptr) {
-      throw std::runtime_error("--metrics_jsonl: cannot open '" +
-                               absl::GetFlag(FLAGS_metrics_jsonl) + "'");
+      throw std::runtime_error("--metrics_jsonl=" + absl::GetFlag(FLAGS_metrics_jsonl) +
+                               ": cannot open it: " + std::strerror(errno));
     }
   }
 
-  const std::string corpus = MakeCorpus(absl::GetFlag(FLAGS_seed), 1 << 20);
-  const at::Tensor data =
-      at::from_blob(const_cast<char*>(corpus.data()), {static_cast<int64_t>(corpus.size())},
-                    at::kChar)
-          .to(at::kLong)
-          .remainder(256);
   const int steps = absl::GetFlag(FLAGS_steps);
   const int64_t per_rank = absl::GetFlag(FLAGS_batch_size);
   const int64_t t = config.block_size;
@@ -334,85 +652,83 @@ int TrainOnGroups(fsdp::FsdpOptions options, const fsdp::WrapPolicy& policy,
     std::fflush(stdout);
   }
 
-  std::mt19937_64 sampler(absl::GetFlag(FLAGS_seed) + 1);  // Same on every rank.
-  at::Tensor replay;  // [steps, global batch, t + 1], from --replay_batches.
-  int64_t replay_first_step = 1;
-  if (const std::string path = absl::GetFlag(FLAGS_replay_batches); !path.empty()) {
-    const fsdp::StateDict recorded = fsdp::ValueOrThrow(fsdp::LoadTorchStateDict(path));
-    for (const auto& [name, tensor] : recorded) {
-      if (name == "tokens") replay = tensor;
-      if (name == "first_step") replay_first_step = tensor.item<int64_t>();
-    }
-    if (!replay.defined() || replay.dim() != 3 || replay.scalar_type() != at::kLong ||
-        replay.size(1) != per_rank * world || replay.size(2) != t + 1) {
-      throw std::runtime_error(absl::StrFormat(
-          "--replay_batches=%s: expected an int64 'tokens' tensor of shape [steps, %d, %d] "
-          "(world_size * batch_size, block_size + 1), found %s",
-          path, per_rank * world, t + 1,
-          replay.defined() ? absl::StrCat(std::string(c10::toString(replay.scalar_type())),
-                                          " of shape ", c10::str(replay.sizes()))
-                           : std::string("no 'tokens' entry")));
-    }
-    const int64_t last = replay_first_step + replay.size(0) - 1;
-    if (replay_first_step != 1 || steps > last) {
-      throw std::runtime_error(absl::StrFormat(
-          "--replay_batches=%s holds steps %d..%d; --steps=%d must be within them", path,
-          replay_first_step, last, steps));
-    }
-  }
+  BatchSource batches(per_rank * world, t, steps);
   std::vector<at::Tensor> recorded_batches;  // For --record_batches (rank 0).
   const std::string record_path = absl::GetFlag(FLAGS_record_batches);
-  const std::string checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   int first_step = 1;
-  if (absl::GetFlag(FLAGS_resume)) {
-    const std::map<int, std::string> found = CompleteCheckpoints(checkpoint_dir);
-    if (found.empty()) {
-      throw std::runtime_error("--resume: no complete checkpoint in --checkpoint_dir='" +
-                               checkpoint_dir + "'");
-    }
-    fsdp::ThrowIfError(
-        fsdp::LoadTrainingCheckpoint(*fsdp_model, optimizer, found.rbegin()->second));
-    first_step = found.rbegin()->first + 1;
-    // The batches of the steps already taken, drawn and dropped.
-    sampler.discard(static_cast<unsigned long long>(found.rbegin()->first) * per_rank * world);
-    if (print) std::printf("resumed from %s\n", found.rbegin()->second.c_str());
+  if (checkpoints.has_value() && print) {
+    for (const std::string& note : checkpoints->notes()) std::printf("note: %s\n", note.c_str());
   }
+  if (checkpoints.has_value() && checkpoints->resume_from().has_value()) {
+    const fsdp::StepCheckpoint& from = *checkpoints->resume_from();
+    fsdp::ThrowIfError(fsdp::LoadTrainingCheckpoint(*fsdp_model, optimizer, from.path));
+    const std::string hyperparameters = ApplyGivenHyperparameters(optimizer);
+    first_step = static_cast<int>(from.step) + 1;
+    batches.Skip(from.step);
+    if (print) {
+      std::printf("resumed from %s (step %lld of run %s); optimizer: %s\n", from.path.c_str(),
+                  static_cast<long long>(from.step),
+                  from.run_id.empty() ? "<no id>" : from.run_id.c_str(), hyperparameters.c_str());
+    }
+  }
+  const bool skip_nonfinite = absl::GetFlag(FLAGS_on_nonfinite) == "skip";
+  const double clip = absl::GetFlag(FLAGS_grad_clip);
   RankReport report;
   const Clock::time_point start = Clock::now();
-  float first_loss = 0, last_loss = 0;
+  std::optional<float> first_loss, last_loss;
+  int skipped = 0, skipped_in_a_row = 0;
   for (int step = first_step; step <= steps; ++step) {
-    // The global batch, then this rank's slice of it.
-    at::Tensor global_batch;
-    if (replay.defined()) {
-      global_batch = replay[step - replay_first_step];
-    } else {
-      std::vector<at::Tensor> rows;
-      for (int64_t i = 0; i < per_rank * world; ++i) {
-        const int64_t offset = static_cast<int64_t>(sampler() % (data.numel() - t - 1));
-        rows.push_back(data.narrow(0, offset, t + 1));
-      }
-      global_batch = at::stack(rows);
-    }
+    const at::Tensor global_batch = batches.Next(step);
     if (rank == 0 && !record_path.empty()) recorded_batches.push_back(global_batch);
     at::Tensor batch = global_batch.narrow(0, rank * per_rank, per_rank);
     at::Tensor loss = models::LanguageModelLoss(model->forward(batch.narrow(1, 0, t)),
                                                 batch.narrow(1, 1, t));
+    if (step == absl::GetFlag(FLAGS_TEST_nan_loss_at_step) && rank == world - 1) {
+      loss = loss * std::numeric_limits<float>::quiet_NaN();
+    }
     loss.backward();
     if (step == steps) report.gradient_bytes = LocalGradientBytes(*model);
-    const double clip = absl::GetFlag(FLAGS_grad_clip);
+    // The global norm, clipped when asked; every rank gets the same value.
     const double grad_norm =
-        clip > 0 ? fsdp_model->ClipGradNorm(clip).item<double>() : std::nan("");
-    optimizer.step();
-    optimizer.zero_grad();
+        fsdp_model->ClipGradNorm(clip > 0 ? clip : std::numeric_limits<double>::infinity())
+            .item<double>();
     at::Tensor global = loss.detach().clone();
     comm->AllReduce(global, fsdp::ReduceOp::kAvg)->Wait();
-    last_loss = global.item<float>();
-    if (step == first_step) first_loss = last_loss;
+    const float step_loss = global.item<float>();
+    // The same decision on every rank: both figures are global.
+    const bool finite = std::isfinite(step_loss) && std::isfinite(grad_norm);
+    if (finite) {
+      optimizer.step();
+      skipped_in_a_row = 0;
+      last_loss = step_loss;
+      if (!first_loss) first_loss = step_loss;
+    } else {
+      const std::string what = absl::StrFormat("step %d: the %s is not finite (loss %g, gradient "
+                                               "norm %g)",
+                                               step, std::isfinite(step_loss) ? "gradient norm"
+                                                                              : "loss",
+                                               step_loss, grad_norm);
+      if (!skip_nonfinite) {
+        throw std::runtime_error(what + "; stopped (--on_nonfinite=skip skips such steps)");
+      }
+      ++skipped;
+      if (++skipped_in_a_row > absl::GetFlag(FLAGS_max_consecutive_skips)) {
+        throw std::runtime_error(absl::StrFormat(
+            "%s; stopped: %d steps in a row were not finite (--max_consecutive_skips=%d)", what,
+            skipped_in_a_row, absl::GetFlag(FLAGS_max_consecutive_skips)));
+      }
+      if (print) std::printf("%s; skipped (no update)\n", what.c_str());
+    }
+    optimizer.zero_grad();
     if (metrics != nullptr) {
       const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
-      std::fprintf(metrics, "{\"step\": %d, \"loss\": %.6f, \"tokens_per_s\": %.1f%s}\n", step,
-                   last_loss, (step - first_step + 1) * per_rank * world * t / elapsed,
-                   clip > 0 ? absl::StrFormat(", \"grad_norm\": %.6f", grad_norm).c_str() : "");
+      std::fprintf(metrics,
+                   "{\"step\": %d, \"loss\": %s, \"tokens_per_s\": %.1f, \"grad_norm\": %s%s}\n",
+                   step,
+                   std::isfinite(step_loss) ? absl::StrFormat("%.6f", step_loss).c_str() : "null",
+                   (step - first_step + 1) * per_rank * world * t / elapsed,
+                   std::isfinite(grad_norm) ? absl::StrFormat("%.6f", grad_norm).c_str() : "null",
+                   finite ? "" : ", \"skipped\": true");
       std::fflush(metrics);
     }
     if (print &&
@@ -420,21 +736,20 @@ int TrainOnGroups(fsdp::FsdpOptions options, const fsdp::WrapPolicy& policy,
       const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
       const int done = step - first_step + 1;
       std::printf("step %4d/%d  loss %.4f  %8.0f tokens/s  %5.1f s left\n", step, steps,
-                  last_loss, done * per_rank * world * t / elapsed,
+                  step_loss, done * per_rank * world * t / elapsed,
                   elapsed / done * (steps - step));
       std::fflush(stdout);
     }
-    if (!checkpoint_dir.empty() &&
+    if (checkpoints.has_value() &&
         (step % absl::GetFlag(FLAGS_checkpoint_every) == 0 || step == steps)) {
-      const std::string path = absl::StrFormat("%s/step-%08d", checkpoint_dir, step);
-      mkdir(checkpoint_dir.c_str(), 0755);
-      mkdir(path.c_str(), 0755);
-      fsdp::ThrowIfError(fsdp::SaveTrainingCheckpoint(*fsdp_model, optimizer, path));
+      const std::string path = checkpoints->PathOf(step);
+      fsdp::ThrowIfError(fsdp::PrepareOutputDirectory("--checkpoint_dir", path));
+      fsdp::ThrowIfError(
+          fsdp::SaveTrainingCheckpoint(*fsdp_model, optimizer, path, checkpoints->MetadataOf(step)));
       if (rank == 0) {
-        std::map<int, std::string> found = CompleteCheckpoints(checkpoint_dir);
-        while (found.size() > 2) {
-          RemoveCheckpoint(found.begin()->second);
-          found.erase(found.begin());
+        const fsdp::RunCheckpoints::Retired retired = checkpoints->RetireOlderThan(step);
+        for (const std::string& problem : retired.problems) {
+          std::fprintf(stderr, "train_gpt: warning: checkpoint clean-up: %s\n", problem.c_str());
         }
         std::printf("checkpoint %s\n", path.c_str());
       }
@@ -450,7 +765,6 @@ int TrainOnGroups(fsdp::FsdpOptions options, const fsdp::WrapPolicy& policy,
     }
   }
   if (!trace_dir.empty()) {
-    mkdir(trace_dir.c_str(), 0755);
     const std::string path = absl::StrFormat("%s/trace_rank%d.json", trace_dir, rank);
     fsdp::ThrowIfError(trace.WriteChromeTrace(path));
     if (print) std::printf("wrote FSDP traces to %s/trace_rank<r>.json\n", trace_dir.c_str());
@@ -479,11 +793,14 @@ int TrainOnGroups(fsdp::FsdpOptions options, const fsdp::WrapPolicy& policy,
     }
   }
   PrintRankReport(rank, report, traffic);
+  const bool fell = first_loss && last_loss && (*last_loss < *first_loss || first_step > 1);
   if (print) {
-    std::printf("loss %.4f -> %.4f over steps %d..%d%s\n", first_loss, last_loss, first_step,
-                steps, last_loss < first_loss || first_step > 1 ? "" : "  (DID NOT FALL)");
+    std::printf("loss %.4f -> %.4f over steps %d..%d%s%s\n", first_loss.value_or(NAN),
+                last_loss.value_or(NAN), first_step, steps,
+                skipped > 0 ? absl::StrFormat(" (%d skipped: not finite)", skipped).c_str() : "",
+                fell ? "" : "  (DID NOT FALL)");
   }
-  return last_loss < first_loss || first_step > 1 ? 0 : 1;
+  return fell ? 0 : 1;
 }
 
 int RunRank(const fsdp::LaunchEnvironment& env, fsdp::FsdpOptions options,
@@ -567,32 +884,42 @@ int main(int argc, char** argv) {
     }
     *field = *dtype;
   }
-  if (absl::GetFlag(FLAGS_optimizer) != "adamw" && absl::GetFlag(FLAGS_optimizer) != "sgd") {
-    std::fprintf(stderr, "train_gpt: --optimizer=%s: expected adamw or sgd\n",
-                 absl::GetFlag(FLAGS_optimizer).c_str());
-    return 2;
-  }
-  if (absl::GetFlag(FLAGS_world_size) < 1 || absl::GetFlag(FLAGS_steps) < 1 ||
-      absl::GetFlag(FLAGS_batch_size) < 1 || absl::GetFlag(FLAGS_block_size) < 2 ||
-      absl::GetFlag(FLAGS_log_every) < 1 || absl::GetFlag(FLAGS_collective_timeout_s) < 1 ||
-      absl::GetFlag(FLAGS_verify_collectives_every) < 0) {
-    std::fprintf(stderr,
-                 "train_gpt: --world_size, --steps, --batch_size, --log_every and "
-                 "--collective_timeout_s must be >= 1, --block_size >= 2 and "
-                 "--verify_collectives_every >= 0\n");
-    return 2;
-  }
   absl::StatusOr<fsdp::LaunchEnvironment> env = fsdp::ReadLaunchEnvironment();
-  if (absl::IsNotFound(env.status())) {
-    return fsdp::LaunchSelfAndReport(argc, argv, absl::GetFlag(FLAGS_world_size),
-                                     std::chrono::seconds(absl::GetFlag(FLAGS_timeout_s)),
-                                     "train_gpt");
-  }
-  if (!env.ok()) {
+  const bool launcher = absl::IsNotFound(env.status());
+  if (!launcher && !env.ok()) {
     std::fprintf(stderr, "train_gpt: %s\n", env.status().ToString().c_str());
     return 2;
   }
+  // Everything that can be refused is refused here, once, before a rank
+  // starts (under torchrun or srun, by every rank alike).
+  const int world_size = launcher ? absl::GetFlag(FLAGS_world_size) : env->world_size;
+  const std::vector<std::string> problems =
+      FlagProblems(*strategy, world_size, launcher ? world_size : env->local_world_size);
+  for (const std::string& problem : problems) {
+    std::fprintf(stderr, "train_gpt: %s\n", problem.c_str());
+  }
+  if (!problems.empty()) return 2;
+  if (launcher) {
+    const unsigned cores = std::thread::hardware_concurrency();
+    if (cores > 0 && static_cast<unsigned>(world_size) > 2 * cores) {
+      std::fprintf(stderr,
+                   "train_gpt: warning: --world_size=%d is far above this host's %u cores: the "
+                   "ranks will time-share them, slowly, and collectives may reach "
+                   "--collective_timeout_s\n",
+                   world_size, cores);
+    }
+    absl::Status ready = PrepareOutputs();
+    if (ready.ok()) ready = OpenCheckpoints(fsdp::NewRunId()).status();
+    if (!ready.ok()) {
+      std::fprintf(stderr, "train_gpt: %s\n", std::string(ready.message()).c_str());
+      return 2;
+    }
+    return fsdp::LaunchSelfAndReport(argc, argv, world_size,
+                                     std::chrono::seconds(absl::GetFlag(FLAGS_timeout_s)),
+                                     "train_gpt");
+  }
   try {
+    fsdp::ThrowIfError(PrepareOutputs());
     return RunRank(*env, options, **policy);
   } catch (...) {
     std::fprintf(stderr, "train_gpt rank %d: %s\n", env->rank,

@@ -18,54 +18,17 @@
 #include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "models/job_test_util.h"
 
 namespace {
 
+using ::models::testing::CommandResult;
+using ::models::testing::LossesOf;
+using ::models::testing::RunCommand;
+using ::models::testing::TempDir;
 using ::testing::HasSubstr;
 
 constexpr char kTrainGpt[] = "models/train_gpt";
-constexpr char kLaunch[] = "comm/launch";
-
-std::string TempDir(const std::string& name) {
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  const std::string dir = std::string(tmp ? tmp : "/tmp") + "/" + name;
-  std::system(("rm -rf '" + dir + "' && mkdir -p '" + dir + "'").c_str());
-  return dir;
-}
-
-struct CommandResult {
-  int exit_code = -1;
-  std::string output;
-};
-
-// Runs `command` through the shell; its stdout and stderr, and exit code.
-CommandResult RunCommand(const std::string& command) {
-  CommandResult run;
-  std::FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
-  if (pipe == nullptr) return run;
-  char buffer[4096];
-  while (std::fgets(buffer, sizeof(buffer), pipe) != nullptr) run.output += buffer;
-  const int status = ::pclose(pipe);
-  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return run;
-}
-
-std::vector<double> LossesOf(const std::string& metrics_path) {
-  std::vector<double> losses;
-  std::ifstream in(metrics_path);
-  std::string line;
-  while (std::getline(in, line)) {
-    const size_t at = line.find("\"loss\": ");
-    double loss = 0;
-    if (at == std::string::npos ||
-        !absl::SimpleAtod(line.substr(at + 8, line.find(',', at) - at - 8), &loss)) {
-      ADD_FAILURE() << "bad metrics line: " << line;
-      continue;
-    }
-    losses.push_back(loss);
-  }
-  return losses;
-}
 
 // A model PyTorch initialized, 8 steps at W = 2 with 4 sequences per rank,
 // then the same steps replayed from the recorded batches: in PyTorch
@@ -153,57 +116,6 @@ TEST(TrainGpt, RefusesABatchRecordOfAnotherShape) {
       "/batches.pt"));
   EXPECT_EQ(too_long.exit_code, 1);
   EXPECT_THAT(too_long.output, HasSubstr("holds steps 1..2; --steps=5 must be within them"));
-}
-
-// Part of the bad-input sweep (issue 10): each bad flag of the main job and
-// of the launcher is refused with an error naming it, and nothing trains.
-TEST(TrainGpt, BadFlagsAreRefusedNamingTheProblem) {
-  struct BadFlags {
-    std::string flags;
-    int exit_code;
-    std::string message;
-  };
-  const std::string dir = TempDir("bad_flags");
-  const std::vector<BadFlags> cases = {
-      {"--world_size=0", 2, "--world_size, --steps, --batch_size, --log_every and"},
-      {"--collective_timeout_s=0", 2, "--collective_timeout_s must be >= 1"},
-      {"--verify_collectives_every=-1", 2, "--verify_collectives_every >= 0"},
-      {"--optimizer=adam", 2, "--optimizer=adam: expected adamw or sgd"},
-      {"--sharding_strategy=ful_shard", 2, "unknown sharding strategy 'ful_shard' (valid: "},
-      {"--param_dtype=int8", 2, "unknown dtype 'int8' (valid: float32/fp32"},
-      {"--backward_prefetch=sideways", 2,
-       "--backward_prefetch=sideways: expected none, backward_pre or backward_post"},
-      {"--wrap_policy=nonsense", 2, "no policy named 'nonsense' (registered: "},
-      {"--policy_plugin=/nonexistent.so", 2, "cannot load wrap policy plugin '/nonexistent.so'"},
-      {"--steps=abc", 1, "Illegal value 'abc' specified for flag 'steps'"},
-      {"--sharding_strategy=hybrid_shard --shard_group_size=3", 1,
-       "hybrid sharding: shard group size 3 is not in [1, world size 2]"},
-      {"--resume --checkpoint_dir=" + dir + "/none", 1,
-       "--resume: no complete checkpoint in --checkpoint_dir='" + dir + "/none'"},
-      {"--init_state_dict=" + dir + "/missing.pt", 1,
-       "cannot read '" + dir + "/missing.pt' as a torch.save archive: cannot open it"},
-  };
-  for (const BadFlags& bad : cases) {
-    SCOPED_TRACE(bad.flags);
-    const CommandResult run =
-        RunCommand(absl::StrCat(kTrainGpt, " --steps=3 --print_plan=false ", bad.flags));
-    EXPECT_EQ(run.exit_code, bad.exit_code) << run.output;
-    EXPECT_THAT(run.output, HasSubstr(bad.message));
-    EXPECT_THAT(run.output, ::testing::Not(HasSubstr("step    1/")));
-  }
-  const std::vector<BadFlags> launcher_cases = {
-      {"--nproc_per_node=0 -- /bin/true", 2, "launcher: world size 0 must be >= 1"},
-      {"--nproc_per_node=2", 2, "fsdp_launch: no program given"},
-      {"--nproc_per_node=2 -- /nonexistent/prog", 2,
-       "launcher: '/nonexistent/prog' is not an executable file"},
-      {"--timeout_s=0 -- /bin/true", 2, "launcher: timeout must be positive"},
-  };
-  for (const BadFlags& bad : launcher_cases) {
-    SCOPED_TRACE(bad.flags);
-    const CommandResult run = RunCommand(absl::StrCat(kLaunch, " ", bad.flags));
-    EXPECT_EQ(run.exit_code, bad.exit_code) << run.output;
-    EXPECT_THAT(run.output, HasSubstr(bad.message));
-  }
 }
 
 // Starts a long train_gpt job at W = 2 (with `extra_flags`) and, once it

@@ -135,7 +135,7 @@ absl::StatusOr<OptimizerTensors> OptimizerCheckpointTensors(
 }  // namespace
 
 absl::Status SaveTrainingCheckpoint(FullyShardedModel& model, torch::optim::Optimizer& optimizer,
-                                    const std::string& dir) {
+                                    const std::string& dir, const CheckpointMetadata& metadata) {
   if (model.training_state() != ModelTrainingState::kIdle) {
     return absl::FailedPreconditionError("SaveTrainingCheckpoint: the model is in forward or backward");
   }
@@ -148,7 +148,7 @@ absl::Status SaveTrainingCheckpoint(FullyShardedModel& model, torch::optim::Opti
     std::vector<CheckpointTensor> tensors = ModelCheckpointTensors(model);
     if (!optim.ok()) return optim.status();
     for (CheckpointTensor& t : optim->tensors) tensors.push_back(std::move(t));
-    return SaveModelCheckpointTensors(model, dir, tensors);
+    return SaveModelCheckpointTensors(model, dir, tensors, metadata);
   } catch (...) {
     return StatusFromCurrentException();
   }

@@ -23,13 +23,17 @@
 
 #include "absl/status/status.h"
 #include "fsdp/fully_shard.h"
+#include "statedict/sharded_checkpoint.h"
 #include "torch/optim/optimizer.h"
 
 namespace fsdp {
 
 // Every rank calls; `dir` must exist and be the same directory on every rank.
+// `metadata` lands in the manifest (ReadCheckpointMetadata reads it back);
+// rank 0's is the one written.
 absl::Status SaveTrainingCheckpoint(FullyShardedModel& model, torch::optim::Optimizer& optimizer,
-                                    const std::string& dir);
+                                    const std::string& dir,
+                                    const CheckpointMetadata& metadata = {});
 absl::Status LoadTrainingCheckpoint(FullyShardedModel& model, torch::optim::Optimizer& optimizer,
                                     const std::string& dir);
 

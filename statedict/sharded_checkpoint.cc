@@ -41,6 +41,9 @@ using statedict_internal::RequireIdle;
 constexpr char kFormat[] = "fsdp_cpp.sharded.v1";
 constexpr char kManifest[] = "manifest.pb";
 constexpr char kMagic[8] = {'F', 'S', 'D', 'P', 'S', 'H', 'D', '1'};
+// manifest.pb: this, the CRC-32 of the rest (little-endian), the message.
+constexpr char kManifestMagic[8] = {'F', 'S', 'D', 'P', 'M', 'N', 'F', '1'};
+constexpr size_t kManifestHeaderBytes = 12;
 constexpr int64_t kHeaderBytes = 32;
 constexpr int64_t kChunkBytes = 1 << 20;
 
@@ -118,21 +121,53 @@ void RemoveStaleShardFiles(const std::string& dir, const checkpoint::CheckpointM
   closedir(d);
 }
 
+std::string ManifestFileBytes(const checkpoint::CheckpointManifest& manifest) {
+  const std::string message = manifest.SerializeAsString();
+  const uint32_t crc = Crc32(message.data(), message.size());
+  std::string bytes(kManifestMagic, sizeof(kManifestMagic));
+  for (int k = 0; k < 4; ++k) bytes.push_back(static_cast<char>((crc >> (8 * k)) & 0xff));
+  return bytes + message;
+}
+
 absl::StatusOr<checkpoint::CheckpointManifest> ReadManifest(const std::string& dir) {
   const std::string path = dir + "/" + kManifest;
   std::ifstream in(path, std::ios::binary);
   if (!in) {
+    if (errno != ENOENT) {
+      return absl::DataLossError(
+          absl::StrCat("cannot read '", path, "': ", std::strerror(errno)));
+    }
     return absl::NotFoundError(absl::StrCat("no SHARDED checkpoint in '", dir, "': ", kManifest,
                                             " is missing (an interrupted save writes none)"));
   }
   const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   checkpoint::CheckpointManifest manifest;
-  if (!manifest.ParseFromString(bytes) || manifest.format() != kFormat) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("'", path, "' is not a ", kFormat, " manifest"));
+  const bool checksummed = bytes.size() >= kManifestHeaderBytes &&
+                           bytes.compare(0, sizeof(kManifestMagic), kManifestMagic,
+                                         sizeof(kManifestMagic)) == 0;
+  if (checksummed) {
+    uint32_t recorded = 0;
+    for (int k = 0; k < 4; ++k) {
+      recorded |= static_cast<uint32_t>(static_cast<uint8_t>(bytes[8 + k])) << (8 * k);
+    }
+    const char* message = bytes.data() + kManifestHeaderBytes;
+    const size_t size = bytes.size() - kManifestHeaderBytes;
+    if (Crc32(message, size) != recorded) {
+      return absl::DataLossError(absl::StrCat("the manifest '", path,
+                                              "' is corrupt: it fails its CRC-32 check"));
+    }
+    if (!manifest.ParseFromArray(message, static_cast<int>(size)) ||
+        manifest.format() != kFormat) {
+      return absl::DataLossError(absl::StrCat("the manifest '", path, "' passes its CRC-32 "
+                                              "check but is not a ", kFormat, " manifest"));
+    }
+  } else if (!manifest.ParseFromString(bytes) || manifest.format() != kFormat) {
+    // Neither checksummed nor a manifest from before checksums existed.
+    return absl::DataLossError(absl::StrCat("the manifest '", path, "' is corrupt: it is not a ",
+                                            kFormat, " manifest"));
   }
   if (manifest.chunk_bytes() <= 0 || manifest.world_size() <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("'", path, "' is corrupt"));
+    return absl::DataLossError(absl::StrCat("the manifest '", path, "' is corrupt"));
   }
   return manifest;
 }
@@ -359,17 +394,19 @@ std::vector<CheckpointTensor> ModelCheckpointTensors(const FullyShardedModel& mo
   return out;
 }
 
-absl::Status SaveShardedCheckpoint(FullyShardedModel& model, const std::string& dir) {
+absl::Status SaveShardedCheckpoint(FullyShardedModel& model, const std::string& dir,
+                                   const CheckpointMetadata& metadata) {
   FSDP_RETURN_IF_ERROR(RequireIdle(model, "saving a SHARDED checkpoint"));
-  return SaveModelCheckpointTensors(model, dir, ModelCheckpointTensors(model));
+  return SaveModelCheckpointTensors(model, dir, ModelCheckpointTensors(model), metadata);
 }
 
 absl::Status SaveModelCheckpointTensors(FullyShardedModel& model, const std::string& dir,
-                                        const std::vector<CheckpointTensor>& tensors) {
+                                        const std::vector<CheckpointTensor>& tensors,
+                                        const CheckpointMetadata& metadata) {
   Collectives* replicate = model.replicate_group();
   absl::Status saved = absl::OkStatus();
   if (replicate == nullptr || replicate->rank() == 0) {
-    saved = SaveCheckpointTensors(model.group(), dir, tensors);
+    saved = SaveCheckpointTensors(model.group(), dir, tensors, metadata);
   }
   if (replicate == nullptr) return saved;
   at::Tensor outcome = at::full({1}, saved.ok() ? 1.0 : 0.0, at::kDouble);
@@ -390,7 +427,8 @@ absl::Status LoadShardedCheckpoint(FullyShardedModel& model, const std::string& 
 }
 
 absl::Status SaveCheckpointTensors(Collectives& group, const std::string& dir,
-                                   const std::vector<CheckpointTensor>& tensors) {
+                                   const std::vector<CheckpointTensor>& tensors,
+                                   const CheckpointMetadata& metadata) {
   const int rank = group.rank(), world = group.world_size();
   CollectiveLabel label(group, "", "checkpoint save");
   try {
@@ -423,6 +461,7 @@ absl::Status SaveCheckpointTensors(Collectives& group, const std::string& dir,
       manifest.set_checkpoint_id(id);
       manifest.set_world_size(world);
       manifest.set_chunk_bytes(kChunkBytes);
+      manifest.mutable_metadata()->insert(metadata.begin(), metadata.end());
       std::unordered_map<std::string, checkpoint::TensorEntry*> by_name;
       for (const CheckpointTensor& t : tensors) {
         checkpoint::TensorEntry* entry = manifest.add_tensors();
@@ -455,7 +494,7 @@ absl::Status SaveCheckpointTensors(Collectives& group, const std::string& dir,
         }
       }
       if (errors.empty()) {
-        const std::string bytes = manifest.SerializeAsString();
+        const std::string bytes = ManifestFileBytes(manifest);
         manifest_status = WriteFileAtomically(dir + "/" + kManifest, bytes.data(), bytes.size());
         if (manifest_status.ok()) RemoveStaleShardFiles(dir, manifest);
       } else {
@@ -473,6 +512,11 @@ absl::Status SaveCheckpointTensors(Collectives& group, const std::string& dir,
   } catch (...) {
     return StatusFromCurrentException();
   }
+}
+
+absl::StatusOr<CheckpointMetadata> ReadCheckpointMetadata(const std::string& dir) {
+  FSDP_ASSIGN_OR_RETURN(const checkpoint::CheckpointManifest manifest, ReadManifest(dir));
+  return CheckpointMetadata(manifest.metadata().begin(), manifest.metadata().end());
 }
 
 absl::Status LoadCheckpointTensors(Collectives& group, const std::string& dir,

@@ -10,7 +10,9 @@
 //   manifest.pb            for every state-dict tensor: FQN (and tied
 //                          aliases), global shape, dtype, and each piece's
 //                          rank, element offset and length, byte offset,
-//                          and a CRC-32 per 1 MiB chunk.
+//                          and a CRC-32 per 1 MiB chunk; the saver's
+//                          metadata (string labels); a CRC-32 of its own,
+//                          so a damaged manifest is reported as such.
 // Which rank writes what: a sharded unit's parameter is written by every
 // rank as the part its shard holds; replicated tensors (NO_SHARD units'
 // parameters, buffers, ignored parameters) are written once, by rank 0.
@@ -34,15 +36,21 @@
 #define FSDP_STATEDICT_SHARDED_CHECKPOINT_H_
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
 #include "ATen/core/Tensor.h"
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "fsdp/fully_shard.h"
 
 namespace fsdp {
+
+// String labels a saver stores in the manifest (e.g. a training run's id),
+// written atomically with it: a checkpoint that exists has them.
+using CheckpointMetadata = std::map<std::string, std::string>;
 
 // One tensor of a SHARDED checkpoint as this rank holds it: the elements
 // [lo, hi) of the flattened tensor, in `local` (1-D, the rank's part; for a
@@ -66,7 +74,8 @@ struct ShardedLoadStats {
 
 // `dir` must exist (every rank must see the same directory). A model-only
 // load ignores entries under "optim/".
-absl::Status SaveShardedCheckpoint(FullyShardedModel& model, const std::string& dir);
+absl::Status SaveShardedCheckpoint(FullyShardedModel& model, const std::string& dir,
+                                   const CheckpointMetadata& metadata = {});
 absl::Status LoadShardedCheckpoint(FullyShardedModel& model, const std::string& dir,
                                    ShardedLoadStats* stats = nullptr);
 
@@ -78,7 +87,8 @@ std::vector<CheckpointTensor> ModelCheckpointTensors(const FullyShardedModel& mo
 // the shard groups hold identical shards: only the replicate group's rank 0
 // writes, and the others return once it has, with its outcome.
 absl::Status SaveModelCheckpointTensors(FullyShardedModel& model, const std::string& dir,
-                                        const std::vector<CheckpointTensor>& tensors);
+                                        const std::vector<CheckpointTensor>& tensors,
+                                        const CheckpointMetadata& metadata = {});
 
 // The general forms, for checkpoints that hold more than the model: every
 // rank of `group` calls them with its tensors, in the same order on every
@@ -86,11 +96,18 @@ absl::Status SaveModelCheckpointTensors(FullyShardedModel& model, const std::str
 // every rank could read its part; entries of the checkpoint whose names
 // start with one of `ignore_prefixes` may be absent from `tensors`.
 absl::Status SaveCheckpointTensors(Collectives& group, const std::string& dir,
-                                   const std::vector<CheckpointTensor>& tensors);
+                                   const std::vector<CheckpointTensor>& tensors,
+                                   const CheckpointMetadata& metadata = {});
 absl::Status LoadCheckpointTensors(Collectives& group, const std::string& dir,
                                    const std::vector<CheckpointTensor>& tensors,
                                    const std::vector<std::string>& ignore_prefixes,
                                    ShardedLoadStats* stats = nullptr);
+
+// The metadata of the checkpoint in `dir`, from its manifest (read and
+// checked, shard files untouched; no communication). kNotFound when `dir`
+// has no manifest (no checkpoint, or an interrupted save), kDataLoss when
+// the manifest is damaged, naming the file.
+absl::StatusOr<CheckpointMetadata> ReadCheckpointMetadata(const std::string& dir);
 
 }  // namespace fsdp
 

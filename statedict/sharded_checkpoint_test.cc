@@ -91,7 +91,8 @@ StateDict TrainAndSave(const std::string& dir, ShardingStrategy strategy) {
       optimizer->step();
       optimizer->zero_grad();
     }
-    absl::Status saved_status = SaveShardedCheckpoint(**wrapped, dir);
+    absl::Status saved_status =
+        SaveShardedCheckpoint(**wrapped, dir, {{"saved_by", "TrainAndSave"}});
     ASSERT_TRUE(saved_status.ok()) << saved_status;
     auto full = StateDictOf(**wrapped);
     ASSERT_TRUE(full.ok());
@@ -314,9 +315,24 @@ TEST(ShardedCheckpoint, CorruptionIsDetectedAndNothingIsLoaded) {
   const std::string manifest = ReadFile(dir + "/manifest.pb");
   unlink((dir + "/manifest.pb").c_str());
   ExpectLoadFails(dir, "manifest.pb is missing");
+  EXPECT_EQ(ReadCheckpointMetadata(dir).status().code(), absl::StatusCode::kNotFound);
   WriteFile(dir + "/manifest.pb", "garbage");
-  ExpectLoadFails(dir, "is not a fsdp_cpp.sharded.v1 manifest");
+  ExpectLoadFails(dir, "is corrupt: it is not a fsdp_cpp.sharded.v1 manifest");
+  // A flipped byte inside the manifest is the manifest's fault, not a shard
+  // file's or the model's: every byte position is caught by its checksum.
+  for (size_t at : {size_t{2}, size_t{9}, manifest.size() / 2, manifest.size() - 1}) {
+    SCOPED_TRACE(at);
+    std::string damaged = manifest;
+    damaged[at] = static_cast<char>(damaged[at] ^ 0x10);
+    WriteFile(dir + "/manifest.pb", damaged);
+    ExpectLoadFails(dir, "/manifest.pb' is corrupt");
+    const absl::StatusOr<CheckpointMetadata> metadata = ReadCheckpointMetadata(dir);
+    EXPECT_EQ(metadata.status().code(), absl::StatusCode::kDataLoss);
+  }
   WriteFile(dir + "/manifest.pb", manifest);
+  const absl::StatusOr<CheckpointMetadata> metadata = ReadCheckpointMetadata(dir);
+  ASSERT_TRUE(metadata.ok()) << metadata.status();
+  EXPECT_EQ(*metadata, (CheckpointMetadata{{"saved_by", "TrainAndSave"}}));
 
   // Intact again: it loads.
   absl::Status ok = RunOnThreadRanks(2, [&](Collectives& comm) {

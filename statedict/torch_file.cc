@@ -67,7 +67,24 @@ absl::StatusOr<std::unordered_map<std::string, uint32_t>> ZipCrcs(const std::str
       break;
     }
   }
-  if (eocd == std::string::npos) return bad("no zip end-of-central-directory record");
+  if (eocd == std::string::npos) {
+    // torch.save's format before PyTorch 1.6 (and with
+    // _use_new_zipfile_serialization=False) is a pickle stream that starts
+    // by pickling this magic number (a LONG1 opcode with 10 bytes).
+    static constexpr unsigned char kLegacyMagic[] = {0x80, 0x02, 0x8a, 0x0a, 0x6c, 0xfc, 0x9c,
+                                                     0x46, 0xf9, 0x20, 0x6a, 0xa8, 0x50, 0x19};
+    std::string head(sizeof(kLegacyMagic), '\0');
+    in.clear();
+    in.seekg(0);
+    in.read(&head[0], static_cast<std::streamsize>(head.size()));
+    if (in && std::memcmp(head.data(), kLegacyMagic, sizeof(kLegacyMagic)) == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "'", path, "' is in torch.save's legacy format (PyTorch before 1.6, or "
+          "_use_new_zipfile_serialization=False), which is not supported: convert it in "
+          "Python with torch.save(torch.load('", path, "'), 'NEW.pt')"));
+    }
+    return bad("no zip end-of-central-directory record");
+  }
   uint64_t entries = Le(tail, eocd + 10, 2);
   uint64_t dir_size = Le(tail, eocd + 12, 4);
   uint64_t dir_offset = Le(tail, eocd + 16, 4);

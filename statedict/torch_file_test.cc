@@ -144,6 +144,20 @@ TEST(TorchFile, BadFilesAreErrorsNamingTheFile) {
   ASSERT_FALSE(evil.ok());
   EXPECT_THAT(evil.status().message(),
               HasSubstr("the pickle calls posix.system, which a state dict file never needs"));
+
+  // torch.save's legacy (non-zip) format is named, with how to convert it.
+  ASSERT_EQ(std::system(absl::StrCat("timeout 120 ", kPython,
+                                     " -c \"import torch\n"
+                                     "torch.save({'w': torch.ones(2)}, '", dir,
+                                     "/legacy.pt', _use_new_zipfile_serialization=False)\"")
+                            .c_str()),
+            0);
+  auto legacy = LoadTorchStateDict(dir + "/legacy.pt");
+  ASSERT_FALSE(legacy.ok());
+  EXPECT_THAT(legacy.status().message(),
+              HasSubstr("legacy.pt' is in torch.save's legacy format (PyTorch before 1.6"));
+  EXPECT_THAT(legacy.status().message(), HasSubstr("torch.save(torch.load('" + dir +
+                                                   "/legacy.pt'), 'NEW.pt')"));
 }
 
 TEST(TorchFile, FlippedStorageBytesAreDetected) {

@@ -1,0 +1,237 @@
+#include "optim/run_checkpoints.h"
+
+#include <sys/stat.h>
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "ATen/ATen.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "comm/collectives.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "statedict/sharded_checkpoint.h"
+#include "testing/multi_rank.h"
+
+namespace fsdp {
+namespace {
+
+using ::fsdp::testing::RunOnThreadRanks;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+std::string NewDir(const std::string& name) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string dir = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/", name);
+  EXPECT_EQ(std::system(absl::StrCat("rm -rf '", dir, "'").c_str()), 0);
+  return dir;
+}
+
+// A real (one-rank, one-tensor) checkpoint at `path` with `metadata`.
+void SaveCheckpoint(const std::string& path, const CheckpointMetadata& metadata) {
+  mkdir(path.substr(0, path.rfind('/')).c_str(), 0755);
+  mkdir(path.c_str(), 0755);
+  absl::Status status = RunOnThreadRanks(1, [&](Collectives& comm) {
+    CheckpointTensor t;
+    t.fqn = "w";
+    t.shape = {3};
+    t.local = at::arange(3, at::kFloat);
+    t.hi = 3;
+    absl::Status saved = SaveCheckpointTensors(comm, path, {t}, metadata);
+    ASSERT_TRUE(saved.ok()) << saved;
+  });
+  ASSERT_TRUE(status.ok()) << status;
+}
+
+// Step `step` of `run`, saved the way a run saves it.
+void SaveStep(const RunCheckpoints& run, int64_t step) {
+  SaveCheckpoint(run.PathOf(step), run.MetadataOf(step));
+}
+
+std::vector<int64_t> StepsIn(const std::string& dir) {
+  std::vector<int64_t> steps;
+  absl::StatusOr<std::vector<StepCheckpoint>> entries = ListStepCheckpoints(dir);
+  EXPECT_TRUE(entries.ok()) << entries.status();
+  if (entries.ok()) {
+    for (const StepCheckpoint& e : *entries) steps.push_back(e.step);
+  }
+  return steps;
+}
+
+RunCheckpointsOptions Resume() {
+  RunCheckpointsOptions options;
+  options.resume = true;
+  return options;
+}
+
+RunCheckpointsOptions Overwrite() {
+  RunCheckpointsOptions options;
+  options.overwrite = true;
+  return options;
+}
+
+RunCheckpoints OpenOrDie(const std::string& dir, const RunCheckpointsOptions& options,
+                         const std::string& id) {
+  absl::StatusOr<RunCheckpoints> run = RunCheckpoints::Open(dir, options, id);
+  EXPECT_TRUE(run.ok()) << run.status();
+  return *std::move(run);
+}
+
+TEST(RunCheckpoints, ANewRunRefusesADirectoryHoldingAnotherRunsCheckpoints) {
+  const std::string dir = NewDir("refuse");
+  RunCheckpoints old = OpenOrDie(dir, {}, "0123456789abcdef");
+  SaveStep(old, 5);
+  SaveStep(old, 10);
+  mkdir(old.PathOf(12).c_str(), 0755);  // An interrupted save.
+  absl::StatusOr<RunCheckpoints> fresh = RunCheckpoints::Open(dir, {}, "fedcba9876543210");
+  ASSERT_FALSE(fresh.ok());
+  EXPECT_EQ(fresh.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(fresh.status().message(),
+              HasSubstr("already holds checkpoints of another run (run 0123456789abcdef: "
+                        "step(s) 5, 10; interrupted saves (no manifest): step(s) 12)"));
+  EXPECT_THAT(fresh.status().message(), HasSubstr("--resume"));
+  EXPECT_THAT(fresh.status().message(), HasSubstr("--overwrite_checkpoints"));
+  EXPECT_THAT(StepsIn(dir), ElementsAre(5, 10, 12));
+}
+
+// The data-loss scenario of a new run in an old run's directory: told to
+// overwrite, the new run's checkpoints all survive, the old ones stay until
+// the new run's first checkpoint lands, and resuming continues the new run.
+TEST(RunCheckpoints, AnOverwritingRunReplacesTheOldCheckpointsOnlyAfterItsFirstSave) {
+  const std::string dir = NewDir("overwrite");
+  RunCheckpoints old = OpenOrDie(dir, {}, "old");
+  SaveStep(old, 5);
+  SaveStep(old, 10);
+  RunCheckpoints fresh = OpenOrDie(dir, Overwrite(), "new");
+  EXPECT_EQ(fresh.run_id(), "new");
+  EXPECT_FALSE(fresh.resume_from().has_value());
+  ASSERT_EQ(fresh.notes().size(), 1u);
+  EXPECT_THAT(fresh.notes()[0], HasSubstr("run old: step(s) 5, 10) will be removed once"));
+  EXPECT_THAT(StepsIn(dir), ElementsAre(5, 10));
+
+  SaveStep(fresh, 3);
+  RunCheckpoints::Retired retired = fresh.RetireOlderThan(3);
+  EXPECT_TRUE(retired.problems.empty()) << retired.problems[0];
+  EXPECT_THAT(retired.removed, ElementsAre(old.PathOf(5), old.PathOf(10)));
+  EXPECT_THAT(StepsIn(dir), ElementsAre(3));
+
+  RunCheckpoints resumed = OpenOrDie(dir, Resume(), "unused");
+  ASSERT_TRUE(resumed.resume_from().has_value());
+  EXPECT_EQ(resumed.resume_from()->step, 3);
+  EXPECT_EQ(resumed.run_id(), "new");
+}
+
+TEST(RunCheckpoints, AnOverwritingRunSavingTheSameStepKeepsItsOwn) {
+  const std::string dir = NewDir("overwrite_same_step");
+  RunCheckpoints old = OpenOrDie(dir, {}, "old");
+  SaveStep(old, 4);
+  RunCheckpoints fresh = OpenOrDie(dir, Overwrite(), "new");
+  SaveStep(fresh, 4);
+  EXPECT_TRUE(fresh.RetireOlderThan(4).removed.empty());
+  absl::StatusOr<std::vector<StepCheckpoint>> entries = ListStepCheckpoints(dir);
+  ASSERT_TRUE(entries.ok());
+  ASSERT_EQ(entries->size(), 1u);
+  EXPECT_EQ((*entries)[0].run_id, "new");
+}
+
+TEST(RunCheckpoints, CleanUpRemovesOnlyThisRunsOlderCheckpoints) {
+  const std::string dir = NewDir("retire");
+  // Not this run's: a checkpoint saved before run ids, another run's, an
+  // interrupted save, all older than this run's.
+  SaveCheckpoint(dir + "/step-00000001", {});
+  SaveCheckpoint(dir + "/step-00000002", {{kRunIdMetadataKey, "other"}});
+  mkdir((dir + "/step-00000003").c_str(), 0755);
+  RunCheckpoints run = OpenOrDie(dir, Overwrite(), "mine");
+  // Only the checkpoints that were there at Open are replaced.
+  SaveStep(run, 4);
+  EXPECT_THAT(run.RetireOlderThan(4).removed,
+              ElementsAre(dir + "/step-00000001", dir + "/step-00000002",
+                          dir + "/step-00000003"));
+  // Others appearing later are never touched by clean-up.
+  SaveCheckpoint(dir + "/step-00000000", {{kRunIdMetadataKey, "other"}});
+  mkdir((dir + "/step-00000001").c_str(), 0755);
+  SaveStep(run, 5);
+  EXPECT_TRUE(run.RetireOlderThan(5).removed.empty());
+  SaveStep(run, 6);
+  EXPECT_THAT(run.RetireOlderThan(6).removed, ElementsAre(run.PathOf(4)));
+  SaveStep(run, 7);
+  EXPECT_THAT(run.RetireOlderThan(7).removed, ElementsAre(run.PathOf(5)));
+  EXPECT_THAT(StepsIn(dir), ElementsAre(0, 1, 6, 7));
+  // A checkpoint newer than the one just saved is kept too (a resumed run
+  // that reached a step below it).
+  SaveStep(run, 9);
+  SaveStep(run, 8);
+  EXPECT_THAT(run.RetireOlderThan(8).removed, ElementsAre(run.PathOf(6)));
+  EXPECT_THAT(StepsIn(dir), ElementsAre(0, 1, 7, 8, 9));
+}
+
+TEST(RunCheckpoints, ResumingContinuesTheNewestCompleteCheckpointAndNamesSkippedOnes) {
+  const std::string dir = NewDir("resume");
+  RunCheckpoints run = OpenOrDie(dir, {}, "r1");
+  SaveStep(run, 3);
+  SaveStep(run, 6);
+  mkdir(run.PathOf(9).c_str(), 0755);  // Killed while saving step 9.
+  RunCheckpoints resumed = OpenOrDie(dir, Resume(), "unused");
+  ASSERT_TRUE(resumed.resume_from().has_value());
+  EXPECT_EQ(resumed.resume_from()->step, 6);
+  EXPECT_EQ(resumed.resume_from()->path, run.PathOf(6));
+  EXPECT_EQ(resumed.run_id(), "r1");
+  ASSERT_EQ(resumed.notes().size(), 1u);
+  EXPECT_THAT(resumed.notes()[0],
+              HasSubstr("step-00000009' is newer but has no manifest (an interrupted save); "
+                        "resuming from step 6 instead"));
+  // A checkpoint saved before run ids resumes under the empty id.
+  const std::string legacy = NewDir("resume_legacy");
+  SaveCheckpoint(legacy + "/step-00000002", {});
+  RunCheckpoints continued = OpenOrDie(legacy, Resume(), "unused");
+  EXPECT_EQ(continued.run_id(), "");
+  EXPECT_EQ(continued.resume_from()->step, 2);
+}
+
+TEST(RunCheckpoints, ResumingRefusesWhatIsAmbiguousOrDamaged) {
+  const std::string empty = NewDir("resume_none");
+  absl::StatusOr<RunCheckpoints> none = RunCheckpoints::Open(empty, Resume(), "x");
+  ASSERT_FALSE(none.ok());
+  EXPECT_THAT(none.status().message(),
+              HasSubstr("no complete checkpoint to resume from in '" + empty + "'"));
+
+  const std::string mixed = NewDir("resume_mixed");
+  SaveCheckpoint(mixed + "/step-00000005", {{kRunIdMetadataKey, "a"}});
+  SaveCheckpoint(mixed + "/step-00000007", {{kRunIdMetadataKey, "b"}});
+  absl::StatusOr<RunCheckpoints> ambiguous = RunCheckpoints::Open(mixed, Resume(), "x");
+  ASSERT_FALSE(ambiguous.ok());
+  EXPECT_THAT(ambiguous.status().message(),
+              HasSubstr("holds complete checkpoints of 2 different runs (run a: step(s) 5; "
+                        "run b: step(s) 7)"));
+
+  const std::string damaged = NewDir("resume_damaged");
+  SaveCheckpoint(damaged + "/step-00000005", {{kRunIdMetadataKey, "a"}});
+  SaveCheckpoint(damaged + "/step-00000007", {{kRunIdMetadataKey, "a"}});
+  ASSERT_EQ(std::system(absl::StrCat("printf garbage > '", damaged,
+                                     "/step-00000007/manifest.pb'")
+                            .c_str()),
+            0);
+  absl::StatusOr<RunCheckpoints> bad = RunCheckpoints::Open(damaged, Resume(), "x");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(bad.status().message(), HasSubstr("step-00000007', is damaged"));
+  EXPECT_THAT(bad.status().message(), HasSubstr("remove it to resume from step 5"));
+}
+
+TEST(RunCheckpoints, BadOptionsAreRefused) {
+  EXPECT_EQ(RunCheckpoints::Open("", {}, "x").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  RunCheckpointsOptions keep_none;
+  keep_none.keep = 0;
+  EXPECT_EQ(RunCheckpoints::Open("/tmp/x", keep_none, "x").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RunCheckpoints::Open("/tmp/x", {}, "").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(NewRunId().size(), 16u);
+  EXPECT_NE(NewRunId(), NewRunId());
+}
+
+}  // namespace
+}  // namespace fsdp
