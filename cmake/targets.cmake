@@ -5,24 +5,34 @@
 add_library(base_status SHARED ${PROJECT_SOURCE_DIR}/base/status.cc ${PROJECT_SOURCE_DIR}/base/status.h)
 set_target_properties(base_status PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/base)
 target_link_libraries(base_status PUBLIC third_party_absl_status fsdp_torch)
+target_include_directories(base_status PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS base_status EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/base/status.h DESTINATION include/base)
 
 # //base:status_test
+if(BUILD_TESTING)
 add_executable(base_status_test ${PROJECT_SOURCE_DIR}/base/status_test.cc)
 set_target_properties(base_status_test PROPERTIES OUTPUT_NAME status_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/base ENABLE_EXPORTS ON)
 target_link_libraries(base_status_test PRIVATE base_status third_party_gtest_main)
 add_test(NAME //base:status_test COMMAND base_status_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//base:status_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/base_status_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/base_status_test")
+endif()
 
 # //comm:collectives
 add_library(comm_collectives SHARED ${PROJECT_SOURCE_DIR}/comm/collectives.cc ${PROJECT_SOURCE_DIR}/comm/fingerprint.cc ${PROJECT_SOURCE_DIR}/comm/collectives.h ${PROJECT_SOURCE_DIR}/comm/fingerprint.h)
 set_target_properties(comm_collectives PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm)
 target_link_libraries(comm_collectives PUBLIC third_party_absl_base third_party_absl_status fsdp_torch)
+target_include_directories(comm_collectives PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS comm_collectives EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/comm/collectives.h ${PROJECT_SOURCE_DIR}/comm/fingerprint.h DESTINATION include/comm)
 
 # //comm:collectives_benchmark
+if(BUILD_TESTING)
 add_executable(comm_collectives_benchmark ${PROJECT_SOURCE_DIR}/comm/collectives_benchmark.cc)
 set_target_properties(comm_collectives_benchmark PROPERTIES OUTPUT_NAME collectives_benchmark RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm ENABLE_EXPORTS ON)
 target_link_libraries(comm_collectives_benchmark PRIVATE comm_collectives comm_gloo_collectives base_status third_party_benchmark_main third_party_c10d_gloo fsdp_torch)
+endif()
 
 # //comm:collectives_main
 add_executable(comm_collectives_main ${PROJECT_SOURCE_DIR}/comm/collectives_main.cc)
@@ -30,38 +40,50 @@ set_target_properties(comm_collectives_main PROPERTIES OUTPUT_NAME collectives_m
 target_link_libraries(comm_collectives_main PRIVATE comm_collectives comm_launch_environment comm_local_launcher comm_rendezvous base_status third_party_absl_flags fsdp_torch)
 
 # //comm:fingerprint_test
+if(BUILD_TESTING)
 add_executable(comm_fingerprint_test ${PROJECT_SOURCE_DIR}/comm/fingerprint_test.cc)
 set_target_properties(comm_fingerprint_test PROPERTIES OUTPUT_NAME fingerprint_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm ENABLE_EXPORTS ON)
 target_link_libraries(comm_fingerprint_test PRIVATE comm_collectives testing_fault_injection testing_multi_rank third_party_gtest_main fsdp_torch)
 add_test(NAME //comm:fingerprint_test COMMAND comm_fingerprint_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//comm:fingerprint_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/comm_fingerprint_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/comm_fingerprint_test")
+endif()
 
 # //comm:gloo_collectives
 add_library(comm_gloo_collectives SHARED ${PROJECT_SOURCE_DIR}/comm/gloo_collectives.cc ${PROJECT_SOURCE_DIR}/comm/gloo_collectives.h)
 set_target_properties(comm_gloo_collectives PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm)
 target_link_libraries(comm_gloo_collectives PUBLIC comm_collectives comm_store_fingerprint_exchange base_status third_party_absl_base third_party_absl_status third_party_c10d_gloo fsdp_torch)
+target_include_directories(comm_gloo_collectives PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS comm_gloo_collectives EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/comm/gloo_collectives.h DESTINATION include/comm)
 
 # //comm:gloo_collectives_test
+if(BUILD_TESTING)
 add_executable(comm_gloo_collectives_test ${PROJECT_SOURCE_DIR}/comm/gloo_collectives_test.cc)
 set_target_properties(comm_gloo_collectives_test PROPERTIES OUTPUT_NAME gloo_collectives_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm ENABLE_EXPORTS ON)
-target_link_libraries(comm_gloo_collectives_test PRIVATE comm_collectives comm_gloo_collectives testing_multi_rank third_party_c10d_gloo third_party_gtest_main fsdp_torch)
+target_link_libraries(comm_gloo_collectives_test PRIVATE comm_collectives comm_gloo_collectives testing_multi_rank third_party_absl_base third_party_c10d_gloo third_party_gtest_main fsdp_torch)
 add_test(NAME //comm:gloo_collectives_test COMMAND comm_gloo_collectives_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//comm:gloo_collectives_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/comm_gloo_collectives_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/comm_gloo_collectives_test")
+endif()
 
 # //comm:hybrid_groups
 add_library(comm_hybrid_groups SHARED ${PROJECT_SOURCE_DIR}/comm/hybrid_groups.cc ${PROJECT_SOURCE_DIR}/comm/hybrid_groups.h)
 set_target_properties(comm_hybrid_groups PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm)
 target_link_libraries(comm_hybrid_groups PUBLIC comm_collectives comm_gloo_collectives base_status third_party_absl_base third_party_absl_status)
+target_include_directories(comm_hybrid_groups PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS comm_hybrid_groups EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/comm/hybrid_groups.h DESTINATION include/comm)
 
 # //comm:hybrid_groups_test
+if(BUILD_TESTING)
 add_executable(comm_hybrid_groups_test ${PROJECT_SOURCE_DIR}/comm/hybrid_groups_test.cc)
 set_target_properties(comm_hybrid_groups_test PROPERTIES OUTPUT_NAME hybrid_groups_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm ENABLE_EXPORTS ON)
 target_link_libraries(comm_hybrid_groups_test PRIVATE comm_hybrid_groups third_party_c10d_gloo third_party_gtest_main fsdp_torch)
 add_test(NAME //comm:hybrid_groups_test COMMAND comm_hybrid_groups_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//comm:hybrid_groups_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/comm_hybrid_groups_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/comm_hybrid_groups_test")
+endif()
 
 # //comm:launch
 add_executable(comm_launch ${PROJECT_SOURCE_DIR}/comm/launch_main.cc)
@@ -72,127 +94,174 @@ target_link_libraries(comm_launch PRIVATE comm_local_launcher third_party_absl_f
 add_library(comm_launch_environment SHARED ${PROJECT_SOURCE_DIR}/comm/launch_environment.cc ${PROJECT_SOURCE_DIR}/comm/launch_environment.h)
 set_target_properties(comm_launch_environment PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm)
 target_link_libraries(comm_launch_environment PUBLIC base_status third_party_absl_base third_party_absl_status)
+target_include_directories(comm_launch_environment PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS comm_launch_environment EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/comm/launch_environment.h DESTINATION include/comm)
 
 # //comm:launch_environment_test
+if(BUILD_TESTING)
 add_executable(comm_launch_environment_test ${PROJECT_SOURCE_DIR}/comm/launch_environment_test.cc)
 set_target_properties(comm_launch_environment_test PROPERTIES OUTPUT_NAME launch_environment_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm ENABLE_EXPORTS ON)
 target_link_libraries(comm_launch_environment_test PRIVATE comm_launch_environment third_party_gtest_main)
 add_test(NAME //comm:launch_environment_test COMMAND comm_launch_environment_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//comm:launch_environment_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/comm_launch_environment_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/comm_launch_environment_test")
+endif()
 
 # //comm:local_launcher
 add_library(comm_local_launcher SHARED ${PROJECT_SOURCE_DIR}/comm/local_launcher.cc ${PROJECT_SOURCE_DIR}/comm/local_launcher.h)
 set_target_properties(comm_local_launcher PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm)
 target_link_libraries(comm_local_launcher PUBLIC comm_rendezvous base_status third_party_absl_base third_party_absl_status)
+target_include_directories(comm_local_launcher PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS comm_local_launcher EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/comm/local_launcher.h DESTINATION include/comm)
 
 # //comm:local_launcher_test
+if(BUILD_TESTING)
 add_executable(comm_local_launcher_test ${PROJECT_SOURCE_DIR}/comm/local_launcher_test.cc)
 set_target_properties(comm_local_launcher_test PROPERTIES OUTPUT_NAME local_launcher_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm ENABLE_EXPORTS ON)
 target_link_libraries(comm_local_launcher_test PRIVATE comm_local_launcher third_party_gtest_main)
 add_test(NAME //comm:local_launcher_test COMMAND comm_local_launcher_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//comm:local_launcher_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/comm_local_launcher_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/comm_local_launcher_test")
+endif()
 
 # //comm:rendezvous
 add_library(comm_rendezvous SHARED ${PROJECT_SOURCE_DIR}/comm/rendezvous.cc ${PROJECT_SOURCE_DIR}/comm/rendezvous.h)
 set_target_properties(comm_rendezvous PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm)
 target_link_libraries(comm_rendezvous PUBLIC comm_collectives comm_gloo_collectives comm_hybrid_groups comm_launch_environment base_status third_party_absl_base third_party_absl_status third_party_c10d_gloo)
+target_include_directories(comm_rendezvous PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS comm_rendezvous EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/comm/rendezvous.h DESTINATION include/comm)
 
 # //comm:store_fingerprint_exchange
 add_library(comm_store_fingerprint_exchange SHARED ${PROJECT_SOURCE_DIR}/comm/store_fingerprint_exchange.cc ${PROJECT_SOURCE_DIR}/comm/store_fingerprint_exchange.h)
 set_target_properties(comm_store_fingerprint_exchange PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm)
 target_link_libraries(comm_store_fingerprint_exchange PUBLIC comm_collectives third_party_absl_base third_party_c10d_gloo)
+target_include_directories(comm_store_fingerprint_exchange PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS comm_store_fingerprint_exchange EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/comm/store_fingerprint_exchange.h DESTINATION include/comm)
 
 # //fsdp:comm_hooks
 add_library(fsdp_comm_hooks SHARED ${PROJECT_SOURCE_DIR}/fsdp/comm_hooks.cc ${PROJECT_SOURCE_DIR}/fsdp/comm_hooks.h)
 set_target_properties(fsdp_comm_hooks PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
 target_link_libraries(fsdp_comm_hooks PUBLIC fsdp_fsdp_options comm_collectives policies_unit_options third_party_absl_base fsdp_torch)
+target_include_directories(fsdp_comm_hooks PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS fsdp_comm_hooks EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/fsdp/comm_hooks.h DESTINATION include/fsdp)
 
 # //fsdp:comm_hooks_test
+if(BUILD_TESTING)
 add_executable(fsdp_comm_hooks_test ${PROJECT_SOURCE_DIR}/fsdp/comm_hooks_test.cc ${PROJECT_SOURCE_DIR}/fsdp/test_models.h)
 set_target_properties(fsdp_comm_hooks_test PROPERTIES OUTPUT_NAME comm_hooks_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
 target_link_libraries(fsdp_comm_hooks_test PRIVATE fsdp_comm_hooks fsdp_fully_shard fsdp_test_util comm_hybrid_groups testing_multi_rank third_party_c10d_gloo third_party_gtest_main fsdp_torch)
 add_test(NAME //fsdp:comm_hooks_test COMMAND fsdp_comm_hooks_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//fsdp:comm_hooks_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_comm_hooks_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_comm_hooks_test")
+endif()
 
 # //fsdp:cpu_offload_test
+if(BUILD_TESTING)
 add_executable(fsdp_cpu_offload_test ${PROJECT_SOURCE_DIR}/fsdp/cpu_offload_test.cc ${PROJECT_SOURCE_DIR}/fsdp/test_models.h)
 set_target_properties(fsdp_cpu_offload_test PROPERTIES OUTPUT_NAME cpu_offload_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
 target_link_libraries(fsdp_cpu_offload_test PRIVATE fsdp_fully_shard fsdp_test_util comm_hybrid_groups testing_multi_rank third_party_c10d_gloo third_party_gtest_main fsdp_torch)
 add_test(NAME //fsdp:cpu_offload_test COMMAND fsdp_cpu_offload_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//fsdp:cpu_offload_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_cpu_offload_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_cpu_offload_test")
+endif()
 
 # //fsdp:failure_modes_test
+if(BUILD_TESTING)
 add_executable(fsdp_failure_modes_test ${PROJECT_SOURCE_DIR}/fsdp/failure_modes_test.cc)
 set_target_properties(fsdp_failure_modes_test PROPERTIES OUTPUT_NAME failure_modes_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
 target_link_libraries(fsdp_failure_modes_test PRIVATE fsdp_fully_shard fsdp_test_models fsdp_test_util comm_collectives testing_fault_injection testing_multi_rank third_party_gtest_main fsdp_torch)
 add_test(NAME //fsdp:failure_modes_test COMMAND fsdp_failure_modes_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//fsdp:failure_modes_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_failure_modes_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_failure_modes_test")
+endif()
 
 # //fsdp:flat_param_handle
 add_library(fsdp_flat_param_handle SHARED ${PROJECT_SOURCE_DIR}/fsdp/flat_param_handle.cc ${PROJECT_SOURCE_DIR}/fsdp/flat_param_handle.h)
 set_target_properties(fsdp_flat_param_handle PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
 target_link_libraries(fsdp_flat_param_handle PUBLIC fsdp_comm_hooks fsdp_fsdp_options base_status comm_collectives third_party_absl_base third_party_absl_status fsdp_torch)
+target_include_directories(fsdp_flat_param_handle PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS fsdp_flat_param_handle EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/fsdp/flat_param_handle.h DESTINATION include/fsdp)
 
 # //fsdp:flat_param_handle_benchmark
+if(BUILD_TESTING)
 add_executable(fsdp_flat_param_handle_benchmark ${PROJECT_SOURCE_DIR}/fsdp/flat_param_handle_benchmark.cc)
 set_target_properties(fsdp_flat_param_handle_benchmark PROPERTIES OUTPUT_NAME flat_param_handle_benchmark RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
 target_link_libraries(fsdp_flat_param_handle_benchmark PRIVATE fsdp_flat_param_handle base_status comm_collectives comm_gloo_collectives third_party_benchmark_main third_party_c10d_gloo fsdp_torch)
+endif()
 
 # //fsdp:flat_param_handle_test
+if(BUILD_TESTING)
 add_executable(fsdp_flat_param_handle_test ${PROJECT_SOURCE_DIR}/fsdp/flat_param_handle_test.cc)
 set_target_properties(fsdp_flat_param_handle_test PROPERTIES OUTPUT_NAME flat_param_handle_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
 target_link_libraries(fsdp_flat_param_handle_test PRIVATE fsdp_flat_param_handle fsdp_test_util comm_collectives testing_multi_rank third_party_gtest_main fsdp_torch)
 add_test(NAME //fsdp:flat_param_handle_test COMMAND fsdp_flat_param_handle_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//fsdp:flat_param_handle_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_flat_param_handle_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_flat_param_handle_test")
+endif()
 
 # //fsdp:fsdp_options
 add_library(fsdp_fsdp_options INTERFACE)
 target_link_libraries(fsdp_fsdp_options INTERFACE fsdp_trace comm_collectives policies_unit_options fsdp_torch)
+target_include_directories(fsdp_fsdp_options INTERFACE $<INSTALL_INTERFACE:include>)
+install(TARGETS fsdp_fsdp_options EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/fsdp/fsdp_options.h DESTINATION include/fsdp)
 
 # //fsdp:fully_shard
 add_library(fsdp_fully_shard SHARED ${PROJECT_SOURCE_DIR}/fsdp/fully_shard.cc ${PROJECT_SOURCE_DIR}/fsdp/wrap_plan.cc ${PROJECT_SOURCE_DIR}/fsdp/fully_shard.h ${PROJECT_SOURCE_DIR}/fsdp/wrap_plan.h)
 set_target_properties(fsdp_fully_shard PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
 target_link_libraries(fsdp_fully_shard PUBLIC fsdp_flat_param_handle fsdp_fsdp_options fsdp_runtime_streams base_status comm_collectives policies_wrap_policy third_party_absl_base third_party_absl_status fsdp_torch)
+target_include_directories(fsdp_fully_shard PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS fsdp_fully_shard EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/fsdp/fully_shard.h ${PROJECT_SOURCE_DIR}/fsdp/wrap_plan.h DESTINATION include/fsdp)
 
 # //fsdp:fully_shard_test
+if(BUILD_TESTING)
 add_executable(fsdp_fully_shard_test ${PROJECT_SOURCE_DIR}/fsdp/fully_shard_test.cc)
 set_target_properties(fsdp_fully_shard_test PROPERTIES OUTPUT_NAME fully_shard_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
 target_link_libraries(fsdp_fully_shard_test PRIVATE fsdp_fully_shard fsdp_test_models fsdp_test_util third_party_absl_base comm_collectives testing_multi_rank third_party_gtest_main fsdp_torch)
 add_test(NAME //fsdp:fully_shard_test COMMAND fsdp_fully_shard_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//fsdp:fully_shard_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_fully_shard_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_fully_shard_test")
+endif()
 
 # //fsdp:hybrid_shard_test
+if(BUILD_TESTING)
 add_executable(fsdp_hybrid_shard_test ${PROJECT_SOURCE_DIR}/fsdp/hybrid_shard_test.cc ${PROJECT_SOURCE_DIR}/fsdp/test_models.h)
 set_target_properties(fsdp_hybrid_shard_test PROPERTIES OUTPUT_NAME hybrid_shard_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
 target_link_libraries(fsdp_hybrid_shard_test PRIVATE fsdp_fully_shard fsdp_test_util comm_hybrid_groups testing_multi_rank third_party_c10d_gloo third_party_gtest_main fsdp_torch)
 add_test(NAME //fsdp:hybrid_shard_test COMMAND fsdp_hybrid_shard_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//fsdp:hybrid_shard_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_hybrid_shard_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_hybrid_shard_test")
+endif()
 
 # //fsdp:meta_init_test
+if(BUILD_TESTING)
 add_executable(fsdp_meta_init_test ${PROJECT_SOURCE_DIR}/fsdp/meta_init_test.cc)
 set_target_properties(fsdp_meta_init_test PROPERTIES OUTPUT_NAME meta_init_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
 target_link_libraries(fsdp_meta_init_test PRIVATE fsdp_fully_shard testing_multi_rank third_party_gtest_main fsdp_torch)
 add_test(NAME //fsdp:meta_init_test COMMAND fsdp_meta_init_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//fsdp:meta_init_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_meta_init_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_meta_init_test")
+endif()
 
 # //fsdp:mixed_precision_test
+if(BUILD_TESTING)
 add_executable(fsdp_mixed_precision_test ${PROJECT_SOURCE_DIR}/fsdp/mixed_precision_test.cc ${PROJECT_SOURCE_DIR}/fsdp/test_models.h)
 set_target_properties(fsdp_mixed_precision_test PROPERTIES OUTPUT_NAME mixed_precision_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
 target_link_libraries(fsdp_mixed_precision_test PRIVATE fsdp_fully_shard fsdp_test_util policies_wrap_policy testing_multi_rank third_party_gtest_main fsdp_torch)
 add_test(NAME //fsdp:mixed_precision_test COMMAND fsdp_mixed_precision_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//fsdp:mixed_precision_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_mixed_precision_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_mixed_precision_test")
+endif()
 
 # //fsdp:policy_wrap_test
+if(BUILD_TESTING)
 add_executable(fsdp_policy_wrap_test ${PROJECT_SOURCE_DIR}/fsdp/policy_wrap_test.cc)
 set_target_properties(fsdp_policy_wrap_test PROPERTIES OUTPUT_NAME policy_wrap_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
 target_link_libraries(fsdp_policy_wrap_test PRIVATE fsdp_fully_shard fsdp_test_models fsdp_test_util comm_collectives policies_builtin_policies policies_registry policies_wrap_policy testing_multi_rank third_party_gtest_main fsdp_torch)
@@ -200,80 +269,109 @@ add_dependencies(fsdp_policy_wrap_test policies_examples_libfqn_glob_policy_so)
 add_test(NAME //fsdp:policy_wrap_test COMMAND fsdp_policy_wrap_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//fsdp:policy_wrap_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_policy_wrap_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_policy_wrap_test")
+endif()
 
 # //fsdp:runtime_streams
 add_library(fsdp_runtime_streams SHARED ${PROJECT_SOURCE_DIR}/fsdp/runtime_streams.cc ${PROJECT_SOURCE_DIR}/fsdp/runtime_streams.h)
 set_target_properties(fsdp_runtime_streams PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
 target_link_libraries(fsdp_runtime_streams PUBLIC fsdp_torch)
+target_include_directories(fsdp_runtime_streams PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS fsdp_runtime_streams EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/fsdp/runtime_streams.h DESTINATION include/fsdp)
 
 # //fsdp:runtime_streams_test
+if(BUILD_TESTING)
 add_executable(fsdp_runtime_streams_test ${PROJECT_SOURCE_DIR}/fsdp/runtime_streams_test.cc)
 set_target_properties(fsdp_runtime_streams_test PROPERTIES OUTPUT_NAME runtime_streams_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
 target_link_libraries(fsdp_runtime_streams_test PRIVATE fsdp_runtime_streams third_party_absl_base third_party_gtest_main fsdp_torch)
 add_test(NAME //fsdp:runtime_streams_test COMMAND fsdp_runtime_streams_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//fsdp:runtime_streams_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_runtime_streams_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_runtime_streams_test")
+endif()
 
 # //fsdp:sync_module_states_test
+if(BUILD_TESTING)
 add_executable(fsdp_sync_module_states_test ${PROJECT_SOURCE_DIR}/fsdp/sync_module_states_test.cc ${PROJECT_SOURCE_DIR}/fsdp/test_models.h)
 set_target_properties(fsdp_sync_module_states_test PROPERTIES OUTPUT_NAME sync_module_states_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
 target_link_libraries(fsdp_sync_module_states_test PRIVATE fsdp_fully_shard fsdp_test_util testing_multi_rank third_party_gtest_main fsdp_torch)
 add_test(NAME //fsdp:sync_module_states_test COMMAND fsdp_sync_module_states_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//fsdp:sync_module_states_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_sync_module_states_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_sync_module_states_test")
+endif()
 
 # //fsdp:test_models
+if(BUILD_TESTING)
 add_library(fsdp_test_models INTERFACE)
 target_link_libraries(fsdp_test_models INTERFACE fsdp_fully_shard fsdp_test_util fsdp_torch)
+endif()
 
 # //fsdp:test_util
+if(BUILD_TESTING)
 add_library(fsdp_test_util INTERFACE)
 target_link_libraries(fsdp_test_util INTERFACE fsdp_torch)
+endif()
 
 # //fsdp:trace
 add_library(fsdp_trace SHARED ${PROJECT_SOURCE_DIR}/fsdp/trace.cc ${PROJECT_SOURCE_DIR}/fsdp/trace.h)
 set_target_properties(fsdp_trace PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
 target_link_libraries(fsdp_trace PUBLIC third_party_absl_base third_party_absl_status)
+target_include_directories(fsdp_trace PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS fsdp_trace EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/fsdp/trace.h DESTINATION include/fsdp)
 
 # //fsdp:trace_test
+if(BUILD_TESTING)
 add_executable(fsdp_trace_test ${PROJECT_SOURCE_DIR}/fsdp/test_models.h ${PROJECT_SOURCE_DIR}/fsdp/trace_test.cc)
 set_target_properties(fsdp_trace_test PROPERTIES OUTPUT_NAME trace_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
-target_link_libraries(fsdp_trace_test PRIVATE fsdp_fully_shard fsdp_test_util fsdp_trace testing_multi_rank third_party_gtest_main fsdp_torch)
+target_link_libraries(fsdp_trace_test PRIVATE fsdp_fully_shard fsdp_test_util fsdp_trace testing_multi_rank third_party_gtest_main fsdp_torch testing_torch_python)
 add_test(NAME //fsdp:trace_test COMMAND fsdp_trace_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//fsdp:trace_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_trace_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_trace_test")
+endif()
 
 # //models:gpt
 add_library(models_gpt SHARED ${PROJECT_SOURCE_DIR}/models/gpt.cc ${PROJECT_SOURCE_DIR}/models/gpt.h)
 set_target_properties(models_gpt PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models)
 target_link_libraries(models_gpt PUBLIC fsdp_fully_shard fsdp_torch)
+target_include_directories(models_gpt PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS models_gpt EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/models/gpt.h DESTINATION include/models)
 
 # //models:gpt_interop_test
+if(BUILD_TESTING)
 add_executable(models_gpt_interop_test ${PROJECT_SOURCE_DIR}/models/gpt_interop_test.cc)
 set_target_properties(models_gpt_interop_test PROPERTIES OUTPUT_NAME gpt_interop_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
-target_link_libraries(models_gpt_interop_test PRIVATE models_gpt fsdp_fully_shard statedict_state_dict statedict_torch_file testing_multi_rank third_party_absl_base third_party_gtest_main fsdp_torch)
+target_link_libraries(models_gpt_interop_test PRIVATE models_gpt fsdp_fully_shard statedict_state_dict statedict_torch_file testing_multi_rank third_party_absl_base third_party_gtest_main fsdp_torch testing_torch_python)
 configure_file(${PROJECT_SOURCE_DIR}/models/gpt_interop.py "${CMAKE_BINARY_DIR}/models/gpt_interop.py" COPYONLY)
 add_test(NAME //models:gpt_interop_test COMMAND models_gpt_interop_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//models:gpt_interop_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/models_gpt_interop_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/models_gpt_interop_test")
+endif()
 
 # //models:gpt_test
+if(BUILD_TESTING)
 add_executable(models_gpt_test ${PROJECT_SOURCE_DIR}/models/gpt_test.cc)
 set_target_properties(models_gpt_test PROPERTIES OUTPUT_NAME gpt_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
 target_link_libraries(models_gpt_test PRIVATE models_gpt fsdp_fully_shard testing_multi_rank third_party_gtest_main fsdp_torch)
 add_test(NAME //models:gpt_test COMMAND models_gpt_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//models:gpt_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/models_gpt_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/models_gpt_test")
+endif()
 
 # //models:job_test_util
+if(BUILD_TESTING)
 add_library(models_job_test_util SHARED ${PROJECT_SOURCE_DIR}/models/job_test_util.cc ${PROJECT_SOURCE_DIR}/models/job_test_util.h)
 set_target_properties(models_job_test_util PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models)
 target_link_libraries(models_job_test_util PUBLIC third_party_absl_base third_party_gtest)
+endif()
 
 # //models:output_paths
 add_library(models_output_paths SHARED ${PROJECT_SOURCE_DIR}/models/output_paths.cc ${PROJECT_SOURCE_DIR}/models/output_paths.h)
 set_target_properties(models_output_paths PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models)
 target_link_libraries(models_output_paths PUBLIC third_party_absl_base third_party_absl_status)
+target_include_directories(models_output_paths PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS models_output_paths EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/models/output_paths.h DESTINATION include/models)
 
 # //models:train_gpt
 add_executable(models_train_gpt ${PROJECT_SOURCE_DIR}/models/train_gpt_main.cc)
@@ -281,79 +379,103 @@ set_target_properties(models_train_gpt PROPERTIES OUTPUT_NAME train_gpt RUNTIME_
 target_link_libraries(models_train_gpt PRIVATE models_gpt models_output_paths optim_run_checkpoints base_status comm_collectives comm_launch_environment comm_local_launcher comm_rendezvous fsdp_fully_shard fsdp_trace optim_training_checkpoint policies_builtin_policies policies_registry statedict_state_dict statedict_torch_file third_party_absl_flags fsdp_torch)
 
 # //models:train_gpt_bad_input_test
+if(BUILD_TESTING)
 add_executable(models_train_gpt_bad_input_test ${PROJECT_SOURCE_DIR}/models/train_gpt_bad_input_test.cc)
 set_target_properties(models_train_gpt_bad_input_test PROPERTIES OUTPUT_NAME train_gpt_bad_input_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
-target_link_libraries(models_train_gpt_bad_input_test PRIVATE models_job_test_util third_party_absl_base third_party_gtest_main)
+target_link_libraries(models_train_gpt_bad_input_test PRIVATE models_job_test_util third_party_absl_base third_party_gtest_main testing_torch_python)
 configure_file(${PROJECT_SOURCE_DIR}/models/gpt_interop.py "${CMAKE_BINARY_DIR}/models/gpt_interop.py" COPYONLY)
 configure_file(${PROJECT_SOURCE_DIR}/models/replay_gpt.py "${CMAKE_BINARY_DIR}/models/replay_gpt.py" COPYONLY)
 add_dependencies(models_train_gpt_bad_input_test models_train_gpt comm_launch)
 add_test(NAME //models:train_gpt_bad_input_test COMMAND models_train_gpt_bad_input_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//models:train_gpt_bad_input_test PROPERTIES TIMEOUT 900 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/models_train_gpt_bad_input_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/models_train_gpt_bad_input_test")
+endif()
 
 # //models:train_gpt_test
+if(BUILD_TESTING)
 add_executable(models_train_gpt_test ${PROJECT_SOURCE_DIR}/models/train_gpt_test.cc)
 set_target_properties(models_train_gpt_test PROPERTIES OUTPUT_NAME train_gpt_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
-target_link_libraries(models_train_gpt_test PRIVATE models_job_test_util third_party_absl_base third_party_gtest_main)
+target_link_libraries(models_train_gpt_test PRIVATE models_job_test_util third_party_absl_base third_party_gtest_main testing_torch_python)
 configure_file(${PROJECT_SOURCE_DIR}/models/gpt_interop.py "${CMAKE_BINARY_DIR}/models/gpt_interop.py" COPYONLY)
 configure_file(${PROJECT_SOURCE_DIR}/models/replay_gpt.py "${CMAKE_BINARY_DIR}/models/replay_gpt.py" COPYONLY)
 add_dependencies(models_train_gpt_test models_train_gpt)
 add_test(NAME //models:train_gpt_test COMMAND models_train_gpt_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//models:train_gpt_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/models_train_gpt_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/models_train_gpt_test")
+endif()
 
 # //models:train_step_benchmark
+if(BUILD_TESTING)
 add_executable(models_train_step_benchmark ${PROJECT_SOURCE_DIR}/models/train_step_benchmark.cc)
 set_target_properties(models_train_step_benchmark PROPERTIES OUTPUT_NAME train_step_benchmark RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
-target_link_libraries(models_train_step_benchmark PRIVATE models_gpt base_status comm_launch_environment comm_local_launcher comm_rendezvous fsdp_fully_shard third_party_absl_base third_party_benchmark fsdp_torch)
+target_link_libraries(models_train_step_benchmark PRIVATE models_gpt base_status comm_launch_environment comm_local_launcher comm_rendezvous fsdp_fully_shard third_party_absl_base third_party_benchmark fsdp_torch testing_torch_python)
 configure_file(${PROJECT_SOURCE_DIR}/models/ddp_step_benchmark.py "${CMAKE_BINARY_DIR}/models/ddp_step_benchmark.py" COPYONLY)
 configure_file(${PROJECT_SOURCE_DIR}/models/ddp_step_benchmark.py "${CMAKE_BINARY_DIR}/models/train_step_benchmark.runfiles/fsdp_cpp/models/ddp_step_benchmark.py" COPYONLY)
 configure_file(${PROJECT_SOURCE_DIR}/models/gpt_interop.py "${CMAKE_BINARY_DIR}/models/gpt_interop.py" COPYONLY)
 configure_file(${PROJECT_SOURCE_DIR}/models/gpt_interop.py "${CMAKE_BINARY_DIR}/models/train_step_benchmark.runfiles/fsdp_cpp/models/gpt_interop.py" COPYONLY)
+endif()
 
 # //optim:optim_internal
 add_library(optim_optim_internal SHARED ${PROJECT_SOURCE_DIR}/optim/optim_internal.cc ${PROJECT_SOURCE_DIR}/optim/optim_internal.h)
 set_target_properties(optim_optim_internal PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/optim)
 target_link_libraries(optim_optim_internal PUBLIC fsdp_fully_shard third_party_absl_status fsdp_torch)
+target_include_directories(optim_optim_internal PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS optim_optim_internal EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/optim/optim_internal.h DESTINATION include/optim)
 
 # //optim:optim_state
 add_library(optim_optim_state SHARED ${PROJECT_SOURCE_DIR}/optim/optim_state.cc ${PROJECT_SOURCE_DIR}/optim/optim_state.h)
 set_target_properties(optim_optim_state PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/optim)
 target_link_libraries(optim_optim_state PUBLIC comm_collectives optim_optim_internal base_status fsdp_fully_shard third_party_absl_base third_party_absl_status fsdp_torch)
+target_include_directories(optim_optim_state PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS optim_optim_state EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/optim/optim_state.h DESTINATION include/optim)
 
 # //optim:optim_state_test
+if(BUILD_TESTING)
 add_executable(optim_optim_state_test ${PROJECT_SOURCE_DIR}/optim/optim_state_test.cc)
 set_target_properties(optim_optim_state_test PROPERTIES OUTPUT_NAME optim_state_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/optim ENABLE_EXPORTS ON)
 target_link_libraries(optim_optim_state_test PRIVATE optim_optim_state comm_collectives fsdp_fully_shard fsdp_test_models fsdp_test_util statedict_state_dict testing_multi_rank third_party_absl_base third_party_gtest_main fsdp_torch)
 add_test(NAME //optim:optim_state_test COMMAND optim_optim_state_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//optim:optim_state_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/optim_optim_state_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/optim_optim_state_test")
+endif()
 
 # //optim:run_checkpoints
 add_library(optim_run_checkpoints SHARED ${PROJECT_SOURCE_DIR}/optim/run_checkpoints.cc ${PROJECT_SOURCE_DIR}/optim/run_checkpoints.h)
 set_target_properties(optim_run_checkpoints PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/optim)
 target_link_libraries(optim_run_checkpoints PUBLIC statedict_state_dict third_party_absl_base third_party_absl_status)
+target_include_directories(optim_run_checkpoints PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS optim_run_checkpoints EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/optim/run_checkpoints.h DESTINATION include/optim)
 
 # //optim:run_checkpoints_test
+if(BUILD_TESTING)
 add_executable(optim_run_checkpoints_test ${PROJECT_SOURCE_DIR}/optim/run_checkpoints_test.cc)
 set_target_properties(optim_run_checkpoints_test PROPERTIES OUTPUT_NAME run_checkpoints_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/optim ENABLE_EXPORTS ON)
 target_link_libraries(optim_run_checkpoints_test PRIVATE optim_run_checkpoints comm_collectives statedict_state_dict testing_multi_rank third_party_absl_base third_party_gtest_main fsdp_torch)
 add_test(NAME //optim:run_checkpoints_test COMMAND optim_run_checkpoints_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//optim:run_checkpoints_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/optim_run_checkpoints_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/optim_run_checkpoints_test")
+endif()
 
 # //optim:training_checkpoint
 add_library(optim_training_checkpoint SHARED ${PROJECT_SOURCE_DIR}/optim/training_checkpoint.cc ${PROJECT_SOURCE_DIR}/optim/training_checkpoint.h)
 set_target_properties(optim_training_checkpoint PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/optim)
 target_link_libraries(optim_training_checkpoint PUBLIC optim_optim_internal base_status fsdp_fully_shard statedict_state_dict third_party_absl_base third_party_absl_status fsdp_torch)
+target_include_directories(optim_training_checkpoint PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS optim_training_checkpoint EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/optim/training_checkpoint.h DESTINATION include/optim)
 
 # //optim:training_checkpoint_test
+if(BUILD_TESTING)
 add_executable(optim_training_checkpoint_test ${PROJECT_SOURCE_DIR}/optim/training_checkpoint_test.cc)
 set_target_properties(optim_training_checkpoint_test PROPERTIES OUTPUT_NAME training_checkpoint_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/optim ENABLE_EXPORTS ON)
 target_link_libraries(optim_training_checkpoint_test PRIVATE optim_optim_state optim_training_checkpoint comm_collectives fsdp_fully_shard fsdp_test_models fsdp_test_util statedict_state_dict testing_multi_rank third_party_absl_base third_party_gtest_main fsdp_torch)
 add_test(NAME //optim:training_checkpoint_test COMMAND optim_training_checkpoint_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//optim:training_checkpoint_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/optim_training_checkpoint_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/optim_training_checkpoint_test")
+endif()
 
 # //policies/examples:libfqn_glob_policy.so
 add_library(policies_examples_libfqn_glob_policy_so MODULE ${PROJECT_SOURCE_DIR}/policies/examples/fqn_glob_policy.cc)
@@ -378,18 +500,28 @@ target_link_libraries(policies_testdata_libwrong_abi_policy_so PRIVATE policies_
 add_library(policies_builtin_policies SHARED ${PROJECT_SOURCE_DIR}/policies/builtin_policies.cc)
 set_target_properties(policies_builtin_policies PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/policies)
 target_link_libraries(policies_builtin_policies PUBLIC policies_registry policies_wrap_policy third_party_absl_base third_party_absl_status)
+target_include_directories(policies_builtin_policies PUBLIC $<INSTALL_INTERFACE:include>)
+target_link_options(policies_builtin_policies INTERFACE LINKER:--no-as-needed)
+install(TARGETS policies_builtin_policies EXPORT fsdp_cpp_targets)
 
 # //policies:policy_plugin_api
 add_library(policies_policy_plugin_api INTERFACE)
 target_link_libraries(policies_policy_plugin_api INTERFACE policies_wrap_policy)
+target_include_directories(policies_policy_plugin_api INTERFACE $<INSTALL_INTERFACE:include>)
+install(TARGETS policies_policy_plugin_api EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/policies/policy_plugin.h DESTINATION include/policies)
 
 # //policies:registry
 add_library(policies_registry SHARED ${PROJECT_SOURCE_DIR}/policies/registry.cc ${PROJECT_SOURCE_DIR}/policies/registry.h)
 set_target_properties(policies_registry PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/policies)
 target_link_libraries(policies_registry PUBLIC policies_policy_plugin_api policies_wrap_policy third_party_absl_base third_party_absl_status)
 target_link_libraries(policies_registry PUBLIC -ldl)
+target_include_directories(policies_registry PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS policies_registry EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/policies/registry.h DESTINATION include/policies)
 
 # //policies:registry_test
+if(BUILD_TESTING)
 add_executable(policies_registry_test ${PROJECT_SOURCE_DIR}/policies/registry_test.cc)
 set_target_properties(policies_registry_test PROPERTIES OUTPUT_NAME registry_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/policies ENABLE_EXPORTS ON)
 target_link_libraries(policies_registry_test PRIVATE policies_builtin_policies policies_registry policies_wrap_policy third_party_absl_base third_party_gtest_main fsdp_torch)
@@ -397,34 +529,49 @@ add_dependencies(policies_registry_test policies_examples_libfqn_glob_policy_so 
 add_test(NAME //policies:registry_test COMMAND policies_registry_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//policies:registry_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/policies_registry_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/policies_registry_test")
+endif()
 
 # //policies:unit_options
 add_library(policies_unit_options SHARED ${PROJECT_SOURCE_DIR}/policies/unit_options.cc ${PROJECT_SOURCE_DIR}/policies/unit_options.h)
 set_target_properties(policies_unit_options PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/policies)
 target_link_libraries(policies_unit_options PUBLIC third_party_absl_base third_party_absl_status)
+target_include_directories(policies_unit_options PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS policies_unit_options EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/policies/unit_options.h DESTINATION include/policies)
 
 # //policies:wrap_policy
 add_library(policies_wrap_policy SHARED ${PROJECT_SOURCE_DIR}/policies/policy_spec.cc ${PROJECT_SOURCE_DIR}/policies/wrap_policy.cc ${PROJECT_SOURCE_DIR}/policies/policy_spec.h ${PROJECT_SOURCE_DIR}/policies/wrap_policy.h)
 set_target_properties(policies_wrap_policy PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/policies)
 target_link_libraries(policies_wrap_policy PUBLIC policies_unit_options third_party_absl_base third_party_absl_status fsdp_torch)
+target_include_directories(policies_wrap_policy PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS policies_wrap_policy EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/policies/policy_spec.h ${PROJECT_SOURCE_DIR}/policies/wrap_policy.h DESTINATION include/policies)
 
 # //policies:wrap_policy_test
+if(BUILD_TESTING)
 add_executable(policies_wrap_policy_test ${PROJECT_SOURCE_DIR}/policies/wrap_policy_test.cc)
 set_target_properties(policies_wrap_policy_test PROPERTIES OUTPUT_NAME wrap_policy_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/policies ENABLE_EXPORTS ON)
 target_link_libraries(policies_wrap_policy_test PRIVATE policies_wrap_policy third_party_absl_base third_party_gtest_main fsdp_torch)
 add_test(NAME //policies:wrap_policy_test COMMAND policies_wrap_policy_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//policies:wrap_policy_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/policies_wrap_policy_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/policies_wrap_policy_test")
+endif()
 
 # //statedict:atomic_file
 add_library(statedict_atomic_file SHARED ${PROJECT_SOURCE_DIR}/statedict/atomic_file.cc ${PROJECT_SOURCE_DIR}/statedict/atomic_file.h)
 set_target_properties(statedict_atomic_file PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/statedict)
 target_link_libraries(statedict_atomic_file PUBLIC third_party_absl_base third_party_absl_status)
+target_include_directories(statedict_atomic_file PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS statedict_atomic_file EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/statedict/atomic_file.h DESTINATION include/statedict)
 
 # //statedict:checkpoint_manifest_proto
 add_library(statedict_checkpoint_manifest_proto SHARED ${CMAKE_BINARY_DIR}/statedict/checkpoint_manifest.pb.cc ${CMAKE_BINARY_DIR}/statedict/checkpoint_manifest.pb.h)
 set_target_properties(statedict_checkpoint_manifest_proto PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/statedict)
 target_link_libraries(statedict_checkpoint_manifest_proto PUBLIC third_party_protobuf)
+target_include_directories(statedict_checkpoint_manifest_proto PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS statedict_checkpoint_manifest_proto EXPORT fsdp_cpp_targets)
+install(FILES ${CMAKE_BINARY_DIR}/statedict/checkpoint_manifest.pb.h DESTINATION include/statedict)
 
 # //statedict:checkpoint_manifest_proto_codegen
 add_custom_command(
@@ -436,132 +583,189 @@ add_custom_command(
 # //statedict:crc32
 add_library(statedict_crc32 SHARED ${PROJECT_SOURCE_DIR}/statedict/crc32.cc ${PROJECT_SOURCE_DIR}/statedict/crc32.h)
 set_target_properties(statedict_crc32 PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/statedict)
+target_include_directories(statedict_crc32 PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS statedict_crc32 EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/statedict/crc32.h DESTINATION include/statedict)
 
 # //statedict:sharded_checkpoint_test
+if(BUILD_TESTING)
 add_executable(statedict_sharded_checkpoint_test ${PROJECT_SOURCE_DIR}/statedict/sharded_checkpoint_test.cc)
 set_target_properties(statedict_sharded_checkpoint_test PROPERTIES OUTPUT_NAME sharded_checkpoint_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/statedict ENABLE_EXPORTS ON)
 target_link_libraries(statedict_sharded_checkpoint_test PRIVATE statedict_state_dict comm_collectives comm_hybrid_groups third_party_c10d_gloo fsdp_fully_shard fsdp_test_models fsdp_test_util testing_multi_rank third_party_absl_base third_party_gtest_main fsdp_torch)
 add_test(NAME //statedict:sharded_checkpoint_test COMMAND statedict_sharded_checkpoint_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//statedict:sharded_checkpoint_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/statedict_sharded_checkpoint_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/statedict_sharded_checkpoint_test")
+endif()
 
 # //statedict:state_dict
 add_library(statedict_state_dict SHARED ${PROJECT_SOURCE_DIR}/statedict/model_tensors.cc ${PROJECT_SOURCE_DIR}/statedict/model_tensors.h ${PROJECT_SOURCE_DIR}/statedict/sharded_checkpoint.cc ${PROJECT_SOURCE_DIR}/statedict/state_dict.cc ${PROJECT_SOURCE_DIR}/statedict/sharded_checkpoint.h ${PROJECT_SOURCE_DIR}/statedict/state_dict.h)
 set_target_properties(statedict_state_dict PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/statedict)
 target_link_libraries(statedict_state_dict PUBLIC comm_collectives statedict_atomic_file statedict_checkpoint_manifest_proto statedict_crc32 statedict_torch_file base_status fsdp_fully_shard third_party_absl_base third_party_absl_status fsdp_torch)
+target_include_directories(statedict_state_dict PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS statedict_state_dict EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/statedict/sharded_checkpoint.h ${PROJECT_SOURCE_DIR}/statedict/state_dict.h DESTINATION include/statedict)
 
 # //statedict:state_dict_test
+if(BUILD_TESTING)
 add_executable(statedict_state_dict_test ${PROJECT_SOURCE_DIR}/statedict/state_dict_test.cc)
 set_target_properties(statedict_state_dict_test PROPERTIES OUTPUT_NAME state_dict_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/statedict ENABLE_EXPORTS ON)
 target_link_libraries(statedict_state_dict_test PRIVATE statedict_state_dict statedict_torch_file comm_collectives fsdp_fully_shard fsdp_test_models fsdp_test_util testing_multi_rank third_party_absl_base third_party_gtest_main fsdp_torch)
 add_test(NAME //statedict:state_dict_test COMMAND statedict_state_dict_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//statedict:state_dict_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/statedict_state_dict_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/statedict_state_dict_test")
+endif()
 
 # //statedict:torch_file
 add_library(statedict_torch_file SHARED ${PROJECT_SOURCE_DIR}/statedict/torch_file.cc ${PROJECT_SOURCE_DIR}/statedict/torch_file.h)
 set_target_properties(statedict_torch_file PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/statedict)
 target_link_libraries(statedict_torch_file PUBLIC statedict_atomic_file statedict_crc32 base_status third_party_absl_base third_party_absl_status fsdp_torch)
+target_include_directories(statedict_torch_file PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS statedict_torch_file EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/statedict/torch_file.h DESTINATION include/statedict)
 
 # //statedict:torch_file_test
+if(BUILD_TESTING)
 add_executable(statedict_torch_file_test ${PROJECT_SOURCE_DIR}/statedict/torch_file_test.cc)
 set_target_properties(statedict_torch_file_test PROPERTIES OUTPUT_NAME torch_file_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/statedict ENABLE_EXPORTS ON)
-target_link_libraries(statedict_torch_file_test PRIVATE statedict_atomic_file statedict_torch_file third_party_absl_base third_party_gtest_main fsdp_torch)
+target_link_libraries(statedict_torch_file_test PRIVATE statedict_atomic_file statedict_torch_file third_party_absl_base third_party_gtest_main fsdp_torch testing_torch_python)
 configure_file(${PROJECT_SOURCE_DIR}/statedict/torch_file_interop.py "${CMAKE_BINARY_DIR}/statedict/torch_file_interop.py" COPYONLY)
 add_test(NAME //statedict:torch_file_test COMMAND statedict_torch_file_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//statedict:torch_file_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/statedict_torch_file_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/statedict_torch_file_test")
+endif()
 
 # //testing:fault_injection
+if(BUILD_TESTING)
 add_library(testing_fault_injection SHARED ${PROJECT_SOURCE_DIR}/testing/fault_injection.cc ${PROJECT_SOURCE_DIR}/testing/fault_injection.h)
 set_target_properties(testing_fault_injection PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/testing)
 target_link_libraries(testing_fault_injection PUBLIC testing_multi_rank comm_collectives third_party_absl_base fsdp_torch)
+endif()
 
 # //testing:multi_rank
+if(BUILD_TESTING)
 add_library(testing_multi_rank SHARED ${PROJECT_SOURCE_DIR}/testing/multi_rank.cc ${PROJECT_SOURCE_DIR}/testing/multi_rank.h)
 set_target_properties(testing_multi_rank PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/testing)
 target_link_libraries(testing_multi_rank PUBLIC base_status comm_collectives comm_gloo_collectives comm_launch_environment comm_local_launcher comm_rendezvous third_party_absl_base third_party_absl_status third_party_gtest)
+endif()
 
 # //testing:multi_rank_test
+if(BUILD_TESTING)
 add_executable(testing_multi_rank_test ${PROJECT_SOURCE_DIR}/testing/multi_rank_test.cc)
 set_target_properties(testing_multi_rank_test PROPERTIES OUTPUT_NAME multi_rank_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/testing ENABLE_EXPORTS ON)
 target_link_libraries(testing_multi_rank_test PRIVATE testing_multi_rank third_party_gtest_main fsdp_torch)
 add_test(NAME //testing:multi_rank_test COMMAND testing_multi_rank_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//testing:multi_rank_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/testing_multi_rank_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/testing_multi_rank_test")
+endif()
+
+# //testing:torch_python
+if(BUILD_TESTING)
+add_library(testing_torch_python SHARED ${PROJECT_SOURCE_DIR}/testing/torch_python.cc ${PROJECT_SOURCE_DIR}/testing/torch_python.h)
+set_target_properties(testing_torch_python PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/testing)
+endif()
 
 # //third_party:absl_base
 add_library(third_party_absl_base INTERFACE)
 target_link_libraries(third_party_absl_base INTERFACE -labsl_str_format_internal -labsl_strings -labsl_strings_internal -labsl_int128 -labsl_throw_delegate -labsl_raw_logging_internal -labsl_base -labsl_spinlock_wait -labsl_log_severity)
+target_include_directories(third_party_absl_base INTERFACE $<INSTALL_INTERFACE:include>)
+install(TARGETS third_party_absl_base EXPORT fsdp_cpp_targets)
 
 # //third_party:absl_flags
 add_library(third_party_absl_flags INTERFACE)
 target_link_libraries(third_party_absl_flags INTERFACE third_party_absl_base third_party_absl_time)
 target_link_libraries(third_party_absl_flags INTERFACE -labsl_flags_parse -labsl_flags_usage -labsl_flags_usage_internal -labsl_flags_internal -labsl_flags_marshalling -labsl_flags_reflection -labsl_flags_config -labsl_flags_program_name -labsl_flags_private_handle_accessor -labsl_flags_commandlineflag -labsl_flags_commandlineflag_internal -labsl_raw_hash_set -labsl_hash -labsl_city -labsl_low_level_hash)
+target_include_directories(third_party_absl_flags INTERFACE $<INSTALL_INTERFACE:include>)
+install(TARGETS third_party_absl_flags EXPORT fsdp_cpp_targets)
 
 # //third_party:absl_status
 add_library(third_party_absl_status INTERFACE)
 target_link_libraries(third_party_absl_status INTERFACE third_party_absl_base)
 target_link_libraries(third_party_absl_status INTERFACE -labsl_statusor -labsl_status -labsl_cord -labsl_cordz_info -labsl_cord_internal -labsl_strerror)
+target_include_directories(third_party_absl_status INTERFACE $<INSTALL_INTERFACE:include>)
+install(TARGETS third_party_absl_status EXPORT fsdp_cpp_targets)
 
 # //third_party:absl_time
 add_library(third_party_absl_time INTERFACE)
 target_link_libraries(third_party_absl_time INTERFACE third_party_absl_base)
 target_link_libraries(third_party_absl_time INTERFACE -labsl_synchronization -labsl_time -labsl_time_zone -labsl_civil_time -labsl_graphcycles_internal -labsl_stacktrace -labsl_symbolize -labsl_malloc_internal -labsl_debugging_internal -labsl_demangle_internal)
+target_include_directories(third_party_absl_time INTERFACE $<INSTALL_INTERFACE:include>)
+install(TARGETS third_party_absl_time EXPORT fsdp_cpp_targets)
 
 # //third_party:benchmark
+if(BUILD_TESTING)
 add_library(third_party_benchmark INTERFACE)
 target_link_libraries(third_party_benchmark INTERFACE -lbenchmark -pthread)
+endif()
 
 # //third_party:benchmark_main
+if(BUILD_TESTING)
 add_library(third_party_benchmark_main INTERFACE)
 target_link_libraries(third_party_benchmark_main INTERFACE third_party_benchmark)
 target_link_libraries(third_party_benchmark_main INTERFACE -lbenchmark_main)
+endif()
 
 # //third_party:blas_benchmark
+if(BUILD_TESTING)
 add_executable(third_party_blas_benchmark ${PROJECT_SOURCE_DIR}/third_party/blas_benchmark.cc)
 set_target_properties(third_party_blas_benchmark PROPERTIES OUTPUT_NAME blas_benchmark RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/third_party ENABLE_EXPORTS ON)
 target_link_libraries(third_party_blas_benchmark PRIVATE third_party_benchmark_main fsdp_torch)
+endif()
 
 # //third_party:c10d_gloo
 add_library(third_party_c10d_gloo INTERFACE)
 target_link_libraries(third_party_c10d_gloo INTERFACE fsdp_torch)
 target_compile_definitions(third_party_c10d_gloo INTERFACE USE_DISTRIBUTED USE_C10D_GLOO)
 target_link_libraries(third_party_c10d_gloo INTERFACE ${FSDP_GLOO_LIBRARY})
+target_include_directories(third_party_c10d_gloo INTERFACE $<INSTALL_INTERFACE:include>)
+install(TARGETS third_party_c10d_gloo EXPORT fsdp_cpp_targets)
 
 # //third_party:gtest
+if(BUILD_TESTING)
 add_library(third_party_gtest INTERFACE)
 target_link_libraries(third_party_gtest INTERFACE -lgmock -lgtest -pthread)
+endif()
 
 # //third_party:gtest_main
+if(BUILD_TESTING)
 add_library(third_party_gtest_main INTERFACE)
 target_link_libraries(third_party_gtest_main INTERFACE third_party_gtest third_party_tsan_suppressions)
 target_link_libraries(third_party_gtest_main INTERFACE -lgtest_main)
+endif()
 
 # //third_party:protobuf
 add_library(third_party_protobuf INTERFACE)
 target_link_libraries(third_party_protobuf INTERFACE -lprotobuf)
+target_include_directories(third_party_protobuf INTERFACE $<INSTALL_INTERFACE:include>)
+install(TARGETS third_party_protobuf EXPORT fsdp_cpp_targets)
 
 # //third_party:protobuf_smoke_proto
+if(BUILD_TESTING)
 add_library(third_party_protobuf_smoke_proto SHARED ${CMAKE_BINARY_DIR}/third_party/protobuf_smoke.pb.cc ${CMAKE_BINARY_DIR}/third_party/protobuf_smoke.pb.h)
 set_target_properties(third_party_protobuf_smoke_proto PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/third_party)
 target_link_libraries(third_party_protobuf_smoke_proto PUBLIC third_party_protobuf)
+endif()
 
 # //third_party:protobuf_smoke_proto_codegen
+if(BUILD_TESTING)
 add_custom_command(
   OUTPUT ${CMAKE_BINARY_DIR}/third_party/protobuf_smoke.pb.h ${CMAKE_BINARY_DIR}/third_party/protobuf_smoke.pb.cc
   COMMAND ${Protobuf_PROTOC_EXECUTABLE} --proto_path=${PROJECT_SOURCE_DIR} --cpp_out=${CMAKE_BINARY_DIR} ${PROJECT_SOURCE_DIR}/third_party/protobuf_smoke.proto
   DEPENDS ${PROJECT_SOURCE_DIR}/third_party/protobuf_smoke.proto
   VERBATIM)
+endif()
 
 # //third_party:protobuf_smoke_test
+if(BUILD_TESTING)
 add_executable(third_party_protobuf_smoke_test ${PROJECT_SOURCE_DIR}/third_party/protobuf_smoke_test.cc)
 set_target_properties(third_party_protobuf_smoke_test PROPERTIES OUTPUT_NAME protobuf_smoke_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/third_party ENABLE_EXPORTS ON)
 target_link_libraries(third_party_protobuf_smoke_test PRIVATE third_party_gtest_main third_party_protobuf_smoke_proto)
 add_test(NAME //third_party:protobuf_smoke_test COMMAND third_party_protobuf_smoke_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//third_party:protobuf_smoke_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/third_party_protobuf_smoke_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/third_party_protobuf_smoke_test")
+endif()
 
 # //third_party:tsan_suppressions
+if(BUILD_TESTING)
 add_library(third_party_tsan_suppressions SHARED ${PROJECT_SOURCE_DIR}/third_party/tsan_suppressions.cc)
 set_target_properties(third_party_tsan_suppressions PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/third_party)
+endif()

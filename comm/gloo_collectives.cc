@@ -194,14 +194,33 @@ class GlooWork final : public CollectiveWork {
 // collectives_benchmark_results.md).
 constexpr int kHeaderFields = 5;
 
+// NOTE [Concurrent enqueues]. ProcessGroupGloo records every collective it
+// enqueues in c10d's flight recorder, one per process. In libtorch 2.8 to
+// 2.11, FlightRecorder::recordWithResetEnabled looks a group's id up in a
+// std::map, and inserts it on the group's first collective, before it takes
+// the recorder's mutex (FlightRecorderDetail.hpp). Two process groups of one
+// process that enqueue at once from two threads race on that map: a segfault
+// in std::_Rb_tree_insert_and_rebalance under ProcessGroupGloo::enqueue.
+// libtorch 2.12 and later take the mutex first; 1.13 has no recorder. Ranks
+// run as threads do this, as would a hybrid layout's two groups driven from
+// two threads. Every call that enqueues on a ProcessGroupGloo holds this
+// process-wide mutex instead: enqueueing only queues the work, so it is held
+// for microseconds, and the recorder stays on (TORCH_FR_BUFFER_SIZE=0, the
+// other way out, would turn it off). Regression test:
+// Collectives.ManyGroupsOfOneProcessStartTheirFirstCollectivesAtOnce.
+std::mutex& EnqueueMutex() {
+  static std::mutex* const mutex = new std::mutex();
+  return *mutex;
+}
+
 class GlooCollectives final : public Collectives {
  public:
   GlooCollectives(int rank, int world_size, const GlooOptions& options,
                   c10::intrusive_ptr<c10d::ProcessGroupGloo> group)
       : Collectives(rank, world_size),
         group_name_(options.group_name),
-        group_(std::move(group)),
         check_headers_(options.check_collective_headers),
+        group_(std::move(group)),
         send_cache_(options.reuse_staging_buffers),
         receive_cache_(options.reuse_staging_buffers) {}
 
@@ -232,7 +251,7 @@ class GlooCollectives final : public Collectives {
       std::vector<at::Tensor> tensors = {tensor};
       c10d::AllreduceOptions options;
       options.reduceOp = c10d::ReduceOp::SUM;
-      auto work = group_->allreduce(tensors, options);
+      auto work = Enqueue([&](c10d::ProcessGroupGloo& g) { return g.allreduce(tensors, options); });
       const int world = world_size();
       return std::make_unique<GlooWork>(What("all-reduce", tensor), std::move(work),
                                         [tensor, op, world] {
@@ -272,14 +291,17 @@ class GlooCollectives final : public Collectives {
     c10d::BroadcastOptions options;
     options.rootRank = root;
     options.rootTensor = 0;
-    return std::make_unique<GlooWork>(What("broadcast", tensor),
-                                      group_->broadcast(tensors, options), nullptr);
+    auto work = Enqueue([&](c10d::ProcessGroupGloo& g) { return g.broadcast(tensors, options); });
+    return std::make_unique<GlooWork>(What("broadcast", tensor), std::move(work), nullptr);
   }
 
   void DoBarrier() override {
     const std::string what = absl::StrCat(Describe(), " of group '", group_name_, "': barrier");
     if (auto failed = AgreeOnHeader(what)) failed->Wait();
-    GlooWork work(what, group_->barrier(c10d::BarrierOptions()), nullptr);
+    GlooWork work(what, Enqueue([](c10d::ProcessGroupGloo& g) {
+                    return g.barrier(c10d::BarrierOptions());
+                  }),
+                  nullptr);
     work.Wait();
   }
 
@@ -341,7 +363,17 @@ class GlooCollectives final : public Collectives {
     at::Tensor received_bytes = AsBytes(received);
     at::Tensor send_bytes = AsBytes(send);
     std::vector<int64_t> equal_splits;  // Empty: W equal chunks.
-    return group_->alltoall_base(received_bytes, send_bytes, equal_splits, equal_splits);
+    return Enqueue([&](c10d::ProcessGroupGloo& g) {
+      return g.alltoall_base(received_bytes, send_bytes, equal_splits, equal_splits);
+    });
+  }
+
+  // Every call that enqueues work on group_ goes through here: NOTE
+  // [Concurrent enqueues].
+  template <typename Start>
+  c10::intrusive_ptr<c10d::Work> Enqueue(Start&& start) {
+    std::lock_guard<std::mutex> lock(EnqueueMutex());
+    return start(*group_);
   }
 
   std::string What(const char* op, const at::Tensor& full) const {

@@ -1,6 +1,8 @@
 #include "comm/gloo_collectives.h"
 
+#include <atomic>
 #include <chrono>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -8,6 +10,7 @@
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "absl/strings/str_cat.h"
 #include "c10/util/Exception.h"
 #include "comm/collectives.h"
 #include "gmock/gmock.h"
@@ -350,14 +353,22 @@ TEST(Collectives, MissingPeerTimesOutWithTheOperationNamed) {
 // times out. Every rank must then agree to build the mesh again.
 class FailFirstMeshStore final : public c10d::Store {
  public:
-  explicit FailFirstMeshStore(c10::intrusive_ptr<c10d::Store> inner) : inner_(std::move(inner)) {}
+  explicit FailFirstMeshStore(c10::intrusive_ptr<c10d::Store> inner)
+      : inner_(std::move(inner)), failed_(std::make_shared<std::atomic<bool>>(false)) {}
   void set(const std::string& key, const std::vector<uint8_t>& value) override {
-    if (!failed_ && key.find("mesh/0/") != std::string::npos &&
-        key.find("/result/") == std::string::npos) {
-      failed_ = true;
+    if (key.find("mesh/0/") != std::string::npos && key.find("/result/") == std::string::npos &&
+        !failed_->exchange(true)) {
       throw std::runtime_error("injected: Connection closed by peer");
     }
     inner_->set(key, value);
+  }
+  // libtorch 2.x's Store is cloneable (a second client of the same store);
+  // 1.13's has no clone(), hence no `override`. A clone shares the inner
+  // store and the one injected failure.
+  c10::intrusive_ptr<c10d::Store> clone() {
+    auto copy = c10::make_intrusive<FailFirstMeshStore>(inner_);
+    copy->failed_ = failed_;
+    return copy;
   }
   std::vector<uint8_t> get(const std::string& key) override { return inner_->get(key); }
   int64_t add(const std::string& key, int64_t value) override { return inner_->add(key, value); }
@@ -372,7 +383,7 @@ class FailFirstMeshStore final : public c10d::Store {
 
  private:
   c10::intrusive_ptr<c10d::Store> inner_;
-  bool failed_ = false;
+  std::shared_ptr<std::atomic<bool>> failed_;
 };
 
 TEST(Collectives, AConnectionDroppedWhileTheMeshFormsIsRetriedOnEveryRank) {
@@ -402,6 +413,49 @@ TEST(Collectives, AConnectionDroppedWhileTheMeshFormsIsRetriedOnEveryRank) {
   for (int rank = 0; rank < kWorld; ++rank) {
     EXPECT_EQ(errors[rank], "") << "rank " << rank;
     EXPECT_EQ(sums[rank], 6.0) << "rank " << rank;
+  }
+}
+
+// NOTE [Concurrent enqueues] in gloo_collectives.cc: many process groups of
+// one process, each rank a thread, issue their groups' first collectives at
+// the same moment, round after round with new groups. Under libtorch 2.11
+// without the enqueue mutex this crashes inside c10d's flight recorder.
+TEST(Collectives, ManyGroupsOfOneProcessStartTheirFirstCollectivesAtOnce) {
+  constexpr int kGroups = 6;
+  constexpr int kRanks = 2;
+  constexpr int kRounds = 25;
+  for (int round = 0; round < kRounds; ++round) {
+    std::vector<c10::intrusive_ptr<c10d::Store>> stores;
+    for (int g = 0; g < kGroups; ++g) stores.push_back(c10::make_intrusive<c10d::HashStore>());
+    std::atomic<int> connected{0};
+    std::vector<std::string> errors(kGroups * kRanks);
+    std::vector<double> sums(kGroups * kRanks, 0);
+    std::vector<std::thread> threads;
+    for (int g = 0; g < kGroups; ++g) {
+      for (int rank = 0; rank < kRanks; ++rank) {
+        threads.emplace_back([&, g, rank] {
+          const int slot = g * kRanks + rank;
+          GlooOptions options;
+          options.hostname = "127.0.0.1";
+          options.group_name = absl::StrCat("group ", g);
+          auto comm = CreateGlooCollectives(stores[g], rank, kRanks, options);
+          ++connected;
+          if (!comm.ok()) {
+            errors[slot] = std::string(comm.status().message());
+            return;
+          }
+          while (connected.load() < kGroups * kRanks) std::this_thread::yield();
+          at::Tensor t = at::full({8}, rank + 1.0, at::kFloat);
+          (*comm)->AllReduce(t, ReduceOp::kSum)->Wait();
+          sums[slot] = t[7].item<float>();
+        });
+      }
+    }
+    for (auto& t : threads) t.join();
+    for (int slot = 0; slot < kGroups * kRanks; ++slot) {
+      EXPECT_EQ(errors[slot], "") << "round " << round << ", thread " << slot;
+      EXPECT_EQ(sums[slot], 3.0) << "round " << round << ", thread " << slot;
+    }
   }
 }
 

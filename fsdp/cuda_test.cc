@@ -180,7 +180,9 @@ TEST(CudaFsdp, UnshardSeesShardUpdatesStillQueuedOnTheComputeStream) {
                                            SelectModulesOfType<WideBlockImpl>())
                        .value();
     at::NoGradGuard no_grad;
-    const at::Tensor x = at::ones({2, 1024}, at::TensorOptions().device(kCuda));
+    // In the compute dtype: nothing here asks FSDP to cast forward inputs.
+    const at::Tensor x =
+        at::ones({2, 1024}, at::TensorOptions().device(kCuda).dtype(at::kBFloat16));
     ASSERT_GT(model->forward(x).abs().max().item<float>(), 0);
     at::cuda::sleep(int64_t{1} << 31);  // About a second on the compute stream.
     for (const at::Tensor& p : model->parameters()) p.zero_();

@@ -549,8 +549,7 @@ void FullyShardedModel::HookGradientAccumulators(FsdpUnit& unit) {
   unit.accumulators_.clear();
   for (const FlatParamEntry& entry : entries) {
     if (!entry.param.requires_grad()) continue;
-    std::shared_ptr<torch::autograd::Node> node =
-        torch::autograd::impl::grad_accumulator(entry.param);
+    FsdpUnit::AccumulatorPtr node = torch::autograd::impl::grad_accumulator(entry.param);
     FsdpUnit* u = &unit;
     const uintptr_t key = node->add_post_hook(
         std::make_unique<AccumulatorPostHook>([this, u] { PostBackward(*u); }));

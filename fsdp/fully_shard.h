@@ -51,11 +51,8 @@
 #include "fsdp/runtime_streams.h"
 #include "fsdp/wrap_plan.h"
 #include "policies/wrap_policy.h"
+#include "torch/csrc/autograd/variable.h"
 #include "torch/nn/module.h"
-
-namespace torch::autograd {
-struct Node;
-}  // namespace torch::autograd
 
 namespace fsdp {
 
@@ -122,7 +119,12 @@ class FsdpUnit {
   bool pre_backward_done_ = false;
   int gradients_ready_ = 0;
   // The parameters' gradient accumulators, with the key of FSDP's post hook.
-  std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> accumulators_;
+  // Owned here: a variable holds its accumulator weakly, and a new one would
+  // not carry the hook. (libtorch's owning pointer to a node is a
+  // std::shared_ptr in 1.13, a c10::intrusive_ptr in 2.15.)
+  using AccumulatorPtr =
+      decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  std::vector<std::pair<AccumulatorPtr, uintptr_t>> accumulators_;
 };
 
 // The root's state: owns every unit's state (pre-order, root first) and

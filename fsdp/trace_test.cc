@@ -15,6 +15,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "testing/multi_rank.h"
+#include "testing/torch_python.h"
 
 namespace fsdp {
 namespace {
@@ -117,7 +118,7 @@ TEST(Trace, RecordsEachUnitsWorkAndWritesChromeTraceJson) {
   EXPECT_LT(backward["blocks.2"].begin_us, backward["blocks.1"].begin_us);
   EXPECT_LT(backward["blocks.1"].begin_us, backward["blocks.0"].begin_us);
   // The file is JSON with every span and the process named by the rank.
-  const std::string check = "/usr/bin/python3 -c \"import json,sys; d=json.load(open('" + path +
+  const std::string check = ::fsdp::testing::TorchPython() + " -c \"import json,sys; d=json.load(open('" + path +
                             "')); e=d['traceEvents']; sys.exit(0 if len(e)==" +
                             std::to_string(events.size() + 1) +
                             " and e[0]['args']['name']=='rank 0' and "

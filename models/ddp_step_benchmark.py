@@ -50,7 +50,7 @@ def main():
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
         loss.backward()
         optimizer.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=True)  # 1.13 defaults to zeroing, 2.x to None.
         if step >= warmup:
             times.append((time.perf_counter() - start) * 1e3)
     times.sort()

@@ -128,7 +128,7 @@ def run_case(name, device, rank, world):
                                tokens[:, 1:].reshape(-1))
         loss.backward()
         optimizer.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=True)  # 1.13 defaults to zeroing, 2.x to None.
 
     for _ in range(WARMUP):
         step()

@@ -84,9 +84,9 @@ def fail(message):
 def check_cpp(directory):
     """Loads the C++ model's state dict strictly and reproduces its logits."""
     model = GPT(CONFIG)
-    state = torch.load(directory + "/cpp_gpt.pt")
+    state = torch.load(directory + "/cpp_gpt.pt", weights_only=True)
     model.load_state_dict(state, strict=True)
-    io = torch.load(directory + "/cpp_io.pt")
+    io = torch.load(directory + "/cpp_io.pt", weights_only=True)
     with torch.no_grad():
         logits = model(io["tokens"])
     if not torch.allclose(logits, io["logits"], atol=1e-5, rtol=1e-5):

@@ -12,17 +12,17 @@
 #include "statedict/state_dict.h"
 #include "statedict/torch_file.h"
 #include "testing/multi_rank.h"
+#include "testing/torch_python.h"
 
 namespace models {
 namespace {
 
 using ::fsdp::testing::RunOnThreadRanks;
 
-// Debian's python3-torch belongs to Debian's own Python.
 int RunPython(const std::string& mode, const std::string& dir) {
-  return std::system(
-      absl::StrCat("timeout 120 /usr/bin/python3 models/gpt_interop.py ", mode, " '", dir, "'")
-          .c_str());
+  return std::system(absl::StrCat("timeout 120 ", ::fsdp::testing::TorchPython(),
+                                  " models/gpt_interop.py ", mode, " '", dir, "'")
+                         .c_str());
 }
 
 std::string TempDir() {

@@ -34,8 +34,8 @@ def init(args):
 def replay(args):
     init_path, batches_path, metrics_path = args.paths
     model = GPT(config_of(args))
-    model.load_state_dict(torch.load(init_path), strict=True)
-    recorded = torch.load(batches_path)
+    model.load_state_dict(torch.load(init_path, weights_only=True), strict=True)
+    recorded = torch.load(batches_path, weights_only=True)
     tokens = recorded["tokens"]
     expected = [json.loads(line)["loss"] for line in open(metrics_path)]
     if len(expected) != tokens.size(0):
@@ -48,7 +48,7 @@ def replay(args):
         batch = tokens[step]
         logits = model(batch[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=True)  # 1.13 defaults to zeroing, 2.x to None.
         loss.backward()
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)

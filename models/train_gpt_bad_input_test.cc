@@ -16,6 +16,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "models/job_test_util.h"
+#include "testing/torch_python.h"
 
 namespace {
 
@@ -282,8 +283,8 @@ TEST(TrainGpt, ASkippedStepLeavesTheModelAsIfItsBatchNeverCame) {
   EXPECT_THAT(metrics, HasSubstr("{\"step\": 3, \"loss\": null,"));
   EXPECT_THAT(metrics, HasSubstr("\"grad_norm\": null, \"skipped\": true}"));
   ASSERT_EQ(std::system(absl::StrCat(
-                            "timeout 120 /usr/bin/python3 -c \"import torch\n"
-                            "r = torch.load('", dir, "/batches.pt')\n"
+                            "timeout 120 ", ::fsdp::testing::TorchPython(), " -c \"import torch\n"
+                            "r = torch.load('", dir, "/batches.pt', weights_only=True)\n"
                             "keep = [0, 1, 3, 4, 5]\n"
                             "torch.save({'tokens': r['tokens'][keep].contiguous(), "
                             "'first_step': r['first_step']}, '", dir, "/without3.pt')\"")
@@ -313,13 +314,13 @@ TEST(TrainGpt, ASkippedStepLeavesTheModelAsIfItsBatchNeverCame) {
 // can be dropped by name; the legacy torch.save format is named.
 TEST(TrainGpt, InitialStateDictProblemsNameTheFileAndTheWayOut) {
   const std::string dir = TempDir("init");
-  ASSERT_EQ(std::system(absl::StrCat("timeout 120 /usr/bin/python3 models/replay_gpt.py init ",
+  ASSERT_EQ(std::system(absl::StrCat("timeout 120 ", ::fsdp::testing::TorchPython(), " models/replay_gpt.py init ",
                                      dir, "/init.pt")
                             .c_str()),
             0);
   ASSERT_EQ(std::system(absl::StrCat(
-                            "timeout 120 /usr/bin/python3 -c \"import torch\n"
-                            "sd = torch.load('", dir, "/init.pt')\n"
+                            "timeout 120 ", ::fsdp::testing::TorchPython(), " -c \"import torch\n"
+                            "sd = torch.load('", dir, "/init.pt', weights_only=True)\n"
                             "torch.save(sd, '", dir, "/legacy.pt', "
                             "_use_new_zipfile_serialization=False)\n"
                             "for i in range(2):\n"

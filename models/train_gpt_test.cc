@@ -19,6 +19,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "models/job_test_util.h"
+#include "testing/torch_python.h"
 
 namespace {
 
@@ -36,7 +37,7 @@ constexpr char kTrainGpt[] = "models/train_gpt";
 // W = 1 with the whole global batch on one rank.
 TEST(TrainGpt, ReplaysItsRecordedBatchesInPyTorchAndAtAnotherWorldSize) {
   const std::string dir = TempDir("replay");
-  ASSERT_EQ(std::system(absl::StrCat("timeout 120 /usr/bin/python3 models/replay_gpt.py init ",
+  ASSERT_EQ(std::system(absl::StrCat("timeout 120 ", ::fsdp::testing::TorchPython(), " models/replay_gpt.py init ",
                                      dir, "/init.pt")
                             .c_str()),
             0);
@@ -48,7 +49,7 @@ TEST(TrainGpt, ReplaysItsRecordedBatchesInPyTorchAndAtAnotherWorldSize) {
   ASSERT_EQ(original.exit_code, 0) << original.output;
   ASSERT_THAT(original.output, HasSubstr("wrote the batches of steps 1..8"));
 
-  const CommandResult python = RunCommand(absl::StrCat("timeout 300 /usr/bin/python3 models/replay_gpt.py "
+  const CommandResult python = RunCommand(absl::StrCat("timeout 300 ", ::fsdp::testing::TorchPython(), " models/replay_gpt.py "
                                              "replay ",
                                              dir, "/init.pt ", dir, "/batches.pt ", dir,
                                              "/original.jsonl --tolerance=1e-4"));

@@ -45,6 +45,7 @@
 #include "comm/rendezvous.h"
 #include "fsdp/fully_shard.h"
 #include "models/gpt.h"
+#include "testing/torch_python.h"
 #include "torch/optim/adamw.h"
 
 namespace {
@@ -219,7 +220,7 @@ void RunCase(benchmark::State& state, const std::string& mode, int world, const 
       std::to_string(c.block_size), std::to_string(batch), std::to_string(c.warmup),
       std::to_string(c.steps)};
   if (mode == "pytorch_ddp") {
-    launch.program = "/usr/bin/python3";
+    launch.program = ::fsdp::testing::TorchPython();
     launch.args = {RunfilePath("models/ddp_step_benchmark.py"), dir};
   } else {
     launch.program = "/proc/self/exe";

@@ -14,7 +14,7 @@ def expect(condition, message):
 
 
 def check_written_by_cpp(path):
-    state = torch.load(path)
+    state = torch.load(path, weights_only=True)
     expect(isinstance(state, dict), "not a dict: %r" % type(state))
     expect(list(state.keys()) == ["a.weight", "b.weight", "c.bias", "d.half", "e.shard"],
            "keys %r" % list(state.keys()))

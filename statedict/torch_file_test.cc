@@ -14,14 +14,13 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "statedict/atomic_file.h"
+#include "testing/torch_python.h"
 
 namespace fsdp {
 namespace {
 
 using ::testing::HasSubstr;
 
-// Debian's python3-torch belongs to Debian's own Python.
-constexpr char kPython[] = "/usr/bin/python3";
 constexpr char kScript[] = "statedict/torch_file_interop.py";
 
 std::string TempDir() {
@@ -31,7 +30,7 @@ std::string TempDir() {
 
 int RunPython(const std::string& mode, const std::string& path) {
   const std::string command =
-      absl::StrCat("timeout 120 ", kPython, " ", kScript, " ", mode, " '", path, "'");
+      absl::StrCat("timeout 120 ", ::fsdp::testing::TorchPython(), " ", kScript, " ", mode, " '", path, "'");
   return std::system(command.c_str());
 }
 
@@ -133,7 +132,7 @@ TEST(TorchFile, BadFilesAreErrorsNamingTheFile) {
 
   // A pickle that would call something other than the tensor constructors.
   ASSERT_EQ(std::system(absl::StrCat(
-                            "timeout 120 ", kPython,
+                            "timeout 120 ", ::fsdp::testing::TorchPython(),
                             " -c \"import torch, os\n"
                             "class Evil:\n"
                             "  def __reduce__(self): return (os.system, ('echo pwned',))\n"
@@ -146,7 +145,7 @@ TEST(TorchFile, BadFilesAreErrorsNamingTheFile) {
               HasSubstr("the pickle calls posix.system, which a state dict file never needs"));
 
   // torch.save's legacy (non-zip) format is named, with how to convert it.
-  ASSERT_EQ(std::system(absl::StrCat("timeout 120 ", kPython,
+  ASSERT_EQ(std::system(absl::StrCat("timeout 120 ", ::fsdp::testing::TorchPython(),
                                      " -c \"import torch\n"
                                      "torch.save({'w': torch.ones(2)}, '", dir,
                                      "/legacy.pt', _use_new_zipfile_serialization=False)\"")

@@ -9,12 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 tools/gen_cmake.py --check
 build=${FSDP_CMAKE_BUILD_DIR:-build-cmake}
-launcher=()
-if command -v ccache >/dev/null; then
-  export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/fsdp_cpp/ccache}
-  export CCACHE_BASEDIR=$PWD  # Paths relative to the clone: hits across clones.
-  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
-fi
+source tools/ccache_launcher.sh
 cmake -S . -B "$build" -G Ninja "${launcher[@]}" >/dev/null
 cmake --build "$build" -- -j"$(nproc)"
 ctest --test-dir "$build" --output-on-failure "$@"

@@ -16,6 +16,12 @@ so that the paths tests use ("models/train_gpt") hold from <build>; data
 files are copied there too. //third_party:libtorch is the hand-written
 fsdp_torch target (CMakeLists.txt); CUDA-only targets are left out.
 
+Tests and testonly targets are built only with BUILD_TESTING (include(CTest)
+in CMakeLists.txt). Every other library is installed and exported as
+fsdp_cpp::<target> (find_package(fsdp_cpp CONFIG)), its headers under
+include/<package>/; alwayslink libraries ask their consumers' links for
+--no-as-needed, which keeps the static initializers they register with.
+
 Usage: tools/gen_cmake.py [--check]
 """
 
@@ -119,7 +125,10 @@ def generate(rules):
         package, name = split(label)
         target = target_name(label)
         out_dir = "${CMAKE_BINARY_DIR}/%s" % package
+        testonly = kind == "cc_test" or attrs.get("testonly") == "true"
         lines.append("# %s" % label)
+        if testonly:
+            lines.append("if(BUILD_TESTING)")
         if kind == "genrule":
             srcs = attrs.get("srcs", [])
             if len(srcs) != 1 or not srcs[0].endswith(".proto"):
@@ -132,8 +141,8 @@ def generate(rules):
                 " --cpp_out=${CMAKE_BINARY_DIR} %s" % source(srcs[0]),
                 "  DEPENDS %s" % source(srcs[0]),
                 "  VERBATIM)",
-                "",
             ]
+            lines += ["endif()", ""] if testonly else [""]
             continue
         srcs = [source(s) for s in attrs.get("srcs", []) + attrs.get("hdrs", [])]
         compiled = [s for s in srcs if s.endswith((".cc", ".cpp", ".c"))]
@@ -189,6 +198,16 @@ def generate(rules):
         if data_targets:
             lines.append("add_dependencies(%s %s)"
                          % (target, " ".join(target_name(d) for d in data_targets)))
+        if kind == "cc_library" and not testonly:
+            headers = [source(h) for h in attrs.get("hdrs", [])]
+            lines.append("target_include_directories(%s %s $<INSTALL_INTERFACE:include>)"
+                         % (target, "INTERFACE" if scope == "INTERFACE" else "PUBLIC"))
+            if attrs.get("alwayslink") == "true":
+                lines.append("target_link_options(%s INTERFACE LINKER:--no-as-needed)" % target)
+            lines.append("install(TARGETS %s EXPORT fsdp_cpp_targets)" % target)
+            if headers:
+                lines.append("install(FILES %s DESTINATION include/%s)"
+                             % (" ".join(headers), package))
         if kind == "cc_test":
             timeout = TEST_TIMEOUTS[attrs.get("size", "medium")]
             lines += [
@@ -198,6 +217,8 @@ def generate(rules):
                 '"TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/%s")' % (label, timeout, target),
                 'file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/%s")' % target,
             ]
+        if testonly:
+            lines.append("endif()")
         lines.append("")
     return "\n".join(lines)
 

@@ -48,7 +48,6 @@ stage() {  # stage NAME LOG COMMAND...: runs it, appending to LOG, and notes the
 note "host: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1)"
 torch_info=$(python3 -c '
 import os, torch
-print(torch.utils.cmake_prefix_path)
 print(os.path.dirname(torch.__file__))
 print(torch.__version__, torch.version.cuda, torch.cuda.is_available())
 major, minor = (int(v) for v in torch.__version__.split(".")[:2])
@@ -56,10 +55,9 @@ print(20 if (major, minor) >= (2, 13) else 17)') || {
   note "python3 cannot import torch"
   exit 1
 }
-torch_cmake=$(sed -n 1p <<<"$torch_info")
-torch_dir=$(sed -n 2p <<<"$torch_info")
-cxx_standard=$(sed -n 4p <<<"$torch_info")  # ATen requires C++20 from torch 2.13 on.
-note "torch: $(sed -n 3p <<<"$torch_info") (version, CUDA, GPU visible)" \
+torch_dir=$(sed -n 1p <<<"$torch_info")  # Also CMAKE_PREFIX_PATH: see CMakeLists.txt.
+cxx_standard=$(sed -n 3p <<<"$torch_info")  # ATen requires C++20 from torch 2.13 on.
+note "torch: $(sed -n 2p <<<"$torch_info") (version, CUDA, GPU visible)" \
   "at $torch_dir; C++$cxx_standard"
 
 # NCCL: the one the torch loads (a pip nvidia-nccl package), so that one
@@ -90,7 +88,7 @@ export LD_LIBRARY_PATH="$prefix/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_
 
 build=build-gpu
 stage configure "$out/build.log" cmake -S . -B "$build" -G Ninja -DFSDP_CUDA=ON \
-  -DCMAKE_PREFIX_PATH="$torch_cmake" -DFSDP_DEPS_PREFIX="$prefix" \
+  -DCMAKE_PREFIX_PATH="$torch_dir" -DFSDP_DEPS_PREFIX="$prefix" \
   -DFSDP_NCCL_ROOT="$nccl_root" -DCMAKE_CXX_FLAGS="$extra_flags" \
   -DCMAKE_CXX_STANDARD="$cxx_standard" || exit 1
 if stage build_cuda_targets "$out/build.log" cmake --build "$build" \

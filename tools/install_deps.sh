@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Installs the Debian packages this project builds and runs with; does
-# nothing when they are all present. Debian bookworm, as root or with sudo.
-# Called by both commands in README.md and by .ci/run.
+# Installs the Debian packages this project builds and runs with, and PyPI's
+# torch 2.15.0 into a venv outside the clone ($FSDP_TORCH_VENV, by default
+# ~/.cache/fsdp_cpp/torch-2.15.0-venv: about 5 GB, two minutes the first
+# time) for the libtorch 2.x pass (tools/test_torch2.sh) and the interop
+# tests' Python (tools/torch_python). Does nothing when all are present.
+# Debian bookworm, as root or with sudo. Called by both commands in
+# README.md and by .ci/run.
 set -euo pipefail
 
 packages=(
@@ -19,6 +23,7 @@ packages=(
   protobuf-compiler
   libopenblas0-pthread  # without it libtorch's matmuls use the reference BLAS (~16x slower)
   python3-torch         # Debian's Python torch, for checkpoint interoperability tests
+  python3-venv          # the venv that holds PyPI's torch
   cmake                 # the CMake build (CMakeLists.txt), which CI also checks
   ninja-build
   ccache                # keeps CI's CMake rebuilds incremental
@@ -45,4 +50,16 @@ if [[ "$blas" != *openblas* ]]; then
   echo "install_deps: libblas.so.3 is $blas, not OpenBLAS; run" \
        "'update-alternatives --config libblas.so.3-x86_64-linux-gnu'" >&2
   exit 1
+fi
+
+# PyPI's torch: a CUDA build (it runs on CPU too) whose wheel holds libtorch
+# with headers, CMake config, libtorch_cuda and c10_cuda, and pulls in the
+# CUDA libraries (nvidia-nccl among them) as pip packages beside it.
+source "$(dirname "$0")/torch_venv.sh"
+if ! "$FSDP_TORCH_VENV/bin/python" -c \
+    "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$FSDP_TORCH_VERSION')" \
+    2>/dev/null; then
+  echo "install_deps: installing torch==$FSDP_TORCH_VERSION from PyPI into $FSDP_TORCH_VENV" >&2
+  /usr/bin/python3 -m venv "$FSDP_TORCH_VENV"
+  "$FSDP_TORCH_VENV/bin/pip" install -q --disable-pip-version-check "torch==$FSDP_TORCH_VERSION"
 fi

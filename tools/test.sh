@@ -25,20 +25,11 @@ fi
 
 # Builds come from the cache; tests always run: multi-rank tests exercise
 # sockets, processes and timeouts, and a cached pass would hide a flaky one.
-bazel test --nocache_test_results //... "$@"
+# The interop tests' Python is Debian's, whose torch matches this libtorch
+# (1.13); tools/test_torch2.sh runs them with PyPI's 2.15.
+bazel test --nocache_test_results --test_env=FSDP_TORCH_PYTHON=/usr/bin/python3 //... "$@"
 status=$?
 
-# Count gtest cases from the XML reports this run wrote.
-passed=0
-failed=0
-while IFS= read -r xml; do
-  header=$(grep -o '<testsuites [^>]*' "$xml" | head -1)
-  count() { grep -o " $1=\"[0-9]*\"" <<<"$header" | grep -o '[0-9]*' || echo 0; }
-  tests=$(count tests); failures=$(count failures); errors=$(count errors)
-  disabled=$(count disabled)
-  failed=$((failed + failures + errors))
-  passed=$((passed + tests - disabled - failures - errors))
-done < <(find -L bazel-testlogs/ -name test.xml -newer "$started" 2>/dev/null)
-if [[ $status -ne 0 && $failed -eq 0 ]]; then failed=1; fi  # A crash or a timeout.
-echo "$passed passed, $failed failed"
+source tools/gtest_counts.sh
+gtest_counts "$status" < <(find -L bazel-testlogs/ -name test.xml -newer "$started" 2>/dev/null)
 exit $status

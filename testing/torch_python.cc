@@ -1,0 +1,31 @@
+#include "testing/torch_python.h"
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <string>
+
+namespace fsdp::testing {
+
+namespace {
+
+std::string Env(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr ? value : "";
+}
+
+}  // namespace
+
+std::string TorchPython() {
+  if (std::string chosen = Env("FSDP_TORCH_PYTHON"); !chosen.empty()) return chosen;
+  std::string venv = Env("FSDP_TORCH_VENV");
+  if (venv.empty() && !Env("HOME").empty()) {
+    venv = Env("HOME") + "/.cache/fsdp_cpp/torch-2.15.0-venv";  // As tools/install_deps.sh.
+  }
+  if (!venv.empty() && access((venv + "/bin/python").c_str(), X_OK) == 0) {
+    return venv + "/bin/python";
+  }
+  return "/usr/bin/python3";
+}
+
+}  // namespace fsdp::testing
