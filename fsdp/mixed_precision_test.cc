@@ -19,6 +19,7 @@
 #include "policies/wrap_policy.h"
 #include "testing/multi_rank.h"
 #include "torch/optim/sgd.h"
+#include "torch/version.h"
 
 namespace fsdp {
 namespace {
@@ -221,6 +222,15 @@ INSTANTIATE_TEST_SUITE_P(
                DType::kFloat16},
         MpCase{"NoShard_bf16", ShardingStrategy::kNoShard, DType::kBFloat16, std::nullopt}),
     MpCaseName);
+
+#if TORCH_VERSION_MAJOR >= 2
+// libtorch 1.13 has no float16 matrix products on CPU; 2.x does, so float16
+// compute is tested where the suite runs against it.
+INSTANTIATE_TEST_SUITE_P(Float16Compute, MixedPrecisionParity,
+                         ::testing::Values(MpCase{"FullShard_fp16", ShardingStrategy::kFullShard,
+                                                  DType::kFloat16, std::nullopt}),
+                         MpCaseName);
+#endif
 
 TEST(MixedPrecision, KeepLowPrecisionGradsLeavesReducedGradientsInReduceDtype) {
   ASSERT_TRUE(RunOnThreadRanks(kWorld, [&](Collectives& comm) {

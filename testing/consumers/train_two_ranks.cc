@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "ATen/CPUGeneratorImpl.h"
 #include "comm/gloo_collectives.h"
 #include "fsdp/fully_shard.h"
 #include "models/gpt.h"
@@ -39,8 +40,12 @@ std::string TrainRank(c10::intrusive_ptr<c10d::Store> store, int rank,
       fsdp::SelectModulesOfType<models::BlockImpl>());
   if (!wrapped.ok()) return std::string(wrapped.status().message());
   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
-  at::manual_seed(7 + rank);  // Each rank its own half of the global batch.
-  const at::Tensor tokens = at::randint(0, config.vocab_size, {4, config.block_size + 1});
+  // Each rank its own half of the global batch, from a generator of its own:
+  // the ranks are threads, and the global one would make the batch depend on
+  // their interleaving.
+  at::Generator generator = at::detail::createCPUGenerator(7 + rank);
+  const at::Tensor tokens =
+      at::randint(0, config.vocab_size, {4, config.block_size + 1}, generator);
   const at::Tensor input = tokens.narrow(1, 0, config.block_size);
   const at::Tensor target = tokens.narrow(1, 1, config.block_size);
   for (int step = 0; step < kSteps; ++step) {
