@@ -175,7 +175,6 @@ class Collectives {
   // REQUIRES: no collective issued yet.
   void AttachFingerprintExchange(std::shared_ptr<FingerprintExchange> exchange,
                                  const FingerprintOptions& options);
-  bool has_fingerprint_exchange() const { return exchange_ != nullptr; }
 
   // Compares this rank's collective history with every other rank's and
   // throws c10::Error naming the first divergence when they differ. Every

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "base/fnv1a.h"
 
 namespace fsdp {
 namespace {
@@ -17,21 +18,6 @@ constexpr char kReportHeader[] = "fsdp-fingerprint-report v1";
 // A rank that issues a collective this much after the first one is named
 // as late (clocks of one host agree; across hosts, NTP skew is far below).
 constexpr int64_t kLateMs = 500;
-
-uint64_t Fnv1a(uint64_t hash, const void* data, size_t size) {
-  const auto* bytes = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < size; ++i) {
-    hash ^= bytes[i];
-    hash *= 1099511628211ull;
-  }
-  return hash;
-}
-
-uint64_t HashString(uint64_t hash, const std::string& s) {
-  const uint64_t size = s.size();  // Length first: "ab"+"c" differs from "a"+"bc".
-  hash = Fnv1a(hash, &size, sizeof(size));
-  return Fnv1a(hash, s.data(), s.size());
-}
 
 // Reports are line- and tab-separated; labels come from callers.
 std::string Clean(std::string s) {
@@ -107,12 +93,12 @@ CollectiveRecord FingerprintLog::Append(CollectiveOp op, int64_t numel, std::str
                             .count();
   std::lock_guard<std::mutex> lock(mu_);
   record.seq = count_++;
-  uint64_t h = hash_ == 0 ? 14695981039346656037ull : hash_;
+  uint64_t h = hash_ == 0 ? kFnv1aOffsetBasis : hash_;
   const int64_t fields[] = {record.seq, static_cast<int64_t>(op), numel, argument};
   h = Fnv1a(h, fields, sizeof(fields));
-  h = HashString(h, record.dtype);
-  h = HashString(h, record.unit);
-  h = HashString(h, record.phase);
+  h = Fnv1aString(h, record.dtype);
+  h = Fnv1aString(h, record.unit);
+  h = Fnv1aString(h, record.phase);
   record.hash = hash_ = h;
   recent_.push_back(record);
   if (static_cast<int>(recent_.size()) > capacity_) recent_.pop_front();

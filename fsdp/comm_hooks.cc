@@ -13,15 +13,22 @@ double GradientPredivideFactor(int world_size) {
 }
 
 void DefaultCommHook::Reduce(const CommHookContext& context, at::Tensor& grad, at::Tensor& out) {
-  const int world = context.group.world_size();
+  Collectives* replicate = context.replicate_group;
+  const int world =
+      context.group.world_size() * (replicate != nullptr ? replicate->world_size() : 1);
   const double predivide = GradientPredivideFactor(world);
+  const double postdivide = world / predivide;
   if (predivide != 1) grad.div_(predivide);
   if (context.sharded) {
     context.group.ReduceScatterTensor(out, grad, ReduceOp::kSum)->Wait();
   } else {
     context.group.AllReduce(grad, ReduceOp::kSum)->Wait();
   }
-  if (world / predivide != 1) out.div_(world / predivide);
+  if (replicate != nullptr && replicate->world_size() > 1) {
+    // Only this rank's shard crosses shard groups.
+    replicate->AllReduce(out, ReduceOp::kSum)->Wait();
+  }
+  if (postdivide != 1) out.div_(postdivide);
 }
 
 std::string LowPrecisionCommHook::Name() const {

@@ -2,7 +2,7 @@
 // (PyTorch's FullyShardedDataParallel.register_comm_hook).
 //
 //   auto hook = std::make_shared<fsdp::LowPrecisionCommHook>(fsdp::DType::kBFloat16);
-//   FSDP_CHECK_OK(fsdp_model->RegisterCommHook(hook));   // before the first forward
+//   FSDP_RETURN_IF_ERROR(fsdp_model->RegisterCommHook(hook));  // before the first forward
 //
 // A hook is an object, so its state lives in its members (PyTorch passes a
 // separate state object; here the hook is the state). The runtime calls
@@ -23,6 +23,11 @@ struct CommHookContext {
   Collectives& group;   // The unit's group: W ranks.
   bool sharded;         // False for NO_SHARD.
   const std::string& unit;  // The unit's name ("<root>" for the root).
+  // Hybrid sharding's replicate group (R ranks), whose ranks hold the same
+  // shard and average it among themselves; null otherwise. Only the
+  // built-in reduction (DefaultCommHook) runs under hybrid sharding:
+  // RegisterCommHook refuses user hooks there, as PyTorch does.
+  Collectives* replicate_group = nullptr;
 };
 
 class CommHook {
@@ -31,14 +36,18 @@ class CommHook {
   virtual std::string Name() const = 0;
   // `grad` is this rank's full flat gradient of the unit (padded to W
   // chunks, in the unit's reduction dtype); the hook may modify it. It must
-  // leave in `out` the average over the group's ranks: for a sharded unit
-  // `out` is this rank's chunk (grad.numel() / W elements), for NO_SHARD it
-  // is `grad` itself (reduce in place). `out` has grad's dtype.
+  // leave in `out` the average over the group's ranks (times the replicate
+  // group's): for a sharded unit `out` is this rank's chunk (grad.numel() /
+  // W elements), for NO_SHARD it is `grad` itself (reduce in place). `out`
+  // has grad's dtype.
   virtual void Reduce(const CommHookContext& context, at::Tensor& grad, at::Tensor& out) = 0;
 };
 
-// What FSDP does without a hook: reduce-scatter (all-reduce for NO_SHARD)
-// with PyTorch's pre- and post-division to keep sums in range.
+// FSDP's built-in reduction, what every unit uses unless a hook is
+// registered: reduce-scatter (all-reduce for NO_SHARD), then under hybrid
+// sharding an all-reduce of the result over the replicate group, with
+// PyTorch's pre- and post-division (by the number of ranks averaged over)
+// to keep sums in range.
 class DefaultCommHook : public CommHook {
  public:
   std::string Name() const override { return "default"; }

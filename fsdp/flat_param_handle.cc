@@ -429,27 +429,12 @@ void FlatParamHandle::ReduceGradients() {
   at::Tensor reduced = uses_sharded_views()
                            ? at::empty({local_shard_.numel()}, flat_grad.options())
                            : flat_grad;  // NO_SHARD reduces in place.
+  const CommHookContext context{group_, uses_sharded_views(), unit_name_,
+                                options_.replicate_group};
   if (comm_hook_ != nullptr) {
-    comm_hook_->Reduce(CommHookContext{group_, uses_sharded_views(), unit_name_}, flat_grad,
-                       reduced);
+    comm_hook_->Reduce(context, flat_grad, reduced);
   } else {
-    // Everyone whose gradients are averaged: the shard group, times the
-    // replicate group under hybrid sharding.
-    Collectives* replicate = options_.replicate_group;
-    const int world = group_.world_size() * (replicate != nullptr ? replicate->world_size() : 1);
-    const double predivide = GradientPredivideFactor(world);
-    const double postdivide = world / predivide;
-    if (predivide != 1) flat_grad.div_(predivide);
-    if (uses_sharded_views()) {
-      group_.ReduceScatterTensor(reduced, flat_grad, ReduceOp::kSum)->Wait();
-    } else {
-      group_.AllReduce(flat_grad, ReduceOp::kSum)->Wait();
-    }
-    if (replicate != nullptr && replicate->world_size() > 1) {
-      // Only this rank's shard crosses shard groups.
-      replicate->AllReduce(reduced, ReduceOp::kSum)->Wait();
-    }
-    if (postdivide != 1) reduced.div_(postdivide);
+    DefaultCommHook().Reduce(context, flat_grad, reduced);
   }
   if (reduced.scalar_type() != GradDtype()) reduced = reduced.to(GradDtype());
   if (options_.offload_params) {

@@ -202,7 +202,8 @@ class FlatParamHandle {
   void ReshardGradients(bool writeback);
 
   // Reduce gradients through `hook` (fsdp/comm_hooks.h) instead of the
-  // built-in reduction; null restores it. The hook must outlive its use.
+  // built-in reduction (DefaultCommHook); null restores it. The hook must
+  // outlive its use.
   void SetCommHook(CommHook* hook) { comm_hook_ = hook; }
 
   HandleTrainingState training_state() const { return training_state_; }

@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "c10/core/Device.h"
@@ -120,6 +121,17 @@ struct FsdpOptions {
   TraceRecorder* trace = nullptr;
   DebugLog debug_log;
 };
+
+// The options every rank must set alike, as text
+// ("strategy=FULL_SHARD,...;"): a wrapped model's ranks compare its hash
+// with their wrap plans' before the first collective of training, and fail
+// naming the ranks if they differ. It holds every field but the ones that
+// may differ between ranks: trace and debug_log, device_id's index (each
+// rank computes on its own device; the type is in), and which modules
+// ignored_modules points to (their count is in; the plan compares what they
+// leave). A new field of FsdpOptions does not compile until it is added
+// here (fsdp_options.cc).
+std::string CrossRankOptionsKey(const FsdpOptions& options);
 
 }  // namespace fsdp
 

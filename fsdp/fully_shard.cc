@@ -1,8 +1,10 @@
 #include "fsdp/fully_shard.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <set>
@@ -11,8 +13,8 @@
 
 #include "ATen/native/Resize.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
+#include "base/fnv1a.h"
 #include "base/status.h"
 #include "c10/core/GradMode.h"
 #include "c10/core/StreamGuard.h"
@@ -123,19 +125,6 @@ std::string OwnerFqn(const std::string& param_fqn) {
   return dot == std::string::npos ? "" : param_fqn.substr(0, dot);
 }
 
-// The unit that owns the module holding the parameter or buffer named
-// `fqn`: the deepest unit whose FQN prefixes it.
-const PlannedUnit& OwningUnit(const WrapPlan& plan, const std::string& fqn) {
-  const PlannedUnit* owner = &plan.units.front();
-  for (const PlannedUnit& unit : plan.units) {
-    if (!unit.fqn.empty() && absl::StartsWith(fqn, unit.fqn + ".") &&
-        unit.fqn.size() > owner->fqn.size()) {
-      owner = &unit;
-    }
-  }
-  return *owner;
-}
-
 // buffer_dtype: each floating buffer outside ignored modules takes the
 // buffer_dtype of the unit that owns its module (the deepest unit whose FQN
 // prefixes it); its original dtype is remembered for FULL state dicts.
@@ -149,7 +138,8 @@ void CastBuffers(torch::nn::Module& root, const WrapPlan& plan, const FsdpOption
         ignored.count(buffer.unsafeGetTensorImpl()) != 0) {
       continue;
     }
-    const std::optional<DType> dtype = OwningUnit(plan, item.key()).mixed_precision.buffer_dtype;
+    const std::optional<DType> dtype =
+        plan.units[plan.OwnerOf({item.key()})].mixed_precision.buffer_dtype;
     if (!dtype || ToScalarType(*dtype) == buffer.scalar_type()) continue;
     original.emplace(buffer.unsafeGetTensorImpl(), buffer.scalar_type());
     buffer.set_data(buffer.to(ToScalarType(*dtype)));
@@ -251,6 +241,24 @@ void DeferParameterAllocation(torch::nn::Module& module) {
       at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), 0);
     }
   }
+}
+
+absl::Status FullyShardedModel::RequireIdle(const std::string& what) const {
+  if (training_state_ != ModelTrainingState::kIdle) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, " on rank ", group_.rank(),
+                     ": the model is in forward or backward; call it between steps"));
+  }
+  for (const auto& unit : units_) {
+    if (unit->handle_ != nullptr &&
+        unit->handle_->training_state() != HandleTrainingState::kIdle) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          what, " on rank ", group_.rank(), ": unit '", UnitName(unit->fqn_),
+          "' is in state ", HandleTrainingStateName(unit->handle_->training_state()),
+          " (inside SummonFullParams?)"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 const char* ModelTrainingStateName(ModelTrainingState state) {
@@ -461,25 +469,14 @@ void FullyShardedModel::LazyInit() {
   // and hang or exchange wrong shards. One all-gather of a fingerprint of
   // the wrap plan per rank catches that before the first collective of
   // training.
-  uint64_t hash = 1469598103934665603ull;  // FNV-1a.
-  auto mix = [&hash](const std::string& text) {
-    for (unsigned char c : text) hash = (hash ^ c) * 1099511628211ull;
-  };
+  uint64_t hash = Fnv1aString(kFnv1aOffsetBasis, CrossRankOptionsKey(options_));
   int64_t elements = 0;
-  mix(absl::StrCat("strategy=", static_cast<int>(options_.strategy),
-                   ",backward_prefetch=", static_cast<int>(options_.backward_prefetch),
-                   ",forward_prefetch=", options_.forward_prefetch,
-                   ",limit_all_gathers=", options_.limit_all_gathers,
-                   ",check_execution_order=", options_.check_execution_order,
-                   ",verify_collectives_every=", options_.verify_collectives_every,
-                   ",offload_params=", options_.offload_params,
-                   ",replicate_group_size=",
-                   options_.replicate_group ? options_.replicate_group->world_size() : 0, ";"));
   for (const auto& unit : units_) {
     const int64_t numel = unit->handle_ ? unit->handle_->flat_numel() : 0;
     elements += numel;
-    mix(absl::StrCat(unit->fqn_, ":", numel, ":", static_cast<int>(unit->strategy_), ":",
-                     unit->mixed_precision_.ToString(), ";"));
+    hash = Fnv1aString(hash, absl::StrCat(unit->fqn_, ":", numel, ":",
+                                          static_cast<int>(unit->strategy_), ":",
+                                          unit->mixed_precision_.ToString(), ";"));
   }
   const int world = group_.world_size();
   CollectiveLabel label(group_, "", "lazy init (wrap plan check)");
@@ -790,22 +787,23 @@ void FullyShardedModel::RecordExecutionOrder() {
 void FullyShardedModel::CheckExecutionOrderAcrossRanks(const std::vector<int>& order) {
   const int world = group_.world_size();
   CollectiveLabel label(group_, "", "execution order check");
-  at::Tensor lengths = at::empty({world}, at::kDouble);
-  group_.AllGatherIntoTensor(lengths, at::full({1}, static_cast<double>(order.size()),
-                                               at::kDouble))
-      ->Wait();
-  const int64_t longest = static_cast<int64_t>(lengths.max().item<double>());
-  at::Tensor mine = at::full({longest}, -1.0, at::kDouble);
-  for (size_t i = 0; i < order.size(); ++i) mine[i] = order[i];
-  at::Tensor all = at::empty({world * longest}, at::kDouble);
-  group_.AllGatherIntoTensor(all, mine)->Wait();
-  at::Tensor table = all.view({world, longest});
-  for (int64_t pos = 0; pos < longest; ++pos) {
-    at::Tensor column = table.select(1, pos);
-    if (at::equal(column, column[0].expand({world}))) continue;
+  const std::string mine(reinterpret_cast<const char*>(order.data()), order.size() * sizeof(int));
+  std::vector<std::vector<int>> orders;
+  size_t longest = 0;
+  for (const std::string& bytes : AllGatherBytes(group_, mine)) {
+    orders.emplace_back(bytes.size() / sizeof(int));
+    std::memcpy(orders.back().data(), bytes.data(), orders.back().size() * sizeof(int));
+    longest = std::max(longest, orders.back().size());
+  }
+  // The unit index rank r ran at `pos`; -1 once its forward was over.
+  auto ran = [&orders](int r, size_t pos) { return pos < orders[r].size() ? orders[r][pos] : -1; };
+  for (size_t pos = 0; pos < longest; ++pos) {
+    bool same = true;
+    for (int r = 1; r < world; ++r) same = same && ran(r, pos) == ran(0, pos);
+    if (same) continue;
     std::string ranks;
     for (int r = 0; r < world; ++r) {
-      const int index = static_cast<int>(column[r].item<double>());
+      const int index = ran(r, pos);
       absl::StrAppend(&ranks, r == 0 ? "" : ", ", "rank ", r, " ",
                       index < 0 ? std::string("had finished its forward")
                                 : absl::StrCat("ran '", UnitName(units_[index]->fqn_), "'"));
@@ -819,9 +817,7 @@ void FullyShardedModel::CheckExecutionOrderAcrossRanks(const std::vector<int>& o
 }
 
 at::Tensor FullyShardedModel::ClipGradNorm(double max_norm, double norm_type) {
-  TORCH_CHECK(training_state_ == ModelTrainingState::kIdle,
-              "ClipGradNorm on rank ", group_.rank(),
-              ": the model is in forward or backward; call it after backward");
+  ThrowIfError(RequireIdle("ClipGradNorm"));
   TORCH_CHECK(norm_type >= 1.0, "ClipGradNorm: norm_type ", norm_type,
               " must be >= 1 or infinity");
   TORCH_CHECK(max_norm >= 0, "ClipGradNorm: max_norm ", max_norm, " must be >= 0");
@@ -884,8 +880,7 @@ SummonFullParams::SummonFullParams(FullyShardedModel& model, const SummonOptions
   TORCH_CHECK(!(options.writeback && options.rank0_only), "SummonFullParams on rank ", rank_,
               ": writeback and rank0_only together are not supported (the other ranks' "
               "shards would not see rank 0's changes)");
-  TORCH_CHECK(model.training_state() == ModelTrainingState::kIdle, "SummonFullParams on rank ",
-              rank_, ": the model is in forward or backward");
+  ThrowIfError(model.RequireIdle("SummonFullParams"));
   for (const auto& unit : model.units()) {
     if (!options.recurse && !unit->is_root()) continue;
     if (unit->handle() != nullptr) handles_.push_back(unit->handle());
@@ -928,10 +923,14 @@ absl::Status FullyShardedModel::RegisterCommHook(std::shared_ptr<CommHook> hook)
   const std::string who = absl::StrCat("rank ", group_.rank(), " of ", group_.world_size(),
                                        ": RegisterCommHook: ");
   if (hook == nullptr) return absl::InvalidArgumentError(who + "the hook is null");
+  // Under a hybrid root every unit's gradients cross the replicate group,
+  // whatever the unit's own strategy.
   for (const auto& unit : units_) {
-    if (IsHybrid(unit->strategy_)) {
+    const ShardingStrategy strategy =
+        options_.replicate_group != nullptr ? options_.strategy : unit->strategy_;
+    if (IsHybrid(strategy)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          who, "unit '", UnitName(unit->fqn_), "' uses ", ShardingStrategyName(unit->strategy_),
+          who, "unit '", UnitName(unit->fqn_), "' uses ", ShardingStrategyName(strategy),
           "; communication hooks are not supported with hybrid sharding (as in PyTorch)"));
     }
   }
@@ -959,8 +958,7 @@ void FullyShardedModel::Apply(const std::function<void(torch::nn::Module&)>& fn)
 }
 
 NoSync::NoSync(FullyShardedModel& model) : model_(model), previous_(model.no_sync_) {
-  TORCH_CHECK(model.training_state_ == ModelTrainingState::kIdle, "NoSync on rank ",
-              model.group_.rank(), ": enter it between steps, not during forward or backward");
+  ThrowIfError(model.RequireIdle("NoSync"));
   model_.no_sync_ = true;
 }
 

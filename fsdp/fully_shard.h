@@ -156,6 +156,10 @@ class FullyShardedModel {
   // above the core (state dict settings).
   uint64_t id() const { return id_; }
   ModelTrainingState training_state() const { return training_state_; }
+  // OK between steps; otherwise kFailedPrecondition naming `what`, this
+  // rank and why: the model is in forward or backward, or a unit is inside
+  // SummonFullParams. The one check of every call that runs between steps.
+  absl::Status RequireIdle(const std::string& what) const;
   const FsdpOptions& options() const { return options_; }
   // The plan the model was wrapped with (parameter lists without tensors).
   const WrapPlan& plan() const { return plan_; }

@@ -5,7 +5,7 @@
 //   fsdp::TraceRecorder trace(/*rank=*/comm.rank());
 //   options.trace = &trace;                        // before Wrap
 //   ... train ...
-//   FSDP_CHECK_OK(trace.WriteChromeTrace("trace_rank0.json"));
+//   FSDP_RETURN_IF_ERROR(trace.WriteChromeTrace("trace_rank0.json"));
 //
 // Events are complete spans ("ph": "X") named by what happened, with the
 // unit's FQN in args.unit ("<root>" for the root): forward and backward of each

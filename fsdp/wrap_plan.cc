@@ -21,6 +21,16 @@ bool IsPrefixOf(const std::string& unit_fqn, const std::string& fqn) {
 
 std::string UnitName(const std::string& fqn) { return fqn.empty() ? "<root>" : fqn; }
 
+size_t WrapPlan::OwnerOf(const std::vector<std::string>& names) const {
+  size_t best = 0;
+  for (size_t u = 1; u < units.size(); ++u) {
+    bool holds_all = true;
+    for (const std::string& name : names) holds_all = holds_all && IsPrefixOf(units[u].fqn, name);
+    if (holds_all && units[u].fqn.size() > units[best].fqn.size()) best = u;
+  }
+  return best;
+}
+
 absl::StatusOr<WrapPlan> PlanWrap(torch::nn::Module& root, int world_size,
                                   const FsdpOptions& options, const WrapPolicy& policy) {
   if (world_size < 1) {
@@ -165,14 +175,7 @@ absl::StatusOr<WrapPlan> PlanWrap(torch::nn::Module& root, int world_size,
       if (in_ignored) plan.ignored_params.push_back(absl::StrJoin(all, " = "));
       continue;
     }
-    size_t best = 0;
-    for (size_t u = 1; u < plan.units.size(); ++u) {
-      bool holds_all = true;
-      for (const std::string& name : all) {
-        holds_all = holds_all && IsPrefixOf(plan.units[u].fqn, name);
-      }
-      if (holds_all && plan.units[u].fqn.size() > plan.units[best].fqn.size()) best = u;
-    }
+    const size_t best = plan.OwnerOf(all);
     plan.units[best].param_fqns.push_back(fqn);
     plan.units[best].params.push_back(param);
   }

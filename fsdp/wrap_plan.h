@@ -24,6 +24,7 @@
 #ifndef FSDP_FSDP_WRAP_PLAN_H_
 #define FSDP_FSDP_WRAP_PLAN_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -69,6 +70,11 @@ struct WrapPlan {
   std::vector<PlannedUnit> units;  // Pre-order, root first.
   std::vector<std::string> ignored_params;  // In ignored modules: not sharded.
   std::vector<std::string> left_alone;      // Subtrees wrapped by another model.
+
+  // The index in `units` of the deepest unit whose module contains every
+  // one of `names` (the FQNs of one parameter or buffer, several when
+  // shared); 0, the root, when no other does.
+  size_t OwnerOf(const std::vector<std::string>& names) const;
 
   // The module tree's units, indented by nesting, with their types,
   // strategies (overrides marked), parameter counts and shard sizes, and

@@ -207,9 +207,7 @@ absl::Status Load(const torch::nn::Module& root, const FullyShardedModel* model,
 absl::StatusOr<OptimStateDict> FullOptimStateDict(FullyShardedModel& model,
                                                   torch::optim::Optimizer& optimizer,
                                                   bool rank0_only) {
-  if (model.training_state() != ModelTrainingState::kIdle) {
-    return absl::FailedPreconditionError("FullOptimStateDict: the model is in forward or backward");
-  }
+  FSDP_RETURN_IF_ERROR(model.RequireIdle("FullOptimStateDict"));
   CollectiveLabel label(model.group(), model.replicate_group(), "", "FULL optimizer state dict");
   try {
     return StateDictOf(model.units().front()->module(), &model, optimizer,

@@ -136,9 +136,7 @@ absl::StatusOr<OptimizerTensors> OptimizerCheckpointTensors(
 
 absl::Status SaveTrainingCheckpoint(FullyShardedModel& model, torch::optim::Optimizer& optimizer,
                                     const std::string& dir, const CheckpointMetadata& metadata) {
-  if (model.training_state() != ModelTrainingState::kIdle) {
-    return absl::FailedPreconditionError("SaveTrainingCheckpoint: the model is in forward or backward");
-  }
+  FSDP_RETURN_IF_ERROR(model.RequireIdle("SaveTrainingCheckpoint"));
   try {
     const Places places = PlacesOf(model.units().front()->module(), &model);
     FSDP_ASSIGN_OR_RETURN(auto groups, GroupsOf(optimizer, places));
@@ -156,9 +154,7 @@ absl::Status SaveTrainingCheckpoint(FullyShardedModel& model, torch::optim::Opti
 
 absl::Status LoadTrainingCheckpoint(FullyShardedModel& model, torch::optim::Optimizer& optimizer,
                                     const std::string& dir) {
-  if (model.training_state() != ModelTrainingState::kIdle) {
-    return absl::FailedPreconditionError("LoadTrainingCheckpoint: the model is in forward or backward");
-  }
+  FSDP_RETURN_IF_ERROR(model.RequireIdle("LoadTrainingCheckpoint"));
   try {
     const Places places = PlacesOf(model.units().front()->module(), &model);
     FSDP_ASSIGN_OR_RETURN(auto groups, GroupsOf(optimizer, places));

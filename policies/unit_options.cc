@@ -87,11 +87,6 @@ std::string MixedPrecision::ToString() const {
   return absl::StrJoin(parts, ",");
 }
 
-void UnitOptions::OverrideWith(const UnitOptions& other) {
-  if (other.strategy) strategy = other.strategy;
-  if (other.mixed_precision) mixed_precision = other.mixed_precision;
-}
-
 std::string UnitOptions::ToString() const {
   std::vector<std::string> parts;
   if (strategy) parts.push_back(absl::StrCat("strategy=", ShardingStrategyName(*strategy)));

@@ -82,8 +82,6 @@ struct UnitOptions {
   std::optional<MixedPrecision> mixed_precision;
 
   bool empty() const { return !strategy.has_value() && !mixed_precision.has_value(); }
-  // Fields set in `other` replace this one's.
-  void OverrideWith(const UnitOptions& other);
   // "strategy=NO_SHARD,param_dtype=bfloat16", or "" when empty.
   std::string ToString() const;
 };

@@ -41,22 +41,4 @@ Placements PlacementsOf(const FullyShardedModel& model) {
   return placements;
 }
 
-absl::Status RequireIdle(const FullyShardedModel& model, const char* what) {
-  if (model.training_state() != ModelTrainingState::kIdle) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(what, " on rank ", model.group().rank(),
-                     ": the model is in forward or backward; call it between steps"));
-  }
-  for (const auto& unit : model.units()) {
-    if (unit->handle() != nullptr && unit->handle()->training_state() != HandleTrainingState::kIdle) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          what, " on rank ", model.group().rank(), ": unit '",
-          unit->fqn().empty() ? "<root>" : unit->fqn(), "' is in state ",
-          HandleTrainingStateName(unit->handle()->training_state()),
-          " (inside SummonFullParams?)"));
-    }
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace fsdp::statedict_internal

@@ -27,9 +27,6 @@ struct Placement {
 using Placements = std::unordered_map<const void*, Placement>;  // By TensorImpl.
 Placements PlacementsOf(const FullyShardedModel& model);
 
-// kFailedPrecondition unless the model and every handle are IDLE.
-absl::Status RequireIdle(const FullyShardedModel& model, const char* what);
-
 }  // namespace fsdp::statedict_internal
 
 #endif  // FSDP_STATEDICT_MODEL_TENSORS_H_

@@ -36,7 +36,6 @@ namespace {
 using statedict_internal::NamedTensors;
 using statedict_internal::Placements;
 using statedict_internal::PlacementsOf;
-using statedict_internal::RequireIdle;
 
 constexpr char kFormat[] = "fsdp_cpp.sharded.v1";
 constexpr char kManifest[] = "manifest.pb";
@@ -396,7 +395,7 @@ std::vector<CheckpointTensor> ModelCheckpointTensors(const FullyShardedModel& mo
 
 absl::Status SaveShardedCheckpoint(FullyShardedModel& model, const std::string& dir,
                                    const CheckpointMetadata& metadata) {
-  FSDP_RETURN_IF_ERROR(RequireIdle(model, "saving a SHARDED checkpoint"));
+  FSDP_RETURN_IF_ERROR(model.RequireIdle("saving a SHARDED checkpoint"));
   return SaveModelCheckpointTensors(model, dir, ModelCheckpointTensors(model), metadata);
 }
 
@@ -421,7 +420,7 @@ absl::Status SaveModelCheckpointTensors(FullyShardedModel& model, const std::str
 
 absl::Status LoadShardedCheckpoint(FullyShardedModel& model, const std::string& dir,
                                    ShardedLoadStats* stats) {
-  FSDP_RETURN_IF_ERROR(RequireIdle(model, "loading a SHARDED checkpoint"));
+  FSDP_RETURN_IF_ERROR(model.RequireIdle("loading a SHARDED checkpoint"));
   return LoadCheckpointTensors(model.group(), dir, ModelCheckpointTensors(model), {"optim/"},
                                stats);
 }

@@ -22,7 +22,6 @@ namespace {
 using statedict_internal::NamedTensors;
 using statedict_internal::Placements;
 using statedict_internal::PlacementsOf;
-using statedict_internal::RequireIdle;
 
 std::mutex& SettingsMutex() {
   static std::mutex mu;
@@ -107,7 +106,7 @@ absl::StatusOr<std::vector<at::Tensor>> MatchStateDict(
 
 absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model, const StateDictSettings& settings,
                                         FullStateDictStats* stats) {
-  FSDP_RETURN_IF_ERROR(RequireIdle(model, "FULL state dict"));
+  FSDP_RETURN_IF_ERROR(model.RequireIdle("FULL state dict"));
   CollectiveLabel label(model.group(), model.replicate_group(), "", "FULL state dict");
   const StateDict named = NamedTensors(model.units().front()->module());
   const Placements placements = PlacementsOf(model);
@@ -166,7 +165,7 @@ absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model, const StateDic
 }
 
 absl::Status LoadFullStateDict(FullyShardedModel& model, const StateDict& state) {
-  FSDP_RETURN_IF_ERROR(RequireIdle(model, "loading a FULL state dict"));
+  FSDP_RETURN_IF_ERROR(model.RequireIdle("loading a FULL state dict"));
   CollectiveLabel label(model.group(), model.replicate_group(), "", "loading a FULL state dict");
   const StateDict named = NamedTensors(model.units().front()->module());
   const Placements placements = PlacementsOf(model);
@@ -246,7 +245,7 @@ StateDict LocalStateDict(const FullyShardedModel& model) {
 }
 
 absl::Status LoadLocalStateDict(FullyShardedModel& model, const StateDict& state) {
-  FSDP_RETURN_IF_ERROR(RequireIdle(model, "loading a LOCAL state dict"));
+  FSDP_RETURN_IF_ERROR(model.RequireIdle("loading a LOCAL state dict"));
   const std::string who =
       absl::StrCat("rank ", model.group().rank(), " of ", model.group().world_size());
   std::unordered_map<std::string, const at::Tensor*> given;
@@ -339,7 +338,7 @@ absl::StatusOr<StateDict> StateDictOf(FullyShardedModel& model, FullStateDictSta
     case StateDictType::kFull:
       return FullStateDict(model, settings, stats);
     case StateDictType::kLocal:
-      FSDP_RETURN_IF_ERROR(RequireIdle(model, "LOCAL state dict"));
+      FSDP_RETURN_IF_ERROR(model.RequireIdle("LOCAL state dict"));
       return LocalStateDict(model);
     case StateDictType::kSharded:
       break;

@@ -1,0 +1,32 @@
+#include "fsdp/fsdp_options.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace fsdp {
+
+std::string CrossRankOptionsKey(const FsdpOptions& options) {
+  // Every field is bound by name, so that adding one to FsdpOptions breaks
+  // this line until the new field is either keyed below or named as one
+  // that may differ between ranks.
+  [[maybe_unused]] const auto& [strategy, replicate_group, mixed_precision, backward_prefetch,
+                                forward_prefetch, limit_all_gathers, check_execution_order,
+                                verify_collectives_every, offload_params, device_id,
+                                ignored_modules, sync_module_states, param_init_fn,
+                                trace /* may differ */, debug_log /* may differ */] = options;
+  return absl::StrCat(
+      "strategy=", ShardingStrategyName(strategy),
+      ",replicate_group_size=", replicate_group != nullptr ? replicate_group->world_size() : 0,
+      ",mixed_precision={", mixed_precision.ToString(), "}",
+      ",backward_prefetch=", static_cast<int>(backward_prefetch),
+      ",forward_prefetch=", forward_prefetch,
+      ",limit_all_gathers=", limit_all_gathers,
+      ",check_execution_order=", check_execution_order,
+      ",verify_collectives_every=", verify_collectives_every,
+      ",offload_params=", offload_params,
+      ",device_type=", device_id ? c10::DeviceTypeName(device_id->type(), true) : "unset",
+      ",ignored_modules=", ignored_modules.size(),
+      ",sync_module_states=", sync_module_states,
+      ",param_init_fn=", param_init_fn ? "set" : "unset", ";");
+}
+
+}  // namespace fsdp
