@@ -118,11 +118,11 @@ TEST(Trace, RecordsEachUnitsWorkAndWritesChromeTraceJson) {
   EXPECT_LT(backward["blocks.2"].begin_us, backward["blocks.1"].begin_us);
   EXPECT_LT(backward["blocks.1"].begin_us, backward["blocks.0"].begin_us);
   // The file is JSON with every span and the process named by the rank.
-  const std::string check = ::fsdp::testing::TorchPython() + " -c \"import json,sys; d=json.load(open('" + path +
-                            "')); e=d['traceEvents']; sys.exit(0 if len(e)==" +
-                            std::to_string(events.size() + 1) +
-                            " and e[0]['args']['name']=='rank 0' and "
-                            "all(x['ph']=='X' and x['pid']==0 for x in e[1:]) else 1)\"";
+  const std::string check =
+      ::fsdp::testing::TorchPython() + " -c \"import json,sys; d=json.load(open('" + path +
+      "')); e=d['traceEvents']; sys.exit(0 if len(e)==" + std::to_string(events.size() + 1) +
+      " and e[0]['args']['name']=='rank 0' and "
+      "all(x['ph']=='X' and x['pid']==0 for x in e[1:]) else 1)\"";
   EXPECT_EQ(std::system(check.c_str()), 0) << check;
 }
 

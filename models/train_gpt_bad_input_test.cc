@@ -314,8 +314,8 @@ TEST(TrainGpt, ASkippedStepLeavesTheModelAsIfItsBatchNeverCame) {
 // can be dropped by name; the legacy torch.save format is named.
 TEST(TrainGpt, InitialStateDictProblemsNameTheFileAndTheWayOut) {
   const std::string dir = TempDir("init");
-  ASSERT_EQ(std::system(absl::StrCat("timeout 120 ", ::fsdp::testing::TorchPython(), " models/replay_gpt.py init ",
-                                     dir, "/init.pt")
+  ASSERT_EQ(std::system(absl::StrCat("timeout 120 ", ::fsdp::testing::TorchPython(),
+                                     " models/replay_gpt.py init ", dir, "/init.pt")
                             .c_str()),
             0);
   ASSERT_EQ(std::system(absl::StrCat(

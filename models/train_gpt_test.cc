@@ -37,8 +37,8 @@ constexpr char kTrainGpt[] = "models/train_gpt";
 // W = 1 with the whole global batch on one rank.
 TEST(TrainGpt, ReplaysItsRecordedBatchesInPyTorchAndAtAnotherWorldSize) {
   const std::string dir = TempDir("replay");
-  ASSERT_EQ(std::system(absl::StrCat("timeout 120 ", ::fsdp::testing::TorchPython(), " models/replay_gpt.py init ",
-                                     dir, "/init.pt")
+  ASSERT_EQ(std::system(absl::StrCat("timeout 120 ", ::fsdp::testing::TorchPython(),
+                                     " models/replay_gpt.py init ", dir, "/init.pt")
                             .c_str()),
             0);
   const std::string common = absl::StrCat(" --steps=8 --log_every=4 --print_plan=false",
@@ -49,10 +49,11 @@ TEST(TrainGpt, ReplaysItsRecordedBatchesInPyTorchAndAtAnotherWorldSize) {
   ASSERT_EQ(original.exit_code, 0) << original.output;
   ASSERT_THAT(original.output, HasSubstr("wrote the batches of steps 1..8"));
 
-  const CommandResult python = RunCommand(absl::StrCat("timeout 300 ", ::fsdp::testing::TorchPython(), " models/replay_gpt.py "
-                                             "replay ",
-                                             dir, "/init.pt ", dir, "/batches.pt ", dir,
-                                             "/original.jsonl --tolerance=1e-4"));
+  const CommandResult python = RunCommand(
+      absl::StrCat("timeout 300 ", ::fsdp::testing::TorchPython(),
+                   " models/replay_gpt.py "
+                   "replay ",
+                   dir, "/init.pt ", dir, "/batches.pt ", dir, "/original.jsonl --tolerance=1e-4"));
   EXPECT_EQ(python.exit_code, 0) << python.output;
   std::printf("%s", python.output.c_str());
 

@@ -29,8 +29,8 @@ std::string TempDir() {
 }
 
 int RunPython(const std::string& mode, const std::string& path) {
-  const std::string command =
-      absl::StrCat("timeout 120 ", ::fsdp::testing::TorchPython(), " ", kScript, " ", mode, " '", path, "'");
+  const std::string command = absl::StrCat("timeout 120 ", ::fsdp::testing::TorchPython(), " ",
+                                           kScript, " ", mode, " '", path, "'");
   return std::system(command.c_str());
 }
 

@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <string>
 
+#include "torch/version.h"
+
 namespace fsdp::testing {
 
 namespace {
@@ -18,6 +20,11 @@ std::string Env(const char* name) {
 
 std::string TorchPython() {
   if (std::string chosen = Env("FSDP_TORCH_PYTHON"); !chosen.empty()) return chosen;
+#if TORCH_VERSION_MAJOR < 2
+  // A libtorch 1.x build compares with Debian's torch 1.13, not the venv's
+  // 2.x (another pickle default, other kernels in the baselines).
+  return "/usr/bin/python3";
+#else
   std::string venv = Env("FSDP_TORCH_VENV");
   if (venv.empty() && !Env("HOME").empty()) {
     venv = Env("HOME") + "/.cache/fsdp_cpp/torch-2.15.0-venv";  // As tools/install_deps.sh.
@@ -26,6 +33,7 @@ std::string TorchPython() {
     return venv + "/bin/python";
   }
   return "/usr/bin/python3";
+#endif
 }
 
 }  // namespace fsdp::testing

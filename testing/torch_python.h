@@ -2,14 +2,15 @@
 //
 // Tests that check our files against PyTorch's own reading and writing
 // (torch.save / torch.load, the GPT and its optimizer, FSDP2) run Python
-// scripts through this interpreter, so that one suite exercises whichever
-// torch a host has:
+// scripts through this interpreter, a torch of the same major version as
+// the libtorch the test was built against:
 //   1. $FSDP_TORCH_PYTHON, when set (tools/test.sh and tools/test_torch2.sh
 //      set it: Debian's torch 1.13 and PyPI's torch 2.15 respectively);
-//   2. else the venv tools/install_deps.sh creates ($FSDP_TORCH_VENV, by
-//      default ~/.cache/fsdp_cpp/torch-2.15.0-venv), when it exists;
+//   2. else, built against libtorch 2.x, the venv tools/install_deps.sh
+//      creates ($FSDP_TORCH_VENV, by default
+//      ~/.cache/fsdp_cpp/torch-2.15.0-venv), when it exists;
 //   3. else Debian's /usr/bin/python3, whose python3-torch is 1.13.
-// tools/torch_python runs the same interpreter from a shell.
+// tools/torch_python runs the 2.x choice from a shell.
 #ifndef FSDP_TESTING_TORCH_PYTHON_H_
 #define FSDP_TESTING_TORCH_PYTHON_H_
 
