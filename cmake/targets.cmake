@@ -232,7 +232,7 @@ endif()
 # //fsdp:fully_shard
 add_library(fsdp_fully_shard SHARED ${PROJECT_SOURCE_DIR}/fsdp/fully_shard.cc ${PROJECT_SOURCE_DIR}/fsdp/wrap_plan.cc ${PROJECT_SOURCE_DIR}/fsdp/fully_shard.h ${PROJECT_SOURCE_DIR}/fsdp/wrap_plan.h)
 set_target_properties(fsdp_fully_shard PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
-target_link_libraries(fsdp_fully_shard PUBLIC fsdp_flat_param_handle fsdp_fsdp_options fsdp_runtime_streams base_fnv1a base_status comm_collectives policies_wrap_policy third_party_absl_base third_party_absl_status fsdp_torch)
+target_link_libraries(fsdp_fully_shard PUBLIC fsdp_flat_param_handle fsdp_fsdp_options fsdp_unit_scheduler base_fnv1a base_status comm_collectives policies_wrap_policy third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(fsdp_fully_shard PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS fsdp_fully_shard EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/fsdp/fully_shard.h ${PROJECT_SOURCE_DIR}/fsdp/wrap_plan.h DESTINATION include/fsdp)
@@ -345,6 +345,14 @@ add_test(NAME //fsdp:trace_test COMMAND fsdp_trace_test WORKING_DIRECTORY ${CMAK
 set_tests_properties(//fsdp:trace_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_trace_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_trace_test")
 endif()
+
+# //fsdp:unit_scheduler
+add_library(fsdp_unit_scheduler SHARED ${PROJECT_SOURCE_DIR}/fsdp/unit_scheduler.cc ${PROJECT_SOURCE_DIR}/fsdp/unit_scheduler.h)
+set_target_properties(fsdp_unit_scheduler PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
+target_link_libraries(fsdp_unit_scheduler PUBLIC fsdp_flat_param_handle fsdp_fsdp_options fsdp_runtime_streams fsdp_trace comm_collectives third_party_absl_base fsdp_torch)
+target_include_directories(fsdp_unit_scheduler PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS fsdp_unit_scheduler EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/fsdp/unit_scheduler.h DESTINATION include/fsdp)
 
 # //models:gpt
 add_library(models_gpt SHARED ${PROJECT_SOURCE_DIR}/models/gpt.cc ${PROJECT_SOURCE_DIR}/models/gpt.h)

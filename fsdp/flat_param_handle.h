@@ -1,6 +1,9 @@
 // FlatParamHandle: the parameters of one FSDP unit as one flat, sharded
 // tensor. NOTE [Flat parameter] below is the layout; everything else in FSDP
-// (the runtime's hooks, state dicts, optimizer state) works through it.
+// (the runtime's hooks, state dicts, optimizer state) works through it. Its
+// unshard, reshard and gradient reduction are called by one class only,
+// the model's UnitScheduler (fsdp/unit_scheduler.h), which chooses streams,
+// labels and rate limits; this class does the tensor and collective work.
 //
 // NOTE [Flat parameter]
 // The unit's parameters p_0 .. p_{k-1} (in the order given, which is module

@@ -276,8 +276,7 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<torch::nn::Module> root,
     : root_(std::move(root)),
       group_(group),
       options_(options),
-      id_(NextModelId()),
-      limiter_(options.limit_all_gathers ? 2 : 0) {}
+      id_(NextModelId()) {}
 
 FullyShardedModel::~FullyShardedModel() {
   std::lock_guard<std::mutex> lock(RegistryMutex());
@@ -345,7 +344,7 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
     modules[item.key()] = item.value().get();
   }
   try {
-    model->streams_ = std::make_unique<RuntimeStreams>(device);
+    model->scheduler_ = std::make_unique<UnitScheduler>(group, model->options_, device);
   } catch (...) {
     const absl::Status failed = StatusFromCurrentException();
     return absl::Status(failed.code(), absl::StrCat(who, "cannot compute on ", device.str(),
@@ -513,10 +512,10 @@ void FullyShardedModel::PreForward(FsdpUnit& unit) {
     if (!order_recorded_) pre_forward_order_.push_back(IndexOf(unit));
     return;
   }
-  Move(*handle, HandleTrainingState::kIdle, HandleTrainingState::kForward);
+  scheduler_->Move(*handle, HandleTrainingState::kIdle, HandleTrainingState::kForward);
   SetModelState(ModelTrainingState::kForwardBackward);  // Only once admitted.
   if (!order_recorded_) pre_forward_order_.push_back(IndexOf(unit));
-  Unshard(*handle);
+  scheduler_->Unshard(*handle, UnshardPhase(*handle));
   if (options_.forward_prefetch) Prefetch(unit.forward_prefetch_);
   HookGradientAccumulators(unit);
 }
@@ -570,18 +569,18 @@ void FullyShardedModel::PostForward(FsdpUnit& unit, const std::vector<at::Tensor
   }
   FlatParamHandle* handle = unit.handle_.get();
   if (handle != nullptr) {
-    Move(*handle, HandleTrainingState::kForward, HandleTrainingState::kIdle);
+    scheduler_->Move(*handle, HandleTrainingState::kForward, HandleTrainingState::kIdle);
     // FULL_SHARD frees parameters after forward; the root keeps them, since
     // its backward starts right away (as in PyTorch). Without a backward to
     // come, every strategy frees them now.
     const bool reshard = !backward_follows ||
                          (ReshardsAfterForward(unit.strategy_) && !unit.is_root_);
-    if (reshard) Reshard(*handle);
+    if (reshard) scheduler_->Reshard(*handle);
   }
   if (!backward_follows) {
     if (unit.is_root_) {
       for (auto& u : units_) {
-        if (u->handle_) u->handle_->DiscardPendingUnshard();  // Unused prefetches.
+        if (u->handle_) scheduler_->DiscardPrefetch(*u->handle_);
       }
       SetModelState(ModelTrainingState::kIdle);
     }
@@ -607,8 +606,8 @@ void FullyShardedModel::PreBackward(FsdpUnit& unit) {
   }
   FlatParamHandle* handle = unit.handle_.get();
   if (handle == nullptr) return;
-  Move(*handle, HandleTrainingState::kIdle, HandleTrainingState::kBackwardPre);
-  Unshard(*handle);
+  scheduler_->Move(*handle, HandleTrainingState::kIdle, HandleTrainingState::kBackwardPre);
+  scheduler_->Unshard(*handle, UnshardPhase(*handle));
   handle->PrepareGradientsForBackward();
   if (options_.backward_prefetch == BackwardPrefetch::kBackwardPre) {
     Prefetch(unit.backward_prefetch_);
@@ -622,9 +621,9 @@ void FullyShardedModel::PostBackward(FsdpUnit& unit) {
               HandleTrainingStateName(handle->training_state()),
               "); was one of its parameters used outside its forward?");
   if (++unit.gradients_ready_ < static_cast<int>(unit.accumulators_.size())) return;
-  Move(*handle, HandleTrainingState::kBackwardPre, HandleTrainingState::kBackwardPost);
+  scheduler_->Move(*handle, HandleTrainingState::kBackwardPre, HandleTrainingState::kBackwardPost);
   ReduceOrKeep(*handle);
-  Reshard(*handle);
+  scheduler_->Reshard(*handle);
   if (options_.trace != nullptr) {
     options_.trace->AddSpan("backward", UnitName(unit.fqn_), unit.backward_begin_us_,
                             options_.trace->NowUs());
@@ -640,57 +639,16 @@ void FullyShardedModel::ReduceOrKeep(FlatParamHandle& handle) {
     handle.KeepGradientsUnreduced();
     return;
   }
-  // The gradients were produced on compute; the reduction runs beside the
-  // rest of backward, which waits for it at the end (FinishBackward).
-  RuntimeStreams::WaitStream(streams_->reduce_scatter(), streams_->compute());
-  c10::StreamGuard on_reduce_scatter(streams_->reduce_scatter());
-  CollectiveLabel label(group_, options_.replicate_group, handle.unit_name(), "backward");
-  TraceSpan span(options_.trace, handle.uses_sharded_views() ? "reduce-scatter" : "all-reduce",
-                 handle.unit_name());
-  handle.ReduceGradients();
+  scheduler_->ReduceGradients(handle);
 }
 
-void FullyShardedModel::IssueUnshard(FlatParamHandle& handle) {
-  if (!handle.uses_sharded_views() || handle.is_unsharded() || handle.has_pending_unshard()) {
-    return;
-  }
-  limiter_.BeforeAllGather();
-  // The shard may have been written on the compute stream since its last
-  // gather (the optimizer step, a state dict load): gather it after that.
-  RuntimeStreams::WaitStream(streams_->all_gather(), streams_->compute());
-  c10::StreamGuard on_all_gather(streams_->all_gather());
-  CollectiveLabel label(group_, handle.unit_name(),
-                        handle.training_state() == HandleTrainingState::kBackwardPre ||
-                                (handle.training_state() == HandleTrainingState::kIdle &&
-                                 backward_callback_queued_)
-                            ? "backward"
-                            : "forward");
-  TraceSpan span(options_.trace, "all-gather issue", handle.unit_name());
-  handle.StartUnshard();
-}
-
-void FullyShardedModel::Unshard(FlatParamHandle& handle) {
-  const bool gathers = handle.uses_sharded_views() && !handle.is_unsharded();
-  TraceSpan unshard(gathers ? options_.trace : nullptr, "unshard", handle.unit_name());
-  IssueUnshard(handle);
-  if (!handle.uses_sharded_views() && handle.UnshardNeeded() && !handle.is_unsharded()) {
-    // NO_SHARD's local copy (mixed precision, offload) reads the shard too.
-    RuntimeStreams::WaitStream(streams_->all_gather(), streams_->compute());
-  }
-  {
-    c10::StreamGuard on_all_gather(streams_->all_gather());
-    TraceSpan wait(handle.has_pending_unshard() ? options_.trace : nullptr, "all-gather wait",
-                   handle.unit_name());
-    handle.FinishUnshard();
-  }
-  RuntimeStreams::WaitStream(streams_->compute(), streams_->all_gather());
-}
-
-void FullyShardedModel::Reshard(FlatParamHandle& handle) {
-  const bool frees = handle.uses_sharded_views() && handle.is_unsharded();
-  TraceSpan span(frees ? options_.trace : nullptr, "reshard", handle.unit_name());
-  handle.Reshard();
-  if (frees) limiter_.OnReshard(DeviceEvent::RecordOn(streams_->compute()));
+std::string FullyShardedModel::UnshardPhase(const FlatParamHandle& handle) const {
+  // A prefetch issued while backward runs serves backward: the end-of-
+  // backward callback is queued by then.
+  const bool backward = handle.training_state() == HandleTrainingState::kBackwardPre ||
+                        (handle.training_state() == HandleTrainingState::kIdle &&
+                         backward_callback_queued_);
+  return backward ? "backward" : "forward";
 }
 
 void FullyShardedModel::FinishBackward() {
@@ -703,29 +661,24 @@ void FullyShardedModel::FinishBackward() {
     FlatParamHandle* handle = unit->handle_.get();
     if (handle != nullptr) {
       if (handle->training_state() == HandleTrainingState::kBackwardPre) {
-        Move(*handle, HandleTrainingState::kBackwardPre, HandleTrainingState::kBackwardPost);
+        scheduler_->Move(*handle, HandleTrainingState::kBackwardPre,
+                         HandleTrainingState::kBackwardPost);
         ReduceOrKeep(*handle);
         if (options_.trace != nullptr) {
           options_.trace->AddSpan("backward", UnitName(unit->fqn_), unit->backward_begin_us_,
                                   options_.trace->NowUs());
         }
       }
-      handle->DiscardPendingUnshard();  // A prefetch whose unit took no part.
-      Reshard(*handle);
+      scheduler_->DiscardPrefetch(*handle);  // A prefetch whose unit took no part.
+      scheduler_->Reshard(*handle);
       if (handle->training_state() == HandleTrainingState::kBackwardPost) {
-        Move(*handle, HandleTrainingState::kBackwardPost, HandleTrainingState::kIdle);
+        scheduler_->Move(*handle, HandleTrainingState::kBackwardPost, HandleTrainingState::kIdle);
       }
     }
     unit->pre_backward_done_ = false;
     unit->gradients_ready_ = 0;
   }
-  // After the loop: it may have issued reductions.
-  RuntimeStreams::WaitStream(streams_->compute(), streams_->reduce_scatter());
-  if (options_.offload_params) {
-    // The host gradients are written by asynchronous device-to-host
-    // copies; the optimizer reads them on the host right after this.
-    DeviceEvent::RecordOn(streams_->compute()).Synchronize();
-  }
+  scheduler_->WaitForReductions();  // After the loop: it may have issued some.
   backward_callback_queued_ = false;
   SetModelState(ModelTrainingState::kIdle);
   ++backward_passes_;
@@ -733,16 +686,6 @@ void FullyShardedModel::FinishBackward() {
       backward_passes_ % options_.verify_collectives_every == 0) {
     group_.VerifyConsistency();
     if (options_.replicate_group != nullptr) options_.replicate_group->VerifyConsistency();
-  }
-}
-
-void FullyShardedModel::Move(FlatParamHandle& handle, HandleTrainingState from,
-                             HandleTrainingState to) {
-  handle.Transition(from, to);
-  if (options_.debug_log) {
-    options_.debug_log(absl::StrCat("unit '", handle.unit_name(), "': ",
-                                    HandleTrainingStateName(from), " -> ",
-                                    HandleTrainingStateName(to)));
   }
 }
 
@@ -766,7 +709,7 @@ void FullyShardedModel::Prefetch(int unit_index) {
   FlatParamHandle* handle = units_[unit_index]->handle_.get();
   // Only a unit that is idle (not yet run in this pass) and resharded.
   if (handle == nullptr || handle->training_state() != HandleTrainingState::kIdle) return;
-  IssueUnshard(*handle);
+  scheduler_->IssueUnshard(*handle, UnshardPhase(*handle));
 }
 
 void FullyShardedModel::RecordExecutionOrder() {
@@ -885,14 +828,14 @@ SummonFullParams::SummonFullParams(FullyShardedModel& model, const SummonOptions
     if (!options.recurse && !unit->is_root()) continue;
     if (unit->handle() != nullptr) handles_.push_back(unit->handle());
   }
+  UnitScheduler& scheduler = model.scheduler();
   for (FlatParamHandle* handle : handles_) {
-    CollectiveLabel label(model.group(), handle->unit_name(), "summon_full_params");
-    model.Move(*handle, HandleTrainingState::kIdle, HandleTrainingState::kSummonFullParams);
-    handle->Unshard();
-    if (options.with_grads) handle->UnshardGradients();
+    scheduler.Move(*handle, HandleTrainingState::kIdle, HandleTrainingState::kSummonFullParams);
+    scheduler.Unshard(*handle, "summon_full_params");
+    if (options.with_grads) scheduler.UnshardGradients(*handle, "summon_full_params");
     if (options.rank0_only && rank_ != 0) {
-      handle->ReshardGradients(/*writeback=*/false);
-      handle->Reshard();
+      scheduler.ReshardGradients(*handle, /*writeback=*/false);
+      scheduler.Reshard(*handle);
     }
   }
 }
@@ -901,9 +844,10 @@ SummonFullParams::~SummonFullParams() {
   for (FlatParamHandle* handle : handles_) {
     try {
       if (options_.writeback && handle->is_unsharded()) handle->WritebackShard();
-      handle->ReshardGradients(options_.writeback);
-      handle->Reshard();
-      model_.Move(*handle, HandleTrainingState::kSummonFullParams, HandleTrainingState::kIdle);
+      model_.scheduler().ReshardGradients(*handle, options_.writeback);
+      model_.scheduler().Reshard(*handle);
+      model_.scheduler().Move(*handle, HandleTrainingState::kSummonFullParams,
+                              HandleTrainingState::kIdle);
     } catch (const std::exception& e) {
       // Destructors cannot throw; nothing above communicates, so this is a
       // broken invariant worth a loud message.
@@ -988,9 +932,10 @@ void UnitForward::Abandon() {
   if (handle == nullptr) return;
   try {
     if (handle->training_state() == HandleTrainingState::kForward) {
-      unit_->model_->Move(*handle, HandleTrainingState::kForward, HandleTrainingState::kIdle);
+      unit_->model_->scheduler().Move(*handle, HandleTrainingState::kForward,
+                                      HandleTrainingState::kIdle);
     }
-    handle->Reshard();
+    unit_->model_->scheduler().Reshard(*handle);
   } catch (...) {
     // Destructors cannot throw; the forward's exception is the one to see.
   }

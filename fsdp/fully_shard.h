@@ -48,7 +48,7 @@
 #include "fsdp/comm_hooks.h"
 #include "fsdp/flat_param_handle.h"
 #include "fsdp/fsdp_options.h"
-#include "fsdp/runtime_streams.h"
+#include "fsdp/unit_scheduler.h"
 #include "fsdp/wrap_plan.h"
 #include "policies/wrap_policy.h"
 #include "torch/csrc/autograd/variable.h"
@@ -166,8 +166,10 @@ class FullyShardedModel {
   Collectives& group() const { return group_; }  // The shard group.
   // Hybrid sharding's replicate group (FsdpOptions); null otherwise.
   Collectives* replicate_group() const { return options_.replicate_group; }
-  const RuntimeStreams& streams() const { return *streams_; }
-  const AllGatherRateLimiter& rate_limiter() const { return limiter_; }
+  // Where the units' parameters are unsharded, resharded and reduced
+  // (fsdp/unit_scheduler.h): for code that needs a unit's full parameters
+  // between steps (SummonFullParams, FULL state dicts).
+  UnitScheduler& scheduler() const { return *scheduler_; }
 
   // Bytes of full (all-gathered) parameters allocated right now, over all
   // units: what the memory tests sample.
@@ -217,18 +219,14 @@ class FullyShardedModel {
   void PostBackward(FsdpUnit& unit);
   void FinishBackward();
   void ReduceOrKeep(FlatParamHandle& handle);
+  // "backward" for an all-gather that serves backward, else "forward".
+  std::string UnshardPhase(const FlatParamHandle& handle) const;
   // Ends the first forward: fixes the prefetch targets and checks the order
   // across ranks.
   void RecordExecutionOrder();
   void CheckExecutionOrderAcrossRanks(const std::vector<int>& order);
   void Prefetch(int unit_index);
-  // The handle operations, ordered on the runtime's streams and counted by
-  // the rate limiter.
-  void IssueUnshard(FlatParamHandle& handle);
-  void Unshard(FlatParamHandle& handle);
-  void Reshard(FlatParamHandle& handle);
-  // State changes, reported to FsdpOptions::debug_log.
-  void Move(FlatParamHandle& handle, HandleTrainingState from, HandleTrainingState to);
+  // Reported to FsdpOptions::debug_log.
   void SetModelState(ModelTrainingState to);
   int IndexOf(const FsdpUnit& unit) const;
   std::string Describe(const FsdpUnit& unit) const;
@@ -239,8 +237,7 @@ class FullyShardedModel {
   const uint64_t id_;
   std::vector<std::unique_ptr<FsdpUnit>> units_;
   WrapPlan plan_;
-  std::unique_ptr<RuntimeStreams> streams_;
-  AllGatherRateLimiter limiter_;
+  std::unique_ptr<UnitScheduler> scheduler_;
   bool initialized_ = false;
   bool order_recorded_ = false;
   std::vector<int> pre_forward_order_;   // First iteration, unit indices.

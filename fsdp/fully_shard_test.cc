@@ -185,7 +185,7 @@ TEST_P(FullyShardParity, MatchesLocalTraining) {
       }
       EXPECT_GT(peak_in_forward, 0);
     }
-    for (const auto& unit : fsdp.units()) unit->handle()->Unshard();
+    SummonFullParams full(fsdp);
     for (const auto& item : model->named_parameters()) {
       const at::Tensor& want = expected.params.at(item.key());
       EXPECT_TRUE(at::allclose(item.value().detach(), want, 1e-5, 1e-6))
@@ -300,7 +300,7 @@ TEST_P(FullyShardUtilities, MatchLocalTraining) {
                   1e-5 * std::abs(expected.losses[step]) + 1e-7)
           << "step " << step;
     }
-    for (const auto& unit : fsdp.units()) unit->handle()->Unshard();
+    SummonFullParams full(fsdp);
     for (const auto& item : model->named_parameters()) {
       const at::Tensor& want = expected.params.at(item.key());
       EXPECT_TRUE(at::allclose(item.value().detach(), want, 1e-5, 1e-6))

@@ -135,11 +135,12 @@ absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model, const StateDic
   }
   try {
     at::NoGradGuard no_grad;
+    UnitScheduler& scheduler = model.scheduler();
     for (const auto& unit : model.units()) {
       FlatParamHandle* handle = unit->handle();
       if (handle == nullptr) continue;
-      handle->Transition(HandleTrainingState::kIdle, HandleTrainingState::kSummonFullParams);
-      handle->Unshard();
+      scheduler.Move(*handle, HandleTrainingState::kIdle, HandleTrainingState::kSummonFullParams);
+      scheduler.Unshard(*handle, "FULL state dict");
       if (stats != nullptr) {
         stats->peak_full_param_bytes =
             std::max(stats->peak_full_param_bytes, model.FullParamBytes());
@@ -152,8 +153,8 @@ absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model, const StateDic
           }
         }
       }
-      handle->Reshard();
-      handle->Transition(HandleTrainingState::kSummonFullParams, HandleTrainingState::kIdle);
+      scheduler.Reshard(*handle);
+      scheduler.Move(*handle, HandleTrainingState::kSummonFullParams, HandleTrainingState::kIdle);
     }
   } catch (...) {
     return StatusFromCurrentException();

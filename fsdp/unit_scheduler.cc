@@ -1,0 +1,96 @@
+#include "fsdp/unit_scheduler.h"
+
+#include "absl/strings/str_cat.h"
+#include "c10/core/StreamGuard.h"
+#include "fsdp/trace.h"
+
+namespace fsdp {
+
+UnitScheduler::UnitScheduler(Collectives& group, const FsdpOptions& options, c10::Device device)
+    : group_(group),
+      replicate_group_(options.replicate_group),
+      trace_(options.trace),
+      debug_log_(options.debug_log),
+      offload_params_(options.offload_params),
+      streams_(device),
+      limiter_(options.limit_all_gathers ? 2 : 0) {}
+
+void UnitScheduler::IssueUnshard(FlatParamHandle& handle, const std::string& phase) {
+  if (!handle.uses_sharded_views() || handle.is_unsharded() || handle.has_pending_unshard()) {
+    return;
+  }
+  limiter_.BeforeAllGather();
+  // The shard may have been written on the compute stream since its last
+  // gather (the optimizer step, a state dict load): gather it after that.
+  RuntimeStreams::WaitStream(streams_.all_gather(), streams_.compute());
+  c10::StreamGuard on_all_gather(streams_.all_gather());
+  CollectiveLabel label(group_, handle.unit_name(), phase);
+  TraceSpan span(trace_, "all-gather issue", handle.unit_name());
+  handle.StartUnshard();
+}
+
+void UnitScheduler::Unshard(FlatParamHandle& handle, const std::string& phase) {
+  const bool gathers = handle.uses_sharded_views() && !handle.is_unsharded();
+  TraceSpan unshard(gathers ? trace_ : nullptr, "unshard", handle.unit_name());
+  IssueUnshard(handle, phase);
+  if (!handle.uses_sharded_views() && handle.UnshardNeeded() && !handle.is_unsharded()) {
+    // NO_SHARD's local copy (mixed precision, offload) reads the shard too.
+    RuntimeStreams::WaitStream(streams_.all_gather(), streams_.compute());
+  }
+  {
+    c10::StreamGuard on_all_gather(streams_.all_gather());
+    TraceSpan wait(handle.has_pending_unshard() ? trace_ : nullptr, "all-gather wait",
+                   handle.unit_name());
+    handle.FinishUnshard();
+  }
+  RuntimeStreams::WaitStream(streams_.compute(), streams_.all_gather());
+}
+
+void UnitScheduler::DiscardPrefetch(FlatParamHandle& handle) { handle.DiscardPendingUnshard(); }
+
+void UnitScheduler::Reshard(FlatParamHandle& handle) {
+  const bool frees = handle.uses_sharded_views() && handle.is_unsharded();
+  TraceSpan span(frees ? trace_ : nullptr, "reshard", handle.unit_name());
+  handle.Reshard();
+  if (frees) limiter_.OnReshard(DeviceEvent::RecordOn(streams_.compute()));
+}
+
+void UnitScheduler::UnshardGradients(FlatParamHandle& handle, const std::string& phase) {
+  CollectiveLabel label(group_, handle.unit_name(), phase);
+  handle.UnshardGradients();
+}
+
+void UnitScheduler::ReshardGradients(FlatParamHandle& handle, bool writeback) {
+  handle.ReshardGradients(writeback);
+}
+
+void UnitScheduler::ReduceGradients(FlatParamHandle& handle) {
+  // The reduction runs beside the rest of backward, which waits for it at
+  // the end (WaitForReductions).
+  RuntimeStreams::WaitStream(streams_.reduce_scatter(), streams_.compute());
+  c10::StreamGuard on_reduce_scatter(streams_.reduce_scatter());
+  CollectiveLabel label(group_, replicate_group_, handle.unit_name(), "backward");
+  TraceSpan span(trace_, handle.uses_sharded_views() ? "reduce-scatter" : "all-reduce",
+                 handle.unit_name());
+  handle.ReduceGradients();
+}
+
+void UnitScheduler::WaitForReductions() {
+  RuntimeStreams::WaitStream(streams_.compute(), streams_.reduce_scatter());
+  if (offload_params_) {
+    // The host gradients are written by asynchronous device-to-host
+    // copies; the optimizer reads them on the host right after this.
+    DeviceEvent::RecordOn(streams_.compute()).Synchronize();
+  }
+}
+
+void UnitScheduler::Move(FlatParamHandle& handle, HandleTrainingState from,
+                         HandleTrainingState to) {
+  handle.Transition(from, to);
+  if (debug_log_) {
+    debug_log_(absl::StrCat("unit '", handle.unit_name(), "': ", HandleTrainingStateName(from),
+                            " -> ", HandleTrainingStateName(to)));
+  }
+}
+
+}  // namespace fsdp

@@ -1,0 +1,88 @@
+// The one place where a unit's parameters are unsharded and resharded and
+// its gradients reduced: the counterpart of FSDP2's FSDPParamGroup
+// (unshard, reshard, post_backward). Every caller goes through a model's
+// UnitScheduler — the runtime's forward and backward hooks
+// (fsdp/fully_shard.cc), SummonFullParams, the FULL state dict
+// (statedict/) — and the scheduler
+//   * orders the work on the runtime's streams (fsdp/runtime_streams.h):
+//     all-gathers on the all-gather stream after what compute last wrote
+//     to the shard, reductions on the reduction stream after the
+//     gradients, and compute after both;
+//   * admits each all-gather through the rate limiter (limit_all_gathers);
+//   * labels every collective with the unit and the phase it serves
+//     (CollectiveLabel, comm/collectives.h), so fingerprints and errors
+//     name them, and traces it (FsdpOptions::trace);
+//   * reports every training-state change to FsdpOptions::debug_log.
+// FlatParamHandle does the tensor and collective work; it never chooses a
+// stream or a label, and nothing else calls its unshard, reshard or
+// reduction.
+//
+// One per model; used only by the thread that runs the model.
+#ifndef FSDP_FSDP_UNIT_SCHEDULER_H_
+#define FSDP_FSDP_UNIT_SCHEDULER_H_
+
+#include <string>
+
+#include "c10/core/Device.h"
+#include "comm/collectives.h"
+#include "fsdp/flat_param_handle.h"
+#include "fsdp/fsdp_options.h"
+#include "fsdp/runtime_streams.h"
+
+namespace fsdp {
+
+class UnitScheduler {
+ public:
+  // Streams on `device` (where the units compute); throws c10::Error when
+  // the device has none to give. `group` and the options' replicate group,
+  // trace recorder and debug log must outlive the scheduler.
+  UnitScheduler(Collectives& group, const FsdpOptions& options, c10::Device device);
+  UnitScheduler(const UnitScheduler&) = delete;
+  UnitScheduler& operator=(const UnitScheduler&) = delete;
+
+  const RuntimeStreams& streams() const { return streams_; }
+  const AllGatherRateLimiter& rate_limiter() const { return limiter_; }
+
+  // Issues the all-gather of the handle's shard, labelled with `phase`
+  // ("forward", "backward", "summon_full_params", ...), unless its
+  // parameters are full already, an all-gather is pending, or there is
+  // nothing to gather (NO_SHARD): a prefetch, or the first half of Unshard.
+  void IssueUnshard(FlatParamHandle& handle, const std::string& phase);
+  // The handle's full parameters in place, ready for work issued on the
+  // compute stream from now on (waits for its all-gather, issuing it first
+  // if needed). What gets gathered (the compute dtype, or full precision
+  // under kSummonFullParams) is the handle's state's choice.
+  void Unshard(FlatParamHandle& handle, const std::string& phase);
+  // Drops an all-gather issued as a prefetch for a unit that did not run.
+  void DiscardPrefetch(FlatParamHandle& handle);
+  // Frees the handle's full parameters (if it holds any) once compute is
+  // done with them, and tells the rate limiter.
+  void Reshard(FlatParamHandle& handle);
+  // Between steps: the handle's full gradients in .grad, all-gathered
+  // from its sharded ones on the compute stream (FlatParamHandle::
+  // UnshardGradients), labelled `phase`; and back, writing this rank's part
+  // into the sharded gradient first when `writeback`.
+  void UnshardGradients(FlatParamHandle& handle, const std::string& phase);
+  void ReshardGradients(FlatParamHandle& handle, bool writeback);
+  // Reduces the handle's gradients (its comm hook, fsdp/comm_hooks.h) on
+  // the reduction stream, after the compute stream produced them.
+  void ReduceGradients(FlatParamHandle& handle);
+  // Compute waits for every reduction issued so far; with offload_params
+  // the host waits too, since the optimizer reads host gradients next.
+  void WaitForReductions();
+  // Checks that the handle is in `from` and moves it to `to`.
+  void Move(FlatParamHandle& handle, HandleTrainingState from, HandleTrainingState to);
+
+ private:
+  Collectives& group_;
+  Collectives* const replicate_group_;
+  TraceRecorder* const trace_;
+  const DebugLog debug_log_;
+  const bool offload_params_;
+  RuntimeStreams streams_;
+  AllGatherRateLimiter limiter_;
+};
+
+}  // namespace fsdp
+
+#endif  // FSDP_FSDP_UNIT_SCHEDULER_H_
