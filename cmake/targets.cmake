@@ -176,6 +176,14 @@ set_tests_properties(//fsdp:cpu_offload_test PROPERTIES TIMEOUT 300 ENVIRONMENT 
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_cpu_offload_test")
 endif()
 
+# //fsdp:cross_rank_checks
+add_library(fsdp_cross_rank_checks SHARED ${PROJECT_SOURCE_DIR}/fsdp/cross_rank_checks.cc ${PROJECT_SOURCE_DIR}/fsdp/cross_rank_checks.h)
+set_target_properties(fsdp_cross_rank_checks PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
+target_link_libraries(fsdp_cross_rank_checks PUBLIC fsdp_fsdp_options base_fnv1a comm_collectives third_party_absl_base fsdp_torch)
+target_include_directories(fsdp_cross_rank_checks PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS fsdp_cross_rank_checks EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/fsdp/cross_rank_checks.h DESTINATION include/fsdp)
+
 # //fsdp:failure_modes_test
 if(BUILD_TESTING)
 add_executable(fsdp_failure_modes_test ${PROJECT_SOURCE_DIR}/fsdp/failure_modes_test.cc)
@@ -214,7 +222,7 @@ endif()
 # //fsdp:fsdp_options
 add_library(fsdp_fsdp_options SHARED ${PROJECT_SOURCE_DIR}/fsdp/fsdp_options.cc ${PROJECT_SOURCE_DIR}/fsdp/fsdp_options.h)
 set_target_properties(fsdp_fsdp_options PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
-target_link_libraries(fsdp_fsdp_options PUBLIC fsdp_trace comm_collectives policies_unit_options third_party_absl_base fsdp_torch)
+target_link_libraries(fsdp_fsdp_options PUBLIC fsdp_trace comm_collectives policies_unit_options third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(fsdp_fsdp_options PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS fsdp_fsdp_options EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/fsdp/fsdp_options.h DESTINATION include/fsdp)
@@ -230,12 +238,12 @@ file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_fsdp_options_test")
 endif()
 
 # //fsdp:fully_shard
-add_library(fsdp_fully_shard SHARED ${PROJECT_SOURCE_DIR}/fsdp/fully_shard.cc ${PROJECT_SOURCE_DIR}/fsdp/wrap_plan.cc ${PROJECT_SOURCE_DIR}/fsdp/fully_shard.h ${PROJECT_SOURCE_DIR}/fsdp/wrap_plan.h)
+add_library(fsdp_fully_shard SHARED ${PROJECT_SOURCE_DIR}/fsdp/fully_shard.cc ${PROJECT_SOURCE_DIR}/fsdp/fully_shard.h)
 set_target_properties(fsdp_fully_shard PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
-target_link_libraries(fsdp_fully_shard PUBLIC fsdp_flat_param_handle fsdp_fsdp_options fsdp_unit_scheduler base_fnv1a base_status comm_collectives policies_wrap_policy third_party_absl_base third_party_absl_status fsdp_torch)
+target_link_libraries(fsdp_fully_shard PUBLIC fsdp_cross_rank_checks fsdp_flat_param_handle fsdp_fsdp_options fsdp_unit_init fsdp_unit_registry fsdp_unit_scheduler fsdp_wrap_plan base_status comm_collectives policies_wrap_policy third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(fsdp_fully_shard PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS fsdp_fully_shard EXPORT fsdp_cpp_targets)
-install(FILES ${PROJECT_SOURCE_DIR}/fsdp/fully_shard.h ${PROJECT_SOURCE_DIR}/fsdp/wrap_plan.h DESTINATION include/fsdp)
+install(FILES ${PROJECT_SOURCE_DIR}/fsdp/fully_shard.h DESTINATION include/fsdp)
 
 # //fsdp:fully_shard_test
 if(BUILD_TESTING)
@@ -346,6 +354,40 @@ set_tests_properties(//fsdp:trace_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_T
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_trace_test")
 endif()
 
+# //fsdp:unit_init
+add_library(fsdp_unit_init SHARED ${PROJECT_SOURCE_DIR}/fsdp/unit_init.cc ${PROJECT_SOURCE_DIR}/fsdp/unit_init.h)
+set_target_properties(fsdp_unit_init PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
+target_link_libraries(fsdp_unit_init PUBLIC fsdp_fsdp_options fsdp_wrap_plan base_status comm_collectives third_party_absl_base third_party_absl_status fsdp_torch)
+target_include_directories(fsdp_unit_init PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS fsdp_unit_init EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/fsdp/unit_init.h DESTINATION include/fsdp)
+
+# //fsdp:unit_module
+add_library(fsdp_unit_module SHARED ${PROJECT_SOURCE_DIR}/fsdp/unit_module.cc ${PROJECT_SOURCE_DIR}/fsdp/unit_module.h)
+set_target_properties(fsdp_unit_module PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
+target_link_libraries(fsdp_unit_module PUBLIC fsdp_fully_shard fsdp_wrap_plan fsdp_torch)
+target_include_directories(fsdp_unit_module PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS fsdp_unit_module EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/fsdp/unit_module.h DESTINATION include/fsdp)
+
+# //fsdp:unit_module_test
+if(BUILD_TESTING)
+add_executable(fsdp_unit_module_test ${PROJECT_SOURCE_DIR}/fsdp/unit_module_test.cc)
+set_target_properties(fsdp_unit_module_test PROPERTIES OUTPUT_NAME unit_module_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
+target_link_libraries(fsdp_unit_module_test PRIVATE fsdp_fully_shard fsdp_test_util fsdp_unit_module comm_collectives testing_multi_rank third_party_gtest_main fsdp_torch)
+add_test(NAME //fsdp:unit_module_test COMMAND fsdp_unit_module_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//fsdp:unit_module_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_unit_module_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_unit_module_test")
+endif()
+
+# //fsdp:unit_registry
+add_library(fsdp_unit_registry SHARED ${PROJECT_SOURCE_DIR}/fsdp/unit_registry.cc ${PROJECT_SOURCE_DIR}/fsdp/unit_registry.h)
+set_target_properties(fsdp_unit_registry PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
+target_link_libraries(fsdp_unit_registry PUBLIC fsdp_torch)
+target_include_directories(fsdp_unit_registry PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS fsdp_unit_registry EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/fsdp/unit_registry.h DESTINATION include/fsdp)
+
 # //fsdp:unit_scheduler
 add_library(fsdp_unit_scheduler SHARED ${PROJECT_SOURCE_DIR}/fsdp/unit_scheduler.cc ${PROJECT_SOURCE_DIR}/fsdp/unit_scheduler.h)
 set_target_properties(fsdp_unit_scheduler PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
@@ -353,6 +395,14 @@ target_link_libraries(fsdp_unit_scheduler PUBLIC fsdp_flat_param_handle fsdp_fsd
 target_include_directories(fsdp_unit_scheduler PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS fsdp_unit_scheduler EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/fsdp/unit_scheduler.h DESTINATION include/fsdp)
+
+# //fsdp:wrap_plan
+add_library(fsdp_wrap_plan SHARED ${PROJECT_SOURCE_DIR}/fsdp/wrap_plan.cc ${PROJECT_SOURCE_DIR}/fsdp/wrap_plan.h)
+set_target_properties(fsdp_wrap_plan PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
+target_link_libraries(fsdp_wrap_plan PUBLIC fsdp_fsdp_options fsdp_unit_registry policies_wrap_policy third_party_absl_base third_party_absl_status fsdp_torch)
+target_include_directories(fsdp_wrap_plan PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS fsdp_wrap_plan EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/fsdp/wrap_plan.h DESTINATION include/fsdp)
 
 # //models:gpt
 add_library(models_gpt SHARED ${PROJECT_SOURCE_DIR}/models/gpt.cc ${PROJECT_SOURCE_DIR}/models/gpt.h)

@@ -29,4 +29,21 @@ std::string CrossRankOptionsKey(const FsdpOptions& options) {
       ",param_init_fn=", param_init_fn ? "set" : "unset", ";");
 }
 
+absl::Status ValidateFsdpOptions(const FsdpOptions& options) {
+  if (IsHybrid(options.strategy) != (options.replicate_group != nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "FsdpOptions::replicate_group is ", options.replicate_group != nullptr ? "set" : "not set",
+        " but the strategy is ", ShardingStrategyName(options.strategy),
+        ": hybrid sharding (HYBRID_SHARD, _HYBRID_SHARD_ZERO2) takes the shard group as the "
+        "group and the replicate group in replicate_group; the other strategies take no "
+        "replicate group"));
+  }
+  if (options.verify_collectives_every < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("FsdpOptions::verify_collectives_every must be >= 0 (0: never), got ",
+                     options.verify_collectives_every));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace fsdp

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "c10/core/Device.h"
 #include "c10/core/ScalarType.h"
 #include "comm/collectives.h"
@@ -132,6 +133,10 @@ struct FsdpOptions {
 // leave). A new field of FsdpOptions does not compile until it is added
 // here (fsdp_options.cc).
 std::string CrossRankOptionsKey(const FsdpOptions& options);
+
+// Options that contradict each other or are out of range: the first such,
+// named. Wrap refuses them.
+absl::Status ValidateFsdpOptions(const FsdpOptions& options);
 
 }  // namespace fsdp
 

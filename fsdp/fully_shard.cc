@@ -4,21 +4,19 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
-#include <map>
-#include <mutex>
+#include <optional>
 #include <set>
-#include <unordered_map>
 #include <utility>
 
 #include "ATen/native/Resize.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "base/fnv1a.h"
 #include "base/status.h"
 #include "c10/core/GradMode.h"
 #include "c10/core/StreamGuard.h"
 #include "c10/util/Exception.h"
+#include "fsdp/cross_rank_checks.h"
+#include "fsdp/unit_init.h"
 #include "torch/csrc/autograd/engine.h"
 #include "torch/csrc/autograd/function.h"
 #include "torch/csrc/autograd/function_hook.h"
@@ -26,16 +24,6 @@
 
 namespace fsdp {
 namespace {
-
-std::mutex& RegistryMutex() {
-  static std::mutex mu;
-  return mu;
-}
-
-std::unordered_map<const torch::nn::Module*, FsdpUnit*>& Registry() {
-  static auto* registry = new std::unordered_map<const torch::nn::Module*, FsdpUnit*>();
-  return *registry;
-}
 
 // Runs `fn` after a gradient accumulator has added a gradient to .grad.
 class AccumulatorPostHook final : public torch::autograd::FunctionPostHook {
@@ -66,169 +54,6 @@ std::vector<at::Tensor> UniqueParameters(const torch::nn::Module& module) {
   }
   return params;
 }
-
-namespace {
-
-// The buffers of ignored modules: neither synced nor cast.
-std::set<const c10::TensorImpl*> IgnoredBuffers(const FsdpOptions& options) {
-  std::set<const c10::TensorImpl*> ignored;
-  for (const torch::nn::Module* module : options.ignored_modules) {
-    for (const at::Tensor& b : module->buffers()) ignored.insert(b.unsafeGetTensorImpl());
-  }
-  return ignored;
-}
-
-// For sync_module_states: rank 0's values of `t` on every rank; under
-// hybrid sharding over the shard group, then the replicate group.
-void BroadcastFromRankZero(const at::Tensor& t, const FsdpOptions& options, Collectives& group) {
-  group.Broadcast(t, /*root=*/0)->Wait();
-  if (options.replicate_group != nullptr) {
-    options.replicate_group->Broadcast(t, /*root=*/0)->Wait();
-  }
-}
-
-// One unit's parameters as one flat broadcast, so that the extra memory is
-// one unit's.
-void SyncUnitParams(const PlannedUnit& unit, const FsdpOptions& options, Collectives& group) {
-  at::NoGradGuard no_grad;
-  std::vector<at::Tensor> parts;
-  for (const at::Tensor& p : unit.params) parts.push_back(p.detach().reshape({-1}));
-  at::Tensor flat = at::cat(parts);
-  BroadcastFromRankZero(flat, options, group);
-  int64_t offset = 0;
-  for (const at::Tensor& p : unit.params) {
-    p.detach().copy_(flat.narrow(0, offset, p.numel()).view(p.sizes()));
-    offset += p.numel();
-  }
-}
-
-// Buffers outside ignored modules. Non-floating buffers travel as float64
-// (the collectives carry floating types; integers up to 2^53 are exact).
-void SyncBuffers(torch::nn::Module& root, const FsdpOptions& options, Collectives& group) {
-  at::NoGradGuard no_grad;
-  const std::set<const c10::TensorImpl*> ignored = IgnoredBuffers(options);
-  for (const at::Tensor& buffer : root.buffers()) {
-    if (!buffer.defined() || ignored.count(buffer.unsafeGetTensorImpl()) != 0) continue;
-    if (buffer.is_floating_point() && buffer.is_contiguous()) {
-      BroadcastFromRankZero(buffer, options, group);
-    } else {
-      at::Tensor wire = buffer.to(at::kDouble).contiguous();
-      BroadcastFromRankZero(wire, options, group);
-      buffer.copy_(wire);
-    }
-  }
-}
-
-// The module that directly holds the parameter named `param_fqn`.
-std::string OwnerFqn(const std::string& param_fqn) {
-  const size_t dot = param_fqn.rfind('.');
-  return dot == std::string::npos ? "" : param_fqn.substr(0, dot);
-}
-
-// buffer_dtype: each floating buffer outside ignored modules takes the
-// buffer_dtype of the unit that owns its module (the deepest unit whose FQN
-// prefixes it); its original dtype is remembered for FULL state dicts.
-void CastBuffers(torch::nn::Module& root, const WrapPlan& plan, const FsdpOptions& options,
-                 std::map<const c10::TensorImpl*, at::ScalarType>& original) {
-  const std::set<const c10::TensorImpl*> ignored = IgnoredBuffers(options);
-  at::NoGradGuard no_grad;
-  for (const auto& item : root.named_buffers()) {
-    const at::Tensor& buffer = item.value();
-    if (!buffer.defined() || !buffer.is_floating_point() ||
-        ignored.count(buffer.unsafeGetTensorImpl()) != 0) {
-      continue;
-    }
-    const std::optional<DType> dtype =
-        plan.units[plan.OwnerOf({item.key()})].mixed_precision.buffer_dtype;
-    if (!dtype || ToScalarType(*dtype) == buffer.scalar_type()) continue;
-    original.emplace(buffer.unsafeGetTensorImpl(), buffer.scalar_type());
-    buffer.set_data(buffer.to(ToScalarType(*dtype)));
-  }
-}
-
-bool IsDeferred(const at::Tensor& t) {
-  return t.defined() && !t.is_meta() && t.numel() > 0 && t.storage().nbytes() == 0;
-}
-
-void AllocateDeferred(const at::Tensor& t) {
-  at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(),
-                               (t.storage_offset() + t.numel()) * t.element_size());
-}
-
-// Allocates the unit's deferred parameters (DeferParameterAllocation), with
-// the deferred buffers of their modules, and calls param_init_fn once on
-// each of those modules to fill them.
-absl::Status MaterializeUnit(const PlannedUnit& unit,
-                             const std::map<std::string, torch::nn::Module*>& modules,
-                             const FsdpOptions& options) {
-  at::NoGradGuard no_grad;
-  std::vector<std::string> owners;
-  for (size_t i = 0; i < unit.params.size(); ++i) {
-    const at::Tensor& p = unit.params[i];
-    if (p.is_meta()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "parameter '", unit.param_fqns[i],
-          "' is on the meta device, which libtorch 1.13 cannot move to CPU in place; build "
-          "the model on CPU and release its memory with fsdp::DeferParameterAllocation "
-          "instead"));
-    }
-    if (!IsDeferred(p)) continue;
-    if (!options.param_init_fn) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "parameter '", unit.param_fqns[i],
-          "' is deferred (DeferParameterAllocation); set FsdpOptions::param_init_fn to "
-          "initialize it"));
-    }
-    AllocateDeferred(p);
-    const std::string owner = OwnerFqn(unit.param_fqns[i]);
-    if (std::find(owners.begin(), owners.end(), owner) == owners.end()) owners.push_back(owner);
-  }
-  for (const std::string& owner : owners) {
-    auto it = modules.find(owner);
-    if (it == modules.end()) {
-      return absl::InternalError(absl::StrCat("no module '", owner, "' holds its parameters"));
-    }
-    for (const at::Tensor& b : it->second->buffers(/*recurse=*/false)) {
-      if (IsDeferred(b)) AllocateDeferred(b);
-    }
-    options.param_init_fn(*it->second);
-  }
-  return absl::OkStatus();
-}
-
-// device_id: `tensors` move to `device` in place of their data.
-void MoveToDevice(const std::vector<at::Tensor>& tensors, const c10::Device& device) {
-  at::NoGradGuard no_grad;
-  for (const at::Tensor& t : tensors) {
-    if (t.defined() && t.device() != device) t.set_data(t.to(device));
-  }
-}
-
-// device_id must name one concrete device, and parameters already on an
-// accelerator must be on it (they are not moved between accelerators).
-absl::Status CheckDeviceId(const FsdpOptions& options, const WrapPlan& plan) {
-  if (!options.device_id) return absl::OkStatus();
-  const c10::Device& device = *options.device_id;
-  if (device.is_meta() || (!device.is_cpu() && !device.has_index())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "FsdpOptions::device_id must name a device with its index (e.g. cuda:0), got '",
-        device.str(), "'"));
-  }
-  for (const PlannedUnit& unit : plan.units) {
-    for (size_t i = 0; i < unit.params.size(); ++i) {
-      const c10::Device on = unit.params[i].device();
-      if (!on.is_cpu() && on != device) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "parameter '", unit.param_fqns[i], "' is on ", on.str(),
-            " but FsdpOptions::device_id is ", device.str(),
-            "; build the model on the host or on that device"));
-      }
-    }
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
 
 void DeferParameterAllocation(torch::nn::Module& module) {
   for (const at::Tensor& t : module.parameters()) {
@@ -265,12 +90,6 @@ const char* ModelTrainingStateName(ModelTrainingState state) {
   return state == ModelTrainingState::kIdle ? "IDLE" : "FORWARD_BACKWARD";
 }
 
-FsdpUnit* GetModuleUnit(const torch::nn::Module* module) {
-  std::lock_guard<std::mutex> lock(RegistryMutex());
-  auto it = Registry().find(module);
-  return it == Registry().end() ? nullptr : it->second;
-}
-
 FullyShardedModel::FullyShardedModel(std::shared_ptr<torch::nn::Module> root,
                                      Collectives& group, const FsdpOptions& options)
     : root_(std::move(root)),
@@ -279,11 +98,12 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<torch::nn::Module> root,
       id_(NextModelId()) {}
 
 FullyShardedModel::~FullyShardedModel() {
-  std::lock_guard<std::mutex> lock(RegistryMutex());
+  std::vector<const torch::nn::Module*> modules;
   for (auto& unit : units_) {
-    Registry().erase(unit->module_);
+    modules.push_back(unit->module_);
     for (auto& [node, key] : unit->accumulators_) node->del_post_hook(key);
   }
+  UnregisterUnits(modules);
 }
 
 absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
@@ -292,63 +112,76 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
   return Wrap(std::move(root), group, options, LambdaPolicy(select, {}, "selector"));
 }
 
-absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
-    std::shared_ptr<torch::nn::Module> root, Collectives& group, const FsdpOptions& options,
-    const WrapPolicy& policy) {
-  if (!root) return absl::InvalidArgumentError("FullyShardedModel::Wrap: root is null");
-  const std::string who = absl::StrCat("rank ", group.rank(), " of ", group.world_size(), ": ");
-  if (IsHybrid(options.strategy) != (options.replicate_group != nullptr)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        who, "FsdpOptions::replicate_group is ",
-        options.replicate_group != nullptr ? "set" : "not set", " but the strategy is ",
-        ShardingStrategyName(options.strategy),
-        ": hybrid sharding (HYBRID_SHARD, _HYBRID_SHARD_ZERO2) takes the shard group as the "
-        "group and the replicate group in replicate_group; the other strategies take no "
-        "replicate group"));
+namespace {
+
+FlatParamHandleOptions HandleOptionsFor(const PlannedUnit& planned, const FsdpOptions& options) {
+  FlatParamHandleOptions handle_options;
+  handle_options.strategy = planned.strategy;
+  handle_options.replicate_group = options.replicate_group;
+  const MixedPrecision& mp = planned.mixed_precision;
+  if (mp.param_dtype) handle_options.param_dtype = ToScalarType(*mp.param_dtype);
+  // PyTorch's default: reduce in param_dtype when only that is set.
+  if (mp.reduce_dtype || mp.param_dtype) {
+    handle_options.reduce_dtype = ToScalarType(mp.reduce_dtype ? *mp.reduce_dtype
+                                                               : *mp.param_dtype);
   }
-  if (options.verify_collectives_every < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(who, "FsdpOptions::verify_collectives_every must be >= 0 (0: never), got ",
-                     options.verify_collectives_every));
-  }
-  absl::StatusOr<WrapPlan> plan = PlanWrap(*root, group.world_size(), options, policy);
-  if (!plan.ok()) {
-    return absl::Status(plan.status().code(), absl::StrCat(who, plan.status().message()));
-  }
-  if (absl::Status device_ok = CheckDeviceId(options, *plan); !device_ok.ok()) {
-    return absl::Status(device_ok.code(), absl::StrCat(who, device_ok.message()));
-  }
-  std::unique_ptr<FullyShardedModel> model(new FullyShardedModel(root, group, options));
-  // Every unit's parameters are checked before any handle swaps them to
-  // shards: a failed Wrap leaves the model as it was.
+  handle_options.keep_low_precision_grads = mp.keep_low_precision_grads;
+  handle_options.offload_params = options.offload_params;
+  return handle_options;
+}
+
+// Each unit's parameters as its handle's entries. All units are checked
+// before any handle swaps parameters to shards, so that a failed Wrap
+// leaves the model as it was.
+absl::StatusOr<std::vector<std::vector<FlatParamEntry>>> CheckedEntries(const WrapPlan& plan,
+                                                                       Collectives& group) {
   std::vector<std::vector<FlatParamEntry>> entries;
-  for (const PlannedUnit& planned : plan->units) {
+  for (const PlannedUnit& planned : plan.units) {
     entries.emplace_back();
     for (size_t i = 0; i < planned.params.size(); ++i) {
       entries.back().push_back({planned.param_fqns[i], planned.params[i]});
     }
     if (entries.back().empty()) continue;
-    FSDP_RETURN_IF_ERROR(
-        FlatParamHandle::CheckParams(UnitName(planned.fqn),
-                                     entries.back(), group));
+    FSDP_RETURN_IF_ERROR(FlatParamHandle::CheckParams(UnitName(planned.fqn), entries.back(), group));
   }
-  // Deferred parameters get memory and values unit by unit, just before
-  // their handle shards them.
+  return entries;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
+    std::shared_ptr<torch::nn::Module> root, Collectives& group, const FsdpOptions& options,
+    const WrapPolicy& policy) {
+  if (!root) return absl::InvalidArgumentError("FullyShardedModel::Wrap: root is null");
+  // Ranks can fail differently, so every error names the rank.
+  const std::string who = absl::StrCat("rank ", group.rank(), " of ", group.world_size(), ": ");
+  auto on_rank = [&who](const absl::Status& failed) {
+    return absl::Status(failed.code(), absl::StrCat(who, failed.message()));
+  };
+  if (absl::Status valid = ValidateFsdpOptions(options); !valid.ok()) return on_rank(valid);
+  absl::StatusOr<WrapPlan> plan = PlanWrap(*root, group.world_size(), options, policy);
+  if (!plan.ok()) return on_rank(plan.status());
+  if (absl::Status device_ok = CheckDeviceId(options, *plan); !device_ok.ok()) {
+    return on_rank(device_ok);
+  }
+  std::unique_ptr<FullyShardedModel> model(new FullyShardedModel(root, group, options));
+  absl::StatusOr<std::vector<std::vector<FlatParamEntry>>> entries = CheckedEntries(*plan, group);
+  if (!entries.ok()) return entries.status();
   c10::Device device(c10::DeviceType::CPU);
-  for (const auto& unit_entries : entries) {
+  for (const auto& unit_entries : *entries) {
     if (!unit_entries.empty()) device = unit_entries.front().param.device();
   }
   if (options.device_id) device = *options.device_id;
-  std::map<std::string, torch::nn::Module*> modules;
-  for (const auto& item : root->named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
-    modules[item.key()] = item.value().get();
-  }
   try {
     model->scheduler_ = std::make_unique<UnitScheduler>(group, model->options_, device);
   } catch (...) {
     const absl::Status failed = StatusFromCurrentException();
     return absl::Status(failed.code(), absl::StrCat(who, "cannot compute on ", device.str(),
                                                     ": ", failed.message()));
+  }
+  ModulesByName modules;
+  for (const auto& item : root->named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
+    modules[item.key()] = item.value().get();
   }
   for (size_t u = 0; u < plan->units.size(); ++u) {
     const PlannedUnit& planned = plan->units[u];
@@ -359,93 +192,35 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
     unit->strategy_ = planned.strategy;
     unit->mixed_precision_ = planned.mixed_precision;
     unit->model_ = model.get();
-    if (!entries[u].empty()) {
-      // One unit at a time: materialize, take rank 0's values, shard. No
-      // rank ever holds more than one unit's full parameters beyond what
-      // the model held before Wrap.
-      try {
-        FSDP_RETURN_IF_ERROR(MaterializeUnit(planned, modules, options));
-        if (options.device_id) MoveToDevice(planned.params, *options.device_id);
-        if (options.sync_module_states) {
-          CollectiveLabel label(group, options.replicate_group, UnitName(planned.fqn),
-                                "sync_module_states");
-          SyncUnitParams(planned, options, group);
-        }
-      } catch (...) {
-        const absl::Status failed = StatusFromCurrentException();
-        return absl::Status(failed.code(),
-                            absl::StrCat(who, "unit '", UnitName(planned.fqn),
-                                         "': initializing its parameters failed: ",
-                                         failed.message()));
+    if (!(*entries)[u].empty()) {
+      // Deferred parameters get memory and values just before their handle
+      // shards them: one unit at a time.
+      if (absl::Status ready = InitUnitParams(planned, modules, options, group); !ready.ok()) {
+        return on_rank(ready);
       }
-      FlatParamHandleOptions handle_options;
-      handle_options.strategy = planned.strategy;
-      handle_options.replicate_group = options.replicate_group;
-      const MixedPrecision& mp = planned.mixed_precision;
-      if (mp.param_dtype) handle_options.param_dtype = ToScalarType(*mp.param_dtype);
-      // PyTorch's default: reduce in param_dtype when only that is set.
-      if (mp.reduce_dtype || mp.param_dtype) {
-        handle_options.reduce_dtype = ToScalarType(mp.reduce_dtype ? *mp.reduce_dtype
-                                                                   : *mp.param_dtype);
-      }
-      handle_options.keep_low_precision_grads = mp.keep_low_precision_grads;
-      handle_options.offload_params = options.offload_params;
-      auto handle = FlatParamHandle::Create(UnitName(planned.fqn),
-                                            std::move(entries[u]), group, handle_options);
+      auto handle = FlatParamHandle::Create(UnitName(planned.fqn), std::move((*entries)[u]), group,
+                                            HandleOptionsFor(planned, options));
       if (!handle.ok()) return handle.status();
       unit->handle_ = std::move(*handle);
     }
     model->units_.push_back(std::move(unit));
   }
-  try {
-    // Buffers of modules without parameters of their own can still be on
-    // the meta device.
-    for (const auto& [fqn, module] : modules) {
-      bool deferred = false;
-      for (const at::Tensor& b : module->buffers(/*recurse=*/false)) {
-        if (!IsDeferred(b)) continue;
-        if (!options.param_init_fn) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              who, "a buffer of module '", UnitName(fqn),
-              "' is deferred; set FsdpOptions::param_init_fn to initialize it"));
-        }
-        AllocateDeferred(b);
-        deferred = true;
-      }
-      if (deferred) {
-        at::NoGradGuard no_grad;
-        options.param_init_fn(*module);
-      }
-    }
-    if (options.device_id) {
-      const std::set<const c10::TensorImpl*> ignored = IgnoredBuffers(options);
-      std::vector<at::Tensor> buffers;
-      for (const at::Tensor& b : root->buffers()) {
-        if (ignored.count(b.unsafeGetTensorImpl()) == 0) buffers.push_back(b);
-      }
-      MoveToDevice(buffers, *options.device_id);
-    }
-    if (options.sync_module_states) {
-      CollectiveLabel label(group, options.replicate_group, "buffers", "sync_module_states");
-      SyncBuffers(*root, options, group);
-    }
-    CastBuffers(*root, *plan, options, model->buffer_full_dtypes_);
-  } catch (...) {
-    const absl::Status failed = StatusFromCurrentException();
-    return absl::Status(failed.code(),
-                        absl::StrCat(who, "initializing buffers failed: ", failed.message()));
+  if (absl::Status buffers_ok =
+          InitBuffers(*root, modules, *plan, options, group, model->buffer_full_dtypes_);
+      !buffers_ok.ok()) {
+    return on_rank(buffers_ok);
   }
   for (PlannedUnit& planned : plan->units) planned.params.clear();  // No extra references.
   model->plan_ = std::move(*plan);
-  std::lock_guard<std::mutex> lock(RegistryMutex());
-  for (const auto& unit : model->units_) {
-    if (Registry().count(unit->module_) != 0) {
-      return absl::AlreadyExistsError(absl::StrCat(
-          who, "module '", UnitName(unit->fqn_),
-          "' was wrapped by another model while this one was being wrapped"));
-    }
+  std::vector<std::pair<const torch::nn::Module*, FsdpUnit*>> registered;
+  for (const auto& unit : model->units_) registered.emplace_back(unit->module_, unit.get());
+  if (std::optional<size_t> taken = RegisterUnits(registered)) {
+    const std::string name = UnitName(registered[*taken].second->fqn_);
+    // Its destructor must not unregister modules that another model owns.
+    model->units_.clear();
+    return absl::AlreadyExistsError(absl::StrCat(
+        who, "module '", name, "' was wrapped by another model while this one was being wrapped"));
   }
-  for (const auto& unit : model->units_) Registry()[unit->module_] = unit.get();
   return model;
 }
 
@@ -463,44 +238,13 @@ int64_t FullyShardedModel::FullParamBytes() const {
 }
 
 void FullyShardedModel::LazyInit() {
-  // Ranks that wrapped different models, or the same model with different
-  // units, options or world sizes, would pair collectives of different units
-  // and hang or exchange wrong shards. One all-gather of a fingerprint of
-  // the wrap plan per rank catches that before the first collective of
-  // training.
-  uint64_t hash = Fnv1aString(kFnv1aOffsetBasis, CrossRankOptionsKey(options_));
-  int64_t elements = 0;
+  std::vector<UnitSignature> units;
   for (const auto& unit : units_) {
-    const int64_t numel = unit->handle_ ? unit->handle_->flat_numel() : 0;
-    elements += numel;
-    hash = Fnv1aString(hash, absl::StrCat(unit->fqn_, ":", numel, ":",
-                                          static_cast<int>(unit->strategy_), ":",
-                                          unit->mixed_precision_.ToString(), ";"));
+    units.push_back({unit->fqn_, unit->handle_ ? unit->handle_->flat_numel() : 0, unit->strategy_,
+                     unit->mixed_precision_});
   }
-  const int world = group_.world_size();
-  CollectiveLabel label(group_, "", "lazy init (wrap plan check)");
-  at::Tensor mine = at::tensor({static_cast<double>(units_.size()), static_cast<double>(elements),
-                                static_cast<double>(hash >> 12)},
-                               at::kDouble);
-  at::Tensor all = at::empty({world * 3}, at::kDouble);
-  group_.AllGatherIntoTensor(all, mine)->Wait();
-  at::Tensor table = all.view({world, 3});
-  if (at::equal(table, table[0].expand({world, 3}))) {
-    initialized_ = true;
-    return;
-  }
-  std::string ranks;
-  for (int r = 0; r < world; ++r) {
-    absl::StrAppend(&ranks, r == 0 ? "" : "; ", "rank ", r, ": ",
-                    static_cast<int64_t>(table[r][0].item<double>()), " units, ",
-                    static_cast<int64_t>(table[r][1].item<double>()),
-                    " parameter elements, plan fingerprint ",
-                    static_cast<int64_t>(table[r][2].item<double>()));
-  }
-  TORCH_CHECK(false, "rank ", group_.rank(), " of ", world,
-              ": ranks wrapped the model differently (units, their parameters, or FSDP "
-              "options differ) — ", ranks,
-              ". Every rank must wrap the same model with the same policy and options.");
+  CheckSameWrapOnEveryRank(group_, options_, units);
+  initialized_ = true;
 }
 
 void FullyShardedModel::PreForward(FsdpUnit& unit) {
@@ -714,7 +458,11 @@ void FullyShardedModel::Prefetch(int unit_index) {
 
 void FullyShardedModel::RecordExecutionOrder() {
   order_recorded_ = true;
-  if (options_.check_execution_order) CheckExecutionOrderAcrossRanks(post_forward_order_);
+  if (options_.check_execution_order) {
+    std::vector<std::string> names;
+    for (const auto& unit : units_) names.push_back(UnitName(unit->fqn_));
+    CheckSameExecutionOrderOnEveryRank(group_, post_forward_order_, names);
+  }
   // Forward: the unit that entered forward next. Backward runs units in the
   // reverse of the order their forwards ended, so a unit's backward is
   // followed by that of the unit whose forward ended just before its own.
@@ -724,38 +472,6 @@ void FullyShardedModel::RecordExecutionOrder() {
   }
   for (size_t i = 1; i < post_forward_order_.size(); ++i) {
     units_[post_forward_order_[i]]->backward_prefetch_ = post_forward_order_[i - 1];
-  }
-}
-
-void FullyShardedModel::CheckExecutionOrderAcrossRanks(const std::vector<int>& order) {
-  const int world = group_.world_size();
-  CollectiveLabel label(group_, "", "execution order check");
-  const std::string mine(reinterpret_cast<const char*>(order.data()), order.size() * sizeof(int));
-  std::vector<std::vector<int>> orders;
-  size_t longest = 0;
-  for (const std::string& bytes : AllGatherBytes(group_, mine)) {
-    orders.emplace_back(bytes.size() / sizeof(int));
-    std::memcpy(orders.back().data(), bytes.data(), orders.back().size() * sizeof(int));
-    longest = std::max(longest, orders.back().size());
-  }
-  // The unit index rank r ran at `pos`; -1 once its forward was over.
-  auto ran = [&orders](int r, size_t pos) { return pos < orders[r].size() ? orders[r][pos] : -1; };
-  for (size_t pos = 0; pos < longest; ++pos) {
-    bool same = true;
-    for (int r = 1; r < world; ++r) same = same && ran(r, pos) == ran(0, pos);
-    if (same) continue;
-    std::string ranks;
-    for (int r = 0; r < world; ++r) {
-      const int index = ran(r, pos);
-      absl::StrAppend(&ranks, r == 0 ? "" : ", ", "rank ", r, " ",
-                      index < 0 ? std::string("had finished its forward")
-                                : absl::StrCat("ran '", UnitName(units_[index]->fqn_), "'"));
-    }
-    TORCH_CHECK(false, "rank ", group_.rank(), " of ", world,
-                ": FSDP units ran in different orders on different ranks in the first "
-                "forward; at position ", pos + 1, " of the order in which units finished "
-                "their forward, ", ranks, ". Every rank must run the same units in the "
-                "same order.");
   }
 }
 

@@ -1,5 +1,5 @@
 // Fully sharded training of a libtorch module: wrapping, the per-unit
-// runtime, and the registry from modules to their FSDP state.
+// runtime, and the utilities used between steps.
 // fsdp/RUNTIME_DESIGN.md explains the design; in short:
 //
 //   struct BlockImpl : torch::nn::Module, fsdp::ShardableModule {
@@ -48,6 +48,7 @@
 #include "fsdp/comm_hooks.h"
 #include "fsdp/flat_param_handle.h"
 #include "fsdp/fsdp_options.h"
+#include "fsdp/unit_registry.h"
 #include "fsdp/unit_scheduler.h"
 #include "fsdp/wrap_plan.h"
 #include "policies/wrap_policy.h"
@@ -224,7 +225,6 @@ class FullyShardedModel {
   // Ends the first forward: fixes the prefetch targets and checks the order
   // across ranks.
   void RecordExecutionOrder();
-  void CheckExecutionOrderAcrossRanks(const std::vector<int>& order);
   void Prefetch(int unit_index);
   // Reported to FsdpOptions::debug_log.
   void SetModelState(ModelTrainingState to);
@@ -273,9 +273,6 @@ struct SummonOptions {
   // Not with writeback (the other ranks' shards would not see rank 0's
   // changes).
   bool rank0_only = false;
-  // Full parameters in CPU memory: they always are in this CPU build, so
-  // this is accepted and changes nothing.
-  bool offload_to_cpu = false;
   // Also all-gather the gradients into .grad (full shape).
   bool with_grads = false;
   // All units (true) or only the root's own parameters (false).
@@ -306,9 +303,6 @@ class SummonFullParams {
 // dedups). Build optimizers over these: an optimizer given a tensor twice
 // steps it twice.
 std::vector<at::Tensor> UniqueParameters(const torch::nn::Module& module);
-
-// The registry: the FSDP unit `module` is, or null.
-FsdpUnit* GetModuleUnit(const torch::nn::Module* module);
 
 // Opens a unit's forward (see the example at the top). A module that is not
 // a wrapped unit gets a scope that does nothing, so a block type can be used

@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "fsdp/fully_shard.h"
+#include "fsdp/unit_registry.h"
 
 namespace fsdp {
 namespace {
@@ -31,43 +31,36 @@ size_t WrapPlan::OwnerOf(const std::vector<std::string>& names) const {
   return best;
 }
 
-absl::StatusOr<WrapPlan> PlanWrap(torch::nn::Module& root, int world_size,
-                                  const FsdpOptions& options, const WrapPolicy& policy) {
-  if (world_size < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("PlanWrap: world size ", world_size));
-  }
-  if (GetModuleUnit(&root) != nullptr) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("the root module (", root.name(), ") is already part of a wrapped model"));
-  }
-  WrapPlan plan;
-  plan.policy = policy.Describe();
-  plan.world_size = world_size;
-  plan.root_strategy = options.strategy;
+namespace {
 
-  // Subtrees left alone: ignored modules and modules another model wraps.
-  std::set<const torch::nn::Module*> ignored(options.ignored_modules.begin(),
-                                             options.ignored_modules.end());
-  std::vector<std::string> excluded_fqns;
-  std::map<const torch::nn::Module*, std::string> fqn_of;
-  std::set<const torch::nn::Module*> inside_excluded;
+// Subtrees left alone: ignored modules and modules another model wraps.
+struct Excluded {
+  std::vector<std::string> fqns;  // Their roots.
+  std::set<const torch::nn::Module*> modules;  // Their roots and everything below.
+};
+
+// Every submodule's FQN (a module reachable twice keeps its first name),
+// and the excluded subtrees; modules another model wraps are also listed in
+// `left_alone`.
+absl::Status FindSubmodules(torch::nn::Module& root, const FsdpOptions& options,
+                            std::map<const torch::nn::Module*, std::string>& fqn_of,
+                            Excluded& excluded, std::vector<std::string>& left_alone) {
   for (const auto& item : root.named_modules("", /*include_self=*/false)) {
     const torch::nn::Module* module = item.value().get();
-    if (fqn_of.count(module) != 0) continue;  // A module reachable twice keeps its first name.
+    if (fqn_of.count(module) != 0) continue;
     fqn_of[module] = item.key();
     bool under = false;
-    for (const std::string& e : excluded_fqns) under = under || IsPrefixOf(e, item.key());
+    for (const std::string& e : excluded.fqns) under = under || IsPrefixOf(e, item.key());
     if (under) {
-      inside_excluded.insert(module);
+      excluded.modules.insert(module);
       continue;
     }
-    if (ignored.count(module) != 0) {
-      excluded_fqns.push_back(item.key());
-      inside_excluded.insert(module);
-    } else if (GetModuleUnit(module) != nullptr) {
-      excluded_fqns.push_back(item.key());
-      inside_excluded.insert(module);
-      plan.left_alone.push_back(item.key());
+    const bool ignored = std::find(options.ignored_modules.begin(), options.ignored_modules.end(),
+                                   module) != options.ignored_modules.end();
+    if (ignored || GetModuleUnit(module) != nullptr) {
+      excluded.fqns.push_back(item.key());
+      excluded.modules.insert(module);
+      if (!ignored) left_alone.push_back(item.key());
     }
   }
   for (const torch::nn::Module* module : options.ignored_modules) {
@@ -80,7 +73,15 @@ absl::StatusOr<WrapPlan> PlanWrap(torch::nn::Module& root, int world_size,
           ") is not a submodule of the root"));
     }
   }
+  return absl::OkStatus();
+}
 
+// The submodules the policy makes units, with its options for each; every
+// choice checked.
+absl::StatusOr<std::map<const torch::nn::Module*, UnitOptions>> ChooseUnits(
+    torch::nn::Module& root, const FsdpOptions& options, const WrapPolicy& policy,
+    const std::string& policy_name,
+    const std::map<const torch::nn::Module*, std::string>& fqn_of, const Excluded& excluded) {
   PolicyInput input;
   input.root = &root;
   input.root_options.strategy = options.strategy;
@@ -88,15 +89,15 @@ absl::StatusOr<WrapPlan> PlanWrap(torch::nn::Module& root, int world_size,
   input.can_be_unit = [](const torch::nn::Module& m) {
     return dynamic_cast<const ShardableModule*>(&m) != nullptr;
   };
-  input.is_excluded = [&inside_excluded](const torch::nn::Module& m) {
-    return inside_excluded.count(&m) != 0;
+  input.is_excluded = [&excluded](const torch::nn::Module& m) {
+    return excluded.modules.count(&m) != 0;
   };
   absl::StatusOr<std::vector<UnitTarget>> targets = policy.Targets(input);
   if (!targets.ok()) return targets.status();
 
   std::map<const torch::nn::Module*, UnitOptions> chosen;
   for (const UnitTarget& target : *targets) {
-    const std::string where = absl::StrCat("wrap policy '", plan.policy, "' chose ");
+    const std::string where = absl::StrCat("wrap policy '", policy_name, "' chose ");
     if (target.module == &root) {
       return absl::InvalidArgumentError(
           absl::StrCat(where, "the root, which is always a unit; return only submodules"));
@@ -106,7 +107,7 @@ absl::StatusOr<WrapPlan> PlanWrap(torch::nn::Module& root, int world_size,
       return absl::InvalidArgumentError(
           absl::StrCat(where, "module '", target.fqn, "', which is not a submodule of the root"));
     }
-    if (inside_excluded.count(target.module) != 0) {
+    if (excluded.modules.count(target.module) != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           where, "module '", it->second, "', which is ignored or inside an ignored or "
           "already wrapped subtree"));
@@ -120,11 +121,16 @@ absl::StatusOr<WrapPlan> PlanWrap(torch::nn::Module& root, int world_size,
           where, "module '", it->second, "' (", target.module->name(),
           ") as an FSDP unit but FSDP cannot hook its forward: derive its type from "
           "fsdp::ShardableModule and open a fsdp::UnitForward scope in its forward "
-          "(fsdp/fully_shard.h)"));
+          "(fsdp/fully_shard.h), or hold it in a fsdp::UnitModule (fsdp/unit_module.h)"));
     }
   }
+  return chosen;
+}
 
-  // Units in pre-order, root first.
+// The root and the chosen units, in pre-order, root first.
+void AddUnits(torch::nn::Module& root, const FsdpOptions& options,
+              const std::map<const torch::nn::Module*, UnitOptions>& chosen,
+              const std::map<const torch::nn::Module*, std::string>& fqn_of, WrapPlan& plan) {
   PlannedUnit root_unit;
   root_unit.type = root.name();
   root_unit.module = &root;
@@ -133,7 +139,7 @@ absl::StatusOr<WrapPlan> PlanWrap(torch::nn::Module& root, int world_size,
   plan.units.push_back(std::move(root_unit));
   for (const auto& item : root.named_modules("", /*include_self=*/false)) {
     auto it = chosen.find(item.value().get());
-    if (it == chosen.end() || fqn_of[it->first] != item.key()) continue;
+    if (it == chosen.end() || fqn_of.at(it->first) != item.key()) continue;
     PlannedUnit unit;
     unit.fqn = item.key();
     unit.type = item.value()->name();
@@ -147,8 +153,11 @@ absl::StatusOr<WrapPlan> PlanWrap(torch::nn::Module& root, int world_size,
     ++unit.depth;  // Below the root.
     plan.units.push_back(std::move(unit));
   }
+}
 
-  // Each parameter goes to the deepest unit containing all its names.
+// Each parameter goes to the deepest unit containing all its names;
+// parameters in excluded subtrees go to none.
+void AssignParams(torch::nn::Module& root, const Excluded& excluded, WrapPlan& plan) {
   std::map<const void*, std::vector<std::string>> names;
   std::vector<std::pair<std::string, at::Tensor>> params;
   for (const auto& item : root.named_parameters(/*recurse=*/true)) {
@@ -158,15 +167,15 @@ absl::StatusOr<WrapPlan> PlanWrap(torch::nn::Module& root, int world_size,
   }
   for (const auto& [fqn, param] : params) {
     const std::vector<std::string>& all = names[param.unsafeGetTensorImpl()];
-    bool excluded = false;
+    bool skip = false;
     for (const std::string& name : all) {
-      for (const std::string& e : excluded_fqns) excluded = excluded || IsPrefixOf(e, name);
+      for (const std::string& e : excluded.fqns) skip = skip || IsPrefixOf(e, name);
     }
-    if (excluded) {
+    if (skip) {
       // Under an ignored module (or another model, which reports its own).
       bool in_ignored = false;
       for (const std::string& name : all) {
-        for (const std::string& e : excluded_fqns) {
+        for (const std::string& e : excluded.fqns) {
           const bool left_alone = std::find(plan.left_alone.begin(), plan.left_alone.end(),
                                             e) != plan.left_alone.end();
           in_ignored = in_ignored || (!left_alone && IsPrefixOf(e, name));
@@ -179,7 +188,10 @@ absl::StatusOr<WrapPlan> PlanWrap(torch::nn::Module& root, int world_size,
     plan.units[best].param_fqns.push_back(fqn);
     plan.units[best].params.push_back(param);
   }
+}
 
+// Sizes and shard sizes; a unit is either frozen or trainable.
+absl::Status SizeUnits(int world_size, WrapPlan& plan) {
   for (PlannedUnit& unit : plan.units) {
     std::vector<std::string> frozen, trainable;
     for (size_t i = 0; i < unit.params.size(); ++i) {
@@ -198,14 +210,44 @@ absl::StatusOr<WrapPlan> PlanWrap(torch::nn::Module& root, int world_size,
     const int64_t w = unit.strategy == ShardingStrategy::kNoShard ? 1 : world_size;
     unit.shard_numel = (unit.numel + w - 1) / w;
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<WrapPlan> PlanWrap(torch::nn::Module& root, int world_size,
+                                  const FsdpOptions& options, const WrapPolicy& policy) {
+  if (world_size < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("PlanWrap: world size ", world_size));
+  }
+  if (GetModuleUnit(&root) != nullptr) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("the root module (", root.name(), ") is already part of a wrapped model"));
+  }
+  WrapPlan plan;
+  plan.policy = policy.Describe();
+  plan.world_size = world_size;
+  plan.root_strategy = options.strategy;
+  std::map<const torch::nn::Module*, std::string> fqn_of;
+  Excluded excluded;
+  if (absl::Status found = FindSubmodules(root, options, fqn_of, excluded, plan.left_alone);
+      !found.ok()) {
+    return found;
+  }
+  absl::StatusOr<std::map<const torch::nn::Module*, UnitOptions>> chosen =
+      ChooseUnits(root, options, policy, plan.policy, fqn_of, excluded);
+  if (!chosen.ok()) return chosen.status();
+  AddUnits(root, options, *chosen, fqn_of, plan);
+  AssignParams(root, excluded, plan);
+  if (absl::Status sized = SizeUnits(world_size, plan); !sized.ok()) return sized;
   if (!plan.units.front().params.empty() &&
       dynamic_cast<ShardableModule*>(&root) == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(
         "the root module (", root.name(), ") holds parameters of its own ('",
         plan.units.front().param_fqns.front(),
         "', ...) but FSDP cannot hook its forward to unshard them: derive its type from "
-        "fsdp::ShardableModule and open a fsdp::UnitForward scope in its forward, or "
-        "choose the submodules that hold them as units"));
+        "fsdp::ShardableModule and open a fsdp::UnitForward scope in its forward, hold "
+        "it in a fsdp::UnitModule, or choose the submodules that hold them as units"));
   }
   return plan;
 }

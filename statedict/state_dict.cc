@@ -116,8 +116,9 @@ absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model, const StateDic
   auto copy_of = [&](const at::Tensor& t) {
     auto it = copies.find(t.unsafeGetTensorImpl());
     if (it == copies.end()) {
-      it = copies.emplace(t.unsafeGetTensorImpl(), t.detach().to(at::kCPU, /*non_blocking=*/false,
-                                                                   /*copy=*/true)).first;
+      const c10::Device to = settings.offload_to_cpu ? c10::Device(at::kCPU) : t.device();
+      it = copies.emplace(t.unsafeGetTensorImpl(),
+                          t.detach().to(to, /*non_blocking=*/false, /*copy=*/true)).first;
     }
     return it->second;
   };

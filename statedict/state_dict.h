@@ -24,10 +24,11 @@
 // FULL, gathering: every rank must call. Units are all-gathered one at a
 // time, in pre-order, and each is resharded before the next is gathered, so
 // no rank holds more than one unit's full parameters at once (measured:
-// FullStateDictStats). The result holds CPU copies (offload_to_cpu; this
-// CPU build always copies, since full parameters are freed after each
-// unit); with rank0_only, ranks other than 0 get an empty state dict and
-// never hold a copy.
+// FullStateDictStats). The result holds copies (full parameters are freed
+// after each unit): in host memory with offload_to_cpu (the default, as
+// PyTorch's FullStateDictConfig recommends for GPU models), else on the
+// tensors' own device. With rank0_only, ranks other than 0 get an empty
+// state dict and never hold a copy.
 //
 // FULL, loading: every rank passes the same full state dict (each reads the
 // file; see statedict/torch_file.h). Everything is checked first — missing

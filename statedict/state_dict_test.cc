@@ -96,6 +96,22 @@ TEST_P(FullStateDict, EqualsTheUnwrappedModelsAndGathersOneUnitAtATime) {
       EXPECT_TRUE(at::equal((*again)[k].second, changed[k].second)) << changed[k].first;
     }
 
+    // In host memory or on the model's device, the result is a copy:
+    // changing it changes nothing in the model.
+    for (bool offload_to_cpu : {true, false}) {
+      StateDictTypeScope placed(**wrapped,
+                                {StateDictType::kFull, /*rank0_only=*/false, offload_to_cpu});
+      auto copies = StateDictOf(**wrapped);
+      ASSERT_TRUE(copies.ok()) << copies.status();
+      for (auto& [name, tensor] : *copies) tensor.add_(1);
+      auto after = StateDictOf(**wrapped);
+      ASSERT_TRUE(after.ok()) << after.status();
+      for (size_t k = 0; k < changed.size(); ++k) {
+        EXPECT_TRUE(at::equal((*after)[k].second, changed[k].second))
+            << changed[k].first << " (offload_to_cpu " << offload_to_cpu << ")";
+      }
+    }
+
     // rank0_only: the other ranks take part but get nothing.
     StateDictTypeScope scope(**wrapped, {StateDictType::kFull, /*rank0_only=*/true});
     auto rank0 = StateDictOf(**wrapped);

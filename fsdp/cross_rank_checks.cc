@@ -1,0 +1,82 @@
+#include "fsdp/cross_rank_checks.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "ATen/Functions.h"
+#include "absl/strings/str_cat.h"
+#include "base/fnv1a.h"
+#include "c10/util/Exception.h"
+
+namespace fsdp {
+
+void CheckSameWrapOnEveryRank(Collectives& group, const FsdpOptions& options,
+                              const std::vector<UnitSignature>& units) {
+  // One all-gather of a fingerprint per rank; the unit count and total size
+  // travel beside it so that the error can say what differs.
+  uint64_t hash = Fnv1aString(kFnv1aOffsetBasis, CrossRankOptionsKey(options));
+  int64_t elements = 0;
+  for (const UnitSignature& unit : units) {
+    elements += unit.flat_numel;
+    hash = Fnv1aString(hash, absl::StrCat(unit.fqn, ":", unit.flat_numel, ":",
+                                          static_cast<int>(unit.strategy), ":",
+                                          unit.mixed_precision.ToString(), ";"));
+  }
+  const int world = group.world_size();
+  CollectiveLabel label(group, "", "lazy init (wrap plan check)");
+  // Doubles carry 52 bits exactly: the fingerprint's top ones.
+  at::Tensor mine = at::tensor({static_cast<double>(units.size()), static_cast<double>(elements),
+                                static_cast<double>(hash >> 12)},
+                               at::kDouble);
+  at::Tensor all = at::empty({world * 3}, at::kDouble);
+  group.AllGatherIntoTensor(all, mine)->Wait();
+  at::Tensor table = all.view({world, 3});
+  if (at::equal(table, table[0].expand({world, 3}))) return;
+  std::string ranks;
+  for (int r = 0; r < world; ++r) {
+    absl::StrAppend(&ranks, r == 0 ? "" : "; ", "rank ", r, ": ",
+                    static_cast<int64_t>(table[r][0].item<double>()), " units, ",
+                    static_cast<int64_t>(table[r][1].item<double>()),
+                    " parameter elements, plan fingerprint ",
+                    static_cast<int64_t>(table[r][2].item<double>()));
+  }
+  TORCH_CHECK(false, "rank ", group.rank(), " of ", world,
+              ": ranks wrapped the model differently (units, their parameters, or FSDP "
+              "options differ) — ", ranks,
+              ". Every rank must wrap the same model with the same policy and options.");
+}
+
+void CheckSameExecutionOrderOnEveryRank(Collectives& group, const std::vector<int>& order,
+                                        const std::vector<std::string>& unit_names) {
+  const int world = group.world_size();
+  CollectiveLabel label(group, "", "execution order check");
+  const std::string mine(reinterpret_cast<const char*>(order.data()), order.size() * sizeof(int));
+  std::vector<std::vector<int>> orders;
+  size_t longest = 0;
+  for (const std::string& bytes : AllGatherBytes(group, mine)) {
+    orders.emplace_back(bytes.size() / sizeof(int));
+    std::memcpy(orders.back().data(), bytes.data(), orders.back().size() * sizeof(int));
+    longest = std::max(longest, orders.back().size());
+  }
+  // The unit index rank r ran at `pos`; -1 once its forward was over.
+  auto ran = [&orders](int r, size_t pos) { return pos < orders[r].size() ? orders[r][pos] : -1; };
+  for (size_t pos = 0; pos < longest; ++pos) {
+    bool same = true;
+    for (int r = 1; r < world; ++r) same = same && ran(r, pos) == ran(0, pos);
+    if (same) continue;
+    std::string ranks;
+    for (int r = 0; r < world; ++r) {
+      const int index = ran(r, pos);
+      absl::StrAppend(&ranks, r == 0 ? "" : ", ", "rank ", r, " ",
+                      index < 0 ? std::string("had finished its forward")
+                                : absl::StrCat("ran '", unit_names[index], "'"));
+    }
+    TORCH_CHECK(false, "rank ", group.rank(), " of ", world,
+                ": FSDP units ran in different orders on different ranks in the first "
+                "forward; at position ", pos + 1, " of the order in which units finished "
+                "their forward, ", ranks, ". Every rank must run the same units in the "
+                "same order.");
+  }
+}
+
+}  // namespace fsdp

@@ -1,0 +1,42 @@
+// The checks that every rank wrapped, and runs, the same model. Ranks that
+// disagree would pair collectives of different units and hang or exchange
+// wrong shards, so each check is one collective over the shard group, run
+// once, before the first collective it protects; on a mismatch every rank
+// throws the same c10::Error, which names each rank's view.
+//
+// Callers: FullyShardedModel's lazy init (the wrap) and its first forward
+// (the order). Every rank of `group` must call each check.
+#ifndef FSDP_FSDP_CROSS_RANK_CHECKS_H_
+#define FSDP_FSDP_CROSS_RANK_CHECKS_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "comm/collectives.h"
+#include "fsdp/fsdp_options.h"
+
+namespace fsdp {
+
+// What every rank must agree on about one unit.
+struct UnitSignature {
+  std::string fqn;
+  int64_t flat_numel = 0;  // 0 for a unit without parameters.
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  MixedPrecision mixed_precision;
+};
+
+// The same units (pre-order), each with the same size, strategy and
+// precision, and the same options (CrossRankOptionsKey) on every rank.
+void CheckSameWrapOnEveryRank(Collectives& group, const FsdpOptions& options,
+                              const std::vector<UnitSignature>& units);
+
+// The same units, in the same order, finished their first forward on every
+// rank. `order` holds unit indices; `unit_names[i]` names unit i in the
+// error.
+void CheckSameExecutionOrderOnEveryRank(Collectives& group, const std::vector<int>& order,
+                                        const std::vector<std::string>& unit_names);
+
+}  // namespace fsdp
+
+#endif  // FSDP_FSDP_CROSS_RANK_CHECKS_H_
