@@ -388,6 +388,16 @@ target_include_directories(fsdp_unit_registry PUBLIC $<INSTALL_INTERFACE:include
 install(TARGETS fsdp_unit_registry EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/fsdp/unit_registry.h DESTINATION include/fsdp)
 
+# //fsdp:unit_registry_test
+if(BUILD_TESTING)
+add_executable(fsdp_unit_registry_test ${PROJECT_SOURCE_DIR}/fsdp/unit_registry_test.cc)
+set_target_properties(fsdp_unit_registry_test PROPERTIES OUTPUT_NAME unit_registry_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
+target_link_libraries(fsdp_unit_registry_test PRIVATE fsdp_unit_registry third_party_gtest_main fsdp_torch)
+add_test(NAME //fsdp:unit_registry_test COMMAND fsdp_unit_registry_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//fsdp:unit_registry_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_unit_registry_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_unit_registry_test")
+endif()
+
 # //fsdp:unit_scheduler
 add_library(fsdp_unit_scheduler SHARED ${PROJECT_SOURCE_DIR}/fsdp/unit_scheduler.cc ${PROJECT_SOURCE_DIR}/fsdp/unit_scheduler.h)
 set_target_properties(fsdp_unit_scheduler PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)

@@ -33,7 +33,8 @@ void CheckSameWrapOnEveryRank(Collectives& group, const FsdpOptions& options,
 
 // The same units, in the same order, finished their first forward on every
 // rank. `order` holds unit indices; `unit_names[i]` names unit i in the
-// error.
+// error. REQUIRES: every rank has the same units (CheckSameWrapOnEveryRank
+// passed), so that every rank's indices fall inside `unit_names`.
 void CheckSameExecutionOrderOnEveryRank(Collectives& group, const std::vector<int>& order,
                                         const std::vector<std::string>& unit_names);
 

@@ -98,12 +98,12 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<torch::nn::Module> root,
       id_(NextModelId()) {}
 
 FullyShardedModel::~FullyShardedModel() {
-  std::vector<const torch::nn::Module*> modules;
+  std::vector<std::pair<const torch::nn::Module*, FsdpUnit*>> registered;
   for (auto& unit : units_) {
-    modules.push_back(unit->module_);
+    registered.emplace_back(unit->module_, unit.get());
     for (auto& [node, key] : unit->accumulators_) node->del_post_hook(key);
   }
-  UnregisterUnits(modules);
+  UnregisterUnits(registered);
 }
 
 absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
@@ -215,11 +215,9 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
   std::vector<std::pair<const torch::nn::Module*, FsdpUnit*>> registered;
   for (const auto& unit : model->units_) registered.emplace_back(unit->module_, unit.get());
   if (std::optional<size_t> taken = RegisterUnits(registered)) {
-    const std::string name = UnitName(registered[*taken].second->fqn_);
-    // Its destructor must not unregister modules that another model owns.
-    model->units_.clear();
-    return absl::AlreadyExistsError(absl::StrCat(
-        who, "module '", name, "' was wrapped by another model while this one was being wrapped"));
+    return absl::AlreadyExistsError(
+        absl::StrCat(who, "module '", UnitName(registered[*taken].second->fqn_),
+                     "' was wrapped by another model while this one was being wrapped"));
   }
   return model;
 }

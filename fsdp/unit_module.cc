@@ -18,6 +18,7 @@ UnitModuleImpl::UnitModuleImpl(std::shared_ptr<torch::nn::Module> inner,
     register_buffer(item.key(), item.value());
   }
   for (const auto& item : inner_->named_children()) register_module(item.key(), item.value());
+  train(inner_->is_training());
 }
 
 at::Tensor UnitModuleImpl::forward(const at::Tensor& input) {

@@ -17,10 +17,15 @@
 // Names are those of the held module: a UnitModule registers the held
 // module's own parameters, buffers and submodules under their names, so
 // state dict keys and FQNs equal the unwrapped model's ("0.linear1.weight",
-// not "0.inner.linear1.weight"). The held module itself is not a submodule;
-// an FsdpOptions::param_init_fn is called with the UnitModule (inner()
-// reaches the held module). Input casting follows the unit's mixed
-// precision (UnitForward::Input).
+// not "0.inner.linear1.weight"). Input casting follows the unit's mixed
+// precision (UnitForward::Input); train()/eval() reach the held module.
+//
+// The held module itself is not in the module tree, where the UnitModule
+// stands in for it: FsdpOptions::param_init_fn, Module::apply,
+// FullyShardedModel::Apply and policies that select by type see the
+// UnitModule (inner() reaches the held module), and ignored_modules must
+// name the UnitModule. Tensors the held module registers after wrapping
+// (reset()) are not the UnitModule's; clone() is not supported.
 #ifndef FSDP_FSDP_UNIT_MODULE_H_
 #define FSDP_FSDP_UNIT_MODULE_H_
 

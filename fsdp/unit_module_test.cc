@@ -11,6 +11,7 @@
 #include "gtest/gtest.h"
 #include "testing/multi_rank.h"
 #include "torch/nn/modules/container/sequential.h"
+#include "torch/nn/modules/dropout.h"
 #include "torch/nn/modules/linear.h"
 #include "torch/nn/modules/transformerlayer.h"
 
@@ -75,6 +76,20 @@ TEST(UnitModule, NamesAndValuesAreThoseOfTheHeldModules) {
     EXPECT_TRUE(at::equal(item.value(), plain_params[item.key()])) << item.key();
   }
   EXPECT_TRUE(at::equal(held->forward(Inputs(0)), plain->forward(Inputs(0))));
+}
+
+TEST(UnitModule, ModeAndNamesFollowTheHeldModule) {
+  torch::nn::Dropout dropout(0.5);
+  dropout->eval();
+  UnitModule held(dropout);
+  EXPECT_FALSE(held->is_training()) << "takes the held module's mode";
+  const at::Tensor x = at::ones({4, 8});
+  EXPECT_TRUE(at::equal(held->forward(x), x)) << "dropout in eval mode";
+  held->train();
+  EXPECT_TRUE(dropout->is_training()) << "train() reaches the held module";
+
+  UnitModule no_bias(torch::nn::Linear(torch::nn::LinearOptions(3, 2).bias(false)));
+  EXPECT_EQ(Names(*no_bias), std::vector<std::string>{"weight"});
 }
 
 class UnitModuleParity : public ::testing::TestWithParam<int> {};

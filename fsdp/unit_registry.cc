@@ -34,9 +34,12 @@ std::optional<size_t> RegisterUnits(
   return std::nullopt;
 }
 
-void UnregisterUnits(const std::vector<const torch::nn::Module*>& modules) {
+void UnregisterUnits(const std::vector<std::pair<const torch::nn::Module*, FsdpUnit*>>& units) {
   std::lock_guard<std::mutex> lock(RegistryMutex());
-  for (const torch::nn::Module* module : modules) Registry().erase(module);
+  for (const auto& [module, unit] : units) {
+    auto it = Registry().find(module);
+    if (it != Registry().end() && it->second == unit) Registry().erase(it);
+  }
 }
 
 }  // namespace fsdp

@@ -25,8 +25,9 @@ FsdpUnit* GetModuleUnit(const torch::nn::Module* module);
 // first module that is a unit already, leaving the registry unchanged.
 std::optional<size_t> RegisterUnits(
     const std::vector<std::pair<const torch::nn::Module*, FsdpUnit*>>& units);
-// Removes the modules' entries.
-void UnregisterUnits(const std::vector<const torch::nn::Module*>& modules);
+// Removes each module's entry if it maps to that unit, so that a model
+// whose registration failed cannot remove another model's entries.
+void UnregisterUnits(const std::vector<std::pair<const torch::nn::Module*, FsdpUnit*>>& units);
 
 }  // namespace fsdp
 
