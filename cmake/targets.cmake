@@ -219,6 +219,16 @@ set_tests_properties(//fsdp:flat_param_handle_test PROPERTIES TIMEOUT 300 ENVIRO
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_flat_param_handle_test")
 endif()
 
+# //fsdp:frozen_params_test
+if(BUILD_TESTING)
+add_executable(fsdp_frozen_params_test ${PROJECT_SOURCE_DIR}/fsdp/frozen_params_test.cc)
+set_target_properties(fsdp_frozen_params_test PROPERTIES OUTPUT_NAME frozen_params_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
+target_link_libraries(fsdp_frozen_params_test PRIVATE fsdp_fully_shard fsdp_test_util fsdp_unit_module comm_collectives testing_multi_rank third_party_gtest_main fsdp_torch)
+add_test(NAME //fsdp:frozen_params_test COMMAND fsdp_frozen_params_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//fsdp:frozen_params_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_frozen_params_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_frozen_params_test")
+endif()
+
 # //fsdp:fsdp_options
 add_library(fsdp_fsdp_options SHARED ${PROJECT_SOURCE_DIR}/fsdp/fsdp_options.cc ${PROJECT_SOURCE_DIR}/fsdp/fsdp_options.h)
 set_target_properties(fsdp_fsdp_options PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)

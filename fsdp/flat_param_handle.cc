@@ -1,6 +1,7 @@
 #include "fsdp/flat_param_handle.h"
 
 #include <algorithm>
+#include <exception>
 #include <set>
 #include <utility>
 
@@ -52,6 +53,20 @@ void FreeStorage(const at::Tensor& t) {
 
 void AllocateStorage(const at::Tensor& t) { ResizeStorage(t, t.numel() * t.element_size()); }
 
+// Waits for every work (none is left running with its buffers about to be
+// freed) and then throws the first error, if any.
+void WaitAll(std::vector<std::unique_ptr<CollectiveWork>> works) {
+  std::exception_ptr first_error;
+  for (const auto& work : works) {
+    try {
+      work->Wait();
+    } catch (...) {
+      if (first_error == nullptr) first_error = std::current_exception();
+    }
+  }
+  if (first_error != nullptr) std::rethrow_exception(first_error);
+}
+
 }  // namespace
 
 const char* HandleTrainingStateName(HandleTrainingState state) {
@@ -95,12 +110,6 @@ absl::Status FlatParamHandle::CheckParams(const std::string& unit_name,
       problems.push_back(absl::StrCat("'", p.fqn, "' is not a leaf tensor"));
     }
     if (!first.param.defined()) continue;
-    if (p.param.requires_grad() != first.param.requires_grad()) {
-      problems.push_back(absl::StrCat(
-          "'", p.fqn, "' has requires_grad=", p.param.requires_grad() ? "true" : "false",
-          " but '", first.fqn, "' has ", first.param.requires_grad() ? "true" : "false",
-          " (a unit's parameters must be all trainable or all frozen)"));
-    }
     if (p.param.scalar_type() != first.param.scalar_type()) {
       problems.push_back(absl::StrCat("'", p.fqn, "' has dtype ",
                                       c10::toString(p.param.scalar_type()), " but '",
@@ -140,27 +149,7 @@ FlatParamHandle::FlatParamHandle(std::string unit_name, std::vector<FlatParamEnt
       group_(group),
       options_(options),
       compute_device_(params_.front().param.device()) {
-  for (const FlatParamEntry& p : params_) {
-    FlatParamInfo info;
-    info.fqn = p.fqn;
-    info.shape = p.param.sizes().vec();
-    info.offset = flat_numel_;
-    info.numel = p.param.numel();
-    flat_numel_ += info.numel;
-    infos_.push_back(std::move(info));
-  }
-  const int world = uses_sharded_views() ? group_.world_size() : 1;
-  const int rank = uses_sharded_views() ? group_.rank() : 0;
-  const int64_t shard = (flat_numel_ + world - 1) / world;
-  padded_numel_ = shard * world;
-  const int64_t shard_begin = rank * shard;
-  for (FlatParamInfo& info : infos_) {
-    const int64_t begin = std::max(info.offset, shard_begin);
-    const int64_t end = std::min(info.offset + info.numel, shard_begin + shard);
-    info.shard_offset = end > begin ? begin - info.offset : 0;
-    info.shard_numel = std::max<int64_t>(0, end - begin);
-  }
-
+  LayOut();
   // Flatten the current values (identical on every rank: the caller's
   // contract) and keep this rank's part.
   const at::TensorOptions tensor_options = params_.front().param.options().requires_grad(false);
@@ -172,17 +161,22 @@ FlatParamHandle::FlatParamHandle(std::string unit_name, std::vector<FlatParamEnt
           .copy_(params_[i].param.detach().reshape({-1}));
     }
   }
-  const at::Tensor mine = flat.narrow(0, shard_begin, shard);
+  const int rank = uses_sharded_views() ? group_.rank() : 0;
+  std::vector<at::Tensor> mine;
+  for (const Segment& seg : segments_) {
+    mine.push_back(flat.narrow(0, seg.full_begin + rank * seg.shard_numel, seg.shard_numel));
+  }
   if (options_.offload_params) {
-    local_shard_ = EmptyOnHost(mine.numel(), mine.scalar_type());
-    local_shard_.copy_(mine);
+    const at::Tensor shard = at::cat(mine);
+    local_shard_ = EmptyOnHost(shard.numel(), shard.scalar_type());
+    local_shard_.copy_(shard);
   } else {
-    local_shard_ = mine.clone();
+    local_shard_ = at::cat(mine);
   }
   // The views parameters swap between are made once: building a view costs
   // about as much as the swap itself, and views of full_ stay valid while
   // its storage is freed and reallocated.
-  for (size_t i = 0; i < params_.size(); ++i) shard_views_.push_back(ShardView(local_shard_, i));
+  for (size_t i = 0; i < params_.size(); ++i) shard_views_.push_back(ShardViewOf(local_shard_, i));
   compute_dtype_ = options_.param_dtype.value_or(local_shard_.scalar_type());
   low_precision_ = compute_dtype_ != local_shard_.scalar_type();
   if (uses_sharded_views() || low_precision_ || options_.offload_params) {
@@ -202,6 +196,80 @@ FlatParamHandle::FlatParamHandle(std::string unit_name, std::vector<FlatParamEnt
 
 FlatParamHandle::~FlatParamHandle() = default;
 
+void FlatParamHandle::LayOut() {
+  const int world = uses_sharded_views() ? group_.world_size() : 1;
+  const int rank = uses_sharded_views() ? group_.rank() : 0;
+  infos_.resize(params_.size());
+  segment_of_.resize(params_.size());
+  int64_t shard_numel = 0;
+  for (const bool trainable : {true, false}) {
+    Segment seg;
+    seg.trainable = trainable;
+    seg.full_begin = padded_numel_;
+    seg.shard_begin = shard_numel;
+    int64_t numel = 0;
+    bool any = false;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (params_[i].param.requires_grad() != trainable) continue;
+      FlatParamInfo& info = infos_[i];
+      info.fqn = params_[i].fqn;
+      info.shape = params_[i].param.sizes().vec();
+      info.trainable = trainable;
+      info.offset = seg.full_begin + numel;
+      info.numel = params_[i].param.numel();
+      numel += info.numel;
+      segment_of_[i] = segments_.size();
+      any = true;
+    }
+    if (!any) continue;
+    seg.shard_numel = (numel + world - 1) / world;
+    seg.padded_numel = seg.shard_numel * world;
+    flat_numel_ += numel;
+    if (trainable) trainable_numel_ = numel;
+    padded_numel_ += seg.padded_numel;
+    shard_numel += seg.shard_numel;
+    segments_.push_back(seg);
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    FlatParamInfo& info = infos_[i];
+    const Segment& seg = segments_[segment_of_[i]];
+    const int64_t owned = seg.full_begin + rank * seg.shard_numel;
+    const int64_t begin = std::max(info.offset, owned);
+    const int64_t end = std::min(info.offset + info.numel, owned + seg.shard_numel);
+    info.shard_offset = end > begin ? begin - info.offset : 0;
+    info.shard_numel = std::max<int64_t>(0, end - begin);
+  }
+}
+
+std::vector<std::unique_ptr<CollectiveWork>> FlatParamHandle::AllGatherSegments(
+    const at::Tensor& full, const at::Tensor& shard, size_t count) const {
+  std::vector<std::unique_ptr<CollectiveWork>> works;
+  for (size_t s = 0; s < count; ++s) {
+    const Segment& seg = segments_[s];
+    works.push_back(group_.AllGatherIntoTensor(full.narrow(0, seg.full_begin, seg.padded_numel),
+                                               shard.narrow(0, seg.shard_begin, seg.shard_numel)));
+  }
+  return works;
+}
+
+int64_t FlatParamHandle::trainable_shard_numel() const {
+  return has_trainable_params() ? segments_.front().shard_numel : 0;
+}
+
+at::Tensor FlatParamHandle::AllGatherTrainable(const at::Tensor& flat) const {
+  TORCH_CHECK(flat.dim() == 1 && flat.numel() == trainable_shard_numel(), Describe(),
+              ": AllGatherTrainable takes ", trainable_shard_numel(), " elements, not ",
+              flat.numel());
+  if (!uses_sharded_views()) return flat;
+  at::Tensor full = at::empty({segments_.front().padded_numel}, flat.options());
+  WaitAll(AllGatherSegments(full, flat, has_trainable_params() ? 1 : 0));
+  return full;
+}
+
+at::Tensor FlatParamHandle::FullViewOf(const at::Tensor& full, size_t i) const {
+  return full.narrow(0, infos_[i].offset, infos_[i].numel).view(infos_[i].shape);
+}
+
 std::string FlatParamHandle::Describe() const {
   return absl::StrCat("unit '", unit_name_, "' on rank ", group_.rank(), " of ",
                       group_.world_size());
@@ -218,12 +286,15 @@ void FlatParamHandle::PointParamsAtFull() {
   for (size_t i = 0; i < params_.size(); ++i) params_[i].param.set_data(full_views_[i]);
 }
 
-at::Tensor FlatParamHandle::ShardView(const at::Tensor& flat, size_t i) const {
+at::Tensor FlatParamHandle::ShardViewOf(const at::Tensor& flat, size_t i) const {
   const FlatParamInfo& info = infos_[i];
-  if (!uses_sharded_views()) return flat.narrow(0, info.offset, info.numel).view(info.shape);
+  // NO_SHARD: W = 1, so the shard is the flat parameter, segments unpadded.
+  if (!uses_sharded_views()) return FullViewOf(flat, i);
   if (info.shard_numel == 0) return flat.narrow(0, 0, 0);
-  const int64_t shard_begin = group_.rank() * local_shard_.numel();
-  return flat.narrow(0, info.offset + info.shard_offset - shard_begin, info.shard_numel);
+  const Segment& seg = segments_[segment_of_[i]];
+  const int64_t owned = seg.full_begin + group_.rank() * seg.shard_numel;
+  return flat.narrow(0, seg.shard_begin + info.offset + info.shard_offset - owned,
+                     info.shard_numel);
 }
 
 void FlatParamHandle::PointParamsAtShard() {
@@ -231,14 +302,19 @@ void FlatParamHandle::PointParamsAtShard() {
 }
 
 void FlatParamHandle::AllocateShardedGrad(at::Tensor initial) {
+  const int64_t numel = trainable_shard_numel();
   sharded_grad_ = initial.defined() ? std::move(initial)
                                     : options_.offload_params
-                                        ? EmptyOnHost(local_shard_.numel(), GradDtype()).zero_()
-                                        : at::zeros({local_shard_.numel()},
+                                        ? EmptyOnHost(numel, GradDtype()).zero_()
+                                        : at::zeros({numel},
                                                     local_shard_.options().dtype(GradDtype()));
   grad_aliases_.clear();
   for (size_t i = 0; i < params_.size(); ++i) {
-    const at::Tensor part = ShardView(sharded_grad_, i);
+    if (!infos_[i].trainable) {
+      grad_aliases_.emplace_back();
+      continue;
+    }
+    const at::Tensor part = ShardViewOf(sharded_grad_, i);
     grad_aliases_.push_back(at::empty({0}, part.options())
                                 .set_(part.storage(), part.storage_offset(), part.sizes(),
                                       part.strides()));
@@ -247,7 +323,7 @@ void FlatParamHandle::AllocateShardedGrad(at::Tensor initial) {
 
 void FlatParamHandle::PublishGradients() {
   for (size_t i = 0; i < params_.size(); ++i) {
-    params_[i].param.mutable_grad() = grad_aliases_[i];
+    if (infos_[i].trainable) params_[i].param.mutable_grad() = grad_aliases_[i];
   }
   gradients_pending_ = false;
 }
@@ -292,20 +368,21 @@ at::ScalarType FlatParamHandle::GradDtype() const {
 
 void FlatParamHandle::StartUnshard() {
   // NO_SHARD's low-precision copy is a local cast, made in FinishUnshard.
-  if (!uses_sharded_views() || unsharded_ || pending_unshard_) return;
+  if (!uses_sharded_views() || unsharded_ || has_pending_unshard()) return;
   const bool copies = low_precision_ || options_.offload_params;
   if (low_precision_ && training_state_ == HandleTrainingState::kSummonFullParams) {
     summon_full_ = at::empty({padded_numel_}, local_shard_.options().device(compute_device_));
     if (options_.offload_params) {
       send_buffer_ = OnComputeDevice(local_shard_, local_shard_.scalar_type());
     }
-    pending_unshard_ = group_.AllGatherIntoTensor(
-        summon_full_, options_.offload_params ? send_buffer_ : local_shard_);
+    pending_unshard_ = AllGatherSegments(
+        summon_full_, options_.offload_params ? send_buffer_ : local_shard_, segments_.size());
     return;
   }
   AllocateStorage(full_);
   if (copies) send_buffer_ = OnComputeDevice(local_shard_, compute_dtype_);
-  pending_unshard_ = group_.AllGatherIntoTensor(full_, copies ? send_buffer_ : local_shard_);
+  pending_unshard_ =
+      AllGatherSegments(full_, copies ? send_buffer_ : local_shard_, segments_.size());
 }
 
 void FlatParamHandle::FinishUnshard() {
@@ -318,15 +395,12 @@ void FlatParamHandle::FinishUnshard() {
     unsharded_ = true;
     return;
   }
-  TORCH_CHECK(pending_unshard_ != nullptr, Describe(),
+  TORCH_CHECK(has_pending_unshard(), Describe(),
               ": FinishUnshard without a pending all-gather (call StartUnshard first); "
               "training state ", HandleTrainingStateName(training_state_));
   WaitForPendingUnshard();
   if (summon_full_.defined()) {
-    for (size_t i = 0; i < params_.size(); ++i) {
-      params_[i].param.set_data(
-          summon_full_.narrow(0, infos_[i].offset, infos_[i].numel).view(infos_[i].shape));
-    }
+    for (size_t i = 0; i < params_.size(); ++i) params_[i].param.set_data(FullViewOf(summon_full_, i));
   } else {
     PointParamsAtFull();
   }
@@ -340,22 +414,22 @@ void FlatParamHandle::Unshard() {
 
 void FlatParamHandle::WaitForPendingUnshard() {
   try {
-    pending_unshard_->Wait();
+    WaitAll(std::move(pending_unshard_));
   } catch (...) {
     // A failed all-gather leaves the handle sharded with nothing allocated,
     // as before it started.
-    pending_unshard_.reset();
+    pending_unshard_.clear();
     send_buffer_ = at::Tensor();
     FreeStorage(full_);
     summon_full_ = at::Tensor();
     throw;
   }
-  pending_unshard_.reset();
+  pending_unshard_.clear();
   send_buffer_ = at::Tensor();
 }
 
 void FlatParamHandle::DiscardPendingUnshard() {
-  if (pending_unshard_ == nullptr) return;
+  if (!has_pending_unshard()) return;
   WaitForPendingUnshard();
   if (!unsharded_) {
     FreeStorage(full_);
@@ -365,7 +439,7 @@ void FlatParamHandle::DiscardPendingUnshard() {
 
 void FlatParamHandle::Reshard() {
   if (uses_sharded_views() || low_precision_ || options_.offload_params) {
-    TORCH_CHECK(pending_unshard_ == nullptr, Describe(),
+    TORCH_CHECK(!has_pending_unshard(), Describe(),
                 ": Reshard while an all-gather is pending (call FinishUnshard first)");
     if (unsharded_) {
       if (summon_full_.defined()) {
@@ -390,6 +464,7 @@ void FlatParamHandle::PrepareGradientsForBackward() {
   if (gradients_pending_ || holds_unreduced_) return;
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
+    if (!infos_[i].trainable) continue;
     const at::Tensor grad = params_[i].param.grad();
     if (!grad.defined() && !sharded_grad_.defined()) continue;  // Nothing yet.
     if (!sharded_grad_.defined()) AllocateShardedGrad(at::Tensor());
@@ -410,12 +485,18 @@ void FlatParamHandle::ReduceGradients() {
   TORCH_CHECK(unsharded_ || !UnshardNeeded(), Describe(),
               ": ReduceGradients needs the unit unsharded; training state ",
               HandleTrainingStateName(training_state_));
+  TORCH_CHECK(has_trainable_params(), Describe(),
+              ": ReduceGradients on a unit without trainable parameters");
   at::NoGradGuard no_grad;
-  // Copying the gradients in casts them to the reduction's dtype.
+  // Copying the gradients in casts them to the reduction's dtype. Only the
+  // trainable segment is reduced: it starts the flat parameter.
+  const Segment& trainable = segments_.front();
   const at::ScalarType reduce_dtype = options_.reduce_dtype.value_or(compute_dtype_);
-  at::Tensor flat_grad = at::zeros(
-      {padded_numel_}, local_shard_.options().dtype(reduce_dtype).device(compute_device_));
+  at::Tensor flat_grad =
+      at::zeros({trainable.padded_numel},
+                local_shard_.options().dtype(reduce_dtype).device(compute_device_));
   for (size_t i = 0; i < params_.size(); ++i) {
+    if (!infos_[i].trainable) continue;
     const at::Tensor grad = params_[i].param.grad();
     if (!grad.defined()) continue;  // Unused in this backward: contributes zero.
     TORCH_CHECK(grad.sizes().vec() == infos_[i].shape, Describe(), ": the gradient of '",
@@ -427,7 +508,7 @@ void FlatParamHandle::ReduceGradients() {
     params_[i].param.mutable_grad() = at::Tensor();
   }
   at::Tensor reduced = uses_sharded_views()
-                           ? at::empty({local_shard_.numel()}, flat_grad.options())
+                           ? at::empty({trainable.shard_numel}, flat_grad.options())
                            : flat_grad;  // NO_SHARD reduces in place.
   const CommHookContext context{group_, uses_sharded_views(), unit_name_,
                                 options_.replicate_group};
@@ -464,21 +545,21 @@ void FlatParamHandle::WritebackShard() {
   TORCH_CHECK(unsharded_, Describe(), ": WritebackShard needs the unit unsharded");
   at::NoGradGuard no_grad;
   const at::Tensor& full = summon_full_.defined() ? summon_full_ : full_;
-  local_shard_.copy_(full.narrow(0, group_.rank() * local_shard_.numel(), local_shard_.numel()));
+  for (const Segment& seg : segments_) {
+    local_shard_.narrow(0, seg.shard_begin, seg.shard_numel)
+        .copy_(full.narrow(0, seg.full_begin + group_.rank() * seg.shard_numel, seg.shard_numel));
+  }
 }
 
 void FlatParamHandle::UnshardGradients() {
   if (!uses_sharded_views() || !sharded_grad_.defined()) return;
   TORCH_CHECK(!holds_unreduced_ && !gradients_pending_, Describe(),
               ": gradients are not reduced yet (inside no_sync or backward)");
-  full_grad_ = at::empty({padded_numel_}, sharded_grad_.options().device(compute_device_));
-  const at::Tensor send = options_.offload_params
-                              ? OnComputeDevice(sharded_grad_, sharded_grad_.scalar_type())
-                              : sharded_grad_;
-  group_.AllGatherIntoTensor(full_grad_, send)->Wait();
+  full_grad_ = AllGatherTrainable(
+      options_.offload_params ? OnComputeDevice(sharded_grad_, sharded_grad_.scalar_type())
+                              : sharded_grad_);
   for (size_t i = 0; i < params_.size(); ++i) {
-    params_[i].param.mutable_grad() =
-        full_grad_.narrow(0, infos_[i].offset, infos_[i].numel).view(infos_[i].shape);
+    if (infos_[i].trainable) params_[i].param.mutable_grad() = FullViewOf(full_grad_, i);
   }
 }
 
@@ -486,8 +567,8 @@ void FlatParamHandle::ReshardGradients(bool writeback) {
   if (!full_grad_.defined()) return;
   if (writeback) {
     at::NoGradGuard no_grad;
-    sharded_grad_.copy_(
-        full_grad_.narrow(0, group_.rank() * local_shard_.numel(), local_shard_.numel()));
+    sharded_grad_.copy_(full_grad_.narrow(0, group_.rank() * sharded_grad_.numel(),
+                                          sharded_grad_.numel()));
   }
   full_grad_ = at::Tensor();
   PublishGradients();

@@ -6,31 +6,46 @@
 // labels and rate limits; this class does the tensor and collective work.
 //
 // NOTE [Flat parameter]
-// The unit's parameters p_0 .. p_{k-1} (in the order given, which is module
-// registration order) are laid end to end in one flat buffer of
-// F = sum numel(p_i) elements, padded with zeros to P = W * S elements, where
-// W is the shard group's size and S = ceil(F / W). Rank r owns elements
-// [r*S, (r+1)*S): its *shard*, the only persistent parameter storage the
-// unit has on that rank (S elements, padding included).
+// The unit's parameters p_0 .. p_{k-1} (module registration order) are laid
+// end to end in one flat buffer, in up to two *segments*: the trainable
+// parameters (requires_grad at Create) first, then the frozen ones, each
+// group in registration order. A segment of F_s elements is padded with
+// zeros to P_s = W * S_s elements, where W is the shard group's size and
+// S_s = ceil(F_s / W); the flat buffer has P = sum P_s elements. Rank r owns
+// elements [r*S_s, (r+1)*S_s) of every segment; its *shard* is those parts
+// end to end (S = sum S_s elements, padding included), the only persistent
+// parameter storage the unit has on that rank. A unit whose parameters are
+// all trainable (or all frozen) has one segment, and the layout is the
+// plain "parameters end to end, padded, split in W".
 //
-//   unsharded:  a full buffer of P elements is all-gathered; p_i's data is
-//               the view full[o_i, o_i + numel(p_i)) in p_i's shape.
+//   unsharded:  a full buffer of P elements is all-gathered (one all-gather
+//               per segment); p_i's data is the view full[o_i, o_i + n_i)
+//               in p_i's shape, where o_i is its offset in its segment's
+//               place in the buffer.
 //   resharded:  the full buffer's storage is freed (resized to 0 bytes, the
 //               storage object kept, so every view of it, including views
 //               autograd saved during forward, is valid again after the next
 //               unshard); p_i's data is the 1-D view of the shard that
-//               intersects [o_i, o_i + numel(p_i)) — possibly empty.
+//               intersects [o_i, o_i + n_i) — possibly empty. Each
+//               parameter lies in one segment, so the part of it a rank
+//               owns is contiguous.
 //
+// Segments exist so that a unit can hold frozen and trainable parameters
+// together (a frozen base layer and its trainable low-rank adapter) and
+// still reduce, and keep gradients for, only the trainable segment: the
+// frozen one is all-gathered for compute and never reduced.
 // The parameter tensors keep their identity (set_data swaps their data), so
 // modules still hold them, their names stay those of the unwrapped model,
 // and an optimizer built over them after wrapping steps this rank's shard.
 //
-// Gradients: after backward, ReduceGradients flattens the parameters' full
-// gradients and reduce-scatters them (sum, divided by W in two steps — a
+// Gradients (trainable parameters only): after backward, ReduceGradients
+// flattens the parameters' full gradients into the trainable segment's
+// layout and reduce-scatters them (sum, divided by W in two steps — a
 // pre-divide before and a post-divide after the collective, as PyTorch does,
 // so that low-precision sums neither overflow nor underflow), adding the
 // result to the unit's *sharded gradient*: one flat buffer laid out like the
-// shard, which accumulates across backward passes until the optimizer steps.
+// trainable segment's part of the shard (the shard's first S_0 elements),
+// which accumulates across backward passes until the optimizer steps.
 // From the next Reshard on, p_i.grad is p_i's part of it, shaped like p_i's
 // data. These gradients share the buffer's memory but are not autograd views
 // (they are made with set_): libtorch's Optimizer::zero_grad() detaches
@@ -40,8 +55,9 @@
 // did to p_i.grad in between (zeroed it, cleared it, replaced it) is what
 // accumulation continues from.
 //
-// NO_SHARD: the shard is the whole unpadded flat buffer, the parameters
-// always view it, and gradients are all-reduced instead.
+// NO_SHARD: the shard is the whole unpadded flat buffer (W = 1, so the
+// segments are unpadded), the parameters always view it, and gradients are
+// all-reduced instead.
 //
 // CPU offload (FlatParamHandleOptions::offload_params): the *compute
 // device* is the device the parameters are on at Create. The shard and the
@@ -94,7 +110,7 @@ const char* HandleTrainingStateName(HandleTrainingState state);
 // One original parameter of a unit.
 struct FlatParamEntry {
   std::string fqn;     // Name in the unwrapped model, e.g. "h.0.attn.c_attn.weight".
-  at::Tensor param;    // The module's parameter (a leaf that requires grad).
+  at::Tensor param;    // The module's parameter (a leaf; frozen or trainable).
 };
 
 // Where one original parameter lies in the flat parameter and in this
@@ -102,6 +118,7 @@ struct FlatParamEntry {
 struct FlatParamInfo {
   std::string fqn;
   std::vector<int64_t> shape;
+  bool trainable = true;     // requires_grad at Create: its segment.
   int64_t offset = 0;        // First element in the flat parameter.
   int64_t numel = 0;
   int64_t shard_offset = 0;  // First element of the part this rank owns,
@@ -139,7 +156,8 @@ class FlatParamHandle {
   // Flattens `params` into this rank's shard of `unit_name`. `group` is the
   // shard group (its size is W); it must outlive the handle. Fails with
   // kInvalidArgument naming the parameters when they are empty, repeated,
-  // not leaves requiring grad uniformly, or of mixed dtype or device.
+  // not leaves, or of mixed dtype or device. Which parameters are
+  // trainable is read here, once: it fixes the segments.
   // All ranks of the group must call it with the same parameter layout.
   static absl::StatusOr<std::unique_ptr<FlatParamHandle>> Create(
       std::string unit_name, std::vector<FlatParamEntry> params, Collectives& group,
@@ -168,7 +186,7 @@ class FlatParamHandle {
   // Waits for a pending StartUnshard (a prefetch that turned out not to be
   // needed) and frees its buffer; no-op without one.
   void DiscardPendingUnshard();
-  bool has_pending_unshard() const { return pending_unshard_ != nullptr; }
+  bool has_pending_unshard() const { return !pending_unshard_.empty(); }
 
   // Frees the full parameter, points the parameters at this rank's shard
   // and, after ReduceGradients, their gradients at this rank's part of the
@@ -181,9 +199,9 @@ class FlatParamHandle {
   void PrepareGradientsForBackward();
 
   // After that backward: reduce-scatters (all-reduces for NO_SHARD) the
-  // parameters' full gradients, missing ones counting as zero. The result
-  // reaches .grad at the next Reshard (at once for NO_SHARD).
-  // REQUIRES: unsharded (or NO_SHARD).
+  // trainable parameters' full gradients, missing ones counting as zero.
+  // The result reaches .grad at the next Reshard (at once for NO_SHARD).
+  // REQUIRES: unsharded (or NO_SHARD), has_trainable_params().
   void ReduceGradients();
 
   // Instead of ReduceGradients, under no_sync: the full gradients stay in
@@ -220,13 +238,14 @@ class FlatParamHandle {
   // Whether Unshard has anything to do now: a strategy that shards, or a
   // low-precision or offload copy to make (not under kSummonFullParams).
   bool UnshardNeeded() const;
-  // Trainable (every parameter requires grad) or frozen (none does).
-  bool requires_grad() const { return params_.front().param.requires_grad(); }
+  // Whether the unit has gradients to reduce: a trainable segment.
+  bool has_trainable_params() const { return segments_.front().trainable; }
+  int64_t trainable_numel() const { return trainable_numel_; }  // Unpadded.
   bool uses_sharded_views() const { return options_.strategy != ShardingStrategy::kNoShard; }
   const std::vector<FlatParamInfo>& params_info() const { return infos_; }
   const std::vector<FlatParamEntry>& entries() const { return params_; }
-  int64_t flat_numel() const { return flat_numel_; }      // F, unpadded.
-  int64_t padded_numel() const { return padded_numel_; }  // P = W * S.
+  int64_t flat_numel() const { return flat_numel_; }      // sum F_s, unpadded.
+  int64_t padded_numel() const { return padded_numel_; }  // P, the full buffer.
   int64_t shard_numel() const { return local_shard_.numel(); }
 
   // This rank's shard (S elements, padding included).
@@ -235,7 +254,24 @@ class FlatParamHandle {
   // elements [shard_offset, shard_offset + shard_numel) of the flattened
   // parameter), or under NO_SHARD the whole parameter in its shape. Writing
   // into it writes the shard (what state dict loading does).
-  at::Tensor LocalShardOf(size_t i) const { return ShardView(local_shard_, i); }
+  at::Tensor LocalShardOf(size_t i) const { return ShardViewOf(local_shard_, i); }
+  // Parameter i's part of `flat`, a tensor laid out like the shard (or, for
+  // a trainable parameter, like the sharded gradient: the trainable
+  // segment's part of the shard), as LocalShardOf describes it.
+  at::Tensor ShardViewOf(const at::Tensor& flat, size_t i) const;
+  // Elements of the sharded gradient (the trainable segment's part of the
+  // shard; 0 without trainable parameters).
+  int64_t trainable_shard_numel() const;
+  // For state kept like the sharded gradient (an optimizer's elementwise
+  // state): all-gathers `flat` (trainable_shard_numel() elements) from every
+  // rank of the shard group into the trainable segment's place in the flat
+  // parameter, and returns it; FullViewOf gives a trainable parameter's
+  // part of the result. Blocking; every rank of the group must call it.
+  at::Tensor AllGatherTrainable(const at::Tensor& flat) const;
+  // Parameter i's view, in its shape, of `full`, a tensor laid out like the
+  // flat parameter (or, for a trainable parameter, like AllGatherTrainable's
+  // result).
+  at::Tensor FullViewOf(const at::Tensor& full, size_t i) const;
 
   // Bytes currently allocated for the full parameter (0 when resharded):
   // what the memory tests sample.
@@ -252,10 +288,22 @@ class FlatParamHandle {
   FlatParamHandle(std::string unit_name, std::vector<FlatParamEntry> params,
                   Collectives& group, const FlatParamHandleOptions& options);
 
-  // Parameter i's part of a tensor laid out like local_shard_ (the shard or
-  // the sharded gradient): 1-D and possibly empty, or for NO_SHARD the
-  // whole parameter in its shape.
-  at::Tensor ShardView(const at::Tensor& flat, size_t i) const;
+  // One segment of the flat parameter (NOTE [Flat parameter]).
+  struct Segment {
+    bool trainable = false;
+    int64_t full_begin = 0;    // First element in the flat parameter.
+    int64_t padded_numel = 0;  // P_s = W * S_s.
+    int64_t shard_begin = 0;   // First element in the shard.
+    int64_t shard_numel = 0;   // S_s.
+  };
+  // Lays the parameters out in segments (infos_, segments_, segment_of_).
+  void LayOut();
+  // Issues one all-gather per segment among the first `count`: each rank's
+  // part of `shard` (laid out like the shard) into `full` (laid out like
+  // the flat parameter).
+  std::vector<std::unique_ptr<CollectiveWork>> AllGatherSegments(const at::Tensor& full,
+                                                                 const at::Tensor& shard,
+                                                                 size_t count) const;
   // Waits for the pending all-gather; if it failed, frees what it was
   // filling and rethrows, leaving the handle sharded.
   void WaitForPendingUnshard();
@@ -283,6 +331,9 @@ class FlatParamHandle {
   const c10::Device compute_device_;
   int64_t flat_numel_ = 0;
   int64_t padded_numel_ = 0;
+  int64_t trainable_numel_ = 0;
+  std::vector<Segment> segments_;    // Trainable first; one or two.
+  std::vector<size_t> segment_of_;   // Parameter i's segment.
 
   at::Tensor local_shard_;   // S elements; NO_SHARD: F elements. Host when offloading.
   // P elements in compute_dtype_ on the compute device; storage freed while
@@ -296,12 +347,14 @@ class FlatParamHandle {
   // The cast or device copy of the shard a pending all-gather sends.
   at::Tensor send_buffer_;
   std::vector<at::Tensor> shard_views_;  // Parameter i's view of local_shard_.
-  at::Tensor sharded_grad_;  // Like local_shard_ (host when offloading); undefined until first needed.
-  at::Tensor full_grad_;     // P elements while UnshardGradients is in effect.
-  std::vector<at::Tensor> grad_aliases_;  // Parameter i's part of sharded_grad_.
+  // Like the trainable segment's part of local_shard_ (host when
+  // offloading); undefined until first needed.
+  at::Tensor sharded_grad_;
+  at::Tensor full_grad_;     // The trainable segment, while UnshardGradients is in effect.
+  std::vector<at::Tensor> grad_aliases_;  // Parameter i's part of sharded_grad_ (frozen: none).
   bool gradients_pending_ = false;  // Reduced into sharded_grad_, not yet in .grad.
   bool holds_unreduced_ = false;    // .grad holds full, unreduced gradients.
-  std::unique_ptr<CollectiveWork> pending_unshard_;
+  std::vector<std::unique_ptr<CollectiveWork>> pending_unshard_;  // One per segment.
   bool unsharded_ = false;
   CommHook* comm_hook_ = nullptr;
   HandleTrainingState training_state_ = HandleTrainingState::kIdle;

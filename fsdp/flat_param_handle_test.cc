@@ -269,6 +269,75 @@ TEST(FlatParamHandle, ShardsWithPaddingAndKeepsParameterIdentity) {
   EXPECT_TRUE(status.ok()) << status;
 }
 
+// Frozen parameters between trainable ones: the trainable segment comes
+// first, each segment is padded and split apart, the unshard restores every
+// parameter, and only the trainable segment is reduced and holds gradients.
+TEST(FlatParamHandle, FrozenAndTrainableParametersLieInTwoSegments) {
+  absl::Status status = RunOnThreadRanks(3, [](Collectives& comm) {
+    // Trainable a (5) and c (2): 7 -> padded 9, 3 per rank. Frozen b (4):
+    // 4 -> padded 6, 2 per rank.
+    at::Tensor a = (at::arange(5, at::kFloat) + 100).requires_grad_();
+    at::Tensor b = at::arange(4, at::kFloat).view({2, 2}) + 200;
+    at::Tensor c = (at::arange(2, at::kFloat) + 300).requires_grad_();
+    auto handle = FlatParamHandle::Create("unit", {{"a", a}, {"b", b}, {"c", c}}, comm);
+    ASSERT_TRUE(handle.ok()) << handle.status();
+    FlatParamHandle& h = **handle;
+    EXPECT_EQ(h.flat_numel(), 11);
+    EXPECT_EQ(h.trainable_numel(), 7);
+    EXPECT_EQ(h.padded_numel(), 15);
+    EXPECT_EQ(h.shard_numel(), 5);
+    EXPECT_EQ(h.trainable_shard_numel(), 3);
+    EXPECT_EQ(h.params_info()[1].offset, 9) << "the frozen segment follows the padded trainable";
+    EXPECT_EQ(h.params_info()[2].offset, 5);
+    // Trainable segment [a0..a4 c0 c1 pad pad]: rank 0 a[0:3], rank 1
+    // a[3:5] c[0:1], rank 2 c[1:2]. Frozen [b0..b3 pad pad]: two each.
+    const int r = comm.rank();
+    const std::vector<std::vector<int64_t>> owned = {{3, 2, 0}, {2, 2, 1}, {0, 0, 1}};
+    EXPECT_EQ(a.numel(), owned[r][0]);
+    EXPECT_EQ(b.numel(), owned[r][1]);
+    EXPECT_EQ(c.numel(), owned[r][2]);
+    const std::vector<std::vector<float>> shards = {
+        {100, 101, 102, 200, 201}, {103, 104, 300, 202, 203}, {301, 0, 0, 0, 0}};
+    EXPECT_TRUE(at::equal(h.local_shard(), at::tensor(shards[r])));
+
+    comm.ResetCounters();
+    h.Unshard();
+    EXPECT_EQ(comm.counters().Calls(CollectiveOp::kAllGather), 2) << "one per segment";
+    EXPECT_EQ(h.full_param_bytes(), 15 * 4);
+    EXPECT_TRUE(at::equal(a.detach(), at::arange(5, at::kFloat) + 100));
+    EXPECT_TRUE(at::equal(b.detach(), at::arange(4, at::kFloat).view({2, 2}) + 200));
+    EXPECT_TRUE(at::equal(c.detach(), at::arange(2, at::kFloat) + 300));
+    h.PrepareGradientsForBackward();
+    ((a * 2).sum() + (b.detach() * c.sum()).sum()).backward();  // da = 2, dc = sum(b) = 806.
+    h.ReduceGradients();
+    EXPECT_EQ(comm.counters().Bytes(CollectiveOp::kReduceScatter), 9 * 4)
+        << "only the trainable segment is reduced";
+    h.Reshard();
+    EXPECT_FALSE(b.grad().defined());
+    EXPECT_TRUE(at::allclose(a.grad(), at::full({owned[r][0]}, 2.0)));
+    EXPECT_TRUE(at::allclose(c.grad(), at::full({owned[r][2]}, 806.0)));
+    EXPECT_EQ(h.ShardBytesOn(c10::DeviceType::CPU), (5 + 3) * 4);
+
+    // Changes to the full parameters reach both segments' shards.
+    h.Transition(HandleTrainingState::kIdle, HandleTrainingState::kSummonFullParams);
+    h.Unshard();
+    {
+      at::NoGradGuard no_grad;
+      b.add_(1000);
+      c.add_(1000);
+    }
+    h.WritebackShard();
+    h.Reshard();
+    h.Transition(HandleTrainingState::kSummonFullParams, HandleTrainingState::kIdle);
+    h.Unshard();
+    EXPECT_TRUE(at::equal(b.detach(), at::arange(4, at::kFloat).view({2, 2}) + 1200));
+    EXPECT_TRUE(at::equal(c.detach(), at::arange(2, at::kFloat) + 1300));
+    EXPECT_TRUE(at::equal(a.detach(), at::arange(5, at::kFloat) + 100));
+    h.Reshard();
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
 // Gradients accumulate across backward passes; one the user cleared (set
 // undefined) restarts from zero, one the user replaced continues from the
 // replacement.
@@ -307,7 +376,6 @@ TEST(FlatParamHandle, AccumulationFollowsWhatTheUserDidToGrad) {
 TEST(FlatParamHandle, RejectsParametersItCannotFlatten) {
   absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
     at::Tensor p = at::ones({3}).requires_grad_();
-    at::Tensor frozen = at::ones({3});
     at::Tensor doubles = at::ones({3}, at::kDouble).requires_grad_();
     EXPECT_THAT(FlatParamHandle::Create("blocks.0", {}, comm).status().message(),
                 HasSubstr("unit 'blocks.0' on rank " + std::to_string(comm.rank()) +
@@ -317,8 +385,6 @@ TEST(FlatParamHandle, RejectsParametersItCannotFlatten) {
             .status()
             .message(),
         HasSubstr("'lm_head.weight' is a parameter already in this unit under another name"));
-    EXPECT_THAT(FlatParamHandle::Create("u", {{"a", p}, {"b", frozen}}, comm).status().message(),
-                HasSubstr("'b' has requires_grad=false but 'a' has true"));
     EXPECT_THAT(FlatParamHandle::Create("u", {{"a", p}, {"d", doubles}}, comm).status().message(),
                 HasSubstr("'d' has dtype Double but 'a' has Float"));
     EXPECT_THAT(FlatParamHandle::Create("u", {{"a", p}, {"view", p * 2}}, comm)

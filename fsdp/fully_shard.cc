@@ -238,7 +238,8 @@ int64_t FullyShardedModel::FullParamBytes() const {
 void FullyShardedModel::LazyInit() {
   std::vector<UnitSignature> units;
   for (const auto& unit : units_) {
-    units.push_back({unit->fqn_, unit->handle_ ? unit->handle_->flat_numel() : 0, unit->strategy_,
+    units.push_back({unit->fqn_, unit->handle_ ? unit->handle_->flat_numel() : 0,
+                     unit->handle_ ? unit->handle_->trainable_numel() : 0, unit->strategy_,
                      unit->mixed_precision_});
   }
   CheckSameWrapOnEveryRank(group_, options_, units);
@@ -254,12 +255,27 @@ void FullyShardedModel::PreForward(FsdpUnit& unit) {
     if (!order_recorded_) pre_forward_order_.push_back(IndexOf(unit));
     return;
   }
+  CheckTrainableAsWrapped(unit);
   scheduler_->Move(*handle, HandleTrainingState::kIdle, HandleTrainingState::kForward);
   SetModelState(ModelTrainingState::kForwardBackward);  // Only once admitted.
   if (!order_recorded_) pre_forward_order_.push_back(IndexOf(unit));
   scheduler_->Unshard(*handle, UnshardPhase(*handle));
   if (options_.forward_prefetch) Prefetch(unit.forward_prefetch_);
   HookGradientAccumulators(unit);
+}
+
+void FullyShardedModel::CheckTrainableAsWrapped(const FsdpUnit& unit) const {
+  // The flat parameter's segments, and so which gradients are reduced and
+  // kept, were fixed at wrap time.
+  const FlatParamHandle& handle = *unit.handle_;
+  for (size_t i = 0; i < handle.entries().size(); ++i) {
+    const bool now = handle.entries()[i].param.requires_grad();
+    TORCH_CHECK(now == handle.params_info()[i].trainable, Describe(unit), ": '",
+                handle.params_info()[i].fqn, "' has requires_grad=", now ? "true" : "false",
+                " but was ", now ? "frozen" : "trainable",
+                " when the model was wrapped; which parameters train is fixed at wrap time "
+                "(wrap again to change it)");
+  }
 }
 
 void FullyShardedModel::HookGradientAccumulators(FsdpUnit& unit) {
@@ -376,7 +392,7 @@ void FullyShardedModel::PostBackward(FsdpUnit& unit) {
 }
 
 void FullyShardedModel::ReduceOrKeep(FlatParamHandle& handle) {
-  if (!handle.requires_grad()) return;  // A frozen unit has no gradients.
+  if (!handle.has_trainable_params()) return;  // A frozen unit has no gradients.
   if (no_sync_) {
     handle.KeepGradientsUnreduced();
     return;

@@ -213,6 +213,8 @@ class FullyShardedModel {
   // with the same options (one all-gather).
   void LazyInit();
   void PreForward(FsdpUnit& unit);
+  // Throws naming the parameter when one's requires_grad changed since Wrap.
+  void CheckTrainableAsWrapped(const FsdpUnit& unit) const;
   // Puts PostBackward on the accumulators this forward's graph uses.
   void HookGradientAccumulators(FsdpUnit& unit);
   void PostForward(FsdpUnit& unit, const std::vector<at::Tensor>& outputs);

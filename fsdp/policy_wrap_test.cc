@@ -220,7 +220,7 @@ TEST(PolicyWrap, FrozenUnitIsNeverReducedAndStaysUnchanged) {
     auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {},
                                            SelectModulesOfType<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
-    EXPECT_TRUE((*wrapped)->plan().units[1].frozen);
+    EXPECT_EQ((*wrapped)->plan().units[1].trainable_numel, 0);
     EXPECT_THAT((*wrapped)->plan().ToString(), HasSubstr("FULL_SHARD, frozen, 2 params"));
     TrainWrappedAndCompare(model, **wrapped, comm, expected,
                            [](int, const CollectiveCounters& c) {
@@ -232,20 +232,19 @@ TEST(PolicyWrap, FrozenUnitIsNeverReducedAndStaysUnchanged) {
   EXPECT_TRUE(status.ok()) << status;
 }
 
-TEST(PolicyWrap, MixedFrozennessInOneUnitIsAnErrorNamingBothGroups) {
-  absl::Status status = RunOnThreadRanks(1, [](Collectives& comm) {
-    Net model;
-    model->blocks[1]->as<BlockImpl>()->fc->bias.requires_grad_(false);
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {},
-                                           SelectModulesOfType<BlockImpl>());
-    ASSERT_FALSE(wrapped.ok());
-    EXPECT_THAT(wrapped.status().message(),
-                HasSubstr("unit 'blocks.1' (fsdp::testing::BlockImpl) mixes frozen and trainable "
-                          "parameters, but its flat parameter has one requires_grad: frozen: "
-                          "blocks.1.fc.bias; trainable: blocks.1.fc.weight."));
-    EXPECT_EQ(model->blocks[1]->as<BlockImpl>()->fc->weight.dim(), 2) << "model untouched";
-  });
-  EXPECT_TRUE(status.ok()) << status;
+TEST(PolicyWrap, PlanSizesFrozenAndTrainableSegmentsApart) {
+  Net model;
+  model->blocks[1]->as<BlockImpl>()->fc->bias.requires_grad_(false);
+  auto policy = PolicyRegistry::Global().Build("module:Block");
+  ASSERT_TRUE(policy.ok());
+  auto plan = PlanWrap(*model, /*world_size=*/8, {}, **policy);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  // blocks.1: an 11x13 weight (trainable) and an 11-element bias (frozen),
+  // each segment padded apart: ceil(143 / 8) + ceil(11 / 8) = 18 + 2 per
+  // rank.
+  EXPECT_EQ(plan->units[2].trainable_numel, 143);
+  EXPECT_THAT(plan->ToString(),
+              HasSubstr("FULL_SHARD, 2 params, 154 elements (143 trainable), shard 20 per rank\n"));
 }
 
 TEST(PolicyWrap, IgnoredModuleIsNeitherShardedNorReduced) {

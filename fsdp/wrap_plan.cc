@@ -190,27 +190,17 @@ void AssignParams(torch::nn::Module& root, const Excluded& excluded, WrapPlan& p
   }
 }
 
-// Sizes and shard sizes; a unit is either frozen or trainable.
-absl::Status SizeUnits(int world_size, WrapPlan& plan) {
+// Sizes and shard sizes, the trainable and the frozen segment each padded.
+void SizeUnits(int world_size, WrapPlan& plan) {
   for (PlannedUnit& unit : plan.units) {
-    std::vector<std::string> frozen, trainable;
-    for (size_t i = 0; i < unit.params.size(); ++i) {
-      (unit.params[i].requires_grad() ? trainable : frozen).push_back(unit.param_fqns[i]);
-      unit.numel += unit.params[i].numel();
+    for (const at::Tensor& param : unit.params) {
+      unit.numel += param.numel();
+      if (param.requires_grad()) unit.trainable_numel += param.numel();
     }
-    if (!frozen.empty() && !trainable.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "unit '", UnitName(unit.fqn), "' (", unit.type,
-          ") mixes frozen and trainable parameters, but its flat parameter has one "
-          "requires_grad: frozen: ", absl::StrJoin(frozen, ", "),
-          "; trainable: ", absl::StrJoin(trainable, ", "),
-          ". Make the frozen (or trainable) part a unit of its own, or freeze the whole unit."));
-    }
-    unit.frozen = !frozen.empty();
     const int64_t w = unit.strategy == ShardingStrategy::kNoShard ? 1 : world_size;
-    unit.shard_numel = (unit.numel + w - 1) / w;
+    const int64_t frozen_numel = unit.numel - unit.trainable_numel;
+    unit.shard_numel = (unit.trainable_numel + w - 1) / w + (frozen_numel + w - 1) / w;
   }
-  return absl::OkStatus();
 }
 
 }  // namespace
@@ -239,7 +229,7 @@ absl::StatusOr<WrapPlan> PlanWrap(torch::nn::Module& root, int world_size,
   if (!chosen.ok()) return chosen.status();
   AddUnits(root, options, *chosen, fqn_of, plan);
   AssignParams(root, excluded, plan);
-  if (absl::Status sized = SizeUnits(world_size, plan); !sized.ok()) return sized;
+  SizeUnits(world_size, plan);
   if (!plan.units.front().params.empty() &&
       dynamic_cast<ShardableModule*>(&root) == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -264,8 +254,12 @@ std::string WrapPlan::ToString() const {
         &out, std::string(2 + 2 * unit.depth, ' '), UnitName(unit.fqn), " (", unit.type, "): ",
         ShardingStrategyName(unit.strategy), unit.overrides.empty() ? "" : " (override)",
         unit.mixed_precision.enabled() ? ", " + unit.mixed_precision.ToString() : "",
-        unit.frozen ? ", frozen" : "", ", ", unit.param_fqns.size(), " params, ", unit.numel,
-        " elements, shard ", unit.shard_numel, " per rank\n");
+        unit.numel > 0 && unit.trainable_numel == 0 ? ", frozen" : "", ", ",
+        unit.param_fqns.size(), " params, ", unit.numel, " elements",
+        unit.trainable_numel > 0 && unit.trainable_numel < unit.numel
+            ? absl::StrCat(" (", unit.trainable_numel, " trainable)")
+            : "",
+        ", shard ", unit.shard_numel, " per rank\n");
   }
   for (const std::string& p : ignored_params) absl::StrAppend(&out, "  ignored: ", p, "\n");
   for (const std::string& m : left_alone) {

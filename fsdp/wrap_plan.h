@@ -15,9 +15,10 @@
 //   registering it: a shared parameter (a tied embedding) goes to the
 //   lowest unit holding all its users, which is unsharded whenever any of
 //   them runs.
-// * A unit's parameters must be all trainable or all frozen (one flat
-//   parameter has one requires_grad); the error names the unit and both
-//   groups. A frozen unit's gradients are never reduced.
+// * A unit may hold frozen and trainable parameters (requires_grad as it
+//   is at wrap time): its flat parameter keeps them in two segments, and
+//   only the trainable one is reduced (NOTE [Flat parameter],
+//   fsdp/flat_param_handle.h). A wholly frozen unit is never reduced.
 // * Ignored modules (FsdpOptions::ignored_modules) and subtrees already
 //   wrapped by another FSDP model are left alone: no unit inside them, and
 //   their parameters in no unit.
@@ -58,9 +59,11 @@ struct PlannedUnit {
   UnitOptions overrides;  // What the policy set for this unit.
   std::vector<std::string> param_fqns;
   std::vector<at::Tensor> params;
-  bool frozen = false;
-  int64_t numel = 0;        // Unpadded.
-  int64_t shard_numel = 0;  // Per rank, padding included (NO_SHARD: numel).
+  int64_t numel = 0;            // Unpadded.
+  int64_t trainable_numel = 0;  // Of those, in parameters that require grad.
+  // Per rank, padding included (NO_SHARD: numel): each of the trainable
+  // and the frozen segment is padded (NOTE [Flat parameter]).
+  int64_t shard_numel = 0;
 };
 
 struct WrapPlan {

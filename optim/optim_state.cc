@@ -62,40 +62,53 @@ absl::StatusOr<OptimStateDict> StateDictOf(const torch::nn::Module& root,
   }
 
   // Full elementwise tensors: sharded units one state key at a time, as one
-  // all-gather of a buffer laid out like the unit's flat shard.
+  // all-gather of a buffer laid out like the unit's sharded gradient (an
+  // optimizer keeps state for trainable parameters only).
   std::unordered_map<const void*, std::map<std::string, at::Tensor>> full;
   if (model != nullptr) {
-    const int rank = model->group().rank();
     for (const auto& unit : model->units()) {
       const FlatParamHandle* handle = unit->handle();
       if (handle == nullptr || !handle->uses_sharded_views()) continue;
-      std::map<std::string, at::ScalarType> keys;
-      for (const FlatParamEntry& e : handle->entries()) {
-        auto it = locals.find(e.param.unsafeGetTensorImpl());
-        if (it == locals.end()) continue;
-        for (const auto& [key, t] : it->second.elementwise) keys.emplace(key, t.scalar_type());
-      }
-      const int64_t shard = handle->shard_numel();
-      for (const auto& [key, dtype] : keys) {
-        at::Tensor flat = at::zeros({shard}, at::TensorOptions().dtype(dtype));
-        for (size_t i = 0; i < handle->entries().size(); ++i) {
-          const FlatParamInfo& info = handle->params_info()[i];
-          auto it = locals.find(handle->entries()[i].param.unsafeGetTensorImpl());
-          if (it == locals.end() || info.shard_numel == 0) continue;
-          auto t = it->second.elementwise.find(key);
-          if (t == it->second.elementwise.end()) continue;
-          flat.narrow(0, info.offset + info.shard_offset - rank * shard, info.shard_numel)
-              .copy_(t->second.reshape({-1}));
+      const std::vector<FlatParamEntry>& entries = handle->entries();
+      for (size_t i = 0; i < entries.size(); ++i) {
+        auto it = locals.find(entries[i].param.unsafeGetTensorImpl());
+        if (handle->params_info()[i].trainable || it == locals.end() ||
+            it->second.elementwise.empty()) {
+          continue;
         }
-        at::Tensor gathered = at::empty({handle->padded_numel()}, flat.options());
-        model->group().AllGatherIntoTensor(gathered, flat)->Wait();
+        // Every rank wrapped the same parameters as frozen: all return here.
+        return absl::FailedPreconditionError(absl::StrCat(
+            "'", handle->params_info()[i].fqn, "' has optimizer state ('",
+            it->second.elementwise.begin()->first, "') but was frozen when its unit was "
+            "wrapped, so its unit keeps no gradient or state layout for it; keep frozen "
+            "parameters out of the optimizer"));
+      }
+      auto local_of = [&](size_t i) -> const Local* {
+        if (!handle->params_info()[i].trainable) return nullptr;
+        auto it = locals.find(entries[i].param.unsafeGetTensorImpl());
+        return it == locals.end() ? nullptr : &it->second;
+      };
+      std::map<std::string, at::ScalarType> keys;
+      for (size_t i = 0; i < entries.size(); ++i) {
+        if (const Local* local = local_of(i)) {
+          for (const auto& [key, t] : local->elementwise) keys.emplace(key, t.scalar_type());
+        }
+      }
+      for (const auto& [key, dtype] : keys) {
+        at::Tensor flat =
+            at::zeros({handle->trainable_shard_numel()}, at::TensorOptions().dtype(dtype));
+        for (size_t i = 0; i < entries.size(); ++i) {
+          const Local* local = local_of(i);
+          if (local == nullptr || local->elementwise.count(key) == 0) continue;
+          handle->ShardViewOf(flat, i).copy_(local->elementwise.at(key).reshape({-1}));
+        }
+        const at::Tensor gathered = handle->AllGatherTrainable(flat);
         if (!keep) continue;
-        for (size_t i = 0; i < handle->entries().size(); ++i) {
-          const FlatParamInfo& info = handle->params_info()[i];
-          auto it = locals.find(handle->entries()[i].param.unsafeGetTensorImpl());
-          if (it == locals.end() || it->second.elementwise.count(key) == 0) continue;
-          full[handle->entries()[i].param.unsafeGetTensorImpl()][key] =
-              gathered.narrow(0, info.offset, info.numel).view(info.shape).clone();
+        for (size_t i = 0; i < entries.size(); ++i) {
+          const Local* local = local_of(i);
+          if (local == nullptr || local->elementwise.count(key) == 0) continue;
+          full[entries[i].param.unsafeGetTensorImpl()][key] =
+              handle->FullViewOf(gathered, i).clone();
         }
       }
     }

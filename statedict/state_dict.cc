@@ -216,6 +216,12 @@ at::Tensor LocalLayout(const FullyShardedModel& model, const FlatParamHandle& ha
                                  handle.padded_numel(),
                                  static_cast<int64_t>(handle.params_info().size())};
   for (const FlatParamInfo& info : handle.params_info()) layout.push_back(info.numel);
+  // A unit mixing frozen and trainable parameters lays them out in two
+  // segments: the trainable size joins the layout (only then, so that
+  // other units' layouts stay as they were).
+  if (handle.trainable_numel() != 0 && handle.trainable_numel() != handle.flat_numel()) {
+    layout.push_back(handle.trainable_numel());
+  }
   return at::tensor(layout, at::kLong);
 }
 
@@ -224,9 +230,11 @@ std::string DescribeLayout(const at::Tensor& layout) {
     return "an unreadable layout";
   }
   const int64_t* v = layout.data_ptr<int64_t>();
+  const bool mixed = layout.numel() == 7 + v[5];
   return absl::StrCat("rank ", v[1], " of ", v[0], ", ",
                       ShardingStrategyName(static_cast<ShardingStrategy>(v[2])), ", ", v[5],
-                      " parameters of ", v[3], " elements");
+                      " parameters of ", v[3], " elements",
+                      mixed ? absl::StrCat(" (", v[6 + v[5]], " trainable)") : "");
 }
 
 StateDict LocalStateDict(const FullyShardedModel& model) {
