@@ -521,7 +521,7 @@ install(FILES ${PROJECT_SOURCE_DIR}/optim/optim_internal.h DESTINATION include/o
 # //optim:optim_state
 add_library(optim_optim_state SHARED ${PROJECT_SOURCE_DIR}/optim/optim_state.cc ${PROJECT_SOURCE_DIR}/optim/optim_state.h)
 set_target_properties(optim_optim_state PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/optim)
-target_link_libraries(optim_optim_state PUBLIC comm_collectives optim_optim_internal base_status fsdp_fully_shard third_party_absl_base third_party_absl_status fsdp_torch)
+target_link_libraries(optim_optim_state PUBLIC comm_collectives optim_optim_internal base_status fsdp_fully_shard statedict_state_dict third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(optim_optim_state PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS optim_optim_state EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/optim/optim_state.h DESTINATION include/optim)

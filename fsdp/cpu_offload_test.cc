@@ -143,7 +143,7 @@ Trajectory TrainSharded(const OffloadCase& c, bool offload) {
           }
         }
       }
-      if (c.clip) run.norms.push_back(fsdp.ClipGradNorm(kMaxNorm).item<double>());
+      if (c.clip) run.norms.push_back(fsdp.ClipGradNorm(kMaxNorm).value().item<double>());
       optimizer->step();
       optimizer->zero_grad();
       comm.AllReduce(loss_sum, ReduceOp::kAvg)->Wait();

@@ -19,7 +19,7 @@ void CheckSameWrapOnEveryRank(Collectives& group, const FsdpOptions& options,
   for (const UnitSignature& unit : units) {
     elements += unit.flat_numel;
     hash = Fnv1aString(hash, absl::StrCat(unit.fqn, ":", unit.flat_numel, ":",
-                                          unit.trainable_numel, ":",
+                                          unit.trainable, ":",
                                           static_cast<int>(unit.strategy), ":",
                                           unit.mixed_precision.ToString(), ";"));
   }

@@ -22,13 +22,13 @@ namespace fsdp {
 struct UnitSignature {
   std::string fqn;
   int64_t flat_numel = 0;  // 0 for a unit without parameters.
-  int64_t trainable_numel = 0;  // Of those, the elements that require grad.
+  std::string trainable;   // Per parameter, '1' if it requires grad, else '0'.
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
   MixedPrecision mixed_precision;
 };
 
-// The same units (pre-order), each with the same size, trainable size,
-// strategy and precision, and the same options (CrossRankOptionsKey) on every rank.
+// The same units (pre-order), each with the same size, the same trainable
+// parameters, strategy and precision, and the same options (CrossRankOptionsKey) on every rank.
 void CheckSameWrapOnEveryRank(Collectives& group, const FsdpOptions& options,
                               const std::vector<UnitSignature>& units);
 

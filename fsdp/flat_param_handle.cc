@@ -199,40 +199,43 @@ FlatParamHandle::~FlatParamHandle() = default;
 void FlatParamHandle::LayOut() {
   const int world = uses_sharded_views() ? group_.world_size() : 1;
   const int rank = uses_sharded_views() ? group_.rank() : 0;
-  infos_.resize(params_.size());
-  segment_of_.resize(params_.size());
+  int64_t group_numel[2] = {0, 0};  // Frozen, trainable.
+  for (const FlatParamEntry& p : params_) group_numel[p.param.requires_grad()] += p.param.numel();
+  flat_numel_ = group_numel[0] + group_numel[1];
+  trainable_numel_ = group_numel[1];
+  // A segment per group with elements (one, frozen, when no parameter has
+  // any), so that only a real mix costs a second all-gather.
   int64_t shard_numel = 0;
   for (const bool trainable : {true, false}) {
+    const int64_t numel = group_numel[trainable];
+    if (numel == 0 && !(segments_.empty() && !trainable)) continue;
     Segment seg;
     seg.trainable = trainable;
     seg.full_begin = padded_numel_;
     seg.shard_begin = shard_numel;
-    int64_t numel = 0;
-    bool any = false;
-    for (size_t i = 0; i < params_.size(); ++i) {
-      if (params_[i].param.requires_grad() != trainable) continue;
-      FlatParamInfo& info = infos_[i];
-      info.fqn = params_[i].fqn;
-      info.shape = params_[i].param.sizes().vec();
-      info.trainable = trainable;
-      info.offset = seg.full_begin + numel;
-      info.numel = params_[i].param.numel();
-      numel += info.numel;
-      segment_of_[i] = segments_.size();
-      any = true;
-    }
-    if (!any) continue;
     seg.shard_numel = (numel + world - 1) / world;
     seg.padded_numel = seg.shard_numel * world;
-    flat_numel_ += numel;
-    if (trainable) trainable_numel_ = numel;
     padded_numel_ += seg.padded_numel;
     shard_numel += seg.shard_numel;
     segments_.push_back(seg);
   }
+  // Each parameter in its group's segment, in order; an empty one whose
+  // group has no segment at the start of the first.
+  infos_.resize(params_.size());
+  segment_of_.assign(params_.size(), 0);
+  std::vector<int64_t> filled(segments_.size(), 0);
   for (size_t i = 0; i < params_.size(); ++i) {
     FlatParamInfo& info = infos_[i];
+    info.fqn = params_[i].fqn;
+    info.shape = params_[i].param.sizes().vec();
+    info.trainable = params_[i].param.requires_grad();
+    info.numel = params_[i].param.numel();
+    for (size_t s = 0; s < segments_.size(); ++s) {
+      if (segments_[s].trainable == info.trainable) segment_of_[i] = s;
+    }
     const Segment& seg = segments_[segment_of_[i]];
+    info.offset = seg.full_begin + filled[segment_of_[i]];
+    filled[segment_of_[i]] += info.numel;
     const int64_t owned = seg.full_begin + rank * seg.shard_numel;
     const int64_t begin = std::max(info.offset, owned);
     const int64_t end = std::min(info.offset + info.numel, owned + seg.shard_numel);
@@ -244,10 +247,20 @@ void FlatParamHandle::LayOut() {
 std::vector<std::unique_ptr<CollectiveWork>> FlatParamHandle::AllGatherSegments(
     const at::Tensor& full, const at::Tensor& shard, size_t count) const {
   std::vector<std::unique_ptr<CollectiveWork>> works;
-  for (size_t s = 0; s < count; ++s) {
-    const Segment& seg = segments_[s];
-    works.push_back(group_.AllGatherIntoTensor(full.narrow(0, seg.full_begin, seg.padded_numel),
-                                               shard.narrow(0, seg.shard_begin, seg.shard_numel)));
+  try {
+    for (size_t s = 0; s < count; ++s) {
+      const Segment& seg = segments_[s];
+      works.push_back(group_.AllGatherIntoTensor(
+          full.narrow(0, seg.full_begin, seg.padded_numel),
+          shard.narrow(0, seg.shard_begin, seg.shard_numel)));
+    }
+  } catch (...) {
+    // Issuing one failed: the ones issued still write into `full`.
+    try {
+      WaitAll(std::move(works));
+    } catch (...) {
+    }
+    throw;
   }
   return works;
 }
@@ -256,13 +269,16 @@ int64_t FlatParamHandle::trainable_shard_numel() const {
   return has_trainable_params() ? segments_.front().shard_numel : 0;
 }
 
-at::Tensor FlatParamHandle::AllGatherTrainable(const at::Tensor& flat) const {
-  TORCH_CHECK(flat.dim() == 1 && flat.numel() == trainable_shard_numel(), Describe(),
-              ": AllGatherTrainable takes ", trainable_shard_numel(), " elements, not ",
-              flat.numel());
+at::Tensor FlatParamHandle::AllGatherShardLike(const at::Tensor& flat) const {
+  const bool trainable_only = flat.numel() == trainable_shard_numel() && has_trainable_params();
+  TORCH_CHECK(flat.dim() == 1 && (trainable_only || flat.numel() == shard_numel()), Describe(),
+              ": AllGatherShardLike takes ", trainable_shard_numel(), " or ", shard_numel(),
+              " elements, not ", flat.numel());
   if (!uses_sharded_views()) return flat;
-  at::Tensor full = at::empty({segments_.front().padded_numel}, flat.options());
-  WaitAll(AllGatherSegments(full, flat, has_trainable_params() ? 1 : 0));
+  const size_t count = trainable_only ? 1 : segments_.size();
+  const Segment& last = segments_[count - 1];
+  at::Tensor full = at::empty({last.full_begin + last.padded_numel}, flat.options());
+  WaitAll(AllGatherSegments(full, flat, count));
   return full;
 }
 
@@ -370,19 +386,28 @@ void FlatParamHandle::StartUnshard() {
   // NO_SHARD's low-precision copy is a local cast, made in FinishUnshard.
   if (!uses_sharded_views() || unsharded_ || has_pending_unshard()) return;
   const bool copies = low_precision_ || options_.offload_params;
-  if (low_precision_ && training_state_ == HandleTrainingState::kSummonFullParams) {
-    summon_full_ = at::empty({padded_numel_}, local_shard_.options().device(compute_device_));
-    if (options_.offload_params) {
-      send_buffer_ = OnComputeDevice(local_shard_, local_shard_.scalar_type());
+  try {
+    if (low_precision_ && training_state_ == HandleTrainingState::kSummonFullParams) {
+      summon_full_ = at::empty({padded_numel_}, local_shard_.options().device(compute_device_));
+      if (options_.offload_params) {
+        send_buffer_ = OnComputeDevice(local_shard_, local_shard_.scalar_type());
+      }
+      pending_unshard_ = AllGatherSegments(
+          summon_full_, options_.offload_params ? send_buffer_ : local_shard_, segments_.size());
+      return;
     }
-    pending_unshard_ = AllGatherSegments(
-        summon_full_, options_.offload_params ? send_buffer_ : local_shard_, segments_.size());
-    return;
+    AllocateStorage(full_);
+    if (copies) send_buffer_ = OnComputeDevice(local_shard_, compute_dtype_);
+    pending_unshard_ =
+        AllGatherSegments(full_, copies ? send_buffer_ : local_shard_, segments_.size());
+  } catch (...) {
+    // Nothing issued is still running (AllGatherSegments waited): sharded
+    // with nothing allocated, as before.
+    send_buffer_ = at::Tensor();
+    summon_full_ = at::Tensor();
+    FreeStorage(full_);
+    throw;
   }
-  AllocateStorage(full_);
-  if (copies) send_buffer_ = OnComputeDevice(local_shard_, compute_dtype_);
-  pending_unshard_ =
-      AllGatherSegments(full_, copies ? send_buffer_ : local_shard_, segments_.size());
 }
 
 void FlatParamHandle::FinishUnshard() {
@@ -552,10 +577,10 @@ void FlatParamHandle::WritebackShard() {
 }
 
 void FlatParamHandle::UnshardGradients() {
-  if (!uses_sharded_views() || !sharded_grad_.defined()) return;
+  if (!uses_sharded_views() || !sharded_grad_.defined() || !has_trainable_params()) return;
   TORCH_CHECK(!holds_unreduced_ && !gradients_pending_, Describe(),
               ": gradients are not reduced yet (inside no_sync or backward)");
-  full_grad_ = AllGatherTrainable(
+  full_grad_ = AllGatherShardLike(
       options_.offload_params ? OnComputeDevice(sharded_grad_, sharded_grad_.scalar_type())
                               : sharded_grad_);
   for (size_t i = 0; i < params_.size(); ++i) {

@@ -9,19 +9,22 @@
 // The unit's parameters p_0 .. p_{k-1} (module registration order) are laid
 // end to end in one flat buffer, in up to two *segments*: the trainable
 // parameters (requires_grad at Create) first, then the frozen ones, each
-// group in registration order. A segment of F_s elements is padded with
-// zeros to P_s = W * S_s elements, where W is the shard group's size and
-// S_s = ceil(F_s / W); the flat buffer has P = sum P_s elements. Rank r owns
-// elements [r*S_s, (r+1)*S_s) of every segment; its *shard* is those parts
-// end to end (S = sum S_s elements, padding included), the only persistent
-// parameter storage the unit has on that rank. A unit whose parameters are
-// all trainable (or all frozen) has one segment, and the layout is the
-// plain "parameters end to end, padded, split in W".
+// group in registration order (a group without elements has no segment; its
+// empty parameters lie at the start of the other). A segment of F_s
+// elements is padded with zeros to P_s = W * S_s elements, where W is the
+// shard group's size and S_s = ceil(F_s / W); the flat buffer has
+// P = sum P_s elements. Rank r owns elements [r*S_s, (r+1)*S_s) of every
+// segment; its *shard* is those parts end to end (S = sum S_s elements,
+// padding included), the only persistent parameter storage the unit has on
+// that rank. A unit whose parameters are all trainable (or all frozen) has
+// one segment, and the layout is the plain "parameters end to end, padded,
+// split in W".
 //
 //   unsharded:  a full buffer of P elements is all-gathered (one all-gather
 //               per segment); p_i's data is the view full[o_i, o_i + n_i)
-//               in p_i's shape, where o_i is its offset in its segment's
-//               place in the buffer.
+//               in p_i's shape, where o_i (FlatParamInfo::offset) is its
+//               segment's first element plus the elements of the same
+//               segment's parameters before it.
 //   resharded:  the full buffer's storage is freed (resized to 0 bytes, the
 //               storage object kept, so every view of it, including views
 //               autograd saved during forward, is valid again after the next
@@ -34,6 +37,7 @@
 // together (a frozen base layer and its trainable low-rank adapter) and
 // still reduce, and keep gradients for, only the trainable segment: the
 // frozen one is all-gathered for compute and never reduced.
+//
 // The parameter tensors keep their identity (set_data swaps their data), so
 // modules still hold them, their names stay those of the unwrapped model,
 // and an optimizer built over them after wrapping steps this rank's shard.
@@ -262,15 +266,18 @@ class FlatParamHandle {
   // Elements of the sharded gradient (the trainable segment's part of the
   // shard; 0 without trainable parameters).
   int64_t trainable_shard_numel() const;
-  // For state kept like the sharded gradient (an optimizer's elementwise
-  // state): all-gathers `flat` (trainable_shard_numel() elements) from every
-  // rank of the shard group into the trainable segment's place in the flat
-  // parameter, and returns it; FullViewOf gives a trainable parameter's
-  // part of the result. Blocking; every rank of the group must call it.
-  at::Tensor AllGatherTrainable(const at::Tensor& flat) const;
+  // For state laid out like the shard (an optimizer's elementwise state):
+  // all-gathers `flat` from every rank of the shard group and returns it
+  // laid out like the flat parameter, where FullViewOf finds each
+  // parameter's part. `flat` has shard_numel() elements, or
+  // trainable_shard_numel() for state of the trainable parameters only (the
+  // sharded gradient's layout; only the trainable segment is gathered then,
+  // and the result is that segment). Blocking; every rank of the group must
+  // call it.
+  at::Tensor AllGatherShardLike(const at::Tensor& flat) const;
   // Parameter i's view, in its shape, of `full`, a tensor laid out like the
-  // flat parameter (or, for a trainable parameter, like AllGatherTrainable's
-  // result).
+  // flat parameter (or, for a trainable parameter, like its trainable
+  // segment alone).
   at::Tensor FullViewOf(const at::Tensor& full, size_t i) const;
 
   // Bytes currently allocated for the full parameter (0 when resharded):
@@ -296,11 +303,13 @@ class FlatParamHandle {
     int64_t shard_begin = 0;   // First element in the shard.
     int64_t shard_numel = 0;   // S_s.
   };
-  // Lays the parameters out in segments (infos_, segments_, segment_of_).
+  // Lays the parameters out in segments (infos_, segments_, segment_of_,
+  // and the sizes).
   void LayOut();
   // Issues one all-gather per segment among the first `count`: each rank's
   // part of `shard` (laid out like the shard) into `full` (laid out like
-  // the flat parameter).
+  // the flat parameter). If issuing one throws, waits for those issued
+  // before rethrowing.
   std::vector<std::unique_ptr<CollectiveWork>> AllGatherSegments(const at::Tensor& full,
                                                                  const at::Tensor& shard,
                                                                  size_t count) const;

@@ -338,6 +338,35 @@ TEST(FlatParamHandle, FrozenAndTrainableParametersLieInTwoSegments) {
   EXPECT_TRUE(status.ok()) << status;
 }
 
+// A group without elements has no segment of its own: an empty frozen
+// parameter costs a trainable unit no second all-gather, and an empty
+// trainable one does not make a frozen unit reduce.
+TEST(FlatParamHandle, EmptyParametersAddNoSegment) {
+  absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
+    at::Tensor a = at::ones({5}).requires_grad_();
+    at::Tensor empty_frozen = at::ones({0});
+    auto trainable = FlatParamHandle::Create("t", {{"a", a}, {"e", empty_frozen}}, comm);
+    ASSERT_TRUE(trainable.ok()) << trainable.status();
+    EXPECT_TRUE((*trainable)->has_trainable_params());
+    EXPECT_EQ((*trainable)->shard_numel(), 3);
+    comm.ResetCounters();
+    (*trainable)->Unshard();
+    EXPECT_EQ(comm.counters().Calls(CollectiveOp::kAllGather), 1);
+    EXPECT_EQ(empty_frozen.numel(), 0);
+    EXPECT_TRUE(at::equal(a.detach(), at::ones({5})));
+    (*trainable)->Reshard();
+
+    at::Tensor f = at::ones({3});
+    at::Tensor empty_trainable = at::ones({0}).requires_grad_();
+    auto frozen = FlatParamHandle::Create("f", {{"z", empty_trainable}, {"f", f}}, comm);
+    ASSERT_TRUE(frozen.ok()) << frozen.status();
+    EXPECT_FALSE((*frozen)->has_trainable_params());
+    EXPECT_EQ((*frozen)->trainable_shard_numel(), 0);
+    EXPECT_EQ((*frozen)->shard_numel(), 2);
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
 // Gradients accumulate across backward passes; one the user cleared (set
 // undefined) restarts from zero, one the user replaced continues from the
 // replacement.

@@ -73,18 +73,20 @@ void FreezeBases(torch::nn::Module& model) {
   }
 }
 
-torch::nn::Sequential PlainModel() {
+torch::nn::Sequential PlainModel(at::ScalarType dtype = at::kFloat) {
   torch::nn::Sequential model(LoraBlock(), LoraBlock(), torch::nn::Linear(kWidth, kWidth));
   FillDeterministically(*model);
+  model->to(dtype);
   FreezeBases(*model);
   return model;
 }
 
 // The same modules, each block a unit and the root (the head) one too.
-UnitModule UnitModel() {
+UnitModule UnitModel(at::ScalarType dtype = at::kFloat) {
   UnitModule model(torch::nn::Sequential(UnitModule(LoraBlock()), UnitModule(LoraBlock()),
                                          torch::nn::Linear(kWidth, kWidth)));
   FillDeterministically(*model);
+  model->to(dtype);
   FreezeBases(*model);
   return model;
 }
@@ -115,24 +117,29 @@ struct Case {
   int world_size;
   ShardingStrategy strategy;
   bool offload_params;
+  // Parameters in float64 computed in float32 (MixedPrecision param_dtype):
+  // the low-precision copy of both segments; the reduction is in float32.
+  bool float32_compute = false;
 };
 
 class FrozenAndTrainableInOneUnit : public ::testing::TestWithParam<Case> {};
 
 TEST_P(FrozenAndTrainableInOneUnit, MatchesLocalTrainingAndReducesOnlyTrainableBytes) {
   const Case c = GetParam();
+  const at::ScalarType dtype = c.float32_compute ? at::kDouble : at::kFloat;
   // Local training: the losses, the last step's gradients and the final
   // parameters.
   std::vector<float> expected_losses;
   std::map<std::string, at::Tensor> expected_grads, expected_params, initial_params;
   {
-    torch::nn::Sequential model = PlainModel();
+    torch::nn::Sequential model = PlainModel(dtype);
     for (const auto& item : model->named_parameters()) {
       initial_params[item.key()] = item.value().detach().clone();
     }
     auto optimizer = Optimizer(*model);
     for (int step = 0; step < kSteps; ++step) {
-      at::Tensor loss = at::mse_loss(model->forward(Inputs(step)), Targets(step));
+      at::Tensor loss =
+          at::mse_loss(model->forward(Inputs(step).to(dtype)), Targets(step).to(dtype));
       loss.backward();
       expected_losses.push_back(loss.item<float>());
       if (step == kSteps - 1) {
@@ -150,10 +157,11 @@ TEST_P(FrozenAndTrainableInOneUnit, MatchesLocalTrainingAndReducesOnlyTrainableB
   ASSERT_EQ(expected_grads.size(), 2u * 2 * kBlocks + 2) << "adapters and head only";
 
   absl::Status status = RunOnThreadRanks(c.world_size, [&](Collectives& comm) {
-    UnitModule model = UnitModel();
+    UnitModule model = UnitModel(dtype);
     FsdpOptions options;
     options.strategy = c.strategy;
     options.offload_params = c.offload_params;
+    if (c.float32_compute) options.mixed_precision.param_dtype = DType::kFloat32;
     auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
                                            SelectModulesOfType<UnitModuleImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
@@ -183,8 +191,10 @@ TEST_P(FrozenAndTrainableInOneUnit, MatchesLocalTrainingAndReducesOnlyTrainableB
         (kBlocks * Padded(kTrainablePerBlock + kFrozenPerBlock, w) + Padded(kHead, w)) * 4;
     for (int step = 0; step < kSteps; ++step) {
       comm.ResetCounters();
-      at::Tensor loss = at::mse_loss(model->forward(Inputs(step).narrow(0, comm.rank() * rows, rows)),
-                                     Targets(step).narrow(0, comm.rank() * rows, rows));
+      const at::Tensor x = Inputs(step).narrow(0, comm.rank() * rows, rows).to(dtype);
+      const at::Tensor y = model->forward(x);  // In the compute dtype.
+      at::Tensor loss =
+          at::mse_loss(y, Targets(step).narrow(0, comm.rank() * rows, rows).to(y.scalar_type()));
       loss.backward();
       const CollectiveCounters counted = comm.counters();
       const CollectiveOp reduction =
@@ -232,7 +242,7 @@ TEST_P(FrozenAndTrainableInOneUnit, MatchesLocalTrainingAndReducesOnlyTrainableB
     for (const auto& unit : fsdp.units()) {
       const FlatParamHandle& h = *unit->handle();
       EXPECT_EQ(h.ShardBytesOn(c10::DeviceType::CPU),
-                (h.shard_numel() + h.trainable_shard_numel()) * 4)
+                (h.shard_numel() + h.trainable_shard_numel()) * at::elementSize(dtype))
           << unit->fqn();
     }
     EXPECT_EQ(fsdp.FullParamBytes(), 0);
@@ -298,11 +308,13 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{3, ShardingStrategy::kFullShard, false},
                       Case{3, ShardingStrategy::kShardGradOp, false},
                       Case{2, ShardingStrategy::kNoShard, false},
-                      Case{3, ShardingStrategy::kFullShard, true}),
+                      Case{3, ShardingStrategy::kFullShard, true},
+                      Case{3, ShardingStrategy::kFullShard, false, /*float32_compute=*/true}),
     [](const ::testing::TestParamInfo<Case>& info) {
       return std::string(ShardingStrategyName(info.param.strategy)) + "_W" +
              std::to_string(info.param.world_size) +
-             (info.param.offload_params ? "_offload" : "");
+             (info.param.offload_params ? "_offload" : "") +
+             (info.param.float32_compute ? "_f64_params_f32_compute" : "");
     });
 
 }  // namespace

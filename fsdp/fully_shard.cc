@@ -39,11 +39,6 @@ class AccumulatorPostHook final : public torch::autograd::FunctionPostHook {
   std::function<void()> fn_;
 };
 
-uint64_t NextModelId() {
-  static std::atomic<uint64_t> next{1};
-  return next++;
-}
-
 }  // namespace
 
 std::vector<at::Tensor> UniqueParameters(const torch::nn::Module& module) {
@@ -94,8 +89,7 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<torch::nn::Module> root,
                                      Collectives& group, const FsdpOptions& options)
     : root_(std::move(root)),
       group_(group),
-      options_(options),
-      id_(NextModelId()) {}
+      options_(options) {}
 
 FullyShardedModel::~FullyShardedModel() {
   std::vector<std::pair<const torch::nn::Module*, FsdpUnit*>> registered;
@@ -238,9 +232,14 @@ int64_t FullyShardedModel::FullParamBytes() const {
 void FullyShardedModel::LazyInit() {
   std::vector<UnitSignature> units;
   for (const auto& unit : units_) {
-    units.push_back({unit->fqn_, unit->handle_ ? unit->handle_->flat_numel() : 0,
-                     unit->handle_ ? unit->handle_->trainable_numel() : 0, unit->strategy_,
-                     unit->mixed_precision_});
+    UnitSignature signature{unit->fqn_, 0, "", unit->strategy_, unit->mixed_precision_};
+    if (unit->handle_) {
+      signature.flat_numel = unit->handle_->flat_numel();
+      for (const FlatParamInfo& info : unit->handle_->params_info()) {
+        signature.trainable += info.trainable ? '1' : '0';
+      }
+    }
+    units.push_back(std::move(signature));
   }
   CheckSameWrapOnEveryRank(group_, options_, units);
   initialized_ = true;
@@ -489,11 +488,30 @@ void FullyShardedModel::RecordExecutionOrder() {
   }
 }
 
-at::Tensor FullyShardedModel::ClipGradNorm(double max_norm, double norm_type) {
-  ThrowIfError(RequireIdle("ClipGradNorm"));
-  TORCH_CHECK(norm_type >= 1.0, "ClipGradNorm: norm_type ", norm_type,
-              " must be >= 1 or infinity");
-  TORCH_CHECK(max_norm >= 0, "ClipGradNorm: max_norm ", max_norm, " must be >= 0");
+absl::StatusOr<at::Tensor> FullyShardedModel::ClipGradNorm(double max_norm, double norm_type) {
+  FSDP_RETURN_IF_ERROR(RequireIdle("ClipGradNorm"));
+  if (!(norm_type >= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ClipGradNorm: norm_type ", norm_type, " must be >= 1 or infinity"));
+  }
+  if (!(max_norm >= 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ClipGradNorm: max_norm ", max_norm, " must be >= 0"));
+  }
+  for (const auto& unit : units_) {
+    if (unit->handle_ && unit->handle_->holds_unreduced_gradients()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          Describe(*unit), ": ClipGradNorm inside NoSync (gradients are not reduced yet)"));
+    }
+  }
+  try {
+    return ClipCheckedGradNorm(max_norm, norm_type);
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+}
+
+at::Tensor FullyShardedModel::ClipCheckedGradNorm(double max_norm, double norm_type) {
   const bool infinity = std::isinf(norm_type);
   // Sharded units' gradients partition the unsharded ones across ranks;
   // NO_SHARD units' gradients are whole (and equal) on every rank.
@@ -503,8 +521,6 @@ at::Tensor FullyShardedModel::ClipGradNorm(double max_norm, double norm_type) {
   bool any_sharded = false;  // The same on every rank (the plan is).
   for (const auto& unit : units_) {
     if (!unit->handle_) continue;
-    TORCH_CHECK(!unit->handle_->holds_unreduced_gradients(), Describe(*unit),
-                ": ClipGradNorm inside NoSync (gradients are not reduced yet)");
     const bool is_sharded = unit->strategy_ != ShardingStrategy::kNoShard;
     any_sharded = any_sharded || is_sharded;
     at::Tensor& part = is_sharded ? sharded : replicated;
@@ -623,12 +639,18 @@ absl::Status FullyShardedModel::RegisterCommHook(std::shared_ptr<CommHook> hook)
   return absl::OkStatus();
 }
 
-void FullyShardedModel::Apply(const std::function<void(torch::nn::Module&)>& fn) {
-  SummonFullParams full(*this);
-  at::NoGradGuard no_grad;
-  // Children before parents, as torch::nn::Module::apply's post-order.
-  const auto modules = root_->modules(/*include_self=*/true);
-  for (auto it = modules.rbegin(); it != modules.rend(); ++it) fn(**it);
+absl::Status FullyShardedModel::Apply(const std::function<void(torch::nn::Module&)>& fn) {
+  FSDP_RETURN_IF_ERROR(RequireIdle("Apply"));
+  try {
+    SummonFullParams full(*this);
+    at::NoGradGuard no_grad;
+    // Children before parents, as torch::nn::Module::apply's post-order.
+    const auto modules = root_->modules(/*include_self=*/true);
+    for (auto it = modules.rbegin(); it != modules.rend(); ++it) fn(**it);
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+  return absl::OkStatus();
 }
 
 NoSync::NoSync(FullyShardedModel& model) : model_(model), previous_(model.no_sync_) {

@@ -29,6 +29,13 @@
 // SummonFullParams (full parameters, and gradients, for a scope), Apply.
 // Traversal: FullyShardedModel::units() (PyTorch's fsdp_modules, pre-order,
 // root first), GetModuleUnit(module) (the registry) and FsdpUnit::is_root().
+//
+// Errors: every function called between steps (Wrap, ClipGradNorm, Apply,
+// RegisterCommHook, and the state dicts in statedict/ and optim/) returns
+// an absl::Status: kFailedPrecondition in the wrong state, naming it. The
+// scopes NoSync and SummonFullParams, whose constructors cannot return one,
+// throw c10::Error with the same messages; so do forward and backward,
+// which run inside libtorch's autograd.
 #ifndef FSDP_FSDP_FULLY_SHARD_H_
 #define FSDP_FSDP_FULLY_SHARD_H_
 
@@ -153,9 +160,6 @@ class FullyShardedModel {
   ~FullyShardedModel();
 
   const std::vector<std::unique_ptr<FsdpUnit>>& units() const { return units_; }
-  // Unique in the process, never reused: a key for side tables of layers
-  // above the core (state dict settings).
-  uint64_t id() const { return id_; }
   ModelTrainingState training_state() const { return training_state_; }
   // OK between steps; otherwise kFailedPrecondition naming `what`, this
   // rank and why: the model is in forward or backward, or a unit is inside
@@ -180,8 +184,9 @@ class FullyShardedModel {
   // unsharded gradients, `norm_type` >= 1 or infinity) is at most
   // `max_norm`, as torch::nn::utils::clip_grad_norm_ does on the unwrapped
   // model, and returns that norm before clipping; every rank of the group
-  // must call it. REQUIRES: IDLE, gradients reduced (not inside NoSync).
-  at::Tensor ClipGradNorm(double max_norm, double norm_type = 2.0);
+  // must call it. kFailedPrecondition unless IDLE with gradients reduced
+  // (not inside NoSync); kInvalidArgument for a bad norm_type or max_norm.
+  absl::StatusOr<at::Tensor> ClipGradNorm(double max_norm, double norm_type = 2.0);
 
   // Reduces every unit's gradients through `hook` from now on (PyTorch's
   // register_comm_hook on the root; the hook object carries its state). Once,
@@ -199,8 +204,9 @@ class FullyShardedModel {
   // Calls `fn` on every module of the model (children before parents, root
   // last, as torch::nn::Module::apply) with the full parameters in place and
   // writes in-place changes back to the shards: for initialization after
-  // wrapping. Every rank must call it with the same `fn`.
-  void Apply(const std::function<void(torch::nn::Module&)>& fn);
+  // wrapping. Every rank must call it with the same `fn`. kFailedPrecondition
+  // unless IDLE; an exception `fn` throws comes back as the status.
+  absl::Status Apply(const std::function<void(torch::nn::Module&)>& fn);
 
  private:
   friend class UnitForward;
@@ -213,6 +219,8 @@ class FullyShardedModel {
   // with the same options (one all-gather).
   void LazyInit();
   void PreForward(FsdpUnit& unit);
+  // ClipGradNorm after its checks.
+  at::Tensor ClipCheckedGradNorm(double max_norm, double norm_type);
   // Throws naming the parameter when one's requires_grad changed since Wrap.
   void CheckTrainableAsWrapped(const FsdpUnit& unit) const;
   // Puts PostBackward on the accumulators this forward's graph uses.
@@ -236,7 +244,6 @@ class FullyShardedModel {
   std::shared_ptr<torch::nn::Module> root_;
   Collectives& group_;
   const FsdpOptions options_;
-  const uint64_t id_;
   std::vector<std::unique_ptr<FsdpUnit>> units_;
   WrapPlan plan_;
   std::unique_ptr<UnitScheduler> scheduler_;

@@ -54,8 +54,7 @@ TEST(GptInterop, PyTorchLoadsOurFullStateDictAndReproducesOurLogits) {
       at::NoGradGuard no_grad;
       logits = model->forward(tokens);
     }
-    fsdp::StateDictTypeScope scope(**wrapped, {fsdp::StateDictType::kFull, /*rank0_only=*/true});
-    auto state = fsdp::StateDictOf(**wrapped);
+    auto state = fsdp::FullStateDict(**wrapped, {.rank0_only = true});
     ASSERT_TRUE(state.ok()) << state.status();
     if (comm.rank() != 0) return;
     ASSERT_TRUE(fsdp::SaveTorchStateDict(dir + "/cpp_gpt.pt", *state).ok());
@@ -80,7 +79,7 @@ TEST(GptInterop, OurFsdpModelLoadsAPyTorchStateDictAndReproducesItsLogits) {
     auto state = fsdp::LoadTorchStateDict(dir + "/py_gpt.pt");
     ASSERT_TRUE(state.ok()) << state.status();
     // PyTorch's state dict has both tied names, as ours does.
-    ASSERT_TRUE(fsdp::LoadStateDict(**wrapped, *state).ok());
+    ASSERT_TRUE(fsdp::LoadFullStateDict(**wrapped, *state).ok());
     at::NoGradGuard no_grad;
     const at::Tensor logits = model->forward(tokens);
     EXPECT_TRUE(at::allclose(logits, want, 1e-5, 1e-5))

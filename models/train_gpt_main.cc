@@ -496,7 +496,7 @@ void LoadInitialState(fsdp::FullyShardedModel& fsdp_model, const std::set<std::s
     }
     kept.emplace_back(name, tensor);
   }
-  if (absl::Status loaded = fsdp::LoadStateDict(fsdp_model, kept); !loaded.ok()) {
+  if (absl::Status loaded = fsdp::LoadFullStateDict(fsdp_model, kept); !loaded.ok()) {
     throw std::runtime_error(absl::StrCat(
         "--init_state_dict=", path, ": ", loaded.message(),
         unexpected ? " (entries the model does not have can be dropped with "
@@ -690,7 +690,8 @@ int TrainOnGroups(fsdp::FsdpOptions options, const fsdp::WrapPolicy& policy,
     if (step == steps) report.gradient_bytes = LocalGradientBytes(*model);
     // The global norm, clipped when asked; every rank gets the same value.
     const double grad_norm =
-        fsdp_model->ClipGradNorm(clip > 0 ? clip : std::numeric_limits<double>::infinity())
+        fsdp::ValueOrThrow(fsdp_model->ClipGradNorm(
+                               clip > 0 ? clip : std::numeric_limits<double>::infinity()))
             .item<double>();
     at::Tensor global = loss.detach().clone();
     comm->AllReduce(global, fsdp::ReduceOp::kAvg)->Wait();
@@ -756,9 +757,8 @@ int TrainOnGroups(fsdp::FsdpOptions options, const fsdp::WrapPolicy& policy,
     }
   }
   if (const std::string out = absl::GetFlag(FLAGS_export_state_dict); !out.empty()) {
-    fsdp::StateDictTypeScope scope(*fsdp_model,
-                                   {fsdp::StateDictType::kFull, /*rank0_only=*/true});
-    const fsdp::StateDict state = fsdp::ValueOrThrow(fsdp::StateDictOf(*fsdp_model));
+    const fsdp::StateDict state =
+        fsdp::ValueOrThrow(fsdp::FullStateDict(*fsdp_model, {.rank0_only = true}));
     if (rank == 0) {
       fsdp::ThrowIfError(fsdp::SaveTorchStateDict(out, state));
       std::printf("wrote the FULL state dict to %s\n", out.c_str());

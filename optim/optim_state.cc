@@ -1,6 +1,7 @@
 #include "optim/optim_state.h"
 
 #include <algorithm>
+#include <set>
 #include <unordered_map>
 #include <utility>
 
@@ -30,9 +31,12 @@ using optim_internal::StateKey;
 
 // --- Gathering ---------------------------------------------------------------
 
-absl::StatusOr<OptimStateDict> StateDictOf(const torch::nn::Module& root,
-                                           FullyShardedModel* model,
-                                           torch::optim::Optimizer& optimizer, bool keep) {
+// `keep`: this rank returns the result (else an empty dict, after taking
+// part in the gathering); `to_cpu`: elementwise tensors in host memory.
+absl::StatusOr<OptimStateDict> GatherOptimState(const torch::nn::Module& root,
+                                                FullyShardedModel* model,
+                                                torch::optim::Optimizer& optimizer, bool keep,
+                                                bool to_cpu) {
   const Places places = PlacesOf(root, model);
   FSDP_ASSIGN_OR_RETURN(auto groups, GroupsOf(optimizer, places));
   // Local states, elementwise tensors split from the rest.
@@ -62,47 +66,39 @@ absl::StatusOr<OptimStateDict> StateDictOf(const torch::nn::Module& root,
   }
 
   // Full elementwise tensors: sharded units one state key at a time, as one
-  // all-gather of a buffer laid out like the unit's sharded gradient (an
-  // optimizer keeps state for trainable parameters only).
+  // all-gather of a buffer laid out like the unit's shard: its trainable
+  // segment alone, unless a frozen parameter has the state too (Adagrad
+  // makes its `sum` for every parameter it is given).
   std::unordered_map<const void*, std::map<std::string, at::Tensor>> full;
   if (model != nullptr) {
     for (const auto& unit : model->units()) {
       const FlatParamHandle* handle = unit->handle();
       if (handle == nullptr || !handle->uses_sharded_views()) continue;
       const std::vector<FlatParamEntry>& entries = handle->entries();
-      for (size_t i = 0; i < entries.size(); ++i) {
-        auto it = locals.find(entries[i].param.unsafeGetTensorImpl());
-        if (handle->params_info()[i].trainable || it == locals.end() ||
-            it->second.elementwise.empty()) {
-          continue;
-        }
-        // Every rank wrapped the same parameters as frozen: all return here.
-        return absl::FailedPreconditionError(absl::StrCat(
-            "'", handle->params_info()[i].fqn, "' has optimizer state ('",
-            it->second.elementwise.begin()->first, "') but was frozen when its unit was "
-            "wrapped, so its unit keeps no gradient or state layout for it; keep frozen "
-            "parameters out of the optimizer"));
-      }
       auto local_of = [&](size_t i) -> const Local* {
-        if (!handle->params_info()[i].trainable) return nullptr;
         auto it = locals.find(entries[i].param.unsafeGetTensorImpl());
         return it == locals.end() ? nullptr : &it->second;
       };
       std::map<std::string, at::ScalarType> keys;
+      std::set<std::string> frozen_keys;  // Held by a frozen parameter too.
       for (size_t i = 0; i < entries.size(); ++i) {
-        if (const Local* local = local_of(i)) {
-          for (const auto& [key, t] : local->elementwise) keys.emplace(key, t.scalar_type());
+        const Local* local = local_of(i);
+        if (local == nullptr) continue;
+        for (const auto& [key, t] : local->elementwise) {
+          keys.emplace(key, t.scalar_type());
+          if (!handle->params_info()[i].trainable) frozen_keys.insert(key);
         }
       }
       for (const auto& [key, dtype] : keys) {
-        at::Tensor flat =
-            at::zeros({handle->trainable_shard_numel()}, at::TensorOptions().dtype(dtype));
+        const int64_t numel = frozen_keys.count(key) != 0 ? handle->shard_numel()
+                                                           : handle->trainable_shard_numel();
+        at::Tensor flat = at::zeros({numel}, at::TensorOptions().dtype(dtype));
         for (size_t i = 0; i < entries.size(); ++i) {
           const Local* local = local_of(i);
           if (local == nullptr || local->elementwise.count(key) == 0) continue;
           handle->ShardViewOf(flat, i).copy_(local->elementwise.at(key).reshape({-1}));
         }
-        const at::Tensor gathered = handle->AllGatherTrainable(flat);
+        const at::Tensor gathered = handle->AllGatherShardLike(flat);
         if (!keep) continue;
         for (size_t i = 0; i < entries.size(); ++i) {
           const Local* local = local_of(i);
@@ -121,8 +117,9 @@ absl::StatusOr<OptimStateDict> StateDictOf(const torch::nn::Module& root,
     state.values = local.values;
     auto gathered = full.find(place->param.unsafeGetTensorImpl());
     for (const auto& [key, t] : local.elementwise) {
-      state.tensors[key] = place->sharded ? gathered->second.at(key)
-                                          : t.detach().clone().view(place->full_shape);
+      const at::Tensor full = place->sharded ? gathered->second.at(key)
+                                             : t.detach().clone().view(place->full_shape);
+      state.tensors[key] = to_cpu ? full.to(at::kCPU) : full;
     }
     out.state.emplace_back(place->fqn, std::move(state));
   }
@@ -219,12 +216,13 @@ absl::Status Load(const torch::nn::Module& root, const FullyShardedModel* model,
 
 absl::StatusOr<OptimStateDict> FullOptimStateDict(FullyShardedModel& model,
                                                   torch::optim::Optimizer& optimizer,
-                                                  bool rank0_only) {
+                                                  const FullStateDictOptions& options) {
   FSDP_RETURN_IF_ERROR(model.RequireIdle("FullOptimStateDict"));
   CollectiveLabel label(model.group(), model.replicate_group(), "", "FULL optimizer state dict");
   try {
-    return StateDictOf(model.units().front()->module(), &model, optimizer,
-                       !rank0_only || model.group().rank() == 0);
+    return GatherOptimState(model.units().front()->module(), &model, optimizer,
+                            !options.rank0_only || model.group().rank() == 0,
+                            options.offload_to_cpu);
   } catch (...) {
     return StatusFromCurrentException();
   }
@@ -321,7 +319,7 @@ absl::Status LoadFullOptimStateDictFromRank0(FullyShardedModel& model,
 absl::StatusOr<OptimStateDict> ModuleOptimStateDict(const torch::nn::Module& module,
                                                     torch::optim::Optimizer& optimizer) {
   try {
-    return StateDictOf(module, nullptr, optimizer, true);
+    return GatherOptimState(module, nullptr, optimizer, /*keep=*/true, /*to_cpu=*/false);
   } catch (...) {
     return StatusFromCurrentException();
   }

@@ -36,6 +36,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "fsdp/fully_shard.h"
+#include "statedict/state_dict.h"
 #include "torch/nn/module.h"
 #include "torch/optim/optimizer.h"
 
@@ -56,12 +57,14 @@ struct OptimStateDict {
   std::vector<ParamGroupState> param_groups;
 };
 
-// Every rank must call. With rank0_only, ranks other than 0 get an empty
-// dict. REQUIRES: the model IDLE; `optimizer` built over the model's
-// parameters after wrapping.
+// Every rank must call. `options` as for the model's FULL state dict
+// (statedict/state_dict.h): with rank0_only, ranks other than 0 get an
+// empty dict; with offload_to_cpu, the state tensors are in host memory.
+// REQUIRES: the model IDLE (else kFailedPrecondition); `optimizer` built
+// over the model's parameters after wrapping.
 absl::StatusOr<OptimStateDict> FullOptimStateDict(FullyShardedModel& model,
                                                   torch::optim::Optimizer& optimizer,
-                                                  bool rank0_only = false);
+                                                  const FullStateDictOptions& options = {});
 // Every rank passes the same dict; no communication.
 absl::Status LoadFullOptimStateDict(FullyShardedModel& model, torch::optim::Optimizer& optimizer,
                                     const OptimStateDict& state);

@@ -110,7 +110,7 @@ TEST_P(OptimStateResume, UnwrappedStateContinuesInFsdpAndGathersBack) {
         FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     auto optimizer = Make(c.kind, model->parameters());
-    ASSERT_TRUE(LoadStateDict(**wrapped, model_state).ok());
+    ASSERT_TRUE(LoadFullStateDict(**wrapped, model_state).ok());
     absl::Status loaded = LoadFullOptimStateDict(**wrapped, *optimizer, *optim_state);
     ASSERT_TRUE(loaded.ok()) << loaded;
     for (int step = 3; step < 6; ++step) {
@@ -120,7 +120,7 @@ TEST_P(OptimStateResume, UnwrappedStateContinuesInFsdpAndGathersBack) {
                   1e-5 * std::abs(expected[step - 3]) + 1e-7)
           << "step " << step;
     }
-    auto gathered = FullOptimStateDict(**wrapped, *optimizer, /*rank0_only=*/true);
+    auto gathered = FullOptimStateDict(**wrapped, *optimizer, {.rank0_only = true});
     ASSERT_TRUE(gathered.ok()) << gathered.status();
     if (comm.rank() != 0) {
       EXPECT_TRUE(gathered->state.empty());
@@ -226,7 +226,7 @@ TEST(OptimState, MovesBetweenWorldSizes) {
     ASSERT_TRUE(wrapped.ok());
     auto optimizer = Make(Kind::kAdamW, model->parameters());
     for (int step = 0; step < 2; ++step) Step(model, *optimizer, step, comm.rank(), 2);
-    auto state = StateDictOf(**wrapped);
+    auto state = FullStateDict(**wrapped);
     auto optim = FullOptimStateDict(**wrapped, *optimizer);
     ASSERT_TRUE(state.ok() && optim.ok());
     if (comm.rank() == 0) {
@@ -246,13 +246,78 @@ TEST(OptimState, MovesBetweenWorldSizes) {
         FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     auto optimizer = Make(Kind::kAdamW, model->parameters());
-    ASSERT_TRUE(LoadStateDict(**wrapped, model_state).ok());
+    ASSERT_TRUE(LoadFullStateDict(**wrapped, model_state).ok());
     ASSERT_TRUE(LoadFullOptimStateDict(**wrapped, *optimizer, optim_state).ok());
     for (int step = 2; step < 5; ++step) {
       at::Tensor loss = at::full({1}, Step(model, *optimizer, step, comm.rank(), 3));
       comm.AllReduce(loss, ReduceOp::kAvg)->Wait();
       EXPECT_NEAR(loss.item<float>(), expected[step - 2], 1e-5 * std::abs(expected[step - 2]));
     }
+  });
+  EXPECT_TRUE(second.ok()) << second;
+}
+
+// Frozen parameters given to an optimizer that keeps state for them too
+// (Adagrad makes `sum` for every parameter at construction): a wholly
+// frozen unit (blocks.0) and a unit with a frozen bias beside a trainable
+// weight (blocks.1). The FULL state equals the unwrapped optimizer's and
+// moves to another world size.
+TEST(OptimState, FrozenParametersWithStateGatherAndMove) {
+  auto freeze = [](Net& model) {
+    for (auto& p : model->blocks[0]->parameters()) p.requires_grad_(false);
+    model->blocks[1]->as<BlockImpl>()->fc->bias.requires_grad_(false);
+  };
+  OptimStateDict expected;
+  {
+    Net model;
+    freeze(model);
+    auto optimizer = Make(Kind::kAdagrad, UniqueParameters(*model));
+    for (int step = 0; step < 2; ++step) Step(model, *optimizer, step, 0, 1);
+    expected = ModuleOptimStateDict(*model, *optimizer).value();
+  }
+  auto expect_equal = [&](const OptimStateDict& got, int world) {
+    ASSERT_EQ(got.state.size(), expected.state.size()) << "world " << world;
+    for (size_t i = 0; i < got.state.size(); ++i) {
+      EXPECT_EQ(got.state[i].first, expected.state[i].first);
+      const at::Tensor& sum = got.state[i].second.tensors.at("sum");
+      EXPECT_TRUE(at::allclose(sum, expected.state[i].second.tensors.at("sum"), 1e-5, 1e-7))
+          << got.state[i].first << " at world " << world;
+    }
+  };
+  OptimStateDict saved;
+  StateDict saved_model;
+  absl::Status first = RunOnThreadRanks(2, [&](Collectives& comm) {
+    Net model;
+    freeze(model);
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok());
+    auto optimizer = Make(Kind::kAdagrad, UniqueParameters(*model));
+    for (int step = 0; step < 2; ++step) Step(model, *optimizer, step, comm.rank(), 2);
+    auto optim = FullOptimStateDict(**wrapped, *optimizer);
+    ASSERT_TRUE(optim.ok()) << optim.status();
+    expect_equal(*optim, 2);
+    auto state = FullStateDict(**wrapped);
+    ASSERT_TRUE(state.ok());
+    if (comm.rank() == 0) {
+      saved = *optim;
+      saved_model = *state;
+    }
+  });
+  ASSERT_TRUE(first.ok()) << first;
+  absl::Status second = RunOnThreadRanks(3, [&](Collectives& comm) {
+    Net model;
+    freeze(model);
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok());
+    auto optimizer = Make(Kind::kAdagrad, UniqueParameters(*model));
+    ASSERT_TRUE(LoadFullStateDict(**wrapped, saved_model).ok());
+    absl::Status loaded = LoadFullOptimStateDict(**wrapped, *optimizer, saved);
+    ASSERT_TRUE(loaded.ok()) << loaded;
+    auto again = FullOptimStateDict(**wrapped, *optimizer);
+    ASSERT_TRUE(again.ok()) << again.status();
+    expect_equal(*again, 3);
   });
   EXPECT_TRUE(second.ok()) << second;
 }
@@ -274,7 +339,7 @@ TEST(OptimState, LoadsFromRank0Only) {
         FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     auto optimizer = Make(Kind::kAdam, UniqueParameters(*model));
-    ASSERT_TRUE(LoadStateDict(**wrapped, model_state).ok());
+    ASSERT_TRUE(LoadFullStateDict(**wrapped, model_state).ok());
     const OptimStateDict nothing;
     absl::Status loaded = LoadFullOptimStateDictFromRank0(
         **wrapped, *optimizer, comm.rank() == 0 ? *optim_state : nothing);

@@ -65,10 +65,11 @@ struct Trainer {
   std::unique_ptr<FullyShardedModel> fsdp;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
 
-  // `freeze_bias`: blocks.1's bias frozen, so that unit holds frozen and
-  // trainable parameters; the optimizer gets the trainable ones.
-  explicit Trainer(Collectives& comm, Kind kind = Kind::kAdamW, bool freeze_bias = false) {
-    if (freeze_bias) model->blocks[1]->as<BlockImpl>()->fc->bias.requires_grad_(false);
+  // `freeze_weight`: blocks.1's weight frozen, so that unit holds frozen and
+  // trainable parameters (its bias moves ahead of the weight in the flat
+  // parameter); the optimizer gets the trainable ones.
+  explicit Trainer(Collectives& comm, Kind kind = Kind::kAdamW, bool freeze_weight = false) {
+    if (freeze_weight) model->blocks[1]->as<BlockImpl>()->fc->weight.requires_grad_(false);
     fsdp = FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>()).value();
     std::vector<at::Tensor> trainable;
     for (const at::Tensor& p : UniqueParameters(*model)) {
@@ -83,7 +84,7 @@ struct Trainer {
         at::mse_loss(model->forward(Inputs(step, 0).narrow(0, comm.rank() * rows, rows)),
                      Targets(step, 0).narrow(0, comm.rank() * rows, rows));
     loss.backward();
-    fsdp->ClipGradNorm(1.0);
+    EXPECT_TRUE(fsdp->ClipGradNorm(1.0).ok());
     optimizer->step();
     optimizer->zero_grad();
     at::Tensor global = loss.detach().clone();
@@ -142,11 +143,11 @@ TEST(TrainingCheckpoint, ResumesExactlyInNewProcesses) {
 // steps' losses equal the uninterrupted run's up to float32 rounding of the
 // reductions in another order (relative 1e-5). `after` sees each resumed
 // trainer at the end.
-void ExpectResumesAtOtherWorldSizes(const std::string& dir, Kind kind, bool freeze_bias,
+void ExpectResumesAtOtherWorldSizes(const std::string& dir, Kind kind, bool freeze_weight,
                                     const std::function<void(Trainer&)>& after = nullptr) {
   std::vector<float> want;
   absl::Status first = RunOnThreadRanks(2, [&](Collectives& comm) {
-    Trainer t(comm, kind, freeze_bias);
+    Trainer t(comm, kind, freeze_weight);
     for (int step = 0; step < 3; ++step) t.Step(comm, step);
     ASSERT_TRUE(SaveTrainingCheckpoint(*t.fsdp, *t.optimizer, dir).ok());
     for (int step = 3; step < 6; ++step) {
@@ -157,7 +158,7 @@ void ExpectResumesAtOtherWorldSizes(const std::string& dir, Kind kind, bool free
   ASSERT_TRUE(first.ok()) << first;
   for (int world : {3, 1}) {
     absl::Status second = RunOnThreadRanks(world, [&](Collectives& comm) {
-      Trainer t(comm, kind, freeze_bias);
+      Trainer t(comm, kind, freeze_weight);
       absl::Status loaded = LoadTrainingCheckpoint(*t.fsdp, *t.optimizer, dir);
       ASSERT_TRUE(loaded.ok()) << loaded;
       for (int step = 3; step < 6; ++step) {
@@ -174,7 +175,7 @@ class ResumeAtAnotherWorldSize : public ::testing::TestWithParam<Kind> {};
 
 TEST_P(ResumeAtAnotherWorldSize, ContinuesTheRun) {
   ExpectResumesAtOtherWorldSizes(Dir(absl::StrCat("reshard", static_cast<int>(GetParam()))),
-                                 GetParam(), /*freeze_bias=*/false);
+                                 GetParam(), /*freeze_weight=*/false);
 }
 
 std::string KindName(const ::testing::TestParamInfo<Kind>& info) {
@@ -189,15 +190,15 @@ INSTANTIATE_TEST_SUITE_P(Optimizers, ResumeAtAnotherWorldSize,
 
 // A unit with a frozen parameter beside trainable ones (its flat parameter
 // in two segments) saves and resumes at other world sizes like any other;
-// the frozen bias keeps its initial value throughout.
+// the frozen weight keeps its initial value throughout.
 TEST(TrainingCheckpoint, AUnitWithFrozenAndTrainableParametersResumesElsewhere) {
-  const at::Tensor initial_bias = Net()->blocks[1]->as<BlockImpl>()->fc->bias.detach().clone();
+  const at::Tensor initial = Net()->blocks[1]->as<BlockImpl>()->fc->weight.detach().clone();
   ExpectResumesAtOtherWorldSizes(Dir("frozen_and_trainable"), Kind::kAdamW,
-                                 /*freeze_bias=*/true, [&](Trainer& t) {
+                                 /*freeze_weight=*/true, [&](Trainer& t) {
                                    SummonFullParams full(*t.fsdp);
                                    EXPECT_TRUE(at::equal(
-                                       t.model->blocks[1]->as<BlockImpl>()->fc->bias,
-                                       initial_bias));
+                                       t.model->blocks[1]->as<BlockImpl>()->fc->weight,
+                                       initial));
                                  });
 }
 

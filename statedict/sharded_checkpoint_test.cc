@@ -94,7 +94,7 @@ StateDict TrainAndSave(const std::string& dir, ShardingStrategy strategy) {
     absl::Status saved_status =
         SaveShardedCheckpoint(**wrapped, dir, {{"saved_by", "TrainAndSave"}});
     ASSERT_TRUE(saved_status.ok()) << saved_status;
-    auto full = StateDictOf(**wrapped);
+    auto full = FullStateDict(**wrapped);
     ASSERT_TRUE(full.ok());
     if (comm.rank() == 0) saved = *full;
   });
@@ -125,7 +125,7 @@ TEST_P(ShardedCheckpointReshard, SavedAtFourLoadsAtAnotherWorldSizeAndStrategy) 
     absl::Status loaded = LoadShardedCheckpoint(**wrapped, dir, &stats);
     ASSERT_TRUE(loaded.ok()) << loaded;
     EXPECT_GE(stats.bytes_read, stats.bytes_needed);
-    auto full = StateDictOf(**wrapped);
+    auto full = FullStateDict(**wrapped);
     ASSERT_TRUE(full.ok());
     ASSERT_EQ(full->size(), saved.size());
     for (size_t k = 0; k < saved.size(); ++k) {
@@ -163,7 +163,7 @@ TEST(ShardedCheckpoint, ReplicatedTensorsAreWrittenOnceAndNoShardUnitsRoundTrip)
                                            SelectModulesOfType<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     ASSERT_TRUE(LoadShardedCheckpoint(**wrapped, dir).ok());
-    auto full = StateDictOf(**wrapped);
+    auto full = FullStateDict(**wrapped);
     for (size_t k = 0; k < saved.size(); ++k) {
       EXPECT_TRUE(at::equal((*full)[k].second, saved[k].second)) << saved[k].first;
     }
@@ -210,7 +210,7 @@ TEST(ShardedCheckpoint, HybridShardingWritesOneCopyThatLoadsElsewhere) {
                 ASSERT_TRUE(status.ok()) << status;
                 // Every rank sees the finished checkpoint once Save returns.
                 EXPECT_EQ(ShardFiles(dir).size(), 2u);
-                auto full = StateDictOf(**wrapped);
+                auto full = FullStateDict(**wrapped);
                 ASSERT_TRUE(full.ok());
                 if (world.rank() == 0) saved = *full;
               }).ok());
@@ -222,7 +222,7 @@ TEST(ShardedCheckpoint, HybridShardingWritesOneCopyThatLoadsElsewhere) {
                 ASSERT_TRUE(wrapped.ok());
                 absl::Status loaded = LoadShardedCheckpoint(**wrapped, dir);
                 ASSERT_TRUE(loaded.ok()) << loaded;
-                auto full = StateDictOf(**wrapped);
+                auto full = FullStateDict(**wrapped);
                 ASSERT_TRUE(full.ok());
                 ASSERT_EQ(full->size(), saved.size());
                 for (size_t k = 0; k < saved.size(); ++k) {

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <map>
-#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -22,16 +21,6 @@ namespace {
 using statedict_internal::NamedTensors;
 using statedict_internal::Placements;
 using statedict_internal::PlacementsOf;
-
-std::mutex& SettingsMutex() {
-  static std::mutex mu;
-  return mu;
-}
-
-std::map<uint64_t, StateDictSettings>& Settings() {
-  static auto* settings = new std::map<uint64_t, StateDictSettings>();
-  return *settings;
-}
 
 std::string ShapeString(at::IntArrayRef shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
@@ -104,19 +93,62 @@ absl::StatusOr<std::vector<at::Tensor>> MatchStateDict(
   return values;
 }
 
-absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model, const StateDictSettings& settings,
+// LOCAL: per unit, "<unit>.flat_param" (this rank's shard as it is) and
+// "<unit>.flat_param_layout" (what the shard's layout depends on); buffers
+// and ignored parameters under their own names.
+std::string LocalKey(const FsdpUnit& unit) {
+  return unit.fqn().empty() ? "flat_param" : unit.fqn() + ".flat_param";
+}
+
+at::Tensor LocalLayout(const FullyShardedModel& model, const FlatParamHandle& handle) {
+  std::vector<int64_t> layout = {model.group().world_size(), model.group().rank(),
+                                 static_cast<int64_t>(handle.strategy()), handle.flat_numel(),
+                                 handle.padded_numel(),
+                                 static_cast<int64_t>(handle.params_info().size())};
+  for (const FlatParamInfo& info : handle.params_info()) layout.push_back(info.numel);
+  // A unit mixing frozen and trainable parameters lays them out in two
+  // segments, trainable first: which parameter is which joins the layout
+  // (only then, so that other units' layouts stay as they were).
+  if (handle.trainable_numel() != 0 && handle.trainable_numel() != handle.flat_numel()) {
+    for (const FlatParamInfo& info : handle.params_info()) layout.push_back(info.trainable);
+  }
+  return at::tensor(layout, at::kLong);
+}
+
+std::string DescribeLayout(const at::Tensor& layout) {
+  if (layout.dim() != 1 || layout.numel() < 6 || layout.scalar_type() != at::kLong) {
+    return "an unreadable layout";
+  }
+  const int64_t* v = layout.data_ptr<int64_t>();
+  std::string trainable;  // Which parameters train, for a mixed unit.
+  if (v[5] >= 0 && layout.numel() == 6 + 2 * v[5]) {
+    std::vector<int64_t> indices;
+    for (int64_t i = 0; i < v[5]; ++i) {
+      if (v[6 + v[5] + i] != 0) indices.push_back(i);
+    }
+    trainable = absl::StrCat(" (trainable: parameters ", absl::StrJoin(indices, ", "), ")");
+  }
+  return absl::StrCat("rank ", v[1], " of ", v[0], ", ",
+                      ShardingStrategyName(static_cast<ShardingStrategy>(v[2])), ", ", v[5],
+                      " parameters of ", v[3], " elements", trainable);
+}
+
+}  // namespace
+
+absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model,
+                                        const FullStateDictOptions& options,
                                         FullStateDictStats* stats) {
   FSDP_RETURN_IF_ERROR(model.RequireIdle("FULL state dict"));
   CollectiveLabel label(model.group(), model.replicate_group(), "", "FULL state dict");
   const StateDict named = NamedTensors(model.units().front()->module());
   const Placements placements = PlacementsOf(model);
-  const bool keep = !settings.rank0_only || model.group().rank() == 0;
+  const bool keep = !options.rank0_only || model.group().rank() == 0;
   std::vector<at::Tensor> values(named.size());
   std::unordered_map<const void*, at::Tensor> copies;  // Tied names share one copy.
   auto copy_of = [&](const at::Tensor& t) {
     auto it = copies.find(t.unsafeGetTensorImpl());
     if (it == copies.end()) {
-      const c10::Device to = settings.offload_to_cpu ? c10::Device(at::kCPU) : t.device();
+      const c10::Device to = options.offload_to_cpu ? c10::Device(at::kCPU) : t.device();
       it = copies.emplace(t.unsafeGetTensorImpl(),
                           t.detach().to(to, /*non_blocking=*/false, /*copy=*/true)).first;
     }
@@ -203,41 +235,8 @@ absl::Status LoadFullStateDict(FullyShardedModel& model, const StateDict& state)
   return absl::OkStatus();
 }
 
-// LOCAL: per unit, "<unit>.flat_param" (this rank's shard as it is) and
-// "<unit>.flat_param_layout" (what the shard's layout depends on); buffers
-// and ignored parameters under their own names.
-std::string LocalKey(const FsdpUnit& unit) {
-  return unit.fqn().empty() ? "flat_param" : unit.fqn() + ".flat_param";
-}
-
-at::Tensor LocalLayout(const FullyShardedModel& model, const FlatParamHandle& handle) {
-  std::vector<int64_t> layout = {model.group().world_size(), model.group().rank(),
-                                 static_cast<int64_t>(handle.strategy()), handle.flat_numel(),
-                                 handle.padded_numel(),
-                                 static_cast<int64_t>(handle.params_info().size())};
-  for (const FlatParamInfo& info : handle.params_info()) layout.push_back(info.numel);
-  // A unit mixing frozen and trainable parameters lays them out in two
-  // segments: the trainable size joins the layout (only then, so that
-  // other units' layouts stay as they were).
-  if (handle.trainable_numel() != 0 && handle.trainable_numel() != handle.flat_numel()) {
-    layout.push_back(handle.trainable_numel());
-  }
-  return at::tensor(layout, at::kLong);
-}
-
-std::string DescribeLayout(const at::Tensor& layout) {
-  if (layout.dim() != 1 || layout.numel() < 6 || layout.scalar_type() != at::kLong) {
-    return "an unreadable layout";
-  }
-  const int64_t* v = layout.data_ptr<int64_t>();
-  const bool mixed = layout.numel() == 7 + v[5];
-  return absl::StrCat("rank ", v[1], " of ", v[0], ", ",
-                      ShardingStrategyName(static_cast<ShardingStrategy>(v[2])), ", ", v[5],
-                      " parameters of ", v[3], " elements",
-                      mixed ? absl::StrCat(" (", v[6 + v[5]], " trainable)") : "");
-}
-
-StateDict LocalStateDict(const FullyShardedModel& model) {
+absl::StatusOr<StateDict> LocalStateDict(const FullyShardedModel& model) {
+  FSDP_RETURN_IF_ERROR(model.RequireIdle("LOCAL state dict"));
   StateDict out;
   for (const auto& unit : model.units()) {
     const FlatParamHandle* handle = unit->handle();
@@ -319,52 +318,6 @@ absl::Status LoadLocalStateDict(FullyShardedModel& model, const StateDict& state
   at::NoGradGuard no_grad;
   for (auto& [target, source] : copies) target.copy_(source);
   return absl::OkStatus();
-}
-
-}  // namespace
-
-StateDictSettings GetStateDictSettings(const FullyShardedModel& model) {
-  std::lock_guard<std::mutex> lock(SettingsMutex());
-  auto it = Settings().find(model.id());
-  return it == Settings().end() ? StateDictSettings{} : it->second;
-}
-
-void SetStateDictType(FullyShardedModel& model, const StateDictSettings& settings) {
-  std::lock_guard<std::mutex> lock(SettingsMutex());
-  Settings()[model.id()] = settings;
-}
-
-StateDictTypeScope::StateDictTypeScope(FullyShardedModel& model,
-                                       const StateDictSettings& settings)
-    : model_(model), previous_(GetStateDictSettings(model)) {
-  SetStateDictType(model, settings);
-}
-
-StateDictTypeScope::~StateDictTypeScope() { SetStateDictType(model_, previous_); }
-
-absl::StatusOr<StateDict> StateDictOf(FullyShardedModel& model, FullStateDictStats* stats) {
-  const StateDictSettings settings = GetStateDictSettings(model);
-  switch (settings.type) {
-    case StateDictType::kFull:
-      return FullStateDict(model, settings, stats);
-    case StateDictType::kLocal:
-      FSDP_RETURN_IF_ERROR(model.RequireIdle("LOCAL state dict"));
-      return LocalStateDict(model);
-    case StateDictType::kSharded:
-      break;
-  }
-  return absl::InvalidArgumentError(
-      "a SHARDED state dict is a checkpoint directory: use SaveShardedCheckpoint and "
-      "LoadShardedCheckpoint (statedict/sharded_checkpoint.h)");
-}
-
-absl::Status LoadStateDict(FullyShardedModel& model, const StateDict& state) {
-  const StateDictSettings settings = GetStateDictSettings(model);
-  if (settings.type == StateDictType::kFull) return LoadFullStateDict(model, state);
-  if (settings.type == StateDictType::kLocal) return LoadLocalStateDict(model, state);
-  return absl::InvalidArgumentError(
-      "a SHARDED state dict is a checkpoint directory: use SaveShardedCheckpoint and "
-      "LoadShardedCheckpoint (statedict/sharded_checkpoint.h)");
 }
 
 StateDict ModuleStateDict(const torch::nn::Module& module) {

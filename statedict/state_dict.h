@@ -7,19 +7,23 @@
 // own buffers, prefixed by its FQN; a tensor registered under two names
 // (tied weights) appears under both.
 //
-// State dict types (PyTorch's StateDictType), set on the root for all its
-// units at once — SetStateDictType, or the scoped StateDictTypeScope:
-//   FULL     the unsharded tensors, gathered unit by unit (below); loads from
-//            a state dict of any world size, or of the unwrapped module.
+// PyTorch's three state dict types, each with its own entry points (the
+// type is in the name, as for the optimizer's in optim/optim_state.h; FULL
+// ones of both take FullStateDictOptions):
+//   FULL     FullStateDict / LoadFullStateDict: the unsharded tensors,
+//            gathered unit by unit (below); loads from a state dict of any
+//            world size, or of the unwrapped module.
 //   SHARDED  every rank's own shards, as a checkpoint directory with a
 //            manifest: SaveShardedCheckpoint / LoadShardedCheckpoint
 //            (statedict/sharded_checkpoint.h) load at any world size.
-//            StateDictOf and LoadStateDict refuse this type, pointing there.
-//   LOCAL    the flat shards as they are: "<unit>.flat_param" and
-//            "<unit>.flat_param_layout" (world size, rank, strategy, the
-//            parameters' sizes) per unit, plus buffers and ignored
-//            parameters by name. Loads only into the same layout; anything
-//            else is an error naming the unit and both layouts.
+//   LOCAL    LocalStateDict / LoadLocalStateDict: the flat shards as they
+//            are: "<unit>.flat_param" and "<unit>.flat_param_layout" (world
+//            size, rank, strategy, the parameters' sizes) per unit, plus
+//            buffers and ignored parameters by name. Loads only into the
+//            same layout; anything else is an error naming the unit and both
+//            layouts.
+//
+// Every entry point returns kFailedPrecondition unless the model is IDLE.
 //
 // FULL, gathering: every rank must call. Units are all-gathered one at a
 // time, in pre-order, and each is resharded before the next is gathered, so
@@ -49,30 +53,13 @@
 
 namespace fsdp {
 
-enum class StateDictType { kFull, kSharded, kLocal };
-
-struct StateDictSettings {
-  StateDictType type = StateDictType::kFull;
-  // FULL only.
+// How a FULL state dict is gathered, the model's and the optimizer's alike
+// (PyTorch's FullStateDictConfig and FullOptimStateDictConfig).
+struct FullStateDictOptions {
+  // Ranks other than 0 get an empty state dict and never hold a copy.
   bool rank0_only = false;
+  // The result in host memory; false leaves each tensor on its device.
   bool offload_to_cpu = true;
-};
-
-// The settings of `model` (FULL, not rank0_only, until set).
-StateDictSettings GetStateDictSettings(const FullyShardedModel& model);
-void SetStateDictType(FullyShardedModel& model, const StateDictSettings& settings);
-
-// Sets the type for its lifetime and restores the previous one.
-class StateDictTypeScope {
- public:
-  StateDictTypeScope(FullyShardedModel& model, const StateDictSettings& settings);
-  StateDictTypeScope(const StateDictTypeScope&) = delete;
-  StateDictTypeScope& operator=(const StateDictTypeScope&) = delete;
-  ~StateDictTypeScope();
-
- private:
-  FullyShardedModel& model_;
-  StateDictSettings previous_;
 };
 
 struct FullStateDictStats {
@@ -80,11 +67,17 @@ struct FullStateDictStats {
   int64_t peak_full_param_bytes = 0;
 };
 
-// The state dict of the type `model` is set to. REQUIRES: the model IDLE.
-absl::StatusOr<StateDict> StateDictOf(FullyShardedModel& model,
-                                      FullStateDictStats* stats = nullptr);
-// Loads a state dict of the type `model` is set to; all-or-nothing.
-absl::Status LoadStateDict(FullyShardedModel& model, const StateDict& state);
+// Every rank must call both.
+absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model,
+                                        const FullStateDictOptions& options = {},
+                                        FullStateDictStats* stats = nullptr);
+// All-or-nothing; every rank passes the same state dict.
+absl::Status LoadFullStateDict(FullyShardedModel& model, const StateDict& state);
+
+// This rank's shards; no communication.
+absl::StatusOr<StateDict> LocalStateDict(const FullyShardedModel& model);
+// All-or-nothing; each rank passes the state dict it saved.
+absl::Status LoadLocalStateDict(FullyShardedModel& model, const StateDict& state);
 
 // The same for a plain (unwrapped) module: its state dict, and loading one
 // (with the same checks, all-or-nothing).

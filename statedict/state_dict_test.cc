@@ -54,11 +54,11 @@ struct Case {
   ShardingStrategy strategy;
 };
 
-class FullStateDict : public ::testing::TestWithParam<Case> {};
+class FullStateDictGather : public ::testing::TestWithParam<Case> {};
 
 // The gathered state dict equals the unwrapped model's, key for key, while
 // no rank ever holds more than one unit's full parameters.
-TEST_P(FullStateDict, EqualsTheUnwrappedModelsAndGathersOneUnitAtATime) {
+TEST_P(FullStateDictGather, EqualsTheUnwrappedModelsAndGathersOneUnitAtATime) {
   const Case c = GetParam();
   Net reference;
   const StateDict want = ModuleStateDict(*reference);
@@ -74,7 +74,7 @@ TEST_P(FullStateDict, EqualsTheUnwrappedModelsAndGathersOneUnitAtATime) {
       largest_unit = std::max(largest_unit, unit->handle()->padded_numel() * 4);
     }
     FullStateDictStats stats;
-    auto state = StateDictOf(**wrapped, &stats);
+    auto state = FullStateDict(**wrapped, {}, &stats);
     ASSERT_TRUE(state.ok()) << state.status();
     EXPECT_THAT(Keys(*state), ElementsAreArray(Keys(want)));
     for (size_t k = 0; k < want.size(); ++k) {
@@ -89,8 +89,8 @@ TEST_P(FullStateDict, EqualsTheUnwrappedModelsAndGathersOneUnitAtATime) {
     // Round trip: load changed values, gather them back.
     StateDict changed = want;
     for (auto& [name, tensor] : changed) tensor = tensor * 2 + 1;
-    ASSERT_TRUE(LoadStateDict(**wrapped, changed).ok());
-    auto again = StateDictOf(**wrapped);
+    ASSERT_TRUE(LoadFullStateDict(**wrapped, changed).ok());
+    auto again = FullStateDict(**wrapped);
     ASSERT_TRUE(again.ok());
     for (size_t k = 0; k < changed.size(); ++k) {
       EXPECT_TRUE(at::equal((*again)[k].second, changed[k].second)) << changed[k].first;
@@ -99,12 +99,10 @@ TEST_P(FullStateDict, EqualsTheUnwrappedModelsAndGathersOneUnitAtATime) {
     // In host memory or on the model's device, the result is a copy:
     // changing it changes nothing in the model.
     for (bool offload_to_cpu : {true, false}) {
-      StateDictTypeScope placed(**wrapped,
-                                {StateDictType::kFull, /*rank0_only=*/false, offload_to_cpu});
-      auto copies = StateDictOf(**wrapped);
+      auto copies = FullStateDict(**wrapped, {.offload_to_cpu = offload_to_cpu});
       ASSERT_TRUE(copies.ok()) << copies.status();
       for (auto& [name, tensor] : *copies) tensor.add_(1);
-      auto after = StateDictOf(**wrapped);
+      auto after = FullStateDict(**wrapped);
       ASSERT_TRUE(after.ok()) << after.status();
       for (size_t k = 0; k < changed.size(); ++k) {
         EXPECT_TRUE(at::equal((*after)[k].second, changed[k].second))
@@ -113,8 +111,7 @@ TEST_P(FullStateDict, EqualsTheUnwrappedModelsAndGathersOneUnitAtATime) {
     }
 
     // rank0_only: the other ranks take part but get nothing.
-    StateDictTypeScope scope(**wrapped, {StateDictType::kFull, /*rank0_only=*/true});
-    auto rank0 = StateDictOf(**wrapped);
+    auto rank0 = FullStateDict(**wrapped, {.rank0_only = true});
     ASSERT_TRUE(rank0.ok()) << rank0.status();
     EXPECT_EQ(rank0->size(), comm.rank() == 0 ? want.size() : 0u);
   });
@@ -136,7 +133,7 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
   return absl::StrCat("W", info.param.world_size, "_", ShardingStrategyName(info.param.strategy));
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, FullStateDict, ::testing::ValuesIn(Cases()), CaseName);
+INSTANTIATE_TEST_SUITE_P(Cases, FullStateDictGather, ::testing::ValuesIn(Cases()), CaseName);
 
 // Train at W = 3, save on rank 0 through a torch.save file, load at W = 2
 // and into the unwrapped model: all three compute the same outputs.
@@ -156,8 +153,7 @@ TEST(FullStateDictFile, SavedAtOneWorldSizeLoadsAtAnotherAndIntoThePlainModule) 
       optimizer->step();
       optimizer->zero_grad();
     }
-    StateDictTypeScope scope(**wrapped, {StateDictType::kFull, /*rank0_only=*/true});
-    auto state = StateDictOf(**wrapped);
+    auto state = FullStateDict(**wrapped, {.rank0_only = true});
     ASSERT_TRUE(state.ok()) << state.status();
     if (comm.rank() == 0) {
       ASSERT_TRUE(SaveTorchStateDict(path, *state).ok());
@@ -180,7 +176,7 @@ TEST(FullStateDictFile, SavedAtOneWorldSizeLoadsAtAnotherAndIntoThePlainModule) 
     ASSERT_TRUE(wrapped.ok());
     auto from_file = LoadTorchStateDict(path);  // Every rank reads the file.
     ASSERT_TRUE(from_file.ok());
-    ASSERT_TRUE(LoadStateDict(**wrapped, *from_file).ok());
+    ASSERT_TRUE(LoadFullStateDict(**wrapped, *from_file).ok());
     at::Tensor out;
     {
       at::NoGradGuard no_grad;
@@ -213,7 +209,7 @@ TEST(FullStateDictLoad, EveryProblemIsListedAndTheModelIsUntouched) {
     bad.erase(std::find_if(bad.begin(), bad.end(),
                            [](const auto& kv) { return kv.first == "blocks.0.fc.bias"; }));
     bad.emplace_back("extra.weight", at::zeros({1}));
-    absl::Status load = LoadStateDict(**wrapped, bad);
+    absl::Status load = LoadFullStateDict(**wrapped, bad);
     ASSERT_FALSE(load.ok());
     EXPECT_EQ(load.code(), absl::StatusCode::kInvalidArgument);
     const std::string message(load.message());
@@ -245,7 +241,7 @@ TEST(FullStateDict, MixedPrecisionGivesFullPrecision) {
                 auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
                                                        SelectModulesOfType<BlockImpl>());
                 ASSERT_TRUE(wrapped.ok());
-                auto full = StateDictOf(**wrapped);
+                auto full = FullStateDict(**wrapped);
                 ASSERT_TRUE(full.ok()) << full.status();
                 bool found = false;
                 for (const auto& [name, value] : *full) {
@@ -270,34 +266,18 @@ TEST(FullStateDictLoad, RefusedInsideSummonFullParams) {
         FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     SummonFullParams full(**wrapped);
-    auto state = StateDictOf(**wrapped);
+    auto state = FullStateDict(**wrapped);
     EXPECT_EQ(state.status().code(), absl::StatusCode::kFailedPrecondition);
     EXPECT_THAT(state.status().message(), HasSubstr("(inside SummonFullParams?)"));
+    EXPECT_EQ(LocalStateDict(**wrapped).status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(LoadLocalStateDict(**wrapped, {}).code(), absl::StatusCode::kFailedPrecondition);
   });
   EXPECT_TRUE(status.ok()) << status;
 }
 
-TEST(StateDictType, ScopeRestoresThePreviousSettingAndShardedPointsToCheckpoints) {
-  absl::Status status = RunOnThreadRanks(1, [](Collectives& comm) {
-    Net model;
-    auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
-    ASSERT_TRUE(wrapped.ok());
-    EXPECT_EQ(GetStateDictSettings(**wrapped).type, StateDictType::kFull);
-    {
-      StateDictTypeScope scope(**wrapped, {StateDictType::kSharded});
-      EXPECT_EQ(GetStateDictSettings(**wrapped).type, StateDictType::kSharded);
-      auto state = StateDictOf(**wrapped);
-      EXPECT_THAT(state.status().message(), HasSubstr("use SaveShardedCheckpoint"));
-    }
-    EXPECT_EQ(GetStateDictSettings(**wrapped).type, StateDictType::kFull);
-  });
-  EXPECT_TRUE(status.ok()) << status;
-}
+class LocalStateDictLayout : public ::testing::TestWithParam<ShardingStrategy> {};
 
-class LocalStateDict : public ::testing::TestWithParam<ShardingStrategy> {};
-
-TEST_P(LocalStateDict, RoundTripsInTheSameLayoutAndRefusesAnother) {
+TEST_P(LocalStateDictLayout, RoundTripsInTheSameLayoutAndRefusesAnother) {
   FsdpOptions options;
   options.strategy = GetParam();
   std::vector<StateDict> saved(3);
@@ -306,8 +286,7 @@ TEST_P(LocalStateDict, RoundTripsInTheSameLayoutAndRefusesAnother) {
     auto wrapped =
         FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
-    StateDictTypeScope scope(**wrapped, {StateDictType::kLocal});
-    auto state = StateDictOf(**wrapped);
+    auto state = LocalStateDict(**wrapped);
     ASSERT_TRUE(state.ok()) << state.status();
     EXPECT_EQ(Keys(*state)[0], "flat_param");
     EXPECT_EQ(Keys(*state)[2], "blocks.0.flat_param");
@@ -321,8 +300,7 @@ TEST_P(LocalStateDict, RoundTripsInTheSameLayoutAndRefusesAnother) {
         FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     for (const auto& unit : (*wrapped)->units()) unit->handle()->local_shard().fill_(-1);
-    StateDictTypeScope scope(**wrapped, {StateDictType::kLocal});
-    absl::Status loaded = LoadStateDict(**wrapped, saved[comm.rank()]);
+    absl::Status loaded = LoadLocalStateDict(**wrapped, saved[comm.rank()]);
     ASSERT_TRUE(loaded.ok()) << loaded;
     EXPECT_TRUE(at::equal((*wrapped)->units()[1]->handle()->local_shard(),
                           saved[comm.rank()][2].second));
@@ -335,8 +313,7 @@ TEST_P(LocalStateDict, RoundTripsInTheSameLayoutAndRefusesAnother) {
         FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     const std::vector<at::Tensor> before = Shards(**wrapped);
-    StateDictTypeScope scope(**wrapped, {StateDictType::kLocal});
-    absl::Status loaded = LoadStateDict(**wrapped, saved[comm.rank()]);
+    absl::Status loaded = LoadLocalStateDict(**wrapped, saved[comm.rank()]);
     ASSERT_FALSE(loaded.ok());
     EXPECT_THAT(loaded.message(),
                 HasSubstr(absl::StrCat("'blocks.0.flat_param' was saved as rank ", comm.rank(),
@@ -349,7 +326,48 @@ TEST_P(LocalStateDict, RoundTripsInTheSameLayoutAndRefusesAnother) {
   EXPECT_TRUE(status.ok()) << status;
 }
 
-INSTANTIATE_TEST_SUITE_P(Strategies, LocalStateDict,
+// A unit mixing frozen and trainable parameters orders its flat shard by
+// which ones train: a LOCAL state dict saved with one parameter frozen
+// round-trips, and loads into no wrapping that froze another.
+TEST(LocalStateDictLayoutOfMixedUnits, WhichParametersTrainIsPartOfTheLayout) {
+  std::vector<StateDict> saved(2);
+  auto wrap_with_frozen = [](Net& model, Collectives& comm, bool freeze_weight) {
+    BlockImpl& block = *model->blocks[0]->as<BlockImpl>();
+    (freeze_weight ? block.fc->weight : block.fc->bias).requires_grad_(false);
+    return FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+  };
+  absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
+    Net model;
+    auto wrapped = wrap_with_frozen(model, comm, /*freeze_weight=*/false);
+    ASSERT_TRUE(wrapped.ok());
+    auto state = LocalStateDict(**wrapped);
+    ASSERT_TRUE(state.ok()) << state.status();
+    saved[comm.rank()] = *state;
+    for (const auto& unit : (*wrapped)->units()) unit->handle()->local_shard().fill_(-1);
+    absl::Status loaded = LoadLocalStateDict(**wrapped, saved[comm.rank()]);
+    ASSERT_TRUE(loaded.ok()) << loaded;
+    EXPECT_TRUE(at::equal((*wrapped)->units()[1]->handle()->local_shard(),
+                          saved[comm.rank()][2].second));
+  });
+  ASSERT_TRUE(status.ok()) << status;
+  status = RunOnThreadRanks(2, [&](Collectives& comm) {
+    Net model;
+    auto wrapped = wrap_with_frozen(model, comm, /*freeze_weight=*/true);
+    ASSERT_TRUE(wrapped.ok());
+    const std::vector<at::Tensor> before = Shards(**wrapped);
+    absl::Status loaded = LoadLocalStateDict(**wrapped, saved[comm.rank()]);
+    ASSERT_FALSE(loaded.ok());
+    EXPECT_THAT(loaded.message(),
+                HasSubstr("2 parameters of 104 elements (trainable: parameters 0), but here "
+                          "it is rank "));
+    EXPECT_THAT(loaded.message(), HasSubstr("(trainable: parameters 1)"));
+    const std::vector<at::Tensor> after = Shards(**wrapped);
+    for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(at::equal(before[i], after[i]));
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+INSTANTIATE_TEST_SUITE_P(Strategies, LocalStateDictLayout,
                          ::testing::Values(ShardingStrategy::kFullShard,
                                            ShardingStrategy::kShardGradOp,
                                            ShardingStrategy::kNoShard),
