@@ -100,12 +100,6 @@ FullyShardedModel::~FullyShardedModel() {
   UnregisterUnits(registered);
 }
 
-absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
-    std::shared_ptr<torch::nn::Module> root, Collectives& group, const FsdpOptions& options,
-    const UnitSelector& select) {
-  return Wrap(std::move(root), group, options, LambdaPolicy(select, {}, "selector"));
-}
-
 namespace {
 
 FlatParamHandleOptions HandleOptionsFor(const PlannedUnit& planned, const FsdpOptions& options) {

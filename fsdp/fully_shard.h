@@ -59,23 +59,23 @@
 #include "fsdp/unit_scheduler.h"
 #include "fsdp/wrap_plan.h"
 #include "policies/wrap_policy.h"
+#include "c10/util/Type.h"
 #include "torch/csrc/autograd/variable.h"
 #include "torch/nn/module.h"
 
 namespace fsdp {
 
 
-// Decides which submodules become units; called in pre-order with each
-// submodule's FQN (the root is always a unit of its own).
-using UnitSelector =
-    std::function<bool(const std::string& fqn, const torch::nn::Module& module)>;
-
-// Every submodule whose dynamic type is T.
+// A wrap policy (policies/wrap_policy.h) choosing every submodule whose
+// dynamic type is T (or derives from it): the C++-typed counterpart of the
+// registry's "module:<name>" policy.
 template <typename T>
-UnitSelector SelectModulesOfType() {
-  return [](const std::string&, const torch::nn::Module& module) {
-    return dynamic_cast<const T*>(&module) != nullptr;
-  };
+LambdaPolicy SelectModulesOfType() {
+  return LambdaPolicy(
+      [](const std::string&, const torch::nn::Module& module) {
+        return dynamic_cast<const T*>(&module) != nullptr;
+      },
+      {}, std::string("modules of type ") + c10::demangle_type<T>());
 }
 
 // Releases the memory of every parameter and buffer of `module` and its
@@ -150,10 +150,6 @@ class FullyShardedModel {
   static absl::StatusOr<std::unique_ptr<FullyShardedModel>> Wrap(
       std::shared_ptr<torch::nn::Module> root, Collectives& group,
       const FsdpOptions& options, const WrapPolicy& policy);
-  // The same with a selector as the policy (a LambdaPolicy).
-  static absl::StatusOr<std::unique_ptr<FullyShardedModel>> Wrap(
-      std::shared_ptr<torch::nn::Module> root, Collectives& group,
-      const FsdpOptions& options, const UnitSelector& select);
 
   FullyShardedModel(const FullyShardedModel&) = delete;
   FullyShardedModel& operator=(const FullyShardedModel&) = delete;

@@ -101,8 +101,8 @@ TEST_P(FullyShardParity, MatchesLocalTraining) {
     options.strategy = c.strategy;
     options.backward_prefetch = c.backward_prefetch;
     options.forward_prefetch = c.forward_prefetch;
-    const UnitSelector per_block = SelectModulesOfType<BlockImpl>();
-    const UnitSelector none = [](const std::string&, const torch::nn::Module&) { return false; };
+    const LambdaPolicy per_block = SelectModulesOfType<BlockImpl>();
+    const LambdaPolicy none([](const std::string&, const torch::nn::Module&) { return false; });
     auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options, c.flat ? none : per_block);
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     FullyShardedModel& fsdp = **wrapped;
@@ -877,10 +877,11 @@ TEST_P(NestedUnits, MatchLocalTrainingWithCountedCollectivesAndBoundedMemory) {
     FsdpOptions options;
     options.strategy = c.strategy;
     auto wrapped = FullyShardedModel::Wrap(
-        model.ptr(), comm, options, [](const std::string&, const torch::nn::Module& m) {
+        model.ptr(), comm, options,
+        LambdaPolicy([](const std::string&, const torch::nn::Module& m) {
           return dynamic_cast<const OuterImpl*>(&m) != nullptr ||
                  dynamic_cast<const BlockImpl*>(&m) != nullptr;
-        });
+        }));
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     FullyShardedModel& fsdp = **wrapped;
     std::vector<std::string> fqns;
@@ -966,7 +967,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, NestedUnits, ::testing::ValuesIn(NestedCases()),
 TEST(FullyShard, DifferentWrapPlansAcrossRanksAreNamedAtTheFirstForward) {
   absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
     Net model;
-    const UnitSelector flat = [](const std::string&, const torch::nn::Module&) { return false; };
+    const LambdaPolicy flat([](const std::string&, const torch::nn::Module&) { return false; });
     auto wrapped = FullyShardedModel::Wrap(
         model.ptr(), comm, {}, comm.rank() == 0 ? SelectModulesOfType<BlockImpl>() : flat);
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();

@@ -118,9 +118,9 @@ TEST_P(GptFsdpParity, MatchesLocalTraining) {
     Gpt model(TinyConfig());
     fsdp::FsdpOptions options;
     options.strategy = c.strategy;
-    const fsdp::UnitSelector none = [](const std::string&, const torch::nn::Module&) {
+    const fsdp::LambdaPolicy none([](const std::string&, const torch::nn::Module&) {
       return false;
-    };
+    });
     auto wrapped = fsdp::FullyShardedModel::Wrap(
         model.ptr(), comm, options, c.flat ? none : fsdp::SelectModulesOfType<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();

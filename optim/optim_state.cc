@@ -31,6 +31,56 @@ using optim_internal::StateKey;
 
 // --- Gathering ---------------------------------------------------------------
 
+// One parameter's optimizer state as this rank holds it, elementwise
+// tensors split from the rest.
+struct LocalState {
+  std::map<std::string, at::Tensor> elementwise;  // Shaped like the local parameter.
+  std::map<std::string, c10::IValue> values;
+};
+using LocalStates = std::unordered_map<const void*, LocalState>;  // By TensorImpl.
+using FullTensors = std::unordered_map<const void*, std::map<std::string, at::Tensor>>;
+
+// The full elementwise tensors of the parameters of `handle` (sharded), one
+// state key at a time, each as one all-gather of a buffer laid out like the
+// unit's shard: its trainable segment alone, unless a frozen parameter has
+// the state too (Adagrad makes its `sum` for every parameter it is given).
+// Added to `full` only when `keep`.
+void GatherUnitState(const FlatParamHandle& handle, const LocalStates& locals, bool keep,
+                     FullTensors& full) {
+  const std::vector<FlatParamEntry>& entries = handle.entries();
+  auto local_of = [&](size_t i) -> const LocalState* {
+    auto it = locals.find(entries[i].param.unsafeGetTensorImpl());
+    return it == locals.end() ? nullptr : &it->second;
+  };
+  std::map<std::string, at::ScalarType> keys;
+  std::set<std::string> frozen_keys;  // Held by a frozen parameter too.
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const LocalState* local = local_of(i);
+    if (local == nullptr) continue;
+    for (const auto& [key, t] : local->elementwise) {
+      keys.emplace(key, t.scalar_type());
+      if (!handle.params_info()[i].trainable) frozen_keys.insert(key);
+    }
+  }
+  for (const auto& [key, dtype] : keys) {
+    const int64_t numel = frozen_keys.count(key) != 0 ? handle.shard_numel()
+                                                       : handle.trainable_shard_numel();
+    at::Tensor flat = at::zeros({numel}, at::TensorOptions().dtype(dtype));
+    for (size_t i = 0; i < entries.size(); ++i) {
+      const LocalState* local = local_of(i);
+      if (local == nullptr || local->elementwise.count(key) == 0) continue;
+      handle.ShardViewOf(flat, i).copy_(local->elementwise.at(key).reshape({-1}));
+    }
+    const at::Tensor gathered = handle.AllGatherShardLike(flat);
+    if (!keep) continue;
+    for (size_t i = 0; i < entries.size(); ++i) {
+      const LocalState* local = local_of(i);
+      if (local == nullptr || local->elementwise.count(key) == 0) continue;
+      full[entries[i].param.unsafeGetTensorImpl()][key] = handle.FullViewOf(gathered, i).clone();
+    }
+  }
+}
+
 // `keep`: this rank returns the result (else an empty dict, after taking
 // part in the gathering); `to_cpu`: elementwise tensors in host memory.
 absl::StatusOr<OptimStateDict> GatherOptimState(const torch::nn::Module& root,
@@ -39,19 +89,14 @@ absl::StatusOr<OptimStateDict> GatherOptimState(const torch::nn::Module& root,
                                                 bool to_cpu) {
   const Places places = PlacesOf(root, model);
   FSDP_ASSIGN_OR_RETURN(auto groups, GroupsOf(optimizer, places));
-  // Local states, elementwise tensors split from the rest.
-  struct Local {
-    std::map<std::string, at::Tensor> elementwise;  // Local shape.
-    std::map<std::string, c10::IValue> values;
-  };
-  std::unordered_map<const void*, Local> locals;
+  LocalStates locals;
   std::vector<const ParamPlace*> order;
   for (const auto& group : groups) {
     for (const ParamPlace* place : group) {
       auto it = optimizer.state().find(StateKey(place->param));
       if (it == optimizer.state().end()) continue;
       RawState raw = ReadRaw([&](torch::serialize::OutputArchive& a) { it->second->serialize(a); });
-      Local local;
+      LocalState local;
       for (auto& [key, t] : raw.tensors) {
         if (t.sizes() == place->param.sizes()) {
           local.elementwise[key] = t;
@@ -64,55 +109,19 @@ absl::StatusOr<OptimStateDict> GatherOptimState(const torch::nn::Module& root,
       order.push_back(place);
     }
   }
-
-  // Full elementwise tensors: sharded units one state key at a time, as one
-  // all-gather of a buffer laid out like the unit's shard: its trainable
-  // segment alone, unless a frozen parameter has the state too (Adagrad
-  // makes its `sum` for every parameter it is given).
-  std::unordered_map<const void*, std::map<std::string, at::Tensor>> full;
+  FullTensors full;
   if (model != nullptr) {
     for (const auto& unit : model->units()) {
       const FlatParamHandle* handle = unit->handle();
-      if (handle == nullptr || !handle->uses_sharded_views()) continue;
-      const std::vector<FlatParamEntry>& entries = handle->entries();
-      auto local_of = [&](size_t i) -> const Local* {
-        auto it = locals.find(entries[i].param.unsafeGetTensorImpl());
-        return it == locals.end() ? nullptr : &it->second;
-      };
-      std::map<std::string, at::ScalarType> keys;
-      std::set<std::string> frozen_keys;  // Held by a frozen parameter too.
-      for (size_t i = 0; i < entries.size(); ++i) {
-        const Local* local = local_of(i);
-        if (local == nullptr) continue;
-        for (const auto& [key, t] : local->elementwise) {
-          keys.emplace(key, t.scalar_type());
-          if (!handle->params_info()[i].trainable) frozen_keys.insert(key);
-        }
-      }
-      for (const auto& [key, dtype] : keys) {
-        const int64_t numel = frozen_keys.count(key) != 0 ? handle->shard_numel()
-                                                           : handle->trainable_shard_numel();
-        at::Tensor flat = at::zeros({numel}, at::TensorOptions().dtype(dtype));
-        for (size_t i = 0; i < entries.size(); ++i) {
-          const Local* local = local_of(i);
-          if (local == nullptr || local->elementwise.count(key) == 0) continue;
-          handle->ShardViewOf(flat, i).copy_(local->elementwise.at(key).reshape({-1}));
-        }
-        const at::Tensor gathered = handle->AllGatherShardLike(flat);
-        if (!keep) continue;
-        for (size_t i = 0; i < entries.size(); ++i) {
-          const Local* local = local_of(i);
-          if (local == nullptr || local->elementwise.count(key) == 0) continue;
-          full[entries[i].param.unsafeGetTensorImpl()][key] =
-              handle->FullViewOf(gathered, i).clone();
-        }
+      if (handle != nullptr && handle->uses_sharded_views()) {
+        GatherUnitState(*handle, locals, keep, full);
       }
     }
   }
   OptimStateDict out;
   if (!keep) return out;
   for (const ParamPlace* place : order) {
-    const Local& local = locals.at(place->param.unsafeGetTensorImpl());
+    const LocalState& local = locals.at(place->param.unsafeGetTensorImpl());
     ParamOptimState state;
     state.values = local.values;
     auto gathered = full.find(place->param.unsafeGetTensorImpl());
