@@ -21,6 +21,7 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
+#include "fsdp/utilities.h"
 #include "gtest/gtest.h"
 #include "testing/multi_rank.h"
 #include "torch/csrc/distributed/c10d/HashStore.hpp"

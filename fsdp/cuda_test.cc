@@ -22,6 +22,8 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
+#include "fsdp/unit_forward.h"
+#include "fsdp/utilities.h"
 #include "gtest/gtest.h"
 #include "torch/csrc/distributed/c10d/HashStore.hpp"
 #include "torch/nn/modules/container/sequential.h"

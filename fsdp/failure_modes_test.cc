@@ -16,6 +16,8 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
+#include "fsdp/unit_forward.h"
+#include "fsdp/utilities.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "testing/fault_injection.h"

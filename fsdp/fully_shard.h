@@ -4,7 +4,7 @@
 //
 //   struct BlockImpl : torch::nn::Module, fsdp::ShardableModule {
 //     at::Tensor forward(at::Tensor x) {
-//       fsdp::UnitForward unit(this);     // unshard this unit
+//       fsdp::UnitForward unit(this);     // unshard this unit (unit_forward.h)
 //       ...the block's math, unchanged...
 //       return unit.Return(x);            // reshard, arm the backward hooks
 //     }
@@ -24,9 +24,9 @@
 // all of them are in, and a callback at the end of backward handles units
 // whose parameters went unused and resets every state to IDLE.
 //
-// Utilities: NoSync (accumulate gradients without communication),
-// ClipGradNorm (clip the whole model's gradient norm across ranks),
-// SummonFullParams (full parameters, and gradients, for a scope), Apply.
+// The forward scope is fsdp/unit_forward.h; the between-steps utilities
+// (NoSync, SummonFullParams, UniqueParameters) are fsdp/utilities.h, beside
+// the definitions of the members ClipGradNorm and Apply.
 // Traversal: FullyShardedModel::units() (PyTorch's fsdp_modules, pre-order,
 // root first), GetModuleUnit(module) (the registry) and FsdpUnit::is_root().
 //
@@ -253,88 +253,6 @@ class FullyShardedModel {
   std::shared_ptr<CommHook> comm_hook_;
   std::map<const c10::TensorImpl*, at::ScalarType> buffer_full_dtypes_;
   ModelTrainingState training_state_ = ModelTrainingState::kIdle;
-};
-
-// While alive, backward passes of `model` accumulate full gradients locally
-// without communicating; the first backward after it reduces their sum.
-// Costs unsharded gradient memory for every unit. REQUIRES: the model IDLE.
-class NoSync {
- public:
-  explicit NoSync(FullyShardedModel& model);
-  NoSync(const NoSync&) = delete;
-  NoSync& operator=(const NoSync&) = delete;
-  ~NoSync();
-
- private:
-  FullyShardedModel& model_;
-  bool previous_;
-};
-
-struct SummonOptions {
-  // Copy in-place changes of the full parameters (and, with with_grads, of
-  // the full gradients) back into the shards at the end.
-  bool writeback = true;
-  // Only rank 0 keeps the full parameters; the others see their shards.
-  // Not with writeback (the other ranks' shards would not see rank 0's
-  // changes).
-  bool rank0_only = false;
-  // Also all-gather the gradients into .grad (full shape).
-  bool with_grads = false;
-  // All units (true) or only the root's own parameters (false).
-  bool recurse = true;
-};
-
-// While alive, the model's parameters are full (unsharded), as in PyTorch's
-// summon_full_params; the destructor writes back (if asked) and reshards.
-// Every rank of the group must enter and leave it. REQUIRES: the model
-// IDLE. Forward and backward inside it are errors (the units' state is
-// SUMMON_FULL_PARAMS).
-class SummonFullParams {
- public:
-  explicit SummonFullParams(FullyShardedModel& model, const SummonOptions& options = {});
-  SummonFullParams(const SummonFullParams&) = delete;
-  SummonFullParams& operator=(const SummonFullParams&) = delete;
-  ~SummonFullParams();
-
- private:
-  FullyShardedModel& model_;
-  std::vector<FlatParamHandle*> handles_;
-  SummonOptions options_;
-  int rank_;
-};
-
-// The module's parameters, each tied tensor once (libtorch's
-// Module::parameters() lists a tensor under every name it has; PyTorch's
-// dedups). Build optimizers over these: an optimizer given a tensor twice
-// steps it twice.
-std::vector<at::Tensor> UniqueParameters(const torch::nn::Module& module);
-
-// Opens a unit's forward (see the example at the top). A module that is not
-// a wrapped unit gets a scope that does nothing, so a block type can be used
-// with and without FSDP.
-class UnitForward {
- public:
-  explicit UnitForward(const torch::nn::Module* module);
-  UnitForward(const UnitForward&) = delete;
-  UnitForward& operator=(const UnitForward&) = delete;
-  // Reshards if Return was never reached (an exception in forward).
-  ~UnitForward();
-
-  // A forward input, cast to the unit's param_dtype when its mixed
-  // precision says so (cast_forward_inputs; cast_root_forward_inputs for the
-  // root) and it is floating point; otherwise returned as is.
-  at::Tensor Input(const at::Tensor& input) const;
-
-  // Ends the forward: reshards by strategy and arms the pre-backward hook
-  // on every output that requires grad. Returns its argument.
-  at::Tensor Return(at::Tensor output);
-  std::vector<at::Tensor> Return(std::vector<at::Tensor> outputs);
-
- private:
-  void Abandon();  // Reshards and idles the unit after an exception.
-
-  FsdpUnit* unit_;
-  bool returned_ = false;
 };
 
 }  // namespace fsdp

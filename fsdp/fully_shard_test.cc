@@ -10,6 +10,8 @@
 
 #include "ATen/ATen.h"
 #include "absl/strings/str_cat.h"
+#include "fsdp/unit_forward.h"
+#include "fsdp/utilities.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "fsdp/test_models.h"

@@ -13,6 +13,8 @@
 
 #include "ATen/ATen.h"
 #include "fsdp/fully_shard.h"
+#include "fsdp/unit_forward.h"
+#include "fsdp/utilities.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "testing/multi_rank.h"

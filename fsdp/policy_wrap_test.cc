@@ -13,6 +13,7 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
+#include "fsdp/utilities.h"
 #include "fsdp/wrap_plan.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

@@ -9,6 +9,7 @@
 #include "ATen/ATen.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_util.h"
+#include "fsdp/unit_forward.h"
 #include "torch/nn/module.h"
 #include "torch/nn/modules/container/modulelist.h"
 #include "torch/nn/modules/linear.h"

@@ -1,3 +1,4 @@
+#include "fsdp/unit_forward.h"
 #include "fsdp/unit_module.h"
 
 #include "c10/util/Exception.h"

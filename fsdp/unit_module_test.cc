@@ -8,6 +8,7 @@
 #include "ATen/ATen.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_util.h"
+#include "fsdp/utilities.h"
 #include "gtest/gtest.h"
 #include "testing/multi_rank.h"
 #include "torch/nn/modules/container/sequential.h"

@@ -37,6 +37,7 @@
 #include "comm/nccl_collectives.h"
 #include "comm/rendezvous.h"
 #include "fsdp/fully_shard.h"
+#include "fsdp/utilities.h"
 #include "models/gpt.h"
 #include "torch/csrc/distributed/c10d/HashStore.hpp"
 #include "torch/optim/adamw.h"

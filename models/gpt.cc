@@ -1,3 +1,4 @@
+#include "fsdp/unit_forward.h"
 #include "models/gpt.h"
 
 #include <cmath>

@@ -1,3 +1,4 @@
+#include "fsdp/utilities.h"
 #include "models/gpt.h"
 
 #include <cmath>

@@ -43,6 +43,7 @@
 #include "comm/rendezvous.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/trace.h"
+#include "fsdp/utilities.h"
 #include "models/gpt.h"
 #include "models/output_paths.h"
 #include "optim/run_checkpoints.h"

@@ -44,6 +44,7 @@
 #include "comm/local_launcher.h"
 #include "comm/rendezvous.h"
 #include "fsdp/fully_shard.h"
+#include "fsdp/utilities.h"
 #include "models/gpt.h"
 #include "testing/torch_python.h"
 #include "torch/optim/adamw.h"

@@ -1,3 +1,4 @@
+#include "fsdp/utilities.h"
 #include "optim/optim_state.h"
 
 #include <cmath>

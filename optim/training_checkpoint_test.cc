@@ -1,3 +1,4 @@
+#include "fsdp/utilities.h"
 #include "optim/training_checkpoint.h"
 
 #include <sys/stat.h>

@@ -1,3 +1,4 @@
+#include "fsdp/utilities.h"
 #include "statedict/state_dict.h"
 
 #include <algorithm>

@@ -1,0 +1,63 @@
+#include "fsdp/unit_forward.h"
+
+#include <utility>
+
+#include "c10/core/GradMode.h"
+#include "fsdp/fully_shard.h"
+
+namespace fsdp {
+
+UnitForward::UnitForward(const torch::nn::Module* module) : unit_(GetModuleUnit(module)) {
+  if (unit_ == nullptr) return;
+  try {
+    unit_->model_->PreForward(*unit_);
+  } catch (...) {
+    // A failed all-gather: no destructor will run for this scope.
+    Abandon();
+    throw;
+  }
+}
+
+UnitForward::~UnitForward() {
+  if (unit_ == nullptr || returned_) return;
+  Abandon();
+}
+
+void UnitForward::Abandon() {
+  // The forward threw: leave the unit resharded and idle (and the model,
+  // if this is the root).
+  if (unit_->is_root_) unit_->model_->SetModelState(ModelTrainingState::kIdle);
+  FlatParamHandle* handle = unit_->handle_.get();
+  if (handle == nullptr) return;
+  try {
+    if (handle->training_state() == HandleTrainingState::kForward) {
+      unit_->model_->scheduler().Move(*handle, HandleTrainingState::kForward,
+                                      HandleTrainingState::kIdle);
+    }
+    unit_->model_->scheduler().Reshard(*handle);
+  } catch (...) {
+    // Destructors cannot throw; the forward's exception is the one to see.
+  }
+}
+
+at::Tensor UnitForward::Input(const at::Tensor& input) const {
+  if (unit_ == nullptr || !input.defined() || !input.is_floating_point()) return input;
+  const MixedPrecision& mp = unit_->mixed_precision_;
+  const bool cast = unit_->is_root_ ? mp.cast_root_forward_inputs : mp.cast_forward_inputs;
+  if (!cast || !mp.param_dtype) return input;
+  return input.to(ToScalarType(*mp.param_dtype));
+}
+
+at::Tensor UnitForward::Return(at::Tensor output) {
+  if (unit_ != nullptr) unit_->model_->PostForward(*unit_, {output});
+  returned_ = true;
+  return output;
+}
+
+std::vector<at::Tensor> UnitForward::Return(std::vector<at::Tensor> outputs) {
+  if (unit_ != nullptr) unit_->model_->PostForward(*unit_, outputs);
+  returned_ = true;
+  return outputs;
+}
+
+}  // namespace fsdp

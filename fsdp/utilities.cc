@@ -1,0 +1,160 @@
+#include "fsdp/utilities.h"
+
+#include <cmath>
+#include <functional>
+#include <set>
+#include <utility>
+
+#include "ATen/ATen.h"
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+#include "c10/util/Exception.h"
+#include "fsdp/unit_scheduler.h"
+
+namespace fsdp {
+
+std::vector<at::Tensor> UniqueParameters(const torch::nn::Module& module) {
+  std::vector<at::Tensor> params;
+  std::set<const void*> seen;
+  for (const at::Tensor& p : module.parameters(/*recurse=*/true)) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) params.push_back(p);
+  }
+  return params;
+}
+
+absl::StatusOr<at::Tensor> FullyShardedModel::ClipGradNorm(double max_norm, double norm_type) {
+  FSDP_RETURN_IF_ERROR(RequireIdle("ClipGradNorm"));
+  if (!(norm_type >= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ClipGradNorm: norm_type ", norm_type, " must be >= 1 or infinity"));
+  }
+  if (!(max_norm >= 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ClipGradNorm: max_norm ", max_norm, " must be >= 0"));
+  }
+  for (const auto& unit : units_) {
+    if (unit->handle_ && unit->handle_->holds_unreduced_gradients()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          Describe(*unit), ": ClipGradNorm inside NoSync (gradients are not reduced yet)"));
+    }
+  }
+  try {
+    return ClipCheckedGradNorm(max_norm, norm_type);
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+}
+
+at::Tensor FullyShardedModel::ClipCheckedGradNorm(double max_norm, double norm_type) {
+  const bool infinity = std::isinf(norm_type);
+  // Sharded units' gradients partition the unsharded ones across ranks;
+  // NO_SHARD units' gradients are whole (and equal) on every rank.
+  std::vector<at::Tensor> grads;
+  at::Tensor sharded = at::zeros({1}, at::kDouble);
+  at::Tensor replicated = at::zeros({1}, at::kDouble);
+  bool any_sharded = false;  // The same on every rank (the plan is).
+  for (const auto& unit : units_) {
+    if (!unit->handle_) continue;
+    const bool is_sharded = unit->strategy_ != ShardingStrategy::kNoShard;
+    any_sharded = any_sharded || is_sharded;
+    at::Tensor& part = is_sharded ? sharded : replicated;
+    // Summed where the unit's gradients are (the compute device, or the
+    // host when offloading), then moved to the host once per unit.
+    at::Tensor unit_part;
+    for (const FlatParamEntry& entry : unit->handle_->entries()) {
+      const at::Tensor& g = entry.param.grad();
+      if (!g.defined()) continue;
+      grads.push_back(g);
+      if (g.numel() == 0) continue;
+      const at::Tensor n = g.detach().abs().to(at::kDouble);
+      const at::Tensor term = infinity ? n.max().view({1}) : n.pow(norm_type).sum().view({1});
+      unit_part = !unit_part.defined() ? term
+                  : infinity           ? at::maximum(unit_part, term)
+                                       : unit_part + term;
+    }
+    if (unit_part.defined()) {
+      unit_part = unit_part.to(at::kCPU);
+      part = infinity ? at::maximum(part, unit_part) : part + unit_part;
+    }
+  }
+  if (any_sharded && group_.world_size() > 1) {
+    CollectiveLabel label(group_, "", "clip_grad_norm");
+    if (infinity) {
+      at::Tensor all = at::empty({group_.world_size()}, at::kDouble);
+      group_.AllGatherIntoTensor(all, sharded)->Wait();
+      sharded = all.max().view({1});
+    } else {
+      group_.AllReduce(sharded, ReduceOp::kSum)->Wait();
+    }
+  }
+  const at::Tensor total = infinity ? at::maximum(sharded, replicated)
+                                    : (sharded + replicated).pow(1.0 / norm_type);
+  const double norm = total.item<double>();
+  const double clip_coef = max_norm / (norm + 1e-6);
+  if (clip_coef < 1.0) {
+    at::NoGradGuard no_grad;
+    for (const at::Tensor& g : grads) g.mul_(clip_coef);
+  }
+  return at::scalar_tensor(norm, at::kFloat);
+}
+
+SummonFullParams::SummonFullParams(FullyShardedModel& model, const SummonOptions& options)
+    : model_(model), options_(options), rank_(model.group().rank()) {
+  TORCH_CHECK(!(options.writeback && options.rank0_only), "SummonFullParams on rank ", rank_,
+              ": writeback and rank0_only together are not supported (the other ranks' "
+              "shards would not see rank 0's changes)");
+  ThrowIfError(model.RequireIdle("SummonFullParams"));
+  for (const auto& unit : model.units()) {
+    if (!options.recurse && !unit->is_root()) continue;
+    if (unit->handle() != nullptr) handles_.push_back(unit->handle());
+  }
+  UnitScheduler& scheduler = model.scheduler();
+  for (FlatParamHandle* handle : handles_) {
+    scheduler.Move(*handle, HandleTrainingState::kIdle, HandleTrainingState::kSummonFullParams);
+    scheduler.Unshard(*handle, "summon_full_params");
+    if (options.with_grads) scheduler.UnshardGradients(*handle, "summon_full_params");
+    if (options.rank0_only && rank_ != 0) {
+      scheduler.ReshardGradients(*handle, /*writeback=*/false);
+      scheduler.Reshard(*handle);
+    }
+  }
+}
+
+SummonFullParams::~SummonFullParams() {
+  for (FlatParamHandle* handle : handles_) {
+    try {
+      if (options_.writeback && handle->is_unsharded()) handle->WritebackShard();
+      model_.scheduler().ReshardGradients(*handle, options_.writeback);
+      model_.scheduler().Reshard(*handle);
+      model_.scheduler().Move(*handle, HandleTrainingState::kSummonFullParams,
+                              HandleTrainingState::kIdle);
+    } catch (const std::exception& e) {
+      // Destructors cannot throw; nothing above communicates, so this is a
+      // broken invariant worth a loud message.
+      std::fprintf(stderr, "SummonFullParams on rank %d: leaving failed: %s\n", rank_, e.what());
+    }
+  }
+}
+
+absl::Status FullyShardedModel::Apply(const std::function<void(torch::nn::Module&)>& fn) {
+  FSDP_RETURN_IF_ERROR(RequireIdle("Apply"));
+  try {
+    SummonFullParams full(*this);
+    at::NoGradGuard no_grad;
+    // Children before parents, as torch::nn::Module::apply's post-order.
+    const auto modules = root_->modules(/*include_self=*/true);
+    for (auto it = modules.rbegin(); it != modules.rend(); ++it) fn(**it);
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+  return absl::OkStatus();
+}
+
+NoSync::NoSync(FullyShardedModel& model) : model_(model), previous_(model.no_sync_) {
+  ThrowIfError(model.RequireIdle("NoSync"));
+  model_.no_sync_ = true;
+}
+
+NoSync::~NoSync() { model_.no_sync_ = previous_; }
+
+}  // namespace fsdp

@@ -1,0 +1,76 @@
+// What a training loop uses between steps, besides the members
+// FullyShardedModel::ClipGradNorm and Apply (defined in utilities.cc too):
+// NoSync (accumulate gradients without communication), SummonFullParams
+// (full parameters, and gradients, for a scope) and UniqueParameters (what
+// to build an optimizer over). Scopes throw c10::Error in the wrong state,
+// since a constructor cannot return a status (fsdp/fully_shard.h,
+// "Errors").
+#ifndef FSDP_FSDP_UTILITIES_H_
+#define FSDP_FSDP_UTILITIES_H_
+
+#include <vector>
+
+#include "ATen/core/Tensor.h"
+#include "fsdp/flat_param_handle.h"
+#include "fsdp/fully_shard.h"
+#include "torch/nn/module.h"
+
+namespace fsdp {
+
+// While alive, backward passes of `model` accumulate full gradients locally
+// without communicating; the first backward after it reduces their sum.
+// Costs unsharded gradient memory for every unit. REQUIRES: the model IDLE.
+class NoSync {
+ public:
+  explicit NoSync(FullyShardedModel& model);
+  NoSync(const NoSync&) = delete;
+  NoSync& operator=(const NoSync&) = delete;
+  ~NoSync();
+
+ private:
+  FullyShardedModel& model_;
+  bool previous_;
+};
+
+struct SummonOptions {
+  // Copy in-place changes of the full parameters (and, with with_grads, of
+  // the full gradients) back into the shards at the end.
+  bool writeback = true;
+  // Only rank 0 keeps the full parameters; the others see their shards.
+  // Not with writeback (the other ranks' shards would not see rank 0's
+  // changes).
+  bool rank0_only = false;
+  // Also all-gather the gradients into .grad (full shape).
+  bool with_grads = false;
+  // All units (true) or only the root's own parameters (false).
+  bool recurse = true;
+};
+
+// While alive, the model's parameters are full (unsharded), as in PyTorch's
+// summon_full_params; the destructor writes back (if asked) and reshards.
+// Every rank of the group must enter and leave it. REQUIRES: the model
+// IDLE. Forward and backward inside it are errors (the units' state is
+// SUMMON_FULL_PARAMS).
+class SummonFullParams {
+ public:
+  explicit SummonFullParams(FullyShardedModel& model, const SummonOptions& options = {});
+  SummonFullParams(const SummonFullParams&) = delete;
+  SummonFullParams& operator=(const SummonFullParams&) = delete;
+  ~SummonFullParams();
+
+ private:
+  FullyShardedModel& model_;
+  std::vector<FlatParamHandle*> handles_;
+  SummonOptions options_;
+  int rank_;
+};
+
+// The module's parameters, each tied tensor once (libtorch's
+// Module::parameters() lists a tensor under every name it has; PyTorch's
+// dedups). Build optimizers over these: an optimizer given a tensor twice
+// steps it twice.
+std::vector<at::Tensor> UniqueParameters(const torch::nn::Module& module);
+
+}  // namespace fsdp
+
+#endif  // FSDP_FSDP_UTILITIES_H_
