@@ -202,6 +202,32 @@ TEST(FailureModes, AnExceptionInAnAutogradHookIsQuotedByTheOtherRanks) {
   }
 }
 
+// Every rank's all-gather of blocks.1 fails while SummonFullParams gathers:
+// the units gathered before it go back resharded and IDLE, so the model is
+// usable again (the next summon works), not stuck in SUMMON_FULL_PARAMS.
+TEST(FailureModes, AFailedSummonLeavesEveryUnitIdleAndResharded) {
+  ASSERT_TRUE(RunOnThreadRanks(2, [&](Collectives& comm) {
+                Chain chain;
+                FaultInjectingCollectives faulty(comm);
+                auto wrapped = FullyShardedModel::Wrap(chain.ptr(), faulty, {},
+                                                       SelectModulesOfType<BlockImpl>());
+                ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+                faulty.Inject({.kind = FaultKind::kFail, .op = CollectiveOp::kAllGather,
+                               .unit = "blocks.1", .phase = "summon_full_params"});
+                try {
+                  SummonFullParams full(**wrapped);
+                  ADD_FAILURE() << "the injected failure went unnoticed";
+                } catch (const c10::Error& e) {
+                  EXPECT_THAT(e.what(), HasSubstr("injected failure"));
+                }
+                EXPECT_EQ(faulty.fired().size(), 1u);
+                EXPECT_TRUE((*wrapped)->RequireIdle("after the failed summon").ok());
+                EXPECT_EQ((*wrapped)->FullParamBytes(), 0);
+                SummonFullParams again(**wrapped);
+                EXPECT_GT((*wrapped)->FullParamBytes(), 0);
+              }, ShortTimeouts()).ok());
+}
+
 TEST(FailureModes, ADelayWithinTheTimeoutChangesNothing) {
   at::Tensor undisturbed[3], delayed[3];
   ASSERT_TRUE(RunOnThreadRanks(3, [&](Collectives& comm) {

@@ -220,7 +220,7 @@ void FlatParamHandle::LayOut() {
     segments_.push_back(seg);
   }
   // Each parameter in its group's segment, in order; an empty one whose
-  // group has no segment at the start of the first.
+  // group has no segment in the other (it takes no room).
   infos_.resize(params_.size());
   segment_of_.assign(params_.size(), 0);
   std::vector<int64_t> filled(segments_.size(), 0);

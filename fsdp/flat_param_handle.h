@@ -10,7 +10,7 @@
 // end to end in one flat buffer, in up to two *segments*: the trainable
 // parameters (requires_grad at Create) first, then the frozen ones, each
 // group in registration order (a group without elements has no segment; its
-// empty parameters lie at the start of the other). A segment of F_s
+// empty parameters lie in the other, taking no room). A segment of F_s
 // elements is padded with zeros to P_s = W * S_s elements, where W is the
 // shard group's size and S_s = ceil(F_s / W); the flat buffer has
 // P = sum P_s elements. Rank r owns elements [r*S_s, (r+1)*S_s) of every

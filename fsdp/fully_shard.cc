@@ -1,16 +1,10 @@
 #include "fsdp/fully_shard.h"
 
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <cstdio>
 #include <optional>
-#include <set>
 #include <utility>
 
 #include "ATen/native/Resize.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "base/status.h"
 #include "c10/core/GradMode.h"
 #include "c10/core/StreamGuard.h"

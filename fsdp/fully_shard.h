@@ -1,5 +1,6 @@
-// Fully sharded training of a libtorch module: wrapping, the per-unit
-// runtime, and the utilities used between steps.
+// Fully sharded training of a libtorch module: wrapping and the per-unit
+// runtime (its hooks). The forward scope and the between-steps utilities
+// have their own headers (below).
 // fsdp/RUNTIME_DESIGN.md explains the design; in short:
 //
 //   struct BlockImpl : torch::nn::Module, fsdp::ShardableModule {
@@ -12,7 +13,7 @@
 //
 //   auto wrapped = fsdp::FullyShardedModel::Wrap(
 //       model.ptr(), group, options, fsdp::SelectModulesOfType<BlockImpl>());
-//   torch::optim::AdamW optimizer(model->parameters(), ...);  // sees the shards
+//   torch::optim::AdamW optimizer(fsdp::UniqueParameters(*model), ...);  // the shards
 //   ... loss = ...model->forward(x)...; loss.backward(); optimizer.step(); ...
 //
 // Each selected submodule becomes a *unit* with one FlatParamHandle over its
@@ -51,6 +52,7 @@
 
 #include "ATen/core/Tensor.h"
 #include "absl/status/statusor.h"
+#include "c10/util/Type.h"
 #include "comm/collectives.h"
 #include "fsdp/comm_hooks.h"
 #include "fsdp/flat_param_handle.h"
@@ -59,7 +61,6 @@
 #include "fsdp/unit_scheduler.h"
 #include "fsdp/wrap_plan.h"
 #include "policies/wrap_policy.h"
-#include "c10/util/Type.h"
 #include "torch/csrc/autograd/variable.h"
 #include "torch/nn/module.h"
 

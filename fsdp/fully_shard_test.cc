@@ -361,6 +361,9 @@ TEST(FullyShard, ClipGradNormAndNoSyncRefuseMisuse) {
     const auto bad_norm = fsdp.ClipGradNorm(1.0, 0.5);
     EXPECT_EQ(bad_norm.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(bad_norm.status().message(), HasSubstr("norm_type 0.5 must be >= 1 or infinity"));
+    const auto bad_max = fsdp.ClipGradNorm(-1.0);
+    EXPECT_EQ(bad_max.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(bad_max.status().message(), HasSubstr("max_norm -1 must be >= 0"));
   });
   EXPECT_TRUE(status.ok()) << status;
 }
@@ -563,6 +566,16 @@ TEST(FullyShard, ApplyInitializesThroughTheShards) {
       }
     });
     ASSERT_TRUE(applied.ok()) << applied;
+    {
+      SummonFullParams full(**wrapped);
+      EXPECT_EQ((*wrapped)->Apply([](torch::nn::Module&) {}).code(),
+                absl::StatusCode::kFailedPrecondition);
+    }
+    const absl::Status thrown = (*wrapped)->Apply([](torch::nn::Module&) {
+      TORCH_CHECK(false, "an initializer that fails");
+    });
+    EXPECT_THAT(thrown.message(), HasSubstr("an initializer that fails"));
+    EXPECT_TRUE((*wrapped)->RequireIdle("after a failed Apply").ok());
     EXPECT_EQ(visited, 9);  // The root, the ModuleList, 3 blocks, their Linears, the head.
     EXPECT_EQ((*wrapped)->FullParamBytes(), 0);
     SummonFullParams full(**wrapped);

@@ -1,8 +1,5 @@
 #include "fsdp/unit_forward.h"
 
-#include <utility>
-
-#include "c10/core/GradMode.h"
 #include "fsdp/fully_shard.h"
 
 namespace fsdp {

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "ATen/core/Tensor.h"
+#include "fsdp/wrap_plan.h"  // ShardableModule.
 #include "torch/nn/module.h"
 
 namespace fsdp {

@@ -1,8 +1,8 @@
-#include "fsdp/unit_forward.h"
 #include "fsdp/unit_module.h"
 
 #include "c10/util/Exception.h"
 #include "fsdp/fully_shard.h"
+#include "fsdp/unit_forward.h"
 
 namespace fsdp {
 

@@ -1,9 +1,9 @@
 #include "fsdp/utilities.h"
 
 #include <cmath>
+#include <cstdio>
 #include <functional>
 #include <set>
-#include <utility>
 
 #include "ATen/ATen.h"
 #include "absl/strings/str_cat.h"
@@ -109,18 +109,31 @@ SummonFullParams::SummonFullParams(FullyShardedModel& model, const SummonOptions
     if (unit->handle() != nullptr) handles_.push_back(unit->handle());
   }
   UnitScheduler& scheduler = model.scheduler();
-  for (FlatParamHandle* handle : handles_) {
-    scheduler.Move(*handle, HandleTrainingState::kIdle, HandleTrainingState::kSummonFullParams);
-    scheduler.Unshard(*handle, "summon_full_params");
-    if (options.with_grads) scheduler.UnshardGradients(*handle, "summon_full_params");
-    if (options.rank0_only && rank_ != 0) {
-      scheduler.ReshardGradients(*handle, /*writeback=*/false);
-      scheduler.Reshard(*handle);
+  size_t entered = 0;
+  try {
+    for (FlatParamHandle* handle : handles_) {
+      scheduler.Move(*handle, HandleTrainingState::kIdle, HandleTrainingState::kSummonFullParams);
+      ++entered;
+      scheduler.Unshard(*handle, "summon_full_params");
+      if (options.with_grads) scheduler.UnshardGradients(*handle, "summon_full_params");
+      if (options.rank0_only && rank_ != 0) {
+        scheduler.ReshardGradients(*handle, /*writeback=*/false);
+        scheduler.Reshard(*handle);
+      }
     }
+  } catch (...) {
+    // A failed all-gather: no destructor runs, so the units entered so far
+    // go back to IDLE and resharded here, without writing anything back.
+    handles_.resize(entered);
+    options_.writeback = false;
+    Leave();
+    throw;
   }
 }
 
-SummonFullParams::~SummonFullParams() {
+SummonFullParams::~SummonFullParams() { Leave(); }
+
+void SummonFullParams::Leave() {
   for (FlatParamHandle* handle : handles_) {
     try {
       if (options_.writeback && handle->is_unsharded()) handle->WritebackShard();

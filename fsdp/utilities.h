@@ -59,6 +59,10 @@ class SummonFullParams {
   ~SummonFullParams();
 
  private:
+  // Writes back (if asked) and returns every entered unit to IDLE,
+  // resharded.
+  void Leave();
+
   FullyShardedModel& model_;
   std::vector<FlatParamHandle*> handles_;
   SummonOptions options_;

@@ -121,7 +121,7 @@ absl::StatusOr<std::map<const torch::nn::Module*, UnitOptions>> ChooseUnits(
           where, "module '", it->second, "' (", target.module->name(),
           ") as an FSDP unit but FSDP cannot hook its forward: derive its type from "
           "fsdp::ShardableModule and open a fsdp::UnitForward scope in its forward "
-          "(fsdp/fully_shard.h), or hold it in a fsdp::UnitModule (fsdp/unit_module.h)"));
+          "(fsdp/unit_forward.h), or hold it in a fsdp::UnitModule (fsdp/unit_module.h)"));
     }
   }
   return chosen;

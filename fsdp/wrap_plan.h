@@ -39,7 +39,7 @@
 namespace fsdp {
 
 // Marks a module type whose forward opens a UnitForward scope
-// (fsdp/fully_shard.h): only such modules can be units, since FSDP cannot
+// (fsdp/unit_forward.h): only such modules can be units, since FSDP cannot
 // interpose on a C++ forward call.
 class ShardableModule {
  public:

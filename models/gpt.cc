@@ -1,4 +1,3 @@
-#include "fsdp/unit_forward.h"
 #include "models/gpt.h"
 
 #include <cmath>
@@ -7,6 +6,7 @@
 #include "ATen/ATen.h"
 #include "ATen/CPUGeneratorImpl.h"
 #include "c10/util/Exception.h"
+#include "fsdp/unit_forward.h"
 
 namespace models {
 

@@ -1,4 +1,3 @@
-#include "fsdp/utilities.h"
 #include "models/gpt.h"
 
 #include <cmath>
@@ -7,6 +6,7 @@
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "fsdp/utilities.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "testing/multi_rank.h"

@@ -758,8 +758,9 @@ int TrainOnGroups(fsdp::FsdpOptions options, const fsdp::WrapPolicy& policy,
     }
   }
   if (const std::string out = absl::GetFlag(FLAGS_export_state_dict); !out.empty()) {
-    const fsdp::StateDict state =
-        fsdp::ValueOrThrow(fsdp::FullStateDict(*fsdp_model, {.rank0_only = true}));
+    fsdp::FullStateDictOptions on_rank0;
+    on_rank0.rank0_only = true;
+    const fsdp::StateDict state = fsdp::ValueOrThrow(fsdp::FullStateDict(*fsdp_model, on_rank0));
     if (rank == 0) {
       fsdp::ThrowIfError(fsdp::SaveTorchStateDict(out, state));
       std::printf("wrote the FULL state dict to %s\n", out.c_str());

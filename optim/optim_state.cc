@@ -52,20 +52,20 @@ void GatherUnitState(const FlatParamHandle& handle, const LocalStates& locals, b
     auto it = locals.find(entries[i].param.unsafeGetTensorImpl());
     return it == locals.end() ? nullptr : &it->second;
   };
-  std::map<std::string, at::ScalarType> keys;
+  std::map<std::string, at::TensorOptions> keys;  // Dtype and device of each state key.
   std::set<std::string> frozen_keys;  // Held by a frozen parameter too.
   for (size_t i = 0; i < entries.size(); ++i) {
     const LocalState* local = local_of(i);
     if (local == nullptr) continue;
     for (const auto& [key, t] : local->elementwise) {
-      keys.emplace(key, t.scalar_type());
+      keys.emplace(key, t.options());
       if (!handle.params_info()[i].trainable) frozen_keys.insert(key);
     }
   }
-  for (const auto& [key, dtype] : keys) {
+  for (const auto& [key, options] : keys) {
     const int64_t numel = frozen_keys.count(key) != 0 ? handle.shard_numel()
                                                        : handle.trainable_shard_numel();
-    at::Tensor flat = at::zeros({numel}, at::TensorOptions().dtype(dtype));
+    at::Tensor flat = at::zeros({numel}, options);
     for (size_t i = 0; i < entries.size(); ++i) {
       const LocalState* local = local_of(i);
       if (local == nullptr || local->elementwise.count(key) == 0) continue;
@@ -239,6 +239,7 @@ absl::StatusOr<OptimStateDict> FullOptimStateDict(FullyShardedModel& model,
 
 absl::Status LoadFullOptimStateDict(FullyShardedModel& model, torch::optim::Optimizer& optimizer,
                                     const OptimStateDict& state) {
+  FSDP_RETURN_IF_ERROR(model.RequireIdle("loading a FULL optimizer state dict"));
   CollectiveLabel label(model.group(), model.replicate_group(), "",
                         "loading a FULL optimizer state dict");
   try {
@@ -302,6 +303,9 @@ OptimStateDict Deserialize(const std::string& bytes) {
 absl::Status LoadFullOptimStateDictFromRank0(FullyShardedModel& model,
                                              torch::optim::Optimizer& optimizer,
                                              const OptimStateDict& state) {
+  // Checked before the broadcast: ranks in the wrong state (all of them,
+  // when they run the same program) return without communicating.
+  FSDP_RETURN_IF_ERROR(model.RequireIdle("loading a FULL optimizer state dict"));
   Collectives& group = model.group();
   CollectiveLabel label(group, model.replicate_group(), "",
                         "loading a FULL optimizer state dict from rank 0");

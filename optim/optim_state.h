@@ -65,7 +65,8 @@ struct OptimStateDict {
 absl::StatusOr<OptimStateDict> FullOptimStateDict(FullyShardedModel& model,
                                                   torch::optim::Optimizer& optimizer,
                                                   const FullStateDictOptions& options = {});
-// Every rank passes the same dict; no communication.
+// Every rank passes the same dict; no communication. Like every call
+// below, kFailedPrecondition unless the model is IDLE.
 absl::Status LoadFullOptimStateDict(FullyShardedModel& model, torch::optim::Optimizer& optimizer,
                                     const OptimStateDict& state);
 // Only rank 0 holds the dict (PyTorch's scatter_full_optim_state_dict):

@@ -1,4 +1,3 @@
-#include "fsdp/utilities.h"
 #include "optim/optim_state.h"
 
 #include <cmath>
@@ -12,6 +11,7 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
+#include "fsdp/utilities.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "statedict/state_dict.h"
@@ -319,6 +319,11 @@ TEST(OptimState, FrozenParametersWithStateGatherAndMove) {
     auto again = FullOptimStateDict(**wrapped, *optimizer);
     ASSERT_TRUE(again.ok()) << again.status();
     expect_equal(*again, 3);
+    SummonFullParams full(**wrapped);
+    EXPECT_EQ(LoadFullOptimStateDict(**wrapped, *optimizer, saved).code(),
+              absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(LoadFullOptimStateDictFromRank0(**wrapped, *optimizer, saved).code(),
+              absl::StatusCode::kFailedPrecondition);
   });
   EXPECT_TRUE(second.ok()) << second;
 }

@@ -1,4 +1,3 @@
-#include "fsdp/utilities.h"
 #include "optim/training_checkpoint.h"
 
 #include <sys/stat.h>
@@ -15,6 +14,7 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
+#include "fsdp/utilities.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "statedict/sharded_checkpoint.h"

@@ -8,8 +8,8 @@
 // (tied weights) appears under both.
 //
 // PyTorch's three state dict types, each with its own entry points (the
-// type is in the name, as for the optimizer's in optim/optim_state.h; FULL
-// ones of both take FullStateDictOptions):
+// type is in the name, as for the optimizer's in optim/optim_state.h;
+// FullStateDict and FullOptimStateDict take FullStateDictOptions):
 //   FULL     FullStateDict / LoadFullStateDict: the unsharded tensors,
 //            gathered unit by unit (below); loads from a state dict of any
 //            world size, or of the unwrapped module.
@@ -18,7 +18,8 @@
 //            (statedict/sharded_checkpoint.h) load at any world size.
 //   LOCAL    LocalStateDict / LoadLocalStateDict: the flat shards as they
 //            are: "<unit>.flat_param" and "<unit>.flat_param_layout" (world
-//            size, rank, strategy, the parameters' sizes) per unit, plus
+//            size, rank, strategy, the parameters' sizes and, for a unit
+//            mixing frozen and trainable ones, which train) per unit, plus
 //            buffers and ignored parameters by name. Loads only into the
 //            same layout; anything else is an error naming the unit and both
 //            layouts.
@@ -67,11 +68,11 @@ struct FullStateDictStats {
   int64_t peak_full_param_bytes = 0;
 };
 
-// Every rank must call both.
+// Every rank must call it.
 absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model,
                                         const FullStateDictOptions& options = {},
                                         FullStateDictStats* stats = nullptr);
-// All-or-nothing; every rank passes the same state dict.
+// All-or-nothing; every rank passes the same state dict; no communication.
 absl::Status LoadFullStateDict(FullyShardedModel& model, const StateDict& state);
 
 // This rank's shards; no communication.

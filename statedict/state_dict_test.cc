@@ -1,4 +1,3 @@
-#include "fsdp/utilities.h"
 #include "statedict/state_dict.h"
 
 #include <algorithm>
@@ -11,6 +10,7 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
+#include "fsdp/utilities.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "statedict/torch_file.h"

@@ -15,6 +15,7 @@
 #include "ATen/CPUGeneratorImpl.h"
 #include "comm/gloo_collectives.h"
 #include "fsdp/fully_shard.h"
+#include "fsdp/utilities.h"
 #include "models/gpt.h"
 #include "torch/csrc/distributed/c10d/HashStore.hpp"
 #include "torch/optim/adamw.h"
@@ -39,7 +40,9 @@ std::string TrainRank(c10::intrusive_ptr<c10d::Store> store, int rank,
       model.ptr(), **group, fsdp::FsdpOptions{fsdp::ShardingStrategy::kFullShard},
       fsdp::SelectModulesOfType<models::BlockImpl>());
   if (!wrapped.ok()) return std::string(wrapped.status().message());
-  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  // Each tensor once: lm_head.weight is wte's, and parameters() lists it twice.
+  torch::optim::AdamW optimizer(fsdp::UniqueParameters(*model),
+                                torch::optim::AdamWOptions(1e-2));
   // Each rank its own half of the global batch, from a generator of its own:
   // the ranks are threads, and the global one would make the batch depend on
   // their interleaving.
