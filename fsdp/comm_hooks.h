@@ -34,8 +34,10 @@ class CommHook {
  public:
   virtual ~CommHook() = default;
   virtual std::string Name() const = 0;
-  // `grad` is this rank's full flat gradient of the unit (padded to W
-  // chunks, in the unit's reduction dtype); the hook may modify it. It must
+  // `grad` is this rank's full flat gradient of the unit's trainable
+  // parameters (its trainable segment, NOTE [Flat parameter] in
+  // flat_param_handle.h: padded to W chunks, in the unit's reduction
+  // dtype); the hook may modify it. It must
   // leave in `out` the average over the group's ranks (times the replicate
   // group's): for a sharded unit `out` is this rank's chunk (grad.numel() /
   // W elements), for NO_SHARD it is `grad` itself (reduce in place). `out`

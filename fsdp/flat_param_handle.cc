@@ -425,7 +425,9 @@ void FlatParamHandle::FinishUnshard() {
               "training state ", HandleTrainingStateName(training_state_));
   WaitForPendingUnshard();
   if (summon_full_.defined()) {
-    for (size_t i = 0; i < params_.size(); ++i) params_[i].param.set_data(FullViewOf(summon_full_, i));
+    for (size_t i = 0; i < params_.size(); ++i) {
+      params_[i].param.set_data(FullViewOf(summon_full_, i));
+    }
   } else {
     PointParamsAtFull();
   }

@@ -145,7 +145,9 @@ TEST_P(FrozenAndTrainableInOneUnit, MatchesLocalTrainingAndReducesOnlyTrainableB
       expected_losses.push_back(loss.item<float>());
       if (step == kSteps - 1) {
         for (const auto& item : model->named_parameters()) {
-          if (item.value().grad().defined()) expected_grads[item.key()] = item.value().grad().clone();
+          if (item.value().grad().defined()) {
+            expected_grads[item.key()] = item.value().grad().clone();
+          }
         }
       }
       optimizer->step();
