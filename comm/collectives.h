@@ -58,6 +58,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -65,6 +66,7 @@
 #include <vector>
 
 #include "ATen/core/Tensor.h"
+#include "absl/status/statusor.h"
 #include "comm/fingerprint.h"
 
 namespace fsdp {
@@ -274,6 +276,14 @@ void BroadcastBytes(Collectives& group, std::string& bytes, int root);
 // Every rank's `mine`, in rank order, on every rank (two all-gathers, the
 // bytes carried as BroadcastBytes carries them).
 std::vector<std::string> AllGatherBytes(Collectives& group, const std::string& mine);
+
+// Connects one group of ranks over some backend: this process as rank
+// `rank` of `size`, under `group_name`, which every member passes alike and
+// no other group of the job uses (backends derive their store keys from
+// it). Code that makes several groups (comm/hybrid_groups.h) takes one, so
+// it works over any backend: GlooGroupConnector, NcclGroupConnector.
+using GroupConnector = std::function<absl::StatusOr<std::unique_ptr<Collectives>>(
+    const std::string& group_name, int rank, int size)>;
 
 }  // namespace fsdp
 

@@ -526,4 +526,14 @@ absl::StatusOr<std::unique_ptr<Collectives>> CreateGlooCollectives(
   }
 }
 
+GroupConnector GlooGroupConnector(c10::intrusive_ptr<c10d::Store> store, GlooOptions options) {
+  return [store = std::move(store), options = std::move(options)](
+             const std::string& group_name, int rank,
+             int size) -> absl::StatusOr<std::unique_ptr<Collectives>> {
+    GlooOptions group_options = options;
+    group_options.group_name = group_name;
+    return CreateGlooCollectives(store, rank, size, group_options);
+  };
+}
+
 }  // namespace fsdp

@@ -22,8 +22,9 @@
 // the largest FSDP unit), and reuses them (GlooOptions::reuse_staging_buffers).
 //
 // This is an adapter file: c10d's types appear only here and in the other
-// comm adapters (rendezvous.h, hybrid_groups.h), never above comm/. Every rank of a group calls CreateGlooCollectives with the same store
-// and group name; creation blocks until all ranks have connected.
+// comm adapters (rendezvous.h, nccl_collectives.h), never above comm/.
+// Every rank of a group calls CreateGlooCollectives with the same store and
+// group name; creation blocks until all ranks have connected.
 #ifndef FSDP_COMM_GLOO_COLLECTIVES_H_
 #define FSDP_COMM_GLOO_COLLECTIVES_H_
 
@@ -85,6 +86,9 @@ struct GlooOptions {
 absl::StatusOr<std::unique_ptr<Collectives>> CreateGlooCollectives(
     c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
     const GlooOptions& options);
+
+// Connects groups through `store` with `options`, each under its own name.
+GroupConnector GlooGroupConnector(c10::intrusive_ptr<c10d::Store> store, GlooOptions options);
 
 }  // namespace fsdp
 

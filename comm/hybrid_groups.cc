@@ -56,9 +56,9 @@ std::vector<std::vector<int>> HybridShardLayout::ReplicateGroups() const {
   return groups;
 }
 
-absl::StatusOr<HybridShardCollectives> CreateHybridShardGlooCollectives(
-    c10::intrusive_ptr<c10d::Store> store, int rank, const HybridShardLayout& layout,
-    const GlooOptions& options) {
+absl::StatusOr<HybridShardCollectives> CreateHybridShardCollectives(
+    int rank, const HybridShardLayout& layout, const std::string& group_name,
+    const GroupConnector& connect) {
   if (rank < 0 || rank >= layout.world_size()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "hybrid sharding: rank ", rank, " is not in [0, world size ", layout.world_size(),
@@ -67,19 +67,13 @@ absl::StatusOr<HybridShardCollectives> CreateHybridShardGlooCollectives(
   // Shard groups connect first on every rank, then replicate groups: each
   // group only waits for its own members, so the order cannot deadlock.
   HybridShardCollectives groups;
-  GlooOptions shard_options = options;
-  shard_options.group_name =
-      absl::StrCat(options.group_name, "/shard", layout.ShardGroupIndex(rank));
   FSDP_ASSIGN_OR_RETURN(groups.shard,
-                        CreateGlooCollectives(store, layout.RankInShardGroup(rank),
-                                              layout.shard_group_size(), shard_options));
-  GlooOptions replicate_options = options;
-  replicate_options.group_name =
-      absl::StrCat(options.group_name, "/replicate", layout.ReplicateGroupIndex(rank));
+                        connect(absl::StrCat(group_name, "/shard", layout.ShardGroupIndex(rank)),
+                                layout.RankInShardGroup(rank), layout.shard_group_size()));
   FSDP_ASSIGN_OR_RETURN(
       groups.replicate,
-      CreateGlooCollectives(std::move(store), layout.RankInReplicateGroup(rank),
-                            layout.replicate_group_size(), replicate_options));
+      connect(absl::StrCat(group_name, "/replicate", layout.ReplicateGroupIndex(rank)),
+              layout.RankInReplicateGroup(rank), layout.replicate_group_size()));
   return groups;
 }
 

@@ -18,8 +18,6 @@
 
 #include "absl/status/statusor.h"
 #include "comm/collectives.h"
-#include "comm/gloo_collectives.h"
-#include "torch/csrc/distributed/c10d/Store.hpp"
 
 namespace fsdp {
 
@@ -66,12 +64,13 @@ struct HybridShardCollectives {
   std::unique_ptr<Collectives> replicate;
 };
 
-// Connects `rank`'s shard and replicate groups through `store` (the job's
-// rendezvous store); group names are derived from `options.group_name`.
-// Every rank of the job must call it.
-absl::StatusOr<HybridShardCollectives> CreateHybridShardGlooCollectives(
-    c10::intrusive_ptr<c10d::Store> store, int rank, const HybridShardLayout& layout,
-    const GlooOptions& options);
+// Connects `rank`'s shard and replicate groups through `connect` (any
+// backend: GlooGroupConnector, NcclGroupConnector), named
+// "<group_name>/shard<i>" and "<group_name>/replicate<i>". Every rank of the
+// job must call it.
+absl::StatusOr<HybridShardCollectives> CreateHybridShardCollectives(
+    int rank, const HybridShardLayout& layout, const std::string& group_name,
+    const GroupConnector& connect);
 
 }  // namespace fsdp
 

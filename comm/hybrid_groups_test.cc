@@ -5,6 +5,9 @@
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "comm/gloo_collectives.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "torch/csrc/distributed/c10d/HashStore.hpp"
@@ -76,7 +79,8 @@ TEST(HybridShardCollectives, GroupsReachOnlyTheirMembers) {
   for (int rank = 0; rank < world; ++rank) {
     threads.emplace_back([&, rank] {
       try {
-        auto groups = CreateHybridShardGlooCollectives(store, rank, layout, options);
+        auto groups = CreateHybridShardCollectives(rank, layout, options.group_name,
+                                                   GlooGroupConnector(store, options));
         if (!groups.ok()) {
           errors[rank] = std::string(groups.status().message());
           return;
@@ -106,4 +110,27 @@ TEST(HybridShardCollectives, GroupsReachOnlyTheirMembers) {
 }
 
 }  // namespace
+// The groups are made by whatever backend the connector speaks, under names
+// derived from the job's group name, with each rank's place in them; a
+// connector's failure is returned as it is. No backend here: the connector
+// records its calls and refuses the replicate group.
+TEST(HybridShardCollectives, ConnectsThroughAnyBackend) {
+  auto layout = HybridShardLayout::Create(6, 3).value();
+  std::vector<std::string> calls;
+  GroupConnector recorder = [&](const std::string& name, int rank,
+                                int size) -> absl::StatusOr<std::unique_ptr<Collectives>> {
+    calls.push_back(absl::StrCat(name, " rank ", rank, " of ", size));
+    if (absl::StrContains(name, "replicate")) return absl::UnavailableError("no peer");
+    return std::unique_ptr<Collectives>();
+  };
+  auto groups = CreateHybridShardCollectives(4, layout, "job", recorder);
+  EXPECT_EQ(groups.status(), absl::UnavailableError("no peer"));
+  EXPECT_THAT(calls, ElementsAre("job/shard1 rank 1 of 3", "job/replicate1 rank 1 of 2"));
+
+  calls.clear();
+  EXPECT_THAT(CreateHybridShardCollectives(6, layout, "job", recorder).status().message(),
+              HasSubstr("rank 6 is not in [0, world size 6)"));
+  EXPECT_TRUE(calls.empty());
+}
+
 }  // namespace fsdp

@@ -508,4 +508,15 @@ absl::StatusOr<std::unique_ptr<Collectives>> CreateNcclCollectives(
       new NcclCollectives(rank, world_size, device_index, comm, options));
 }
 
+GroupConnector NcclGroupConnector(c10::intrusive_ptr<c10d::Store> store, int device_index,
+                                  NcclOptions options) {
+  return [store = std::move(store), device_index, options = std::move(options)](
+             const std::string& group_name, int rank,
+             int size) -> absl::StatusOr<std::unique_ptr<Collectives>> {
+    NcclOptions group_options = options;
+    group_options.group_name = group_name;
+    return CreateNcclCollectives(store, rank, size, device_index, group_options);
+  };
+}
+
 }  // namespace fsdp

@@ -76,6 +76,11 @@ absl::StatusOr<std::unique_ptr<Collectives>> CreateNcclCollectives(
     c10::intrusive_ptr<c10d::Store> store, int rank, int world_size, int device_index,
     const NcclOptions& options = {});
 
+// Connects groups on CUDA device `device_index` through `store` with
+// `options`, each under its own name.
+GroupConnector NcclGroupConnector(c10::intrusive_ptr<c10d::Store> store, int device_index,
+                                  NcclOptions options);
+
 }  // namespace fsdp
 
 #endif  // FSDP_COMM_NCCL_COLLECTIVES_H_

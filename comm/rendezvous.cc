@@ -107,7 +107,8 @@ absl::StatusOr<HybridGroupsFromEnvironment> CreateHybridGlooCollectivesFromEnvir
   FSDP_ASSIGN_OR_RETURN(groups.world,
                         CreateGlooCollectives(store, env.rank, env.world_size, options));
   FSDP_ASSIGN_OR_RETURN(groups.hybrid,
-                        CreateHybridShardGlooCollectives(store, env.rank, *layout, options));
+                        CreateHybridShardCollectives(env.rank, *layout, options.group_name,
+                                                     GlooGroupConnector(store, options)));
   return groups;
 }
 

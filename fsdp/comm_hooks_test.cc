@@ -7,12 +7,13 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
-#include <mutex>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "comm/gloo_collectives.h"
 #include "comm/hybrid_groups.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
@@ -210,7 +211,8 @@ TEST(CommHooks, MisuseIsRefusedByName) {
   ASSERT_TRUE(RunOnThreadRanks(4, [&](Collectives& world) {
                 GlooOptions gloo;
                 gloo.hostname = "127.0.0.1";
-                auto groups = CreateHybridShardGlooCollectives(store, world.rank(), layout, gloo);
+                auto groups = CreateHybridShardCollectives(world.rank(), layout, gloo.group_name,
+                                                           GlooGroupConnector(store, gloo));
                 ASSERT_TRUE(groups.ok());
                 Net model;
                 FsdpOptions options;

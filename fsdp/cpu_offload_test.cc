@@ -11,12 +11,13 @@
 #include <chrono>
 #include <cmath>
 #include <map>
-#include <optional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "comm/gloo_collectives.h"
 #include "comm/hybrid_groups.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
@@ -99,9 +100,9 @@ Trajectory TrainSharded(const OffloadCase& c, bool offload) {
       GlooOptions gloo;
       gloo.hostname = "127.0.0.1";
       gloo.timeout = std::chrono::seconds(60);
-      auto groups = CreateHybridShardGlooCollectives(
-          store, comm.rank(), HybridShardLayout::Create(c.world_size, c.shard_group_size).value(),
-          gloo);
+      auto groups = CreateHybridShardCollectives(
+          comm.rank(), HybridShardLayout::Create(c.world_size, c.shard_group_size).value(),
+          gloo.group_name, GlooGroupConnector(store, gloo));
       ASSERT_TRUE(groups.ok()) << groups.status();
       hybrid = std::move(*groups);
       shard_group = hybrid.shard.get();

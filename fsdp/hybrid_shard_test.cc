@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "comm/gloo_collectives.h"
 #include "comm/hybrid_groups.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
@@ -84,7 +85,8 @@ TEST_P(HybridShardParity, MatchesLocalTrainingAndTalksAcrossGroupsOnlyToReduce) 
     GlooOptions gloo;
     gloo.hostname = "127.0.0.1";
     gloo.timeout = std::chrono::seconds(60);
-    auto groups = CreateHybridShardGlooCollectives(store, world.rank(), layout, gloo);
+    auto groups = CreateHybridShardCollectives(world.rank(), layout, gloo.group_name,
+                                               GlooGroupConnector(store, gloo));
     ASSERT_TRUE(groups.ok()) << groups.status();
     Collectives& shard = *groups->shard;
     Collectives& replicate = *groups->replicate;

@@ -574,236 +574,314 @@ class BatchSource {
   int64_t replay_first_step_ = 1;
 };
 
-// Trains on groups already formed: `comm` the world, `hybrid` the shard and
-// replicate groups under hybrid sharding (empty otherwise).
-int TrainOnGroups(fsdp::FsdpOptions options, const fsdp::WrapPolicy& policy,
-                  fsdp::Collectives* comm, fsdp::HybridShardCollectives& hybrid,
-                  const std::string& layout_note) {
-  fsdp::Collectives& fsdp_group = hybrid.shard ? *hybrid.shard : *comm;
-  const int rank = comm->rank(), world = comm->world_size();
-  const bool print = rank == 0;
-  fsdp::TraceRecorder trace(rank);
-  const std::string trace_dir = absl::GetFlag(FLAGS_trace_dir);
-  if (!trace_dir.empty()) options.trace = &trace;
-  if (absl::GetFlag(FLAGS_fsdp_debug_log)) {
-    options.debug_log = [rank](const std::string& line) {
-      std::fprintf(stderr, "[fsdp rank %d] %s\n", rank, line.c_str());
-    };
-  }
-
-  // Rank 0's run id is the one its manifests record; every rank uses it.
-  std::optional<fsdp::RunCheckpoints> checkpoints;
-  if (!absl::GetFlag(FLAGS_checkpoint_dir).empty()) {
-    std::string run_id = rank == 0 ? fsdp::NewRunId() : std::string();
-    fsdp::BroadcastBytes(*comm, run_id, /*root=*/0);
-    checkpoints = fsdp::ValueOrThrow(OpenCheckpoints(run_id));
-  }
-
+models::GptConfig GptConfigFromFlags() {
   models::GptConfig config;
   config.block_size = absl::GetFlag(FLAGS_block_size);
   config.n_layer = absl::GetFlag(FLAGS_n_layer);
   config.n_head = absl::GetFlag(FLAGS_n_head);
   config.n_embd = absl::GetFlag(FLAGS_n_embd);
   config.seed = absl::GetFlag(FLAGS_seed);
-  models::Gpt model(config);
-  int64_t unsharded_param_bytes = 0;
-  for (const auto& p : model->parameters()) unsharded_param_bytes += p.nbytes();
-  unsharded_param_bytes -= model->lm_head->weight.nbytes();  // Tied: counted once.
-  std::set<std::string> model_keys;
-  for (const auto& [name, tensor] : fsdp::ModuleStateDict(*model)) model_keys.insert(name);
+  return config;
+}
 
-  std::unique_ptr<fsdp::FullyShardedModel> fsdp_model =
-      fsdp::ValueOrThrow(fsdp::FullyShardedModel::Wrap(model.ptr(), fsdp_group, options, policy));
-  if (print && absl::GetFlag(FLAGS_print_plan)) {
-    std::printf("%s", fsdp_model->plan().ToString().c_str());
-  }
-  if (!absl::GetFlag(FLAGS_init_state_dict).empty()) {
-    LoadInitialState(*fsdp_model, model_keys, print);
-  }
-  int64_t shard_param_bytes = 0;
-  for (const auto& unit : fsdp_model->units()) {
-    if (unit->handle() != nullptr) shard_param_bytes += unit->handle()->local_shard().nbytes();
-  }
-  std::unique_ptr<torch::optim::Optimizer> optimizer_holder =
-      MakeOptimizer(fsdp::UniqueParameters(*model));
-  torch::optim::Optimizer& optimizer = *optimizer_holder;
-  std::FILE* metrics = nullptr;
-  if (rank == 0 && !absl::GetFlag(FLAGS_metrics_jsonl).empty()) {
-    metrics = std::fopen(absl::GetFlag(FLAGS_metrics_jsonl).c_str(), "a");
-    if (metrics == nullptr) {
-      throw std::runtime_error("--metrics_jsonl=" + absl::GetFlag(FLAGS_metrics_jsonl) +
-                               ": cannot open it: " + std::strerror(errno));
+// One step's global figures, the same on every rank.
+struct StepResult {
+  float loss = 0;
+  double grad_norm = 0;
+  bool finite() const { return std::isfinite(loss) && std::isfinite(grad_norm); }
+};
+
+// One rank's training run on groups already formed: `world` carries the
+// data split and the loss; FSDP runs on hybrid's shard and replicate
+// groups under hybrid sharding (`hybrid` empty otherwise: the world).
+class TrainingRun {
+ public:
+  TrainingRun(fsdp::FsdpOptions options, const fsdp::WrapPolicy& policy, fsdp::Collectives& world,
+              fsdp::HybridShardCollectives& hybrid)
+      : world_(world),
+        hybrid_(hybrid),
+        fsdp_group_(hybrid.shard ? *hybrid.shard : world),
+        rank_(world.rank()),
+        world_size_(world.world_size()),
+        print_(rank_ == 0),
+        trace_(rank_),
+        config_(GptConfigFromFlags()),
+        model_(config_),
+        steps_(absl::GetFlag(FLAGS_steps)),
+        per_rank_(absl::GetFlag(FLAGS_batch_size)) {
+    OpenRunCheckpoints();
+    Wrap(std::move(options), policy);
+    if (rank_ == 0 && !absl::GetFlag(FLAGS_metrics_jsonl).empty()) {
+      metrics_ = std::fopen(absl::GetFlag(FLAGS_metrics_jsonl).c_str(), "a");
+      if (metrics_ == nullptr) {
+        throw std::runtime_error("--metrics_jsonl=" + absl::GetFlag(FLAGS_metrics_jsonl) +
+                                 ": cannot open it: " + std::strerror(errno));
+      }
     }
   }
+  ~TrainingRun() {
+    if (metrics_ != nullptr) std::fclose(metrics_);
+  }
 
-  const int steps = absl::GetFlag(FLAGS_steps);
-  const int64_t per_rank = absl::GetFlag(FLAGS_batch_size);
-  const int64_t t = config.block_size;
-  if (print) {
+  // The process's exit code: 0 when the loss fell.
+  int Run(const std::string& layout_note) {
+    PrintHeader(layout_note);
+    batches_.emplace(per_rank_ * world_size_, config_.block_size, steps_);
+    ResumeIfAsked();
+    start_ = Clock::now();
+    for (int step = first_step_; step <= steps_; ++step) {
+      const StepResult result = Step(step);
+      Log(step, result);
+      if (checkpoints_.has_value() &&
+          (step % absl::GetFlag(FLAGS_checkpoint_every) == 0 || step == steps_)) {
+        SaveCheckpoint(step);
+      }
+    }
+    WriteOutputs();
+    return Summarize();
+  }
+
+ private:
+  // Builds the model's FSDP units and the optimizer over their shards.
+  void Wrap(fsdp::FsdpOptions options, const fsdp::WrapPolicy& policy) {
+    if (!absl::GetFlag(FLAGS_trace_dir).empty()) options.trace = &trace_;
+    if (absl::GetFlag(FLAGS_fsdp_debug_log)) {
+      options.debug_log = [rank = rank_](const std::string& line) {
+        std::fprintf(stderr, "[fsdp rank %d] %s\n", rank, line.c_str());
+      };
+    }
+    strategy_ = options.strategy;
+    mixed_precision_ = options.mixed_precision;
+    for (const auto& p : model_->parameters()) report_.unsharded_param_bytes += p.nbytes();
+    // Tied: counted once.
+    report_.unsharded_param_bytes -= model_->lm_head->weight.nbytes();
+    std::set<std::string> model_keys;
+    for (const auto& [name, tensor] : fsdp::ModuleStateDict(*model_)) model_keys.insert(name);
+    fsdp_model_ = fsdp::ValueOrThrow(
+        fsdp::FullyShardedModel::Wrap(model_.ptr(), fsdp_group_, options, policy));
+    if (print_ && absl::GetFlag(FLAGS_print_plan)) {
+      std::printf("%s", fsdp_model_->plan().ToString().c_str());
+    }
+    if (!absl::GetFlag(FLAGS_init_state_dict).empty()) {
+      LoadInitialState(*fsdp_model_, model_keys, print_);
+    }
+    for (const auto& unit : fsdp_model_->units()) {
+      if (unit->handle() != nullptr) {
+        report_.shard_param_bytes += unit->handle()->local_shard().nbytes();
+      }
+    }
+    optimizer_ = MakeOptimizer(fsdp::UniqueParameters(*model_));
+  }
+
+  // Rank 0's run id is the one its manifests record; every rank uses it.
+  void OpenRunCheckpoints() {
+    if (absl::GetFlag(FLAGS_checkpoint_dir).empty()) return;
+    std::string run_id = rank_ == 0 ? fsdp::NewRunId() : std::string();
+    fsdp::BroadcastBytes(world_, run_id, /*root=*/0);
+    checkpoints_ = fsdp::ValueOrThrow(OpenCheckpoints(run_id));
+  }
+
+  void PrintHeader(const std::string& layout_note) const {
+    if (!print_) return;
     std::printf(
         "GPT %lld layers x %lld heads x %lld wide, %.2f M parameters; %d ranks, %s%s%s, "
         "global batch %lld x %lld tokens\n",
-        static_cast<long long>(config.n_layer), static_cast<long long>(config.n_head),
-        static_cast<long long>(config.n_embd), unsharded_param_bytes / 4 / 1e6, world,
-        fsdp::ShardingStrategyName(options.strategy), layout_note.c_str(),
-        options.mixed_precision.enabled() ? (", " + options.mixed_precision.ToString()).c_str()
-                                          : "",
-        static_cast<long long>(per_rank * world),
-        static_cast<long long>(t));
+        static_cast<long long>(config_.n_layer), static_cast<long long>(config_.n_head),
+        static_cast<long long>(config_.n_embd), report_.unsharded_param_bytes / 4 / 1e6,
+        world_size_, fsdp::ShardingStrategyName(strategy_), layout_note.c_str(),
+        mixed_precision_.enabled() ? (", " + mixed_precision_.ToString()).c_str() : "",
+        static_cast<long long>(per_rank_ * world_size_),
+        static_cast<long long>(config_.block_size));
     std::fflush(stdout);
   }
 
-  BatchSource batches(per_rank * world, t, steps);
-  std::vector<at::Tensor> recorded_batches;  // For --record_batches (rank 0).
-  const std::string record_path = absl::GetFlag(FLAGS_record_batches);
-  int first_step = 1;
-  if (checkpoints.has_value() && print) {
-    for (const std::string& note : checkpoints->notes()) std::printf("note: %s\n", note.c_str());
-  }
-  if (checkpoints.has_value() && checkpoints->resume_from().has_value()) {
-    const fsdp::StepCheckpoint& from = *checkpoints->resume_from();
-    fsdp::ThrowIfError(fsdp::LoadTrainingCheckpoint(*fsdp_model, optimizer, from.path));
-    const std::string hyperparameters = ApplyGivenHyperparameters(optimizer);
-    first_step = static_cast<int>(from.step) + 1;
-    batches.Skip(from.step);
-    if (print) {
+  void ResumeIfAsked() {
+    if (!checkpoints_.has_value()) return;
+    if (print_) {
+      for (const std::string& note : checkpoints_->notes()) std::printf("note: %s\n", note.c_str());
+    }
+    if (!checkpoints_->resume_from().has_value()) return;
+    const fsdp::StepCheckpoint& from = *checkpoints_->resume_from();
+    fsdp::ThrowIfError(fsdp::LoadTrainingCheckpoint(*fsdp_model_, *optimizer_, from.path));
+    const std::string hyperparameters = ApplyGivenHyperparameters(*optimizer_);
+    first_step_ = static_cast<int>(from.step) + 1;
+    batches_->Skip(from.step);
+    if (print_) {
       std::printf("resumed from %s (step %lld of run %s); optimizer: %s\n", from.path.c_str(),
                   static_cast<long long>(from.step),
                   from.run_id.empty() ? "<no id>" : from.run_id.c_str(), hyperparameters.c_str());
     }
   }
-  const bool skip_nonfinite = absl::GetFlag(FLAGS_on_nonfinite) == "skip";
-  const double clip = absl::GetFlag(FLAGS_grad_clip);
-  RankReport report;
-  const Clock::time_point start = Clock::now();
-  std::optional<float> first_loss, last_loss;
-  int skipped = 0, skipped_in_a_row = 0;
-  for (int step = first_step; step <= steps; ++step) {
-    const at::Tensor global_batch = batches.Next(step);
-    if (rank == 0 && !record_path.empty()) recorded_batches.push_back(global_batch);
-    at::Tensor batch = global_batch.narrow(0, rank * per_rank, per_rank);
-    at::Tensor loss = models::LanguageModelLoss(model->forward(batch.narrow(1, 0, t)),
+
+  // Forward, backward, the global gradient norm (clipped when asked) and
+  // loss, then the optimizer step, or none when either is not finite.
+  StepResult Step(int step) {
+    const int64_t t = config_.block_size;
+    const at::Tensor global_batch = batches_->Next(step);
+    if (rank_ == 0 && !absl::GetFlag(FLAGS_record_batches).empty()) {
+      recorded_batches_.push_back(global_batch);
+    }
+    at::Tensor batch = global_batch.narrow(0, rank_ * per_rank_, per_rank_);
+    at::Tensor loss = models::LanguageModelLoss(model_->forward(batch.narrow(1, 0, t)),
                                                 batch.narrow(1, 1, t));
-    if (step == absl::GetFlag(FLAGS_TEST_nan_loss_at_step) && rank == world - 1) {
+    if (step == absl::GetFlag(FLAGS_TEST_nan_loss_at_step) && rank_ == world_size_ - 1) {
       loss = loss * std::numeric_limits<float>::quiet_NaN();
     }
     loss.backward();
-    if (step == steps) report.gradient_bytes = LocalGradientBytes(*model);
-    // The global norm, clipped when asked; every rank gets the same value.
-    const double grad_norm =
-        fsdp::ValueOrThrow(fsdp_model->ClipGradNorm(
-                               clip > 0 ? clip : std::numeric_limits<double>::infinity()))
-            .item<double>();
+    if (step == steps_) report_.gradient_bytes = LocalGradientBytes(*model_);
+    const double clip = absl::GetFlag(FLAGS_grad_clip);
+    StepResult result;
+    result.grad_norm = fsdp::ValueOrThrow(fsdp_model_->ClipGradNorm(
+                                              clip > 0 ? clip
+                                                       : std::numeric_limits<double>::infinity()))
+                           .item<double>();
     at::Tensor global = loss.detach().clone();
-    comm->AllReduce(global, fsdp::ReduceOp::kAvg)->Wait();
-    const float step_loss = global.item<float>();
-    // The same decision on every rank: both figures are global.
-    const bool finite = std::isfinite(step_loss) && std::isfinite(grad_norm);
-    if (finite) {
-      optimizer.step();
-      skipped_in_a_row = 0;
-      last_loss = step_loss;
-      if (!first_loss) first_loss = step_loss;
+    world_.AllReduce(global, fsdp::ReduceOp::kAvg)->Wait();
+    result.loss = global.item<float>();
+    if (result.finite()) {
+      optimizer_->step();
+      skipped_in_a_row_ = 0;
+      last_loss_ = result.loss;
+      if (!first_loss_) first_loss_ = result.loss;
     } else {
-      const std::string what = absl::StrFormat("step %d: the %s is not finite (loss %g, gradient "
-                                               "norm %g)",
-                                               step, std::isfinite(step_loss) ? "gradient norm"
-                                                                              : "loss",
-                                               step_loss, grad_norm);
-      if (!skip_nonfinite) {
-        throw std::runtime_error(what + "; stopped (--on_nonfinite=skip skips such steps)");
-      }
-      ++skipped;
-      if (++skipped_in_a_row > absl::GetFlag(FLAGS_max_consecutive_skips)) {
-        throw std::runtime_error(absl::StrFormat(
-            "%s; stopped: %d steps in a row were not finite (--max_consecutive_skips=%d)", what,
-            skipped_in_a_row, absl::GetFlag(FLAGS_max_consecutive_skips)));
-      }
-      if (print) std::printf("%s; skipped (no update)\n", what.c_str());
+      SkipNonFinite(step, result);
     }
-    optimizer.zero_grad();
-    if (metrics != nullptr) {
-      const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
-      std::fprintf(metrics,
-                   "{\"step\": %d, \"loss\": %s, \"tokens_per_s\": %.1f, \"grad_norm\": %s%s}\n",
-                   step,
-                   std::isfinite(step_loss) ? absl::StrFormat("%.6f", step_loss).c_str() : "null",
-                   (step - first_step + 1) * per_rank * world * t / elapsed,
-                   std::isfinite(grad_norm) ? absl::StrFormat("%.6f", grad_norm).c_str() : "null",
-                   finite ? "" : ", \"skipped\": true");
-      std::fflush(metrics);
+    optimizer_->zero_grad();
+    return result;
+  }
+
+  // Throws unless --on_nonfinite=skip and the skips in a row are allowed.
+  void SkipNonFinite(int step, const StepResult& result) {
+    const std::string what = absl::StrFormat(
+        "step %d: the %s is not finite (loss %g, gradient norm %g)", step,
+        std::isfinite(result.loss) ? "gradient norm" : "loss", result.loss, result.grad_norm);
+    if (absl::GetFlag(FLAGS_on_nonfinite) != "skip") {
+      throw std::runtime_error(what + "; stopped (--on_nonfinite=skip skips such steps)");
     }
-    if (print &&
-        (step % absl::GetFlag(FLAGS_log_every) == 0 || step == first_step || step == steps)) {
-      const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
-      const int done = step - first_step + 1;
-      std::printf("step %4d/%d  loss %.4f  %8.0f tokens/s  %5.1f s left\n", step, steps,
-                  step_loss, done * per_rank * world * t / elapsed,
-                  elapsed / done * (steps - step));
+    ++skipped_;
+    if (++skipped_in_a_row_ > absl::GetFlag(FLAGS_max_consecutive_skips)) {
+      throw std::runtime_error(absl::StrFormat(
+          "%s; stopped: %d steps in a row were not finite (--max_consecutive_skips=%d)", what,
+          skipped_in_a_row_, absl::GetFlag(FLAGS_max_consecutive_skips)));
+    }
+    if (print_) std::printf("%s; skipped (no update)\n", what.c_str());
+  }
+
+  // --metrics_jsonl's line and the progress line.
+  void Log(int step, const StepResult& result) {
+    const double elapsed = std::chrono::duration<double>(Clock::now() - start_).count();
+    const int done = step - first_step_ + 1;
+    const double tokens_per_s = done * per_rank_ * world_size_ * config_.block_size / elapsed;
+    if (metrics_ != nullptr) {
+      std::fprintf(
+          metrics_, "{\"step\": %d, \"loss\": %s, \"tokens_per_s\": %.1f, \"grad_norm\": %s%s}\n",
+          step, std::isfinite(result.loss) ? absl::StrFormat("%.6f", result.loss).c_str() : "null",
+          tokens_per_s,
+          std::isfinite(result.grad_norm) ? absl::StrFormat("%.6f", result.grad_norm).c_str()
+                                          : "null",
+          result.finite() ? "" : ", \"skipped\": true");
+      std::fflush(metrics_);
+    }
+    if (print_ &&
+        (step % absl::GetFlag(FLAGS_log_every) == 0 || step == first_step_ || step == steps_)) {
+      std::printf("step %4d/%d  loss %.4f  %8.0f tokens/s  %5.1f s left\n", step, steps_,
+                  result.loss, tokens_per_s, elapsed / done * (steps_ - step));
       std::fflush(stdout);
     }
-    if (checkpoints.has_value() &&
-        (step % absl::GetFlag(FLAGS_checkpoint_every) == 0 || step == steps)) {
-      const std::string path = checkpoints->PathOf(step);
-      fsdp::ThrowIfError(fsdp::PrepareOutputDirectory("--checkpoint_dir", path));
-      fsdp::ThrowIfError(
-          fsdp::SaveTrainingCheckpoint(*fsdp_model, optimizer, path, checkpoints->MetadataOf(step)));
-      if (rank == 0) {
-        const fsdp::RunCheckpoints::Retired retired = checkpoints->RetireOlderThan(step);
-        for (const std::string& problem : retired.problems) {
-          std::fprintf(stderr, "train_gpt: warning: checkpoint clean-up: %s\n", problem.c_str());
-        }
-        std::printf("checkpoint %s\n", path.c_str());
+  }
+
+  void SaveCheckpoint(int step) {
+    const std::string path = checkpoints_->PathOf(step);
+    fsdp::ThrowIfError(fsdp::PrepareOutputDirectory("--checkpoint_dir", path));
+    fsdp::ThrowIfError(fsdp::SaveTrainingCheckpoint(*fsdp_model_, *optimizer_, path,
+                                                    checkpoints_->MetadataOf(step)));
+    if (rank_ != 0) return;
+    const fsdp::RunCheckpoints::Retired retired = checkpoints_->RetireOlderThan(step);
+    for (const std::string& problem : retired.problems) {
+      std::fprintf(stderr, "train_gpt: warning: checkpoint clean-up: %s\n", problem.c_str());
+    }
+    std::printf("checkpoint %s\n", path.c_str());
+  }
+
+  // --export_state_dict, --trace_dir and --record_batches.
+  void WriteOutputs() {
+    if (const std::string out = absl::GetFlag(FLAGS_export_state_dict); !out.empty()) {
+      fsdp::FullStateDictOptions on_rank0;
+      on_rank0.rank0_only = true;
+      const fsdp::StateDict state =
+          fsdp::ValueOrThrow(fsdp::FullStateDict(*fsdp_model_, on_rank0));
+      if (rank_ == 0) {
+        fsdp::ThrowIfError(fsdp::SaveTorchStateDict(out, state));
+        std::printf("wrote the FULL state dict to %s\n", out.c_str());
       }
     }
-  }
-  if (const std::string out = absl::GetFlag(FLAGS_export_state_dict); !out.empty()) {
-    fsdp::FullStateDictOptions on_rank0;
-    on_rank0.rank0_only = true;
-    const fsdp::StateDict state = fsdp::ValueOrThrow(fsdp::FullStateDict(*fsdp_model, on_rank0));
-    if (rank == 0) {
-      fsdp::ThrowIfError(fsdp::SaveTorchStateDict(out, state));
-      std::printf("wrote the FULL state dict to %s\n", out.c_str());
+    if (const std::string dir = absl::GetFlag(FLAGS_trace_dir); !dir.empty()) {
+      fsdp::ThrowIfError(
+          trace_.WriteChromeTrace(absl::StrFormat("%s/trace_rank%d.json", dir, rank_)));
+      if (print_) std::printf("wrote FSDP traces to %s/trace_rank<r>.json\n", dir.c_str());
+    }
+    if (const std::string path = absl::GetFlag(FLAGS_record_batches);
+        rank_ == 0 && !path.empty()) {
+      fsdp::ThrowIfError(fsdp::SaveTorchStateDict(
+          path, {{"tokens", at::stack(recorded_batches_)},
+                 {"first_step",
+                  at::scalar_tensor(static_cast<int64_t>(first_step_), at::kLong)}}));
+      std::printf("wrote the batches of steps %d..%d to %s\n", first_step_, steps_,
+                  path.c_str());
     }
   }
-  if (!trace_dir.empty()) {
-    const std::string path = absl::StrFormat("%s/trace_rank%d.json", trace_dir, rank);
-    fsdp::ThrowIfError(trace.WriteChromeTrace(path));
-    if (print) std::printf("wrote FSDP traces to %s/trace_rank<r>.json\n", trace_dir.c_str());
-  }
-  if (rank == 0 && !record_path.empty()) {
-    fsdp::ThrowIfError(fsdp::SaveTorchStateDict(
-        record_path, {{"tokens", at::stack(recorded_batches)},
-                      {"first_step", at::scalar_tensor(static_cast<int64_t>(first_step),
-                                                       at::kLong)}}));
-    std::printf("wrote the batches of steps %d..%d to %s\n", first_step, steps,
-                record_path.c_str());
-  }
-  if (metrics != nullptr) std::fclose(metrics);
-  report.shard_param_bytes = shard_param_bytes;
-  report.unsharded_param_bytes = unsharded_param_bytes;
-  report.optimizer_state_bytes = LocalOptimizerStateBytes(optimizer);
-  report.unsharded_optimizer_state_bytes =
-      unsharded_param_bytes * (absl::GetFlag(FLAGS_optimizer) == "sgd" ? 1 : 2);
-  // FSDP's traffic, whichever groups carried it.
-  fsdp::CollectiveCounters traffic = fsdp_group.counters();
-  if (hybrid.replicate) {
-    const fsdp::CollectiveCounters across = hybrid.replicate->counters();
-    for (size_t op = 0; op < traffic.calls.size(); ++op) {
-      traffic.calls[op] += across.calls[op];
-      traffic.bytes[op] += across.bytes[op];
+
+  // The rank's memory and traffic report and the loss summary; the exit code.
+  int Summarize() {
+    report_.optimizer_state_bytes = LocalOptimizerStateBytes(*optimizer_);
+    report_.unsharded_optimizer_state_bytes =
+        report_.unsharded_param_bytes * (absl::GetFlag(FLAGS_optimizer) == "sgd" ? 1 : 2);
+    // FSDP's traffic, whichever groups carried it.
+    fsdp::CollectiveCounters traffic = fsdp_group_.counters();
+    if (hybrid_.replicate) {
+      const fsdp::CollectiveCounters across = hybrid_.replicate->counters();
+      for (size_t op = 0; op < traffic.calls.size(); ++op) {
+        traffic.calls[op] += across.calls[op];
+        traffic.bytes[op] += across.bytes[op];
+      }
     }
+    PrintRankReport(rank_, report_, traffic);
+    const bool fell =
+        first_loss_ && last_loss_ && (*last_loss_ < *first_loss_ || first_step_ > 1);
+    if (print_) {
+      std::printf("loss %.4f -> %.4f over steps %d..%d%s%s\n", first_loss_.value_or(NAN),
+                  last_loss_.value_or(NAN), first_step_, steps_,
+                  skipped_ > 0 ? absl::StrFormat(" (%d skipped: not finite)", skipped_).c_str()
+                               : "",
+                  fell ? "" : "  (DID NOT FALL)");
+    }
+    return fell ? 0 : 1;
   }
-  PrintRankReport(rank, report, traffic);
-  const bool fell = first_loss && last_loss && (*last_loss < *first_loss || first_step > 1);
-  if (print) {
-    std::printf("loss %.4f -> %.4f over steps %d..%d%s%s\n", first_loss.value_or(NAN),
-                last_loss.value_or(NAN), first_step, steps,
-                skipped > 0 ? absl::StrFormat(" (%d skipped: not finite)", skipped).c_str() : "",
-                fell ? "" : "  (DID NOT FALL)");
-  }
-  return fell ? 0 : 1;
-}
+
+  fsdp::Collectives& world_;
+  fsdp::HybridShardCollectives& hybrid_;
+  fsdp::Collectives& fsdp_group_;
+  const int rank_, world_size_;
+  const bool print_;
+  fsdp::TraceRecorder trace_;
+  const models::GptConfig config_;
+  models::Gpt model_;
+  fsdp::ShardingStrategy strategy_{};
+  fsdp::MixedPrecision mixed_precision_;
+  std::unique_ptr<fsdp::FullyShardedModel> fsdp_model_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::optional<fsdp::RunCheckpoints> checkpoints_;
+  std::FILE* metrics_ = nullptr;
+  const int steps_;
+  const int64_t per_rank_;
+  std::optional<BatchSource> batches_;
+  std::vector<at::Tensor> recorded_batches_;  // For --record_batches (rank 0).
+  int first_step_ = 1;
+  Clock::time_point start_;
+  RankReport report_;
+  std::optional<float> first_loss_, last_loss_;
+  int skipped_ = 0, skipped_in_a_row_ = 0;
+};
 
 int RunRank(const fsdp::LaunchEnvironment& env, fsdp::FsdpOptions options,
             const fsdp::WrapPolicy& policy) {
@@ -832,7 +910,7 @@ int RunRank(const fsdp::LaunchEnvironment& env, fsdp::FsdpOptions options,
     comm = fsdp::ValueOrThrow(fsdp::CreateGlooCollectivesFromEnvironment(env, gloo));
   }
   try {
-    return TrainOnGroups(options, policy, comm.get(), hybrid, layout_note);
+    return TrainingRun(options, policy, *comm, hybrid).Run(layout_note);
   } catch (...) {
     // The other ranks' collective errors then quote this one's reason.
     const std::string why(fsdp::StatusFromCurrentException().message());
@@ -846,12 +924,29 @@ int RunRank(const fsdp::LaunchEnvironment& env, fsdp::FsdpOptions options,
 
 }  // namespace
 
+// --sharding_strategy, --backward_prefetch, --param_dtype and the rest.
+absl::StatusOr<fsdp::FsdpOptions> FsdpOptionsFromFlags() {
+  fsdp::FsdpOptions options;
+  FSDP_ASSIGN_OR_RETURN(options.strategy,
+                        fsdp::ParseShardingStrategy(absl::GetFlag(FLAGS_sharding_strategy)));
+  FSDP_ASSIGN_OR_RETURN(options.backward_prefetch,
+                        ParseBackwardPrefetch(absl::GetFlag(FLAGS_backward_prefetch)));
+  options.verify_collectives_every = absl::GetFlag(FLAGS_verify_collectives_every);
+  options.forward_prefetch = absl::GetFlag(FLAGS_forward_prefetch);
+  options.offload_params = absl::GetFlag(FLAGS_offload_params);
+  for (auto [flag, field] :
+       {std::pair<std::string, std::optional<fsdp::DType>*>{
+            absl::GetFlag(FLAGS_param_dtype), &options.mixed_precision.param_dtype},
+        {absl::GetFlag(FLAGS_reduce_dtype), &options.mixed_precision.reduce_dtype}}) {
+    if (flag.empty()) continue;
+    FSDP_ASSIGN_OR_RETURN(*field, fsdp::ParseDType(flag));
+  }
+  return options;
+}
+
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  absl::StatusOr<fsdp::ShardingStrategy> strategy =
-      fsdp::ParseShardingStrategy(absl::GetFlag(FLAGS_sharding_strategy));
-  absl::StatusOr<fsdp::BackwardPrefetch> prefetch =
-      ParseBackwardPrefetch(absl::GetFlag(FLAGS_backward_prefetch));
+  absl::StatusOr<fsdp::FsdpOptions> options = FsdpOptionsFromFlags();
   // Checked here too, so that a bad spec or plugin fails before any rank
   // starts.
   absl::StatusOr<std::unique_ptr<fsdp::WrapPolicy>> policy = BuildWrapPolicy();
@@ -862,29 +957,11 @@ int main(int argc, char** argv) {
     }
     return policy.ok() ? 0 : 2;
   }
-  for (const absl::Status& s : {strategy.status(), prefetch.status(), policy.status()}) {
+  for (const absl::Status& s : {options.status(), policy.status()}) {
     if (!s.ok()) {
       std::fprintf(stderr, "train_gpt: %s\n", s.ToString().c_str());
       return 2;
     }
-  }
-  fsdp::FsdpOptions options;
-  options.strategy = *strategy;
-  options.verify_collectives_every = absl::GetFlag(FLAGS_verify_collectives_every);
-  options.backward_prefetch = *prefetch;
-  options.forward_prefetch = absl::GetFlag(FLAGS_forward_prefetch);
-  options.offload_params = absl::GetFlag(FLAGS_offload_params);
-  for (auto [flag, field] :
-       {std::pair<std::string, std::optional<fsdp::DType>*>{
-            absl::GetFlag(FLAGS_param_dtype), &options.mixed_precision.param_dtype},
-        {absl::GetFlag(FLAGS_reduce_dtype), &options.mixed_precision.reduce_dtype}}) {
-    if (flag.empty()) continue;
-    absl::StatusOr<fsdp::DType> dtype = fsdp::ParseDType(flag);
-    if (!dtype.ok()) {
-      std::fprintf(stderr, "train_gpt: %s\n", dtype.status().ToString().c_str());
-      return 2;
-    }
-    *field = *dtype;
   }
   absl::StatusOr<fsdp::LaunchEnvironment> env = fsdp::ReadLaunchEnvironment();
   const bool launcher = absl::IsNotFound(env.status());
@@ -896,7 +973,7 @@ int main(int argc, char** argv) {
   // starts (under torchrun or srun, by every rank alike).
   const int world_size = launcher ? absl::GetFlag(FLAGS_world_size) : env->world_size;
   const std::vector<std::string> problems =
-      FlagProblems(*strategy, world_size, launcher ? world_size : env->local_world_size);
+      FlagProblems(options->strategy, world_size, launcher ? world_size : env->local_world_size);
   for (const std::string& problem : problems) {
     std::fprintf(stderr, "train_gpt: %s\n", problem.c_str());
   }
@@ -922,7 +999,7 @@ int main(int argc, char** argv) {
   }
   try {
     fsdp::ThrowIfError(PrepareOutputs());
-    return RunRank(*env, options, **policy);
+    return RunRank(*env, *options, **policy);
   } catch (...) {
     std::fprintf(stderr, "train_gpt rank %d: %s\n", env->rank,
                  std::string(fsdp::StatusFromCurrentException().message()).c_str());

@@ -18,6 +18,17 @@ torch::serialize::InputArchive Reopen(torch::serialize::OutputArchive& out) {
   return in;
 }
 
+// A tensor goes in as one, or the reader's serialize() would not find it.
+void AddValues(const std::map<std::string, c10::IValue>& values, RawState& raw) {
+  for (const auto& [key, v] : values) {
+    if (v.isTensor()) {
+      raw.tensors.emplace_back(key, v.toTensor());
+    } else {
+      raw.values.emplace_back(key, v);
+    }
+  }
+}
+
 }  // namespace
 
 RawState ReadRaw(const std::function<void(torch::serialize::OutputArchive&)>& serialize) {
@@ -77,6 +88,14 @@ std::map<std::string, c10::IValue> OptionsOf(const torch::optim::OptimizerOption
   return out;
 }
 
+void WriteOptions(torch::optim::OptimizerOptions& options,
+                  const std::map<std::string, c10::IValue>& values) {
+  RawState raw;
+  AddValues(values, raw);
+  torch::serialize::InputArchive in = ArchiveOf(raw);
+  options.serialize(in);
+}
+
 Places PlacesOf(const torch::nn::Module& root, const FullyShardedModel* model) {
   std::unordered_map<const void*, std::pair<const FlatParamHandle*, size_t>> in_handle;
   if (model != nullptr) {
@@ -110,6 +129,34 @@ Places PlacesOf(const torch::nn::Module& root, const FullyShardedModel* model) {
     places.emplace(impl, std::move(place));
   }
   return places;
+}
+
+std::optional<ParamState> ReadParamState(torch::optim::Optimizer& optimizer,
+                                         const ParamPlace& place) {
+  auto it = optimizer.state().find(StateKey(place.param));
+  if (it == optimizer.state().end()) return std::nullopt;
+  RawState raw = ReadRaw([&](torch::serialize::OutputArchive& a) { it->second->serialize(a); });
+  ParamState state;
+  for (auto& [key, t] : raw.tensors) {
+    if (t.sizes() == place.param.sizes()) {
+      state.elementwise.emplace(key, std::move(t));
+    } else {
+      state.values.emplace(key, std::move(t));
+    }
+  }
+  for (auto& [key, v] : raw.values) state.values.emplace(key, std::move(v));
+  return state;
+}
+
+void WriteParamState(torch::optim::Optimizer& optimizer, const ParamPlace& place,
+                     const ParamState& state) {
+  RawState raw;
+  for (const auto& [key, t] : state.elementwise) {
+    raw.tensors.emplace_back(key, t.view(place.param.sizes()));
+  }
+  AddValues(state.values, raw);
+  torch::serialize::InputArchive in = ArchiveOf(raw);
+  optimizer.state().at(StateKey(place.param))->serialize(in);
 }
 
 absl::StatusOr<std::vector<std::vector<const ParamPlace*>>> GroupsOf(

@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <unordered_map>
@@ -38,7 +39,11 @@ using OptimizerStateKey =
     std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>::key_type;
 // The key of `param` in Optimizer::state().
 OptimizerStateKey StateKey(const at::Tensor& param);
+// A parameter group's options by name, and back (all of them, as OptionsOf
+// returns them).
 std::map<std::string, c10::IValue> OptionsOf(const torch::optim::OptimizerOptions& options);
+void WriteOptions(torch::optim::OptimizerOptions& options,
+                  const std::map<std::string, c10::IValue>& values);
 
 struct ParamPlace {
   std::string fqn;
@@ -50,6 +55,22 @@ struct ParamPlace {
   int64_t lo = 0, hi = 0;                   // Local elements of the flattened parameter.
 };
 using Places = std::unordered_map<const void*, ParamPlace>;  // By TensorImpl.
+
+// One parameter's optimizer state as this rank holds it. Elementwise tensors
+// (shaped like the local parameter: Adam's exp_avg, SGD's momentum_buffer,
+// Adagrad's sum) are sharded as the parameter is; everything else (step
+// counts, tensors of any other shape) every rank holds whole.
+struct ParamState {
+  std::map<std::string, at::Tensor> elementwise;
+  std::map<std::string, c10::IValue> values;
+};
+// Empty when the optimizer has no state for the parameter yet.
+std::optional<ParamState> ReadParamState(torch::optim::Optimizer& optimizer,
+                                         const ParamPlace& place);
+// Overwrites the parameter's state, which must exist (PrimeMissingState).
+// Elementwise tensors are shaped like the local parameter or flat.
+void WriteParamState(torch::optim::Optimizer& optimizer, const ParamPlace& place,
+                     const ParamState& state);
 
 // `model` null: an unwrapped module.
 Places PlacesOf(const torch::nn::Module& root, const FullyShardedModel* model);

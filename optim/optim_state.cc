@@ -1,6 +1,8 @@
 #include "optim/optim_state.h"
 
 #include <algorithm>
+#include <map>
+#include <optional>
 #include <set>
 #include <unordered_map>
 #include <utility>
@@ -11,33 +13,26 @@
 #include "base/status.h"
 #include "comm/collectives.h"
 #include "optim/optim_internal.h"
+#include "statedict/load_check.h"
 #include "torch/csrc/jit/serialization/pickle.h"
-#include "torch/serialize/input-archive.h"
-#include "torch/serialize/output-archive.h"
 
 namespace fsdp {
 namespace {
 
-using optim_internal::ArchiveOf;
 using optim_internal::GroupsOf;
 using optim_internal::OptionsOf;
 using optim_internal::ParamPlace;
+using optim_internal::ParamState;
 using optim_internal::Places;
 using optim_internal::PlacesOf;
 using optim_internal::PrimeMissingState;
-using optim_internal::RawState;
-using optim_internal::ReadRaw;
-using optim_internal::StateKey;
+using optim_internal::ReadParamState;
+using optim_internal::WriteOptions;
+using optim_internal::WriteParamState;
 
 // --- Gathering ---------------------------------------------------------------
 
-// One parameter's optimizer state as this rank holds it, elementwise
-// tensors split from the rest.
-struct LocalState {
-  std::map<std::string, at::Tensor> elementwise;  // Shaped like the local parameter.
-  std::map<std::string, c10::IValue> values;
-};
-using LocalStates = std::unordered_map<const void*, LocalState>;  // By TensorImpl.
+using LocalStates = std::unordered_map<const void*, ParamState>;  // By TensorImpl.
 using FullTensors = std::unordered_map<const void*, std::map<std::string, at::Tensor>>;
 
 // The full elementwise tensors of the parameters of `handle` (sharded), one
@@ -48,14 +43,14 @@ using FullTensors = std::unordered_map<const void*, std::map<std::string, at::Te
 void GatherUnitState(const FlatParamHandle& handle, const LocalStates& locals, bool keep,
                      FullTensors& full) {
   const std::vector<FlatParamEntry>& entries = handle.entries();
-  auto local_of = [&](size_t i) -> const LocalState* {
+  auto local_of = [&](size_t i) -> const ParamState* {
     auto it = locals.find(entries[i].param.unsafeGetTensorImpl());
     return it == locals.end() ? nullptr : &it->second;
   };
   std::map<std::string, at::TensorOptions> keys;  // Dtype and device of each state key.
   std::set<std::string> frozen_keys;  // Held by a frozen parameter too.
   for (size_t i = 0; i < entries.size(); ++i) {
-    const LocalState* local = local_of(i);
+    const ParamState* local = local_of(i);
     if (local == nullptr) continue;
     for (const auto& [key, t] : local->elementwise) {
       keys.emplace(key, t.options());
@@ -67,14 +62,14 @@ void GatherUnitState(const FlatParamHandle& handle, const LocalStates& locals, b
                                                        : handle.trainable_shard_numel();
     at::Tensor flat = at::zeros({numel}, options);
     for (size_t i = 0; i < entries.size(); ++i) {
-      const LocalState* local = local_of(i);
+      const ParamState* local = local_of(i);
       if (local == nullptr || local->elementwise.count(key) == 0) continue;
       handle.ShardViewOf(flat, i).copy_(local->elementwise.at(key).reshape({-1}));
     }
     const at::Tensor gathered = handle.AllGatherShardLike(flat);
     if (!keep) continue;
     for (size_t i = 0; i < entries.size(); ++i) {
-      const LocalState* local = local_of(i);
+      const ParamState* local = local_of(i);
       if (local == nullptr || local->elementwise.count(key) == 0) continue;
       full[entries[i].param.unsafeGetTensorImpl()][key] = handle.FullViewOf(gathered, i).clone();
     }
@@ -93,19 +88,9 @@ absl::StatusOr<OptimStateDict> GatherOptimState(const torch::nn::Module& root,
   std::vector<const ParamPlace*> order;
   for (const auto& group : groups) {
     for (const ParamPlace* place : group) {
-      auto it = optimizer.state().find(StateKey(place->param));
-      if (it == optimizer.state().end()) continue;
-      RawState raw = ReadRaw([&](torch::serialize::OutputArchive& a) { it->second->serialize(a); });
-      LocalState local;
-      for (auto& [key, t] : raw.tensors) {
-        if (t.sizes() == place->param.sizes()) {
-          local.elementwise[key] = t;
-        } else {
-          local.values[key] = t;
-        }
-      }
-      for (auto& [key, v] : raw.values) local.values[key] = v;
-      locals[place->param.unsafeGetTensorImpl()] = std::move(local);
+      std::optional<ParamState> local = ReadParamState(optimizer, *place);
+      if (!local.has_value()) continue;
+      locals[place->param.unsafeGetTensorImpl()] = std::move(*local);
       order.push_back(place);
     }
   }
@@ -121,7 +106,7 @@ absl::StatusOr<OptimStateDict> GatherOptimState(const torch::nn::Module& root,
   OptimStateDict out;
   if (!keep) return out;
   for (const ParamPlace* place : order) {
-    const LocalState& local = locals.at(place->param.unsafeGetTensorImpl());
+    const ParamState& local = locals.at(place->param.unsafeGetTensorImpl());
     ParamOptimState state;
     state.values = local.values;
     auto gathered = full.find(place->param.unsafeGetTensorImpl());
@@ -152,42 +137,35 @@ absl::Status Load(const torch::nn::Module& root, const FullyShardedModel* model,
   for (const auto& group : groups) {
     for (const ParamPlace* place : group) by_fqn[place->fqn] = place;
   }
-  std::vector<std::string> problems;
+  LoadCheck check;
   if (dict.param_groups.size() != groups.size()) {
-    problems.push_back(absl::StrCat("the state has ", dict.param_groups.size(),
-                                    " parameter groups, the optimizer ", groups.size()));
+    check.Problem(absl::StrCat("the state has ", dict.param_groups.size(),
+                               " parameter groups, the optimizer ", groups.size()));
   } else {
     for (size_t g = 0; g < groups.size(); ++g) {
       std::vector<std::string> mine;
       for (const ParamPlace* place : groups[g]) mine.push_back(place->fqn);
       if (mine != dict.param_groups[g].params) {
-        problems.push_back(absl::StrCat("parameter group ", g, " holds [",
-                                        absl::StrJoin(dict.param_groups[g].params, ", "),
-                                        "] in the state but [", absl::StrJoin(mine, ", "),
-                                        "] in the optimizer"));
+        check.Problem(absl::StrCat(
+            "parameter group ", g, " holds [", absl::StrJoin(dict.param_groups[g].params, ", "),
+            "] in the state but [", absl::StrJoin(mine, ", "), "] in the optimizer"));
       }
     }
   }
   for (const auto& [fqn, state] : dict.state) {
     auto it = by_fqn.find(fqn);
     if (it == by_fqn.end()) {
-      problems.push_back(absl::StrCat("state for '", fqn,
-                                      "', which is not a parameter of the optimizer"));
+      check.Problem(absl::StrCat("state for ", LoadCheck::Quoted(fqn),
+                                 ", which is not a parameter of the optimizer"));
       continue;
     }
     for (const auto& [key, t] : state.tensors) {
-      if (t.sizes().vec() != it->second->full_shape) {
-        problems.push_back(absl::StrCat("'", fqn, "' state '", key, "' has shape [",
-                                        absl::StrJoin(t.sizes(), ", "), "], the parameter [",
-                                        absl::StrJoin(it->second->full_shape, ", "), "]"));
-      }
+      check.ShapeMatches(absl::StrCat(LoadCheck::Quoted(fqn), " state ", LoadCheck::Quoted(key)),
+                         t.sizes(), it->second->full_shape);
     }
   }
-  if (!problems.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        who, ": cannot load the optimizer state (nothing was changed): ",
-        absl::StrJoin(problems, "; ")));
-  }
+  FSDP_RETURN_IF_ERROR(
+      check.ToStatus(absl::StrCat(who, ": cannot load the optimizer state (nothing was changed)")));
 
   std::vector<const ParamPlace*> wanted;
   for (const auto& [fqn, state] : dict.state) wanted.push_back(by_fqn.at(fqn));
@@ -195,28 +173,18 @@ absl::Status Load(const torch::nn::Module& root, const FullyShardedModel* model,
 
   for (const auto& [fqn, state] : dict.state) {
     const ParamPlace* place = by_fqn.at(fqn);
-    RawState raw;
+    ParamState local;
     for (const auto& [key, t] : state.tensors) {
-      at::Tensor local = place->sharded
-                             ? t.reshape({-1}).narrow(0, place->lo, place->hi - place->lo)
-                             : t.view(place->param.sizes());
-      raw.tensors.emplace_back(key, local.clone().to(place->param.device()));
+      local.elementwise[key] = t.reshape({-1})
+                                   .narrow(0, place->lo, place->hi - place->lo)
+                                   .clone()
+                                   .to(place->param.device());
     }
-    for (const auto& [key, v] : state.values) raw.values.emplace_back(key, v);
-    torch::serialize::InputArchive in = ArchiveOf(raw);
-    optimizer.state().at(StateKey(place->param))->serialize(in);
+    local.values = state.values;
+    WriteParamState(optimizer, *place, local);
   }
   for (size_t g = 0; g < groups.size(); ++g) {
-    RawState raw;
-    for (const auto& [key, v] : dict.param_groups[g].options) {
-      if (v.isTensor()) {
-        raw.tensors.emplace_back(key, v.toTensor());
-      } else {
-        raw.values.emplace_back(key, v);
-      }
-    }
-    torch::serialize::InputArchive in = ArchiveOf(raw);
-    optimizer.param_groups()[g].options().serialize(in);
+    WriteOptions(optimizer.param_groups()[g].options(), dict.param_groups[g].options);
   }
   return absl::OkStatus();
 }

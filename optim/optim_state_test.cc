@@ -199,7 +199,7 @@ TEST(OptimState, BadStateIsRefusedAndTheOptimizerUntouched) {
     const std::string message(loaded.message());
     EXPECT_THAT(message, HasSubstr("nothing was changed"));
     EXPECT_THAT(message, HasSubstr("'blocks.0.fc.weight' state 'exp_avg' has shape [3], the "
-                                   "parameter [13, 7]"));
+                                   "model's is [13, 7]"));
     EXPECT_THAT(message, HasSubstr("state for 'nope.weight', which is not a parameter"));
     EXPECT_THAT(message, HasSubstr("parameter group 0 holds"));
 

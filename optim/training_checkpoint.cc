@@ -1,5 +1,7 @@
 #include "optim/training_checkpoint.h"
 
+#include <map>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -12,15 +14,15 @@
 namespace fsdp {
 namespace {
 
-using optim_internal::ArchiveOf;
 using optim_internal::GroupsOf;
 using optim_internal::OptionsOf;
 using optim_internal::ParamPlace;
+using optim_internal::ParamState;
 using optim_internal::Places;
 using optim_internal::PlacesOf;
-using optim_internal::RawState;
-using optim_internal::ReadRaw;
-using optim_internal::StateKey;
+using optim_internal::ReadParamState;
+using optim_internal::WriteOptions;
+using optim_internal::WriteParamState;
 
 // A replicated checkpoint tensor holding `value` (1-D).
 CheckpointTensor Replicated(std::string name, at::Tensor value) {
@@ -70,7 +72,7 @@ struct Entry {
   size_t group = 0;
   std::string key;
   bool elementwise = false;
-  c10::IValue like;  // The current value (kind and shape); a tensor for elementwise.
+  c10::IValue like;   // The current value (kind and shape), for Decode.
   size_t tensor = 0;  // Index into the checkpoint tensors.
 };
 
@@ -90,32 +92,25 @@ absl::StatusOr<OptimizerTensors> OptimizerCheckpointTensors(
       const ParamPlace* place = groups[g][i];
       out.tensors.push_back(Replicated(absl::StrCat("optim/group/", g, "/param/", place->fqn),
                                        at::full({1}, static_cast<int64_t>(i), at::kLong)));
-      auto it = optimizer.state().find(StateKey(place->param));
-      if (it == optimizer.state().end()) {
+      std::optional<ParamState> state = ReadParamState(optimizer, *place);
+      if (!state.has_value()) {
         return absl::FailedPreconditionError(absl::StrCat(
             "parameter '", place->fqn, "' has no optimizer state yet; save a training "
             "checkpoint after the first optimizer step"));
       }
-      RawState raw = ReadRaw([&](torch::serialize::OutputArchive& a) { it->second->serialize(a); });
-      for (const auto& [key, t] : raw.tensors) {
-        Entry e{place, g, key, t.sizes() == place->param.sizes(), c10::IValue(t), out.tensors.size()};
-        const std::string name = absl::StrCat("optim/state/", place->fqn, "/", key);
-        if (e.elementwise) {
-          CheckpointTensor c;
-          c.fqn = name;
-          c.shape = place->full_shape;
-          c.dtype = t.scalar_type();
-          c.sharded = place->sharded;
-          c.lo = place->lo;
-          c.hi = place->hi;
-          c.local = fresh ? at::empty({place->hi - place->lo}, t.options()) : t.reshape({-1});
-          out.tensors.push_back(std::move(c));
-        } else {
-          out.tensors.push_back(Replicated(name, fresh ? at::empty_like(t) : t));
-        }
-        out.entries.push_back(std::move(e));
+      for (const auto& [key, t] : state->elementwise) {
+        out.entries.push_back(Entry{place, g, key, true, c10::IValue(t), out.tensors.size()});
+        CheckpointTensor c;
+        c.fqn = absl::StrCat("optim/state/", place->fqn, "/", key);
+        c.shape = place->full_shape;
+        c.dtype = t.scalar_type();
+        c.sharded = place->sharded;
+        c.lo = place->lo;
+        c.hi = place->hi;
+        c.local = fresh ? at::empty({place->hi - place->lo}, t.options()) : t.reshape({-1});
+        out.tensors.push_back(std::move(c));
       }
-      for (const auto& [key, v] : raw.values) {
+      for (const auto& [key, v] : state->values) {
         const std::string name = absl::StrCat("optim/state/", place->fqn, "/", key);
         FSDP_ASSIGN_OR_RETURN(at::Tensor encoded, Encode(name, v));
         out.entries.push_back(Entry{place, g, key, false, v, out.tensors.size()});
@@ -176,29 +171,21 @@ absl::Status LoadTrainingCheckpoint(FullyShardedModel& model, torch::optim::Opti
       return loaded;
     }
     // Every rank read everything: write the optimizer's values.
-    std::map<const ParamPlace*, RawState> states;
-    std::map<size_t, RawState> options;
+    std::map<const ParamPlace*, ParamState> states;
+    std::map<size_t, std::map<std::string, c10::IValue>> options;
     for (const Entry& e : optim->entries) {
       const at::Tensor& value = tensors[first_optim + e.tensor].local;
-      RawState& raw = e.place != nullptr ? states[e.place] : options[e.group];
-      if (e.elementwise) {
-        raw.tensors.emplace_back(e.key, value.view(e.place->param.sizes()));
+      if (e.place == nullptr) {
+        options[e.group][e.key] = Decode(e.like, value);
+      } else if (e.elementwise) {
+        states[e.place].elementwise[e.key] = value;
       } else {
-        const c10::IValue decoded = Decode(e.like, value);
-        if (decoded.isTensor()) {
-          raw.tensors.emplace_back(e.key, decoded.toTensor());
-        } else {
-          raw.values.emplace_back(e.key, decoded);
-        }
+        states[e.place].values[e.key] = Decode(e.like, value);
       }
     }
-    for (auto& [place, raw] : states) {
-      torch::serialize::InputArchive in = ArchiveOf(raw);
-      optimizer.state().at(StateKey(place->param))->serialize(in);
-    }
-    for (auto& [g, raw] : options) {
-      torch::serialize::InputArchive in = ArchiveOf(raw);
-      optimizer.param_groups()[g].options().serialize(in);
+    for (const auto& [place, state] : states) WriteParamState(optimizer, *place, state);
+    for (const auto& [g, values] : options) {
+      WriteOptions(optimizer.param_groups()[g].options(), values);
     }
     return absl::OkStatus();
   } catch (...) {

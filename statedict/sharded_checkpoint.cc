@@ -28,6 +28,7 @@
 #include "statedict/atomic_file.h"
 #include "statedict/checkpoint_manifest.pb.h"
 #include "statedict/crc32.h"
+#include "statedict/load_check.h"
 #include "statedict/model_tensors.h"
 
 namespace fsdp {
@@ -227,41 +228,33 @@ class ShardReader {
   int64_t bytes_read_ = 0;
 };
 
-// Checks the manifest against the model and reads what this rank needs into
-// `staging` (one tensor per model tensor, elements [lo, hi)).
-absl::Status ReadLocalState(const std::string& dir, const checkpoint::CheckpointManifest& manifest,
-                            const std::vector<CheckpointTensor>& tensors,
-                            const std::vector<std::string>& ignore_prefixes,
-                            std::vector<at::Tensor>& staging, ShardedLoadStats& stats) {
+// The manifest's entry for each of the model's tensors, once the manifest
+// is checked against them.
+absl::StatusOr<std::vector<const checkpoint::TensorEntry*>> MatchManifest(
+    const std::string& dir, const checkpoint::CheckpointManifest& manifest,
+    const std::vector<CheckpointTensor>& tensors,
+    const std::vector<std::string>& ignore_prefixes) {
   std::unordered_map<std::string, const checkpoint::TensorEntry*> by_name;
   for (const auto& entry : manifest.tensors()) {
     by_name[entry.fqn()] = &entry;
     for (const auto& alias : entry.aliases()) by_name[alias] = &entry;
   }
-  std::vector<std::string> problems;
+  LoadCheck check;
   std::set<const checkpoint::TensorEntry*> used;
   std::vector<const checkpoint::TensorEntry*> entries(tensors.size(), nullptr);
-  std::vector<std::string> missing;
   for (size_t k = 0; k < tensors.size(); ++k) {
     const CheckpointTensor& t = tensors[k];
     auto it = by_name.find(t.fqn);
     if (it == by_name.end()) {
-      missing.push_back(t.fqn);
+      check.Missing(t.fqn);
       continue;
     }
     const checkpoint::TensorEntry& e = *it->second;
     used.insert(&e);
+    const std::string subject = LoadCheck::Quoted(t.fqn);
     const std::vector<int64_t> shape(e.shape().begin(), e.shape().end());
-    if (shape != t.shape) {
-      problems.push_back(absl::StrCat("'", t.fqn, "' has shape [", absl::StrJoin(shape, ", "),
-                                      "] in the checkpoint, the model's is [",
-                                      absl::StrJoin(t.shape, ", "), "]"));
-      continue;
-    }
-    if (e.dtype() != c10::toString(t.dtype)) {
-      problems.push_back(absl::StrCat("'", t.fqn, "' has dtype ", e.dtype(),
-                                      " in the checkpoint, the model's is ",
-                                      c10::toString(t.dtype)));
+    if (!check.ShapeMatches(subject, shape, t.shape) ||
+        !check.DtypeMatches(subject, e.dtype(), c10::toString(t.dtype))) {
       continue;
     }
     // The pieces must tile [0, numel).
@@ -277,31 +270,32 @@ absl::Status ReadLocalState(const std::string& dir, const checkpoint::Checkpoint
       covered = offset + length;
     }
     if (!tiles || covered != numel) {
-      problems.push_back(absl::StrCat("the manifest's pieces of '", t.fqn,
-                                      "' do not cover its ", numel, " elements exactly"));
+      check.Problem(absl::StrCat("the manifest's pieces of ", subject, " do not cover its ", numel,
+                                 " elements exactly"));
       continue;
     }
     entries[k] = &e;
   }
-  if (!missing.empty()) {
-    problems.push_back(absl::StrCat("missing from the checkpoint: ", absl::StrJoin(missing, ", ")));
-  }
-  std::vector<std::string> unexpected;
   for (const auto& entry : manifest.tensors()) {
     bool ignored = false;
     for (const std::string& prefix : ignore_prefixes) {
       ignored = ignored || absl::StartsWith(entry.fqn(), prefix);
     }
-    if (used.count(&entry) == 0 && !ignored) unexpected.push_back(entry.fqn());
+    if (used.count(&entry) == 0 && !ignored) check.NotInModel(entry.fqn());
   }
-  if (!unexpected.empty()) {
-    problems.push_back(absl::StrCat("not in the model: ", absl::StrJoin(unexpected, ", ")));
-  }
-  if (!problems.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the checkpoint in '", dir, "' does not fit this model: ", absl::StrJoin(problems, "; ")));
-  }
+  FSDP_RETURN_IF_ERROR(
+      check.ToStatus(absl::StrCat("the checkpoint in '", dir, "' does not fit this model")));
+  return entries;
+}
 
+// Checks the manifest against the model and reads what this rank needs into
+// `staging` (one tensor per model tensor, elements [lo, hi)).
+absl::Status ReadLocalState(const std::string& dir, const checkpoint::CheckpointManifest& manifest,
+                            const std::vector<CheckpointTensor>& tensors,
+                            const std::vector<std::string>& ignore_prefixes,
+                            std::vector<at::Tensor>& staging, ShardedLoadStats& stats) {
+  FSDP_ASSIGN_OR_RETURN(const std::vector<const checkpoint::TensorEntry*> entries,
+                        MatchManifest(dir, manifest, tensors, ignore_prefixes));
   std::map<int, const checkpoint::ShardFile*> files;
   for (const auto& f : manifest.files()) files[f.rank()] = &f;
   std::map<int, std::unique_ptr<ShardReader>> readers;
@@ -355,6 +349,56 @@ absl::Status ReadLocalState(const std::string& dir, const checkpoint::Checkpoint
     }
   }
   for (const auto& [rank, reader] : readers) stats.bytes_read += reader->bytes_read();
+  return absl::OkStatus();
+}
+
+// Rank 0: the manifest of checkpoint `id` from every rank's report, written
+// last, so that a checkpoint with a manifest is complete.
+absl::Status WriteManifest(const std::string& dir, uint64_t id, int world,
+                           const std::vector<CheckpointTensor>& tensors,
+                           const CheckpointMetadata& metadata,
+                           const std::vector<std::string>& reports) {
+  checkpoint::CheckpointManifest manifest;
+  manifest.set_format(kFormat);
+  manifest.set_checkpoint_id(id);
+  manifest.set_world_size(world);
+  manifest.set_chunk_bytes(kChunkBytes);
+  manifest.mutable_metadata()->insert(metadata.begin(), metadata.end());
+  std::unordered_map<std::string, checkpoint::TensorEntry*> by_name;
+  for (const CheckpointTensor& t : tensors) {
+    checkpoint::TensorEntry* entry = manifest.add_tensors();
+    entry->set_fqn(t.fqn);
+    for (const auto& alias : t.aliases) entry->add_aliases(alias);
+    for (int64_t d : t.shape) entry->add_shape(d);
+    entry->set_dtype(c10::toString(t.dtype));
+    by_name[t.fqn] = entry;
+  }
+  std::vector<std::string> errors;
+  for (int r = 0; r < world; ++r) {
+    checkpoint::RankReport theirs;
+    if (!theirs.ParseFromString(reports[r])) {
+      errors.push_back(absl::StrCat("rank ", r, " sent an unreadable report"));
+      continue;
+    }
+    if (!theirs.error().empty()) {
+      errors.push_back(absl::StrCat("rank ", r, ": ", theirs.error()));
+      continue;
+    }
+    *manifest.add_files() = theirs.file();
+    for (const auto& t : theirs.tensors()) {
+      auto it = by_name.find(t.fqn());
+      if (it == by_name.end()) {
+        errors.push_back(absl::StrCat("rank ", r, " wrote '", t.fqn(),
+                                      "', which rank 0's model does not have"));
+        continue;
+      }
+      for (const auto& p : t.pieces()) *it->second->add_pieces() = p;
+    }
+  }
+  if (!errors.empty()) return absl::InternalError(absl::StrJoin(errors, "; "));
+  const std::string bytes = ManifestFileBytes(manifest);
+  FSDP_RETURN_IF_ERROR(WriteFileAtomically(dir + "/" + kManifest, bytes.data(), bytes.size()));
+  RemoveStaleShardFiles(dir, manifest);
   return absl::OkStatus();
 }
 
@@ -453,53 +497,8 @@ absl::Status SaveCheckpointTensors(Collectives& group, const std::string& dir,
     }
     const std::vector<std::string> reports = AllGatherBytes(group, report.SerializeAsString());
 
-    absl::Status manifest_status;
-    if (rank == 0) {
-      checkpoint::CheckpointManifest manifest;
-      manifest.set_format(kFormat);
-      manifest.set_checkpoint_id(id);
-      manifest.set_world_size(world);
-      manifest.set_chunk_bytes(kChunkBytes);
-      manifest.mutable_metadata()->insert(metadata.begin(), metadata.end());
-      std::unordered_map<std::string, checkpoint::TensorEntry*> by_name;
-      for (const CheckpointTensor& t : tensors) {
-        checkpoint::TensorEntry* entry = manifest.add_tensors();
-        entry->set_fqn(t.fqn);
-        for (const auto& alias : t.aliases) entry->add_aliases(alias);
-        for (int64_t d : t.shape) entry->add_shape(d);
-        entry->set_dtype(c10::toString(t.dtype));
-        by_name[t.fqn] = entry;
-      }
-      std::vector<std::string> errors;
-      for (int r = 0; r < world; ++r) {
-        checkpoint::RankReport theirs;
-        if (!theirs.ParseFromString(reports[r])) {
-          errors.push_back(absl::StrCat("rank ", r, " sent an unreadable report"));
-          continue;
-        }
-        if (!theirs.error().empty()) {
-          errors.push_back(absl::StrCat("rank ", r, ": ", theirs.error()));
-          continue;
-        }
-        *manifest.add_files() = theirs.file();
-        for (const auto& t : theirs.tensors()) {
-          auto it = by_name.find(t.fqn());
-          if (it == by_name.end()) {
-            errors.push_back(absl::StrCat("rank ", r, " wrote '", t.fqn(),
-                                          "', which rank 0's model does not have"));
-            continue;
-          }
-          for (const auto& p : t.pieces()) *it->second->add_pieces() = p;
-        }
-      }
-      if (errors.empty()) {
-        const std::string bytes = ManifestFileBytes(manifest);
-        manifest_status = WriteFileAtomically(dir + "/" + kManifest, bytes.data(), bytes.size());
-        if (manifest_status.ok()) RemoveStaleShardFiles(dir, manifest);
-      } else {
-        manifest_status = absl::InternalError(absl::StrJoin(errors, "; "));
-      }
-    }
+    const absl::Status manifest_status =
+        rank == 0 ? WriteManifest(dir, id, world, tensors, metadata, reports) : absl::OkStatus();
     // Everyone learns whether the checkpoint landed.
     const std::vector<int> failed = FailedRanks(group, rank == 0 && !manifest_status.ok());
     if (failed.empty()) return absl::OkStatus();

@@ -13,6 +13,7 @@
 #include "base/status.h"
 #include "c10/core/GradMode.h"
 #include "comm/collectives.h"
+#include "statedict/load_check.h"
 #include "statedict/model_tensors.h"
 
 namespace fsdp {
@@ -22,74 +23,54 @@ using statedict_internal::NamedTensors;
 using statedict_internal::Placements;
 using statedict_internal::PlacementsOf;
 
-std::string ShapeString(at::IntArrayRef shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
-
 // Checks `state` against the module's tensors (`expected`, with the shape
 // and dtype each key must have) and returns, per expected key, the tensor
-// to load; every problem is listed in one error.
+// to load.
 absl::StatusOr<std::vector<at::Tensor>> MatchStateDict(
     const std::string& who, const StateDict& expected,
     const std::vector<std::vector<int64_t>>& shapes, const StateDict& state) {
   std::unordered_map<std::string, const at::Tensor*> given;
-  std::vector<std::string> problems;
+  LoadCheck check;
   for (const auto& [name, tensor] : state) {
     if (!given.emplace(name, &tensor).second) {
-      problems.push_back(absl::StrCat("'", name, "' appears twice"));
+      check.Problem(absl::StrCat(LoadCheck::Quoted(name), " appears twice"));
     }
   }
   std::vector<at::Tensor> values(expected.size());
   std::unordered_map<const void*, size_t> first_name;  // Tied tensors: the first key.
-  std::vector<std::string> missing;
   for (size_t k = 0; k < expected.size(); ++k) {
     const auto& [name, target] = expected[k];
     auto it = given.find(name);
     if (it == given.end()) {
-      missing.push_back(name);
+      check.Missing(name);
       continue;
     }
     const at::Tensor& value = *it->second;
     given.erase(it);
+    const std::string subject = LoadCheck::Quoted(name);
     if (!value.defined()) {
-      problems.push_back(absl::StrCat("'", name, "' is an undefined tensor"));
+      check.Problem(absl::StrCat(subject, " is an undefined tensor"));
       continue;
     }
-    if (value.sizes() != at::IntArrayRef(shapes[k])) {
-      problems.push_back(absl::StrCat("'", name, "' has shape ", ShapeString(value.sizes()),
-                                      ", the model's is ", ShapeString(shapes[k])));
-      continue;
-    }
-    if (value.scalar_type() != target.scalar_type()) {
-      problems.push_back(absl::StrCat("'", name, "' has dtype ",
-                                      c10::toString(value.scalar_type()), ", the model's is ",
-                                      c10::toString(target.scalar_type())));
+    if (!check.ShapeMatches(subject, value.sizes(), shapes[k]) ||
+        !check.DtypeMatches(subject, value.scalar_type(), target.scalar_type())) {
       continue;
     }
     values[k] = value;
     auto tied = first_name.emplace(target.unsafeGetTensorImpl(), k);
     if (!tied.second && values[tied.first->second].defined() &&
         !at::equal(values[tied.first->second].cpu(), value.cpu())) {
-      problems.push_back(absl::StrCat("'", name, "' and '", expected[tied.first->second].first,
-                                      "' are one tied tensor in the model but differ in the "
-                                      "state dict"));
+      check.Problem(absl::StrCat(subject, " and ",
+                                 LoadCheck::Quoted(expected[tied.first->second].first),
+                                 " are one tied tensor in the model but differ in the state "
+                                 "dict"));
     }
   }
-  if (!missing.empty()) {
-    problems.push_back(absl::StrCat("missing keys: ", absl::StrJoin(missing, ", ")));
+  for (const auto& [name, tensor] : state) {
+    if (given.count(name) != 0) check.NotInModel(name);
   }
-  if (!given.empty()) {
-    std::vector<std::string> unexpected;
-    for (const auto& [name, tensor] : state) {
-      if (given.count(name) != 0) unexpected.push_back(name);
-    }
-    problems.push_back(absl::StrCat("unexpected keys: ", absl::StrJoin(unexpected, ", ")));
-  }
-  if (!problems.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(who, ": cannot load the state dict (nothing "
-                                                   "was changed): ",
-                                                   absl::StrJoin(problems, "; ")));
-  }
+  FSDP_RETURN_IF_ERROR(
+      check.ToStatus(absl::StrCat(who, ": cannot load the state dict (nothing was changed)")));
   return values;
 }
 
@@ -259,7 +240,7 @@ absl::Status LoadLocalStateDict(FullyShardedModel& model, const StateDict& state
       absl::StrCat("rank ", model.group().rank(), " of ", model.group().world_size());
   std::unordered_map<std::string, const at::Tensor*> given;
   for (const auto& [name, tensor] : state) given[name] = &tensor;
-  std::vector<std::string> problems;
+  LoadCheck check;
   std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (target, source)
   for (const auto& unit : model.units()) {
     const FlatParamHandle* handle = unit->handle();
@@ -268,53 +249,51 @@ absl::Status LoadLocalStateDict(FullyShardedModel& model, const StateDict& state
     auto flat = given.find(key);
     auto layout = given.find(key + "_layout");
     if (flat == given.end() || layout == given.end()) {
-      problems.push_back(absl::StrCat("missing '", key, "' or its layout"));
+      if (flat == given.end()) check.Missing(key);
+      if (layout == given.end()) check.Missing(key + "_layout");
       continue;
     }
     const at::Tensor mine = LocalLayout(model, *handle);
     const at::Tensor& theirs = *layout->second;
+    const at::Tensor& shard = *flat->second;
+    given.erase(flat);
+    given.erase(layout);
     if (!theirs.defined() || theirs.scalar_type() != at::kLong || !at::equal(theirs, mine)) {
-      problems.push_back(absl::StrCat(
-          "'", key, "' was saved as ",
+      check.Problem(absl::StrCat(
+          LoadCheck::Quoted(key), " was saved as ",
           theirs.defined() ? DescribeLayout(theirs) : std::string("nothing"), ", but here it is ",
           DescribeLayout(mine),
           "; a LOCAL state dict loads only into the same layout (use FULL or a SHARDED "
           "checkpoint to change the world size or wrapping)"));
       continue;
     }
-    const at::Tensor& shard = *flat->second;
-    if (shard.sizes() != handle->local_shard().sizes() ||
-        shard.scalar_type() != handle->local_shard().scalar_type()) {
-      problems.push_back(absl::StrCat("'", key, "' does not match its layout"));
-      continue;
+    const std::string subject = LoadCheck::Quoted(key);
+    if (check.ShapeMatches(subject, shard.sizes(), handle->local_shard().sizes()) &&
+        check.DtypeMatches(subject, shard.scalar_type(), handle->local_shard().scalar_type())) {
+      copies.emplace_back(handle->local_shard(), shard);
     }
-    given.erase(flat);
-    given.erase(given.find(key + "_layout"));
-    copies.emplace_back(handle->local_shard(), shard);
   }
   const Placements placements = PlacementsOf(model);
   for (const auto& [name, tensor] : NamedTensors(model.units().front()->module())) {
     if (placements.count(tensor.unsafeGetTensorImpl()) != 0) continue;
     auto it = given.find(name);
     if (it == given.end()) {
-      problems.push_back(absl::StrCat("missing '", name, "'"));
-    } else if (it->second->sizes() != tensor.sizes() ||
-               it->second->scalar_type() != tensor.scalar_type()) {
-      problems.push_back(absl::StrCat("'", name, "' has another shape or dtype"));
-      given.erase(it);
-    } else {
-      copies.emplace_back(tensor, *it->second);
-      given.erase(it);
+      check.Missing(name);
+      continue;
+    }
+    const at::Tensor& value = *it->second;
+    given.erase(it);
+    const std::string subject = LoadCheck::Quoted(name);
+    if (check.ShapeMatches(subject, value.sizes(), tensor.sizes()) &&
+        check.DtypeMatches(subject, value.scalar_type(), tensor.scalar_type())) {
+      copies.emplace_back(tensor, value);
     }
   }
   for (const auto& [name, tensor] : state) {
-    if (given.count(name) != 0) problems.push_back(absl::StrCat("unexpected '", name, "'"));
+    if (given.count(name) != 0) check.NotInModel(name);
   }
-  if (!problems.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        who, ": cannot load the LOCAL state dict (nothing was changed): ",
-        absl::StrJoin(problems, "; ")));
-  }
+  FSDP_RETURN_IF_ERROR(check.ToStatus(
+      absl::StrCat(who, ": cannot load the LOCAL state dict (nothing was changed)")));
   at::NoGradGuard no_grad;
   for (auto& [target, source] : copies) target.copy_(source);
   return absl::OkStatus();

@@ -218,8 +218,8 @@ TEST(FullStateDictLoad, EveryProblemIsListedAndTheModelIsUntouched) {
                                                 "state dict (nothing was changed)")));
     EXPECT_THAT(message, HasSubstr("'blocks.1.fc.weight' has shape [3, 3], the model's is [11, 13]"));
     EXPECT_THAT(message, HasSubstr("'blocks.1.fc.bias' has dtype Double, the model's is Float"));
-    EXPECT_THAT(message, HasSubstr("missing keys: blocks.0.fc.bias"));
-    EXPECT_THAT(message, HasSubstr("unexpected keys: extra.weight"));
+    EXPECT_THAT(message, HasSubstr("missing: blocks.0.fc.bias"));
+    EXPECT_THAT(message, HasSubstr("not in the model: extra.weight"));
     const std::vector<at::Tensor> after = Shards(**wrapped);
     for (size_t i = 0; i < before.size(); ++i) {
       EXPECT_TRUE(at::equal(before[i], after[i])) << "unit " << i << " changed";
