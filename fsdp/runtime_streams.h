@@ -26,33 +26,11 @@
 #include <deque>
 #include <memory>
 
+#include "base/device_event.h"
 #include "c10/core/Device.h"
-#include "c10/core/Event.h"
 #include "c10/core/Stream.h"
 
 namespace fsdp {
-
-// Whether work on `type` runs asynchronously on streams with events.
-bool DeviceHasStreams(c10::DeviceType type);
-
-// An event recorded on a stream, or nothing to wait for (host-synchronous
-// devices). Move-only.
-class DeviceEvent {
- public:
-  DeviceEvent() = default;  // Complete.
-  // Records the work issued on `stream` so far.
-  static DeviceEvent RecordOn(const c10::Stream& stream);
-
-  bool Query() const;
-  // Makes work issued on `stream` from now on wait for the event (no host
-  // wait).
-  void BlockStream(const c10::Stream& stream) const;
-  // Waits on the host until the event has completed.
-  void Synchronize() const;
-
- private:
-  std::unique_ptr<c10::Event> event_;
-};
 
 class RuntimeStreams {
  public:

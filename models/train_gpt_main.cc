@@ -31,6 +31,11 @@
 #include <vector>
 
 #include "ATen/ATen.h"
+#if __has_include("ATen/DeviceAccelerator.h")
+#include "ATen/DeviceAccelerator.h"
+#endif
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
@@ -41,6 +46,7 @@
 #include "comm/launch_environment.h"
 #include "comm/local_launcher.h"
 #include "comm/rendezvous.h"
+#include "comm/staged_collectives.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/trace.h"
 #include "fsdp/utilities.h"
@@ -51,6 +57,11 @@
 #include "policies/registry.h"
 #include "statedict/state_dict.h"
 #include "statedict/torch_file.h"
+#ifdef FSDP_WITH_NCCL
+#include "comm/nccl_collectives.h"
+#endif
+#include "torch/cuda.h"
+#include "torch/version.h"
 #include "torch/optim/adamw.h"
 #include "torch/optim/sgd.h"
 
@@ -161,6 +172,15 @@ ABSL_FLAG(bool, check_collective_headers, true,
           "Before every collective, check that every rank issues the same one (GlooOptions::"
           "check_collective_headers): a mismatch is an error naming both sides instead of a "
           "crash inside Gloo or silently mixed data; costs one small all-to-all each.");
+ABSL_FLAG(std::string, device, "cpu",
+          "Where each rank computes: cpu; cuda (rank r on GPU LOCAL_RANK % GPUs); or cuda:N "
+          "(every rank on GPU N). The model is built on the host and its units moved there "
+          "as they are sharded (FsdpOptions::device_id).");
+ABSL_FLAG(std::string, collectives, "auto",
+          "How ranks communicate: gloo (host tensors; --device=cpu), nccl (one GPU per rank; "
+          "CUDA builds), staged (device tensors through host buffers over Gloo: ranks may "
+          "share a GPU, comm/staged_collectives.h), or auto: gloo on the CPU, nccl when every "
+          "rank of this host has a GPU of its own and this build has NCCL, else staged.");
 ABSL_FLAG(int, verify_collectives_every, 0,
           "Every this many steps, compare every rank's collective fingerprints through the "
           "store (FsdpOptions::verify_collectives_every); 0: never.");
@@ -202,7 +222,24 @@ struct RankReport {
   int64_t shard_param_bytes = 0, unsharded_param_bytes = 0;
   int64_t gradient_bytes = 0;  // Measured after the last backward.
   int64_t optimizer_state_bytes = 0, unsharded_optimizer_state_bytes = 0;
+  // The caching allocator's peak on the rank's GPU; none on the host.
+  std::optional<int64_t> peak_device_bytes;
+  std::string device;
 };
+
+// The device caching allocator's peak of allocated bytes on `device`; none
+// on the host, or with a libtorch older than 2.10 (no device-generic stats).
+std::optional<int64_t> PeakDeviceBytes(const c10::Device& device) {
+  if (device.is_cpu()) return std::nullopt;
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 10)
+  const auto stats = at::accelerator::getDeviceStats(device.index());
+  return stats.allocated_bytes[static_cast<size_t>(
+                                   c10::CachingDeviceAllocator::StatType::AGGREGATE)]
+      .peak;
+#else
+  return std::nullopt;
+#endif
+}
 
 int64_t LocalGradientBytes(torch::nn::Module& model) {
   int64_t bytes = 0;
@@ -233,10 +270,14 @@ void PrintRankReport(int rank, const RankReport& r, const fsdp::CollectiveCounte
   getrusage(RUSAGE_SELF, &usage);
   constexpr double kMiB = 1048576.0;
   const std::string line = absl::StrFormat(
-      "rank %d: peak RSS %.1f MiB; held / unsharded: parameters %.2f / %.2f MiB, gradients "
+      "rank %d: peak RSS %.1f MiB%s; held / unsharded: parameters %.2f / %.2f MiB, gradients "
       "%.2f / %.2f MiB, optimizer state %.2f / %.2f MiB; all-gathered %.1f MiB in %d calls, "
       "reduce-scattered %.1f MiB in %d calls, all-reduced %.1f MiB in %d calls\n",
-      rank, usage.ru_maxrss / 1024.0, r.shard_param_bytes / kMiB, r.unsharded_param_bytes / kMiB,
+      rank, usage.ru_maxrss / 1024.0,
+      r.peak_device_bytes ? absl::StrFormat(", peak %s memory %.1f MiB", r.device,
+                                            *r.peak_device_bytes / kMiB)
+                          : "",
+      r.shard_param_bytes / kMiB, r.unsharded_param_bytes / kMiB,
       r.gradient_bytes / kMiB, r.unsharded_param_bytes / kMiB, r.optimizer_state_bytes / kMiB,
       r.unsharded_optimizer_state_bytes / kMiB,
       c.Bytes(fsdp::CollectiveOp::kAllGather) / kMiB, c.Calls(fsdp::CollectiveOp::kAllGather),
@@ -593,12 +634,15 @@ struct StepResult {
 
 // One rank's training run on groups already formed: `world` carries the
 // data split and the loss; FSDP runs on hybrid's shard and replicate
-// groups under hybrid sharding (`hybrid` empty otherwise: the world).
+// groups under hybrid sharding (`hybrid` empty otherwise: the world). The
+// model is built on the host (the same on every rank and device) and
+// computes on `device`, where FsdpOptions::device_id moves its units.
 class TrainingRun {
  public:
   TrainingRun(fsdp::FsdpOptions options, const fsdp::WrapPolicy& policy, fsdp::Collectives& world,
-              fsdp::HybridShardCollectives& hybrid)
-      : world_(world),
+              fsdp::HybridShardCollectives& hybrid, c10::Device device)
+      : device_(device),
+        world_(world),
         hybrid_(hybrid),
         fsdp_group_(hybrid.shard ? *hybrid.shard : world),
         rank_(world.rank()),
@@ -721,7 +765,7 @@ class TrainingRun {
     if (rank_ == 0 && !absl::GetFlag(FLAGS_record_batches).empty()) {
       recorded_batches_.push_back(global_batch);
     }
-    at::Tensor batch = global_batch.narrow(0, rank_ * per_rank_, per_rank_);
+    at::Tensor batch = global_batch.narrow(0, rank_ * per_rank_, per_rank_).to(device_);
     at::Tensor loss = models::LanguageModelLoss(model_->forward(batch.narrow(1, 0, t)),
                                                 batch.narrow(1, 1, t));
     if (step == absl::GetFlag(FLAGS_TEST_nan_loss_at_step) && rank_ == world_size_ - 1) {
@@ -834,6 +878,8 @@ class TrainingRun {
   // The rank's memory and traffic report and the loss summary; the exit code.
   int Summarize() {
     report_.optimizer_state_bytes = LocalOptimizerStateBytes(*optimizer_);
+    report_.peak_device_bytes = PeakDeviceBytes(device_);
+    report_.device = device_.str();
     report_.unsharded_optimizer_state_bytes =
         report_.unsharded_param_bytes * (absl::GetFlag(FLAGS_optimizer) == "sgd" ? 1 : 2);
     // FSDP's traffic, whichever groups carried it.
@@ -858,6 +904,7 @@ class TrainingRun {
     return fell ? 0 : 1;
   }
 
+  const c10::Device device_;
   fsdp::Collectives& world_;
   fsdp::HybridShardCollectives& hybrid_;
   fsdp::Collectives& fsdp_group_;
@@ -883,44 +930,173 @@ class TrainingRun {
   int skipped_ = 0, skipped_in_a_row_ = 0;
 };
 
-int RunRank(const fsdp::LaunchEnvironment& env, fsdp::FsdpOptions options,
-            const fsdp::WrapPolicy& policy) {
+// Where this rank computes and how it talks: --device and --collectives
+// resolved for it. Checked once before any rank starts (ResolvePlacement
+// with the host's ranks), then per rank.
+struct Placement {
+  c10::Device device = c10::Device(c10::kCPU);
+  std::string collectives;  // gloo, nccl or staged.
+};
+
+constexpr bool kBuiltWithNccl =
+#ifdef FSDP_WITH_NCCL
+    true;
+#else
+    false;
+#endif
+
+absl::StatusOr<Placement> ResolvePlacement(int local_rank, int ranks_on_host) {
+  const std::string device_flag = absl::GetFlag(FLAGS_device);
+  const std::string wanted = absl::GetFlag(FLAGS_collectives);
+  Placement placement;
+  const bool cuda = absl::StartsWith(device_flag, "cuda");
+  if (device_flag != "cpu" && !cuda) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device=", device_flag, ": must be cpu, cuda or cuda:N"));
+  }
+  if (cuda) {
+    const int gpus = static_cast<int>(torch::cuda::device_count());
+    if (gpus == 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--device=", device_flag, ": no GPU is visible to this process, or this libtorch "
+          "was built without CUDA"));
+    }
+    int index = local_rank % gpus;
+    if (device_flag != "cuda") {
+      if (!absl::SimpleAtoi(device_flag.substr(5), &index) || device_flag[4] != ':' ||
+          index < 0 || index >= gpus) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--device=", device_flag, ": not a GPU of this host (", gpus, " visible: cuda:0..",
+            gpus - 1, ")"));
+      }
+    }
+    placement.device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
+    const bool own_gpu = device_flag == "cuda" ? ranks_on_host <= gpus : ranks_on_host == 1;
+    placement.collectives =
+        wanted != "auto" ? wanted : (kBuiltWithNccl && own_gpu ? "nccl" : "staged");
+  } else {
+    placement.collectives = wanted == "auto" ? "gloo" : wanted;
+  }
+  const std::string& chosen = placement.collectives;
+  if (chosen != "gloo" && chosen != "nccl" && chosen != "staged") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--collectives=", wanted, ": must be auto, gloo, nccl or staged"));
+  }
+  if (chosen == "gloo" && cuda) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--collectives=gloo carries host tensors only; with --device=", device_flag,
+        " use staged (or nccl)"));
+  }
+  if (chosen == "nccl" && !cuda) {
+    return absl::InvalidArgumentError("--collectives=nccl needs --device=cuda or cuda:N");
+  }
+  if (chosen == "nccl" && !kBuiltWithNccl) {
+    return absl::FailedPreconditionError(
+        "--collectives=nccl: this build has no NCCL (the CMake build with -DFSDP_CUDA=ON has "
+        "it); --collectives=staged works without");
+  }
+  return placement;
+}
+
+// The groups one rank trains on: the world (data split, loss) and, under
+// hybrid sharding, the shard and replicate groups FSDP runs on. Under
+// staged collectives, `host` holds the Gloo groups that carry them;
+// declared first, they are destroyed last.
+struct RankGroups {
+  std::vector<std::unique_ptr<fsdp::Collectives>> host;
+  std::unique_ptr<fsdp::Collectives> world;
+  fsdp::HybridShardCollectives hybrid;
+  std::string layout_note;
+};
+
+#ifdef FSDP_WITH_NCCL
+void ConnectNccl(const fsdp::LaunchEnvironment& env, const Placement& placement,
+                 fsdp::HybridShardLayout* layout, RankGroups& groups) {
+  fsdp::NcclOptions nccl;
+  nccl.timeout = std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout_s));
+  nccl.blocking_wait = true;  // A dead peer fails the job instead of hanging the device.
+  c10::intrusive_ptr<c10d::Store> store =
+      fsdp::ValueOrThrow(fsdp::ConnectRendezvousStore(env, nccl.timeout));
+  nccl.group_name = "world";
+  groups.world = fsdp::ValueOrThrow(fsdp::CreateNcclCollectives(
+      store, env.rank, env.world_size, placement.device.index(), nccl));
+  if (layout != nullptr) {
+    groups.hybrid = fsdp::ValueOrThrow(fsdp::CreateHybridShardCollectives(
+        env.rank, *layout, "world",
+        fsdp::NcclGroupConnector(store, placement.device.index(), nccl)));
+  }
+}
+#endif
+
+RankGroups ConnectGroups(const fsdp::LaunchEnvironment& env, const Placement& placement,
+                         bool hybrid) {
+  RankGroups groups;
+  auto note = [&](const fsdp::HybridShardLayout& layout) {
+    groups.layout_note = absl::StrFormat(" (%d shard groups of %d ranks)",
+                                         layout.num_shard_groups(), layout.shard_group_size());
+  };
+#ifdef FSDP_WITH_NCCL
+  if (placement.collectives == "nccl") {
+    std::optional<fsdp::HybridShardLayout> layout;
+    if (hybrid) {
+      const int size = absl::GetFlag(FLAGS_shard_group_size);
+      layout = fsdp::ValueOrThrow(fsdp::HybridShardLayout::Create(
+          env.world_size, size > 0 ? size : env.local_world_size));
+      note(*layout);
+    }
+    ConnectNccl(env, placement, layout ? &*layout : nullptr, groups);
+    return groups;
+  }
+#endif
   fsdp::GlooOptions gloo;
   gloo.timeout = std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout_s));
   // Under the launcher's 10 s grace after a rank fails: the others must
   // finish explaining the failure before they are killed.
   gloo.fingerprints.report_timeout = std::chrono::seconds(5);
   gloo.check_collective_headers = absl::GetFlag(FLAGS_check_collective_headers);
-  // The world group (data, loss) and the groups FSDP runs on: the world
-  // itself, or hybrid sharding's shard and replicate groups.
-  std::unique_ptr<fsdp::Collectives> comm;
-  fsdp::HybridShardCollectives hybrid;
-  std::string layout_note;
-  if (fsdp::IsHybrid(options.strategy)) {
-    fsdp::HybridGroupsFromEnvironment groups = fsdp::ValueOrThrow(
-        fsdp::CreateHybridGlooCollectivesFromEnvironment(env, absl::GetFlag(FLAGS_shard_group_size),
-                                                          gloo));
-    comm = std::move(groups.world);
-    hybrid = std::move(groups.hybrid);
-    options.replicate_group = hybrid.replicate.get();
-    layout_note = absl::StrFormat(" (%d shard groups of %d ranks)",
-                                  groups.layout.num_shard_groups(),
-                                  groups.layout.shard_group_size());
+  if (hybrid) {
+    fsdp::HybridGroupsFromEnvironment made = fsdp::ValueOrThrow(
+        fsdp::CreateHybridGlooCollectivesFromEnvironment(
+            env, absl::GetFlag(FLAGS_shard_group_size), gloo));
+    groups.world = std::move(made.world);
+    groups.hybrid = std::move(made.hybrid);
+    note(made.layout);
   } else {
-    comm = fsdp::ValueOrThrow(fsdp::CreateGlooCollectivesFromEnvironment(env, gloo));
+    groups.world = fsdp::ValueOrThrow(fsdp::CreateGlooCollectivesFromEnvironment(env, gloo));
   }
+  if (placement.collectives == "staged") {
+    for (std::unique_ptr<fsdp::Collectives>* group :
+         {&groups.world, &groups.hybrid.shard, &groups.hybrid.replicate}) {
+      if (*group == nullptr) continue;
+      groups.host.push_back(std::move(*group));
+      *group = fsdp::CreateStagedCollectives(*groups.host.back(), placement.device);
+    }
+  }
+  return groups;
+}
+
+int RunRank(const fsdp::LaunchEnvironment& env, fsdp::FsdpOptions options,
+            const fsdp::WrapPolicy& policy) {
+  const Placement placement =
+      fsdp::ValueOrThrow(ResolvePlacement(env.local_rank, env.local_world_size));
+  RankGroups groups = ConnectGroups(env, placement, fsdp::IsHybrid(options.strategy));
+  options.replicate_group = groups.hybrid.replicate.get();
+  if (!placement.device.is_cpu()) options.device_id = placement.device;
   try {
-    return TrainingRun(options, policy, *comm, hybrid).Run(layout_note);
+    return TrainingRun(options, policy, *groups.world, groups.hybrid, placement.device)
+        .Run(groups.layout_note);
   } catch (...) {
     // The other ranks' collective errors then quote this one's reason.
     const std::string why(fsdp::StatusFromCurrentException().message());
-    for (fsdp::Collectives* group : {comm.get(), hybrid.shard.get(), hybrid.replicate.get()}) {
+    std::vector<fsdp::Collectives*> all = {groups.world.get(), groups.hybrid.shard.get(),
+                                           groups.hybrid.replicate.get()};
+    for (const auto& host : groups.host) all.push_back(host.get());
+    for (fsdp::Collectives* group : all) {
       if (group != nullptr) group->ReportStopped(why.substr(0, why.find('\n')));
     }
     throw;
   }
 }
-
 
 }  // namespace
 
@@ -978,6 +1154,13 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "train_gpt: %s\n", problem.c_str());
   }
   if (!problems.empty()) return 2;
+  if (absl::StatusOr<Placement> placement =
+          ResolvePlacement(launcher ? 0 : env->local_rank,
+                           launcher ? world_size : env->local_world_size);
+      !placement.ok()) {
+    std::fprintf(stderr, "train_gpt: %s\n", std::string(placement.status().message()).c_str());
+    return 2;
+  }
   if (launcher) {
     const unsigned cores = std::thread::hardware_concurrency();
     if (cores > 0 && static_cast<unsigned>(world_size) > 2 * cores) {
