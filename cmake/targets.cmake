@@ -375,7 +375,7 @@ endif()
 # //fsdp:trace
 add_library(fsdp_trace SHARED ${PROJECT_SOURCE_DIR}/fsdp/trace.cc ${PROJECT_SOURCE_DIR}/fsdp/trace.h)
 set_target_properties(fsdp_trace PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
-target_link_libraries(fsdp_trace PUBLIC third_party_absl_base third_party_absl_status)
+target_link_libraries(fsdp_trace PUBLIC third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(fsdp_trace PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS fsdp_trace EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/fsdp/trace.h DESTINATION include/fsdp)

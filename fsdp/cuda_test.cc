@@ -2,7 +2,9 @@
 // unwrapped model trained on the same device, with and without CPU offload
 // and with bf16 mixed precision; offload moves shards, gradients and
 // optimizer state off the device, measured with the caching allocator's
-// statistics; full parameters are freed after backward.
+// statistics; full parameters are freed after backward. And several ranks
+// (processes) sharing the GPU through staged collectives: the same model,
+// and exactly the collectives the same run on the host issues.
 //
 // Needs a GPU and a CUDA-enabled libtorch: built under --config=cuda (tag
 // manual, so //... never builds it) or by the CMake build against a pip
@@ -19,12 +21,14 @@
 #include "c10/cuda/CUDACachingAllocator.h"
 #include "c10/cuda/CUDAFunctions.h"
 #include "comm/nccl_collectives.h"
+#include "comm/staged_collectives.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
 #include "fsdp/unit_forward.h"
 #include "fsdp/utilities.h"
 #include "gtest/gtest.h"
+#include "testing/multi_rank.h"
 #include "torch/csrc/distributed/c10d/HashStore.hpp"
 #include "torch/nn/modules/container/sequential.h"
 #include "torch/nn/modules/linear.h"
@@ -33,10 +37,12 @@ namespace fsdp {
 namespace {
 
 using ::fsdp::testing::BlockImpl;
+using ::fsdp::testing::kGlobalBatch;
 using ::fsdp::testing::Inputs;
 using ::fsdp::testing::MakeOptimizer;
 using ::fsdp::testing::Net;
 using ::fsdp::testing::Optim;
+using ::fsdp::testing::RunOnProcessRanks;
 using ::fsdp::testing::Targets;
 
 constexpr int kSteps = 4;
@@ -232,6 +238,77 @@ TEST(CudaFsdp, Bf16MixedPrecisionTrainsCloseToFloat32) {
   FsdpOptions options;
   options.mixed_precision.param_dtype = DType::kBFloat16;
   ExpectClose(Train(&options), local, 5e-2);
+}
+
+// One rank of a run of W ranks on `device` (the GPU, or the host for the
+// reference count of collectives): its rows of each global batch, the
+// global loss, the full parameters at the end, and what its group carried.
+struct RankRun {
+  Trained trained;
+  CollectiveCounters counters;
+};
+
+RankRun TrainRank(Collectives& group, const FsdpOptions& options, c10::Device device) {
+  Net model;
+  FsdpOptions on_device = options;
+  if (device.is_cuda()) on_device.device_id = device;
+  auto wrapped =
+      FullyShardedModel::Wrap(model.ptr(), group, on_device, SelectModulesOfType<BlockImpl>())
+          .value();
+  auto optimizer = MakeOptimizer(Optim::kAdam, model->parameters());
+  const int64_t rows = kGlobalBatch / group.world_size();
+  RankRun run;
+  for (int step = 0; step < kSteps; ++step) {
+    const at::Tensor x = Inputs(step, 0).narrow(0, group.rank() * rows, rows).to(device);
+    const at::Tensor y = Targets(step, 0).narrow(0, group.rank() * rows, rows).to(device);
+    at::Tensor loss = at::mse_loss(model->forward(x).to(at::kFloat), y);
+    loss.backward();
+    optimizer->step();
+    optimizer->zero_grad();
+    at::Tensor global = loss.detach().clone();
+    group.AllReduce(global, ReduceOp::kAvg)->Wait();
+    run.trained.losses.push_back(global.item<float>());
+  }
+  run.counters = group.counters();
+  SummonFullParams full(*wrapped, SummonOptions{/*writeback=*/false});
+  for (const auto& item : model->named_parameters()) {
+    run.trained.params[item.key()] = item.value().detach().to(at::kCPU);
+  }
+  return run;
+}
+
+// NCCL refuses two ranks on one device; staged collectives carry them. At
+// W = 2 and 3, for each strategy and in bf16: the global losses and final
+// parameters of the unwrapped model trained on the whole batch on the GPU,
+// and the same collectives, call for call and byte for byte, as the same
+// ranks training on the host over Gloo directly.
+TEST(CudaFsdp, RanksSharingTheGpuMatchTheUnwrappedModel) {
+  const Trained local = Train(nullptr);
+  for (int world_size : {2, 3}) {
+    for (ShardingStrategy strategy : {ShardingStrategy::kFullShard,
+                                      ShardingStrategy::kShardGradOp,
+                                      ShardingStrategy::kNoShard}) {
+      for (bool bf16 : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << "W=" << world_size << " "
+                                          << ShardingStrategyName(strategy)
+                                          << (bf16 ? " bf16" : ""));
+        FsdpOptions options;
+        options.strategy = strategy;
+        if (bf16) options.mixed_precision.param_dtype = DType::kBFloat16;
+        absl::Status status = RunOnProcessRanks(world_size, [&](Collectives& host) {
+          const RankRun on_host = TrainRank(host, options, c10::Device(c10::kCPU));
+          std::unique_ptr<Collectives> staged = CreateStagedCollectives(host, kCuda);
+          const RankRun on_gpu = TrainRank(*staged, options, kCuda);
+          ExpectClose(on_gpu.trained, local, bf16 ? 5e-2 : 1e-5);
+          for (int op = 0; op < kNumCollectiveOps; ++op) {
+            EXPECT_EQ(on_gpu.counters.calls[op], on_host.counters.calls[op]) << "op " << op;
+            EXPECT_EQ(on_gpu.counters.bytes[op], on_host.counters.bytes[op]) << "op " << op;
+          }
+        });
+        EXPECT_TRUE(status.ok()) << status;
+      }
+    }
+  }
 }
 
 }  // namespace

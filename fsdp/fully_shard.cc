@@ -226,7 +226,7 @@ void FullyShardedModel::LazyInit() {
 
 void FullyShardedModel::PreForward(FsdpUnit& unit) {
   if (!initialized_) LazyInit();
-  if (options_.trace != nullptr) unit.forward_begin_us_ = options_.trace->NowUs();
+  unit.forward_span_ = TraceSpan(options_.trace, "forward", UnitName(unit.fqn_));
   FlatParamHandle* handle = unit.handle_.get();
   if (handle == nullptr) {
     SetModelState(ModelTrainingState::kForwardBackward);
@@ -290,9 +290,7 @@ void FullyShardedModel::HookGradientAccumulators(FsdpUnit& unit) {
 }
 
 void FullyShardedModel::PostForward(FsdpUnit& unit, const std::vector<at::Tensor>& outputs) {
-  if (options_.trace != nullptr) {
-    options_.trace->AddSpan("forward", UnitName(unit.fqn_), unit.forward_begin_us_, options_.trace->NowUs());
-  }
+  unit.forward_span_.End();
   if (!order_recorded_) {
     post_forward_order_.push_back(IndexOf(unit));
     if (unit.is_root_) RecordExecutionOrder();
@@ -335,7 +333,7 @@ void FullyShardedModel::PostForward(FsdpUnit& unit, const std::vector<at::Tensor
 void FullyShardedModel::PreBackward(FsdpUnit& unit) {
   if (unit.pre_backward_done_) return;
   unit.pre_backward_done_ = true;
-  if (options_.trace != nullptr) unit.backward_begin_us_ = options_.trace->NowUs();
+  unit.backward_span_ = TraceSpan(options_.trace, "backward", UnitName(unit.fqn_));
   if (!backward_callback_queued_) {
     backward_callback_queued_ = true;
     torch::autograd::Engine::get_default_engine().queue_callback([this] { FinishBackward(); });
@@ -360,10 +358,7 @@ void FullyShardedModel::PostBackward(FsdpUnit& unit) {
   scheduler_->Move(*handle, HandleTrainingState::kBackwardPre, HandleTrainingState::kBackwardPost);
   ReduceOrKeep(*handle);
   scheduler_->Reshard(*handle);
-  if (options_.trace != nullptr) {
-    options_.trace->AddSpan("backward", UnitName(unit.fqn_), unit.backward_begin_us_,
-                            options_.trace->NowUs());
-  }
+  unit.backward_span_.End();
   if (options_.backward_prefetch == BackwardPrefetch::kBackwardPost) {
     Prefetch(unit.backward_prefetch_);
   }
@@ -400,10 +395,7 @@ void FullyShardedModel::FinishBackward() {
         scheduler_->Move(*handle, HandleTrainingState::kBackwardPre,
                          HandleTrainingState::kBackwardPost);
         ReduceOrKeep(*handle);
-        if (options_.trace != nullptr) {
-          options_.trace->AddSpan("backward", UnitName(unit->fqn_), unit->backward_begin_us_,
-                                  options_.trace->NowUs());
-        }
+        unit->backward_span_.End();
       }
       scheduler_->DiscardPrefetch(*handle);  // A prefetch whose unit took no part.
       scheduler_->Reshard(*handle);

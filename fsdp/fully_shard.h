@@ -121,9 +121,10 @@ class FsdpUnit {
   // FullyShardedModel::units_, -1 for none) in forward and in backward.
   int forward_prefetch_ = -1;
   int backward_prefetch_ = -1;
-  // For the trace (FsdpOptions::trace): when forward and backward began.
-  int64_t forward_begin_us_ = 0;
-  int64_t backward_begin_us_ = 0;
+  // Forward and backward as trace spans and profiler ranges, open from the
+  // pre hook to the post hook.
+  TraceSpan forward_span_;
+  TraceSpan backward_span_;
   // Per backward pass.
   bool pre_backward_done_ = false;
   int gradients_ready_ = 0;

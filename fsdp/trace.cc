@@ -75,4 +75,39 @@ absl::Status TraceRecorder::WriteChromeTrace(const std::string& path) const {
   return absl::OkStatus();
 }
 
+TraceSpan::TraceSpan(TraceRecorder* recorder, const char* name, const std::string& unit)
+    : recorder_(recorder), name_(name), unit_(unit),
+      begin_us_(recorder != nullptr ? recorder->NowUs() : 0) {
+  if (!at::hasCallbacks()) return;
+  auto range = std::make_unique<at::RecordFunction>(at::RecordScope::USER_SCOPE);
+  if (!range->isActive()) return;
+  range->before(absl::StrCat("fsdp::", name, " ", unit), c10::ArrayRef<const c10::IValue>{});
+  profiler_range_ = std::move(range);
+}
+
+TraceSpan::TraceSpan(TraceSpan&& other) noexcept { *this = std::move(other); }
+
+// A span still open here never ended (its post hook did not run, as when
+// forward threw): it is dropped, not recorded with a wrong end.
+TraceSpan& TraceSpan::operator=(TraceSpan&& other) noexcept {
+  if (this == &other) return *this;
+  recorder_ = nullptr;
+  End();
+  recorder_ = std::exchange(other.recorder_, nullptr);
+  name_ = std::exchange(other.name_, nullptr);
+  unit_ = std::move(other.unit_);
+  begin_us_ = other.begin_us_;
+  profiler_range_ = std::move(other.profiler_range_);
+  return *this;
+}
+
+TraceSpan::~TraceSpan() { End(); }
+
+void TraceSpan::End() {
+  profiler_range_.reset();  // Its destructor ends the profiler's range.
+  if (recorder_ == nullptr) return;
+  recorder_->AddSpan(name_, unit_, begin_us_, recorder_->NowUs());
+  recorder_ = nullptr;
+}
+
 }  // namespace fsdp

@@ -21,11 +21,13 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "ATen/record_function.h"
 #include "absl/status/status.h"
 
 namespace fsdp {
@@ -61,24 +63,29 @@ class TraceRecorder {
   std::vector<std::thread::id> threads_;  // tid = index + 1.
 };
 
-// Records [construction, destruction) as one span; does nothing when
-// `recorder` is null.
+// One phase of one unit, from construction to End() (or destruction): a
+// span in `recorder` (when not null), and a range "fsdp::<name> <unit>" in
+// torch.profiler's trace (Kineto; Nsight through NVTX mode) while a
+// profiler is recording. Without either it costs a pointer test and a
+// check for profiler callbacks. Default-constructed: nothing happened.
+// Movable, so that a phase that begins in one hook and ends in another
+// (a unit's forward, its backward) is held by the unit.
 class TraceSpan {
  public:
-  TraceSpan(TraceRecorder* recorder, const char* name, const std::string& unit)
-      : recorder_(recorder), name_(name), unit_(recorder ? unit : std::string()),
-        begin_us_(recorder ? recorder->NowUs() : 0) {}
-  ~TraceSpan() {
-    if (recorder_ != nullptr) recorder_->AddSpan(name_, unit_, begin_us_, recorder_->NowUs());
-  }
-  TraceSpan(const TraceSpan&) = delete;
-  TraceSpan& operator=(const TraceSpan&) = delete;
+  TraceSpan() = default;
+  TraceSpan(TraceRecorder* recorder, const char* name, const std::string& unit);
+  TraceSpan(TraceSpan&& other) noexcept;
+  TraceSpan& operator=(TraceSpan&& other) noexcept;
+  ~TraceSpan();
+
+  void End();
 
  private:
-  TraceRecorder* recorder_;
-  const char* name_;
+  TraceRecorder* recorder_ = nullptr;
+  const char* name_ = nullptr;
   std::string unit_;
-  int64_t begin_us_;
+  int64_t begin_us_ = 0;
+  std::unique_ptr<at::RecordFunction> profiler_range_;
 };
 
 // Receives one line per training-state transition of the model or a unit,

@@ -3,8 +3,11 @@
 #include "fsdp/trace.h"
 
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -16,6 +19,7 @@
 #include "gtest/gtest.h"
 #include "testing/multi_rank.h"
 #include "testing/torch_python.h"
+#include "torch/csrc/autograd/profiler_legacy.h"
 
 namespace fsdp {
 namespace {
@@ -124,6 +128,39 @@ TEST(Trace, RecordsEachUnitsWorkAndWritesChromeTraceJson) {
       " and e[0]['args']['name']=='rank 0' and "
       "all(x['ph']=='X' and x['pid']==0 for x in e[1:]) else 1)\"";
   EXPECT_EQ(std::system(check.c_str()), 0) << check;
+}
+
+// The same phases are ranges in libtorch's profiler (torch.profiler in a
+// Python host process, Kineto, Nsight in NVTX mode) whenever one records,
+// with or without a TraceRecorder: here the legacy profiler's Chrome trace.
+TEST(Trace, PhasesAreProfilerRanges) {
+  const std::string path = std::string(std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR")
+                                                                   : "/tmp") +
+                           "/profile_rank0.json";
+  ASSERT_TRUE(RunOnThreadRanks(2, [&](Collectives& comm) {
+                std::optional<torch::autograd::profiler::RecordProfile> profile;
+                if (comm.rank() == 0) profile.emplace(path);
+                OneIteration(comm, FsdpOptions());
+              }).ok());
+  std::ifstream file(path);
+  const std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  auto count = [&](const std::string& name) {
+    int n = 0;
+    for (size_t at = text.find("\"" + name + "\""); at != std::string::npos;
+         at = text.find("\"" + name + "\"", at + 1)) {
+      ++n;
+    }
+    return n;
+  };
+  for (const std::string unit : {"blocks.0", "blocks.1", "blocks.2"}) {
+    SCOPED_TRACE(unit);
+    EXPECT_EQ(count("fsdp::forward " + unit), 1);
+    EXPECT_EQ(count("fsdp::backward " + unit), 1);
+    EXPECT_EQ(count("fsdp::unshard " + unit), 2);
+    EXPECT_EQ(count("fsdp::reshard " + unit), 2);
+    EXPECT_EQ(count("fsdp::reduce-scatter " + unit), 1);
+  }
+  EXPECT_EQ(count("fsdp::forward <root>"), 1);
 }
 
 }  // namespace

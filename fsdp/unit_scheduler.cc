@@ -31,7 +31,7 @@ void UnitScheduler::IssueUnshard(FlatParamHandle& handle, const std::string& pha
 
 void UnitScheduler::Unshard(FlatParamHandle& handle, const std::string& phase) {
   const bool gathers = handle.uses_sharded_views() && !handle.is_unsharded();
-  TraceSpan unshard(gathers ? trace_ : nullptr, "unshard", handle.unit_name());
+  TraceSpan unshard = gathers ? TraceSpan(trace_, "unshard", handle.unit_name()) : TraceSpan();
   IssueUnshard(handle, phase);
   if (!handle.uses_sharded_views() && handle.UnshardNeeded() && !handle.is_unsharded()) {
     // NO_SHARD's local copy (mixed precision, offload) reads the shard too.
@@ -39,8 +39,9 @@ void UnitScheduler::Unshard(FlatParamHandle& handle, const std::string& phase) {
   }
   {
     c10::StreamGuard on_all_gather(streams_.all_gather());
-    TraceSpan wait(handle.has_pending_unshard() ? trace_ : nullptr, "all-gather wait",
-                   handle.unit_name());
+    TraceSpan wait = handle.has_pending_unshard()
+                         ? TraceSpan(trace_, "all-gather wait", handle.unit_name())
+                         : TraceSpan();
     handle.FinishUnshard();
   }
   RuntimeStreams::WaitStream(streams_.compute(), streams_.all_gather());
@@ -50,7 +51,7 @@ void UnitScheduler::DiscardPrefetch(FlatParamHandle& handle) { handle.DiscardPen
 
 void UnitScheduler::Reshard(FlatParamHandle& handle) {
   const bool frees = handle.uses_sharded_views() && handle.is_unsharded();
-  TraceSpan span(frees ? trace_ : nullptr, "reshard", handle.unit_name());
+  TraceSpan span = frees ? TraceSpan(trace_, "reshard", handle.unit_name()) : TraceSpan();
   handle.Reshard();
   if (frees) limiter_.OnReshard(DeviceEvent::RecordOn(streams_.compute()));
 }

@@ -23,11 +23,11 @@ COUNTERPARTS = {
 
 
 def split_name(name):
-    """BM_X/model/case/W:n -> (model, case, n)."""
-    _, rest = name.split("/", 1)
-    model, rest = rest.split("/", 1)
-    case, world = rest.rsplit("/W:", 1)
-    return model, case, int(world)
+    """BM_X/model/case/W:n -> (model, case, n); google-benchmark may append
+    /iterations:k, /manual_time and the like after the world size."""
+    parts = name.split("/")
+    world = next(i for i, part in enumerate(parts) if part.startswith("W:"))
+    return parts[1], "/".join(parts[2:world]), int(parts[world][2:])
 
 
 def load_cpp(path):

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU path's checks, on a machine with a CUDA GPU and a pip-installed
 # CUDA torch (README, "GPU builds"): builds the CUDA targets with CMake
-# against that torch, runs //fsdp:cuda_test (world size 1), runs the
-# training-step benchmark on both sides (ours, models/cuda_step_benchmark.cc;
+# against that torch, runs //fsdp:cuda_test (world size 1 over NCCL, and 2
+# and 3 ranks sharing the GPU through staged collectives), trains the main
+# job on the GPU (one rank over NCCL; two ranks sharing the GPU, staged),
+# runs the training-step benchmark on both sides (ours, models/cuda_step_benchmark.cc;
 # PyTorch's FullyShardedDataParallel and fully_shard,
 # models/fsdp_step_benchmark.py) and writes them side by side; with two GPUs
 # or more, also the NCCL transports against each other
@@ -17,7 +19,7 @@
 # toolkit; abseil, googletest, google-benchmark and protobuf come from the
 # Debian packages in .gpu_deps/ (FSDP_GPU_DEPS), unpacked with dpkg -x.
 # Writes to OUT_DIR at most 8 files: summary.txt (each stage's outcome),
-# build.log, cuda_test.log, cpp_step.json, pytorch_step.jsonl,
+# build.log, cuda_test.log (with the main job's runs), cpp_step.json, pytorch_step.jsonl,
 # step_table.md, nccl.json (two GPUs or more), ctest.log. A failing stage
 # is recorded and the next runs.
 set -uo pipefail
@@ -92,8 +94,17 @@ stage configure "$out/build.log" cmake -S . -B "$build" -G Ninja -DFSDP_CUDA=ON 
   -DFSDP_NCCL_ROOT="$nccl_root" -DCMAKE_CXX_FLAGS="$extra_flags" \
   -DCMAKE_CXX_STANDARD="$cxx_standard" || exit 1
 if stage build_cuda_targets "$out/build.log" cmake --build "$build" \
-    --target fsdp_cuda_test models_cuda_step_benchmark comm_nccl_collectives_benchmark; then
+    --target fsdp_cuda_test models_cuda_step_benchmark comm_nccl_collectives_benchmark \
+    models_train_gpt; then
   stage cuda_test "$out/cuda_test.log" "$build/fsdp/cuda_test"
+  # --collectives=auto picks NCCL for the rank with a GPU of its own and
+  # staged collectives for the two ranks sharing cuda:0.
+  for ranks in 1 2; do
+    device=cuda
+    ((ranks > 1)) && device=cuda:0
+    stage "train_gpt_${device}_w$ranks" "$out/cuda_test.log" "$build/models/train_gpt" \
+      --device="$device" --world_size="$ranks" --steps=60 --log_every=20 --print_plan=false
+  done
   stage cpp_step_benchmark "$out/build.log" "$build/models/cuda_step_benchmark" \
     --benchmark_out="$out/cpp_step.json" --benchmark_out_format=json
   # The two NCCL transports (direct, ProcessGroupNCCL) need two GPUs or more.
