@@ -437,7 +437,7 @@ void FullyShardedModel::Prefetch(int unit_index) {
   FlatParamHandle* handle = units_[unit_index]->handle_.get();
   // Only a unit that is idle (not yet run in this pass) and resharded.
   if (handle == nullptr || handle->training_state() != HandleTrainingState::kIdle) return;
-  scheduler_->IssueUnshard(*handle, UnshardPhase(*handle));
+  scheduler_->Prefetch(*handle, UnshardPhase(*handle));
 }
 
 void FullyShardedModel::RecordExecutionOrder() {

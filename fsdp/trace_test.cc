@@ -2,6 +2,7 @@
 // the per-rank Chrome trace (fsdp/trace.h).
 #include "fsdp/trace.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
@@ -50,7 +51,9 @@ TEST(DebugLog, ShowsEveryStateTransitionOfAnIteration) {
               }).ok());
   // Forward in pre-order; backward in reverse, each unit reducing as soon as
   // its gradients are in (the root's head first, since its gradient comes
-  // first); the end-of-backward callback returns every unit to IDLE.
+  // first) and, by default (BACKWARD_PRE), prefetching the next unit's
+  // parameters from its pre hook; the end-of-backward callback returns
+  // every unit to IDLE.
   EXPECT_THAT(lines, ElementsAre("unit '<root>': IDLE -> FORWARD",
                                  "model: IDLE -> FORWARD_BACKWARD",
                                  "unit 'blocks.0': IDLE -> FORWARD",
@@ -61,10 +64,13 @@ TEST(DebugLog, ShowsEveryStateTransitionOfAnIteration) {
                                  "unit 'blocks.2': FORWARD -> IDLE",
                                  "unit '<root>': FORWARD -> IDLE",
                                  "unit '<root>': IDLE -> BACKWARD_PRE",
+                                 "unit 'blocks.2': all-gather prefetched (backward)",
                                  "unit '<root>': BACKWARD_PRE -> BACKWARD_POST",
                                  "unit 'blocks.2': IDLE -> BACKWARD_PRE",
+                                 "unit 'blocks.1': all-gather prefetched (backward)",
                                  "unit 'blocks.2': BACKWARD_PRE -> BACKWARD_POST",
                                  "unit 'blocks.1': IDLE -> BACKWARD_PRE",
+                                 "unit 'blocks.0': all-gather prefetched (backward)",
                                  "unit 'blocks.1': BACKWARD_PRE -> BACKWARD_POST",
                                  "unit 'blocks.0': IDLE -> BACKWARD_PRE",
                                  "unit 'blocks.0': BACKWARD_PRE -> BACKWARD_POST",
@@ -73,6 +79,67 @@ TEST(DebugLog, ShowsEveryStateTransitionOfAnIteration) {
                                  "unit 'blocks.1': BACKWARD_POST -> IDLE",
                                  "unit 'blocks.2': BACKWARD_POST -> IDLE",
                                  "model: FORWARD_BACKWARD -> IDLE"));
+}
+
+// Backward prefetch happens, where asked: the next unit's all-gather is
+// issued inside the current unit's backward (BACKWARD_PRE: between its
+// pre hook and its post hook), right after it (BACKWARD_POST: after its
+// post hook, before the next unit's pre hook), or not at all (NONE: the
+// next unit gathers in its own pre hook). Forward prefetch likewise, one
+// unit ahead in forward, from the second iteration on (the first records
+// the order). The debug log orders them on one thread.
+TEST(DebugLog, PrefetchIssuesTheNextUnitsAllGatherWhereAsked) {
+  // The lines of the last of `iterations`.
+  auto lines_of = [](BackwardPrefetch backward, bool forward, int iterations = 1) {
+    std::vector<std::string> lines;
+    EXPECT_TRUE(RunOnThreadRanks(2, [&](Collectives& comm) {
+                  FsdpOptions options;
+                  options.backward_prefetch = backward;
+                  options.forward_prefetch = forward;
+                  if (comm.rank() == 0) {
+                    options.debug_log = [&](const std::string& line) { lines.push_back(line); };
+                  }
+                  Net model;
+                  auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
+                                                         SelectModulesOfType<BlockImpl>());
+                  ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+                  for (int i = 0; i < iterations; ++i) {
+                    if (comm.rank() == 0) lines.clear();  // Only rank 0's are kept.
+                    model->forward(Inputs(/*step=*/i, /*micro=*/0)).sum().backward();
+                  }
+                }).ok());
+    return lines;
+  };
+  auto position = [](const std::vector<std::string>& lines, const std::string& line) {
+    auto it = std::find(lines.begin(), lines.end(), line);
+    EXPECT_NE(it, lines.end()) << line;
+    return it - lines.begin();
+  };
+  const std::string prefetched = "unit 'blocks.1': all-gather prefetched (backward)";
+  const std::string pre2 = "unit 'blocks.2': IDLE -> BACKWARD_PRE";
+  const std::string post2 = "unit 'blocks.2': BACKWARD_PRE -> BACKWARD_POST";
+  const std::string pre1 = "unit 'blocks.1': IDLE -> BACKWARD_PRE";
+
+  const std::vector<std::string> pre = lines_of(BackwardPrefetch::kBackwardPre, false);
+  EXPECT_LT(position(pre, pre2), position(pre, prefetched));
+  EXPECT_LT(position(pre, prefetched), position(pre, post2));
+
+  const std::vector<std::string> post = lines_of(BackwardPrefetch::kBackwardPost, false);
+  EXPECT_LT(position(post, post2), position(post, prefetched));
+  EXPECT_LT(position(post, prefetched), position(post, pre1));
+
+  const std::vector<std::string> none = lines_of(BackwardPrefetch::kNone, false);
+  EXPECT_EQ(std::count_if(none.begin(), none.end(),
+                          [](const std::string& line) {
+                            return line.find("prefetched") != std::string::npos;
+                          }),
+            0);
+
+  // Forward: blocks.1's all-gather is issued while blocks.0 runs forward.
+  const std::vector<std::string> forward = lines_of(BackwardPrefetch::kNone, true, 2);
+  const auto ahead = position(forward, "unit 'blocks.1': all-gather prefetched (forward)");
+  EXPECT_LT(position(forward, "unit 'blocks.0': IDLE -> FORWARD"), ahead);
+  EXPECT_LT(ahead, position(forward, "unit 'blocks.0': FORWARD -> IDLE"));
 }
 
 TEST(Trace, RecordsEachUnitsWorkAndWritesChromeTraceJson) {

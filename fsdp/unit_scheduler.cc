@@ -29,6 +29,15 @@ void UnitScheduler::IssueUnshard(FlatParamHandle& handle, const std::string& pha
   handle.StartUnshard();
 }
 
+void UnitScheduler::Prefetch(FlatParamHandle& handle, const std::string& phase) {
+  const bool pending = handle.has_pending_unshard();
+  IssueUnshard(handle, phase);
+  if (debug_log_ && !pending && handle.has_pending_unshard()) {
+    debug_log_(absl::StrCat("unit '", handle.unit_name(), "': all-gather prefetched (", phase,
+                            ")"));
+  }
+}
+
 void UnitScheduler::Unshard(FlatParamHandle& handle, const std::string& phase) {
   const bool gathers = handle.uses_sharded_views() && !handle.is_unsharded();
   TraceSpan unshard = gathers ? TraceSpan(trace_, "unshard", handle.unit_name()) : TraceSpan();

@@ -48,6 +48,9 @@ class UnitScheduler {
   // parameters are full already, an all-gather is pending, or there is
   // nothing to gather (NO_SHARD): a prefetch, or the first half of Unshard.
   void IssueUnshard(FlatParamHandle& handle, const std::string& phase);
+  // IssueUnshard ahead of the unit's own hook (forward and backward
+  // prefetch); the debug log says so when an all-gather was issued.
+  void Prefetch(FlatParamHandle& handle, const std::string& phase);
   // The handle's full parameters in place, ready for work issued on the
   // compute stream from now on (waits for its all-gather, issuing it first
   // if needed). What gets gathered (the compute dtype, or full precision
