@@ -83,6 +83,11 @@ TEST(TrainGpt, BadFlagsAreRefusedNamingTheProblem) {
       {"--policy_plugin=/nonexistent.so", 2, "cannot load wrap policy plugin '/nonexistent.so'"},
       {"--steps=abc", 1, "Illegal value 'abc' specified for flag 'steps'"},
       {"--device=tpu", 2, "--device=tpu: must be cpu, cuda or cuda:N"},
+      {"--data=" + dir + "/none", 2, "--data=" + dir + "/none: not a readable file"},
+      {"--data=" + dir + "/file", 2,
+       "--data=" + dir + "/file: 0 bytes hold 0 held-out bytes (the last tenth), fewer than "
+       "one sequence of --block_size + 1 = 33"},
+      {"--eval_batches=0", 2, "--eval_batches=0: must be >= 1"},
       {"--device=cuda:x", 2, "--device=cuda:x: "},
       {"--collectives=pigeon", 2, "--collectives=pigeon: must be auto, gloo, nccl or staged"},
       {"--collectives=nccl", 2, "--collectives=nccl needs --device=cuda or cuda:N"},

@@ -10,15 +10,19 @@
 // world_size * batch_size sequences and trains on its slice, so the run
 // matches single-process training on the global batch.
 #include <fnmatch.h>
+#include <sys/stat.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -31,6 +35,7 @@
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "ATen/CPUGeneratorImpl.h"
 #if __has_include("ATen/DeviceAccelerator.h")
 #include "ATen/DeviceAccelerator.h"
 #endif
@@ -72,6 +77,18 @@ ABSL_FLAG(int, block_size, 32, "Context length.");
 ABSL_FLAG(int, n_layer, 2, "Transformer blocks (one FSDP unit each).");
 ABSL_FLAG(int, n_head, 4, "Attention heads.");
 ABSL_FLAG(int, n_embd, 64, "Model width.");
+ABSL_FLAG(std::string, data, "",
+          "Train on this file's bytes (tokens 0..255) instead of the generated corpus: the "
+          "first 90% trains, the last 10% is held out for the eval loss and the prompt of "
+          "the sample printed at the end.");
+ABSL_FLAG(int, eval_every, 50,
+          "With --data: the held-out loss every this many steps and after the last (0: only "
+          "after the last).");
+ABSL_FLAG(int, eval_batches, 4,
+          "With --data: global batches in the held-out loss, the same ones every time.");
+ABSL_FLAG(int, sample_tokens, 64,
+          "With --data: after training, generate this many bytes from a held-out prompt and "
+          "print them (rank 0); 0: none.");
 ABSL_FLAG(std::string, optimizer, "adamw", "adamw or sgd (with momentum --beta1).");
 // The optimizer's hyper-parameters are optional flags: on --resume, one
 // given on the command line replaces the checkpoint's value (and says so),
@@ -291,6 +308,61 @@ void PrintRankReport(int rank, const RankReport& r, const fsdp::CollectiveCounte
 // The corpus MakeCorpus generates; a sequence needs block_size + 1 bytes.
 constexpr int64_t kCorpusBytes = int64_t{1} << 20;
 
+// The tokens the run trains on and, with --data, the held-out tenth.
+struct Corpus {
+  at::Tensor train;     // int64 [n]
+  at::Tensor held_out;  // int64 [m]; undefined without --data.
+};
+
+at::Tensor TokensOf(const std::string& bytes) {
+  return at::from_blob(const_cast<char*>(bytes.data()), {static_cast<int64_t>(bytes.size())},
+                       at::kByte)
+      .to(at::kLong);
+}
+
+// The held-out part of --data's `size` bytes: the last tenth.
+int64_t HeldOutBytes(int64_t size) { return size / 10; }
+
+absl::StatusOr<Corpus> LoadCorpus() {
+  Corpus corpus;
+  const std::string path = absl::GetFlag(FLAGS_data);
+  if (path.empty()) {
+    const std::string generated = MakeCorpus(absl::GetFlag(FLAGS_seed), kCorpusBytes);
+    // The generator's bytes as signed chars, folded into 0..255 as before.
+    corpus.train = at::from_blob(const_cast<char*>(generated.data()),
+                                 {static_cast<int64_t>(generated.size())}, at::kChar)
+                       .to(at::kLong)
+                       .remainder(256);
+    return corpus;
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("--data=", path, ": cannot open it"));
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) return absl::DataLossError(absl::StrCat("--data=", path, ": cannot read it"));
+  const at::Tensor tokens = TokensOf(bytes);
+  const int64_t held_out = HeldOutBytes(tokens.numel());
+  corpus.train = tokens.narrow(0, 0, tokens.numel() - held_out);
+  corpus.held_out = tokens.narrow(0, tokens.numel() - held_out, held_out);
+  return corpus;
+}
+
+// Before any rank starts: the file is there and both parts hold a sequence.
+std::optional<std::string> DataProblem(int block_size) {
+  const std::string path = absl::GetFlag(FLAGS_data);
+  if (path.empty()) return std::nullopt;
+  struct stat info;
+  if (stat(path.c_str(), &info) != 0 || !S_ISREG(info.st_mode)) {
+    return absl::StrCat("--data=", path, ": not a readable file");
+  }
+  const int64_t size = info.st_size, held_out = HeldOutBytes(size);
+  if (held_out < block_size + 1) {
+    return absl::StrFormat("--data=%s: %d bytes hold %d held-out bytes (the last tenth), fewer "
+                           "than one sequence of --block_size + 1 = %d",
+                           path, size, held_out, block_size + 1);
+  }
+  return std::nullopt;
+}
+
 // A rough upper bound of one rank's training memory: parameters, gradients
 // and two optimizer moments unsharded (sharding only lowers it), and the
 // activations autograd keeps for backward, dominated by the attention
@@ -333,6 +405,10 @@ std::vector<std::string> FlagProblems(fsdp::ShardingStrategy strategy, int world
                                        "bytes)",
                                        block_size, kCorpusBytes - 2, kCorpusBytes));
   }
+  at_least("eval_every", absl::GetFlag(FLAGS_eval_every), 0);
+  at_least("eval_batches", absl::GetFlag(FLAGS_eval_batches), 1);
+  at_least("sample_tokens", absl::GetFlag(FLAGS_sample_tokens), 0);
+  if (std::optional<std::string> problem = DataProblem(block_size)) problems.push_back(*problem);
   const int n_head = absl::GetFlag(FLAGS_n_head), n_embd = absl::GetFlag(FLAGS_n_embd);
   if (n_head >= 1 && n_embd >= 1 && n_embd % n_head != 0) {
     problems.push_back(absl::StrFormat("--n_embd=%d: must be a multiple of --n_head=%d", n_embd,
@@ -555,17 +631,40 @@ void LoadInitialState(fsdp::FullyShardedModel& fsdp_model, const std::set<std::s
   }
 }
 
+// Global batches of `block_size` + 1 tokens drawn from `tokens` with a
+// generator every rank seeds alike.
+class TokenSampler {
+ public:
+  TokenSampler(at::Tensor tokens, int64_t global_batch, int64_t block_size, uint64_t seed)
+      : tokens_(std::move(tokens)), global_batch_(global_batch), t_(block_size), sampler_(seed) {}
+
+  // [global batch, block_size + 1] token ids.
+  at::Tensor Next() {
+    std::vector<at::Tensor> rows;
+    for (int64_t i = 0; i < global_batch_; ++i) {
+      const int64_t offset = static_cast<int64_t>(sampler_() % (tokens_.numel() - t_ - 1));
+      rows.push_back(tokens_.narrow(0, offset, t_ + 1));
+    }
+    return at::stack(rows);
+  }
+  // Drops the next `batches` batches.
+  void Skip(int64_t batches) {
+    sampler_.discard(static_cast<unsigned long long>(batches) * global_batch_);
+  }
+
+ private:
+  at::Tensor tokens_;
+  int64_t global_batch_, t_;
+  std::mt19937_64 sampler_;
+};
+
 // The batches the run trains on: --replay_batches' recorded ones, or drawn
-// from the corpus with a generator every rank seeds alike.
+// from the training tokens.
 class BatchSource {
  public:
-  BatchSource(int64_t global_batch, int64_t block_size, int steps)
-      : global_batch_(global_batch), t_(block_size), sampler_(absl::GetFlag(FLAGS_seed) + 1) {
-    const std::string corpus = MakeCorpus(absl::GetFlag(FLAGS_seed), kCorpusBytes);
-    data_ = at::from_blob(const_cast<char*>(corpus.data()), {static_cast<int64_t>(corpus.size())},
-                          at::kChar)
-                .to(at::kLong)
-                .remainder(256);
+  BatchSource(const at::Tensor& tokens, int64_t global_batch, int64_t block_size, int steps)
+      : t_(block_size),
+        sampler_(tokens, global_batch, block_size, absl::GetFlag(FLAGS_seed) + 1) {
     const std::string path = absl::GetFlag(FLAGS_replay_batches);
     if (path.empty()) return;
     const fsdp::StateDict recorded = fsdp::ValueOrThrow(fsdp::LoadTorchStateDict(path));
@@ -592,25 +691,17 @@ class BatchSource {
   }
 
   // Drops the batches of steps 1..`steps` (already taken by a resumed run).
-  void Skip(int64_t steps) {
-    sampler_.discard(static_cast<unsigned long long>(steps) * global_batch_);
-  }
+  void Skip(int64_t steps) { sampler_.Skip(steps); }
 
   // The global batch of `step`: [global batch, block_size + 1] token ids.
   at::Tensor Next(int step) {
     if (replay_.defined()) return replay_[step - replay_first_step_];
-    std::vector<at::Tensor> rows;
-    for (int64_t i = 0; i < global_batch_; ++i) {
-      const int64_t offset = static_cast<int64_t>(sampler_() % (data_.numel() - t_ - 1));
-      rows.push_back(data_.narrow(0, offset, t_ + 1));
-    }
-    return at::stack(rows);
+    return sampler_.Next();
   }
 
  private:
-  int64_t global_batch_, t_;
-  std::mt19937_64 sampler_;
-  at::Tensor data_;
+  int64_t t_;
+  TokenSampler sampler_;
   at::Tensor replay_;  // [steps, global batch, t + 1], from --replay_batches.
   int64_t replay_first_step_ = 1;
 };
@@ -652,7 +743,15 @@ class TrainingRun {
         config_(GptConfigFromFlags()),
         model_(config_),
         steps_(absl::GetFlag(FLAGS_steps)),
-        per_rank_(absl::GetFlag(FLAGS_batch_size)) {
+        per_rank_(absl::GetFlag(FLAGS_batch_size)),
+        corpus_(fsdp::ValueOrThrow(LoadCorpus())) {
+    if (corpus_.held_out.defined()) {
+      TokenSampler held_out(corpus_.held_out, per_rank_ * world_size_, config_.block_size,
+                            absl::GetFlag(FLAGS_seed) + 2);
+      for (int i = 0; i < absl::GetFlag(FLAGS_eval_batches); ++i) {
+        eval_batches_.push_back(held_out.Next());
+      }
+    }
     OpenRunCheckpoints();
     Wrap(std::move(options), policy);
     if (rank_ == 0 && !absl::GetFlag(FLAGS_metrics_jsonl).empty()) {
@@ -670,17 +769,21 @@ class TrainingRun {
   // The process's exit code: 0 when the loss fell.
   int Run(const std::string& layout_note) {
     PrintHeader(layout_note);
-    batches_.emplace(per_rank_ * world_size_, config_.block_size, steps_);
+    batches_.emplace(corpus_.train, per_rank_ * world_size_, config_.block_size, steps_);
     ResumeIfAsked();
     start_ = Clock::now();
     for (int step = first_step_; step <= steps_; ++step) {
       const StepResult result = Step(step);
-      Log(step, result);
+      const int eval_every = absl::GetFlag(FLAGS_eval_every);
+      const bool eval = !eval_batches_.empty() &&
+                        (step == steps_ || (eval_every > 0 && step % eval_every == 0));
+      Log(step, result, eval ? std::optional<float>(HeldOutLoss()) : std::nullopt);
       if (checkpoints_.has_value() &&
           (step % absl::GetFlag(FLAGS_checkpoint_every) == 0 || step == steps_)) {
         SaveCheckpoint(step);
       }
     }
+    if (corpus_.held_out.defined() && absl::GetFlag(FLAGS_sample_tokens) > 0) PrintSample();
     WriteOutputs();
     return Summarize();
   }
@@ -811,27 +914,87 @@ class TrainingRun {
     if (print_) std::printf("%s; skipped (no update)\n", what.c_str());
   }
 
-  // --metrics_jsonl's line and the progress line.
-  void Log(int step, const StepResult& result) {
+  // --metrics_jsonl's line and the progress line (and the held-out loss,
+  // when measured at this step).
+  void Log(int step, const StepResult& result, std::optional<float> held_out_loss) {
     const double elapsed = std::chrono::duration<double>(Clock::now() - start_).count();
     const int done = step - first_step_ + 1;
     const double tokens_per_s = done * per_rank_ * world_size_ * config_.block_size / elapsed;
     if (metrics_ != nullptr) {
       std::fprintf(
-          metrics_, "{\"step\": %d, \"loss\": %s, \"tokens_per_s\": %.1f, \"grad_norm\": %s%s}\n",
+          metrics_, "{\"step\": %d, \"loss\": %s, \"tokens_per_s\": %.1f, \"grad_norm\": %s%s%s}\n",
           step, std::isfinite(result.loss) ? absl::StrFormat("%.6f", result.loss).c_str() : "null",
           tokens_per_s,
           std::isfinite(result.grad_norm) ? absl::StrFormat("%.6f", result.grad_norm).c_str()
                                           : "null",
-          result.finite() ? "" : ", \"skipped\": true");
+          result.finite() ? "" : ", \"skipped\": true",
+          held_out_loss ? absl::StrFormat(", \"eval_loss\": %.6f", *held_out_loss).c_str() : "");
       std::fflush(metrics_);
     }
     if (print_ &&
         (step % absl::GetFlag(FLAGS_log_every) == 0 || step == first_step_ || step == steps_)) {
       std::printf("step %4d/%d  loss %.4f  %8.0f tokens/s  %5.1f s left\n", step, steps_,
                   result.loss, tokens_per_s, elapsed / done * (steps_ - step));
-      std::fflush(stdout);
     }
+    if (print_ && held_out_loss) {
+      std::printf("step %4d/%d  held-out loss %.4f\n", step, steps_, *held_out_loss);
+    }
+    std::fflush(stdout);
+  }
+
+  // The mean loss over the held-out batches (the same ones every time),
+  // across ranks. Under no_grad: FSDP reshards after each forward.
+  float HeldOutLoss() {
+    at::NoGradGuard no_grad;
+    const int64_t t = config_.block_size;
+    at::Tensor sum = at::zeros({1}, at::TensorOptions().device(device_));
+    for (const at::Tensor& global : eval_batches_) {
+      const at::Tensor batch = global.narrow(0, rank_ * per_rank_, per_rank_).to(device_);
+      sum += models::LanguageModelLoss(model_->forward(batch.narrow(1, 0, t)),
+                                       batch.narrow(1, 1, t))
+                 .to(at::kFloat);
+    }
+    at::Tensor mean = sum / static_cast<double>(eval_batches_.size());
+    world_.AllReduce(mean, fsdp::ReduceOp::kAvg)->Wait();
+    return mean.item<float>();
+  }
+
+  // --sample_tokens bytes generated after a held-out prompt, printed by
+  // rank 0. Every rank runs the same forwards (FSDP gathers through them);
+  // rank 0's draw is broadcast, so the ranks cannot drift apart.
+  void PrintSample() {
+    at::NoGradGuard no_grad;
+    const int64_t t = config_.block_size;
+    const int64_t prompt = std::min<int64_t>({t, 32, corpus_.held_out.numel()});
+    std::vector<int64_t> tokens(corpus_.held_out.data_ptr<int64_t>(),
+                                corpus_.held_out.data_ptr<int64_t>() + prompt);
+    at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(absl::GetFlag(FLAGS_seed));
+    for (int i = 0; i < absl::GetFlag(FLAGS_sample_tokens); ++i) {
+      const int64_t n = std::min<int64_t>(t, static_cast<int64_t>(tokens.size()));
+      const at::Tensor context =
+          at::tensor(std::vector<int64_t>(tokens.end() - n, tokens.end()), at::kLong)
+              .view({1, n})
+              .to(device_);
+      const at::Tensor logits = model_->forward(context)[0][n - 1].to(at::kCPU, at::kFloat);
+      // Temperature 0.8: most of the distribution's shape, fewer stray bytes.
+      at::Tensor next = at::multinomial((logits / 0.8).softmax(0), 1, false, generator)
+                            .to(at::kDouble);
+      world_.Broadcast(next, /*root=*/0)->Wait();
+      tokens.push_back(static_cast<int64_t>(next.item<double>()));
+    }
+    if (!print_) return;
+    auto text = [&](size_t begin, size_t end) {
+      std::string out;
+      for (size_t i = begin; i < end; ++i) {
+        const int c = static_cast<int>(tokens[i]);
+        out += (c == '\n' || (c >= 32 && c < 127)) ? std::string(1, static_cast<char>(c))
+                                                   : absl::StrFormat("\\x%02x", c);
+      }
+      return out;
+    };
+    std::printf("sample (prompt | %d generated bytes):\n%s|%s\n", absl::GetFlag(FLAGS_sample_tokens),
+                text(0, prompt).c_str(), text(prompt, tokens.size()).c_str());
+    std::fflush(stdout);
   }
 
   void SaveCheckpoint(int step) {
@@ -921,6 +1084,8 @@ class TrainingRun {
   std::FILE* metrics_ = nullptr;
   const int steps_;
   const int64_t per_rank_;
+  const Corpus corpus_;
+  std::vector<at::Tensor> eval_batches_;  // Global batches of the held-out tokens.
   std::optional<BatchSource> batches_;
   std::vector<at::Tensor> recorded_batches_;  // For --record_batches (rank 0).
   int first_step_ = 1;
