@@ -7,6 +7,7 @@
 #include "ATen/CPUGeneratorImpl.h"
 #include "c10/util/Exception.h"
 #include "fsdp/unit_forward.h"
+#include "torch/version.h"
 
 namespace models {
 
@@ -22,12 +23,25 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
   const int64_t b = x.size(0), t = x.size(1), c = x.size(2), hs = c / n_head;
   auto qkv = c_attn->forward(x).split(c, /*dim=*/2);
   auto heads = [&](const at::Tensor& z) { return z.view({b, t, n_head, hs}).transpose(1, 2); };
-  at::Tensor q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
-  at::Tensor att = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hs));
-  at::Tensor causal = at::ones({t, t}, x.options().dtype(at::kBool)).tril().logical_not();
-  att = att.masked_fill(causal, -std::numeric_limits<float>::infinity()).softmax(-1);
-  at::Tensor y = at::matmul(att, v).transpose(1, 2).contiguous().view({b, t, c});
-  return c_proj->forward(y);
+  at::Tensor y = Attend(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]));
+  return c_proj->forward(y.transpose(1, 2).contiguous().view({b, t, c}));
+}
+
+at::Tensor CausalSelfAttentionImpl::Attend(const at::Tensor& q, const at::Tensor& k,
+                                           const at::Tensor& v) {
+#if TORCH_VERSION_MAJOR >= 2
+  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                          /*is_causal=*/true);
+#else
+  const int64_t t = q.size(2);
+  if (!causal_mask_.defined() || causal_mask_.size(0) != t ||
+      causal_mask_.device() != q.device()) {
+    causal_mask_ = at::ones({t, t}, q.options().dtype(at::kBool)).tril().logical_not();
+  }
+  at::Tensor att = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(3)));
+  att = att.masked_fill(causal_mask_, -std::numeric_limits<float>::infinity()).softmax(-1);
+  return at::matmul(att, v);
+#endif
 }
 
 MlpImpl::MlpImpl(const GptConfig& config) {

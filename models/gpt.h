@@ -33,11 +33,19 @@ struct GptConfig {
   uint64_t seed = 0;  // Initialization (nanoGPT's: N(0, 0.02), scaled c_proj).
 };
 
+// Attention through libtorch 2.x's fused scaled_dot_product_attention
+// (flash or memory-efficient kernels on GPUs), which never materializes
+// the [t, t] attention matrix; libtorch 1.x, which has none, computes it
+// eagerly with a causal mask kept between forwards.
 struct CausalSelfAttentionImpl : torch::nn::Module {
   explicit CausalSelfAttentionImpl(const GptConfig& config);
   at::Tensor forward(const at::Tensor& x);
   int64_t n_head;
   torch::nn::Linear c_attn{nullptr}, c_proj{nullptr};
+
+ private:
+  at::Tensor Attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+  at::Tensor causal_mask_;  // Eager path: true above the diagonal; rebuilt when t or device change.
 };
 TORCH_MODULE(CausalSelfAttention);
 

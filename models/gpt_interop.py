@@ -1,7 +1,8 @@
 """Python side of gpt_interop_test: a PyTorch GPT with nanoGPT's module
-layout and parameter names (model.py of karpathy/nanoGPT, attention written
-out as nanoGPT does without flash attention, no attn.bias buffer), used to
-check that state dicts move between the C++ GPT and PyTorch both ways."""
+layout and parameter names (model.py of karpathy/nanoGPT: attention through
+F.scaled_dot_product_attention on torch >= 2, as the C++ GPT built against
+libtorch >= 2 does, else written out; no attn.bias buffer), used to check
+that state dicts move between the C++ GPT and PyTorch both ways."""
 import math
 import sys
 
@@ -25,10 +26,15 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-        mask = torch.tril(torch.ones(T, T, dtype=torch.bool, device=x.device))
-        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
+        if hasattr(F, "scaled_dot_product_attention"):
+            # torch >= 2, as the C++ GPT built against libtorch >= 2.
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            mask = torch.tril(torch.ones(T, T, dtype=torch.bool, device=x.device))
+            att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+            y = att @ v
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.c_proj(y)
 
 
