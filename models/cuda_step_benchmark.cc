@@ -7,13 +7,18 @@
 // runs both and tools/gpu_step_table.py puts them side by side.
 //
 //   cuda_step_benchmark                                # world size 1
-//   launch --nproc_per_node=W -- cuda_step_benchmark   # one GPU per rank
+//   launch --nproc_per_node=W -- cuda_step_benchmark   # rank r on GPU r % GPUs
 //
-// Every rank runs every case in the same order (the filter must agree);
-// rank 0 reports. A case builds and wraps its model, runs warm-up steps,
-// then times each step from its start to a device synchronize after the
-// optimizer step. Reported per case: the step time (manual time, the mean;
-// median_ms besides), tokens per second over all ranks at the median, the
+// With fewer GPUs than ranks only the unwrapped and staged cases can run
+// (NCCL refuses two ranks on one device): pass
+// --benchmark_filter='unwrapped|staged'. Every rank runs every case in the
+// same order (the filter must agree); rank 0 reports. Before the first
+// case, a few untimed steps warm the device and libraries up, so that the
+// first case is not the slow one. A case builds and wraps its model, runs
+// warm-up steps, then times each of 50 steps from its start to a device
+// synchronize after the optimizer step. Reported per case: the step time
+// (manual time, the mean; median_ms, p10_ms and p90_ms besides), tokens
+// per second over all ranks at the median, the
 // peak of the caching allocator's allocated and reserved bytes during the
 // timed steps (PyTorch's max_memory_allocated / max_memory_reserved), and
 // the bytes of model state this rank holds on the device (parameters,
@@ -34,8 +39,10 @@
 #include "c10/cuda/CUDACachingAllocator.h"
 #include "c10/cuda/CUDAFunctions.h"
 #include "comm/launch_environment.h"
+#include "comm/gloo_collectives.h"
 #include "comm/nccl_collectives.h"
 #include "comm/rendezvous.h"
+#include "comm/staged_collectives.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/utilities.h"
 #include "models/gpt.h"
@@ -48,7 +55,7 @@ using Clock = std::chrono::steady_clock;
 
 struct StepConfig {
   int n_layer, n_head, n_embd, block_size, batch_per_rank;
-  int warmup = 3, steps = 10;
+  int warmup = 5, steps = 50;
 };
 
 // "small": the CPU benchmark's model (models/train_step_benchmark.cc), where
@@ -63,6 +70,9 @@ struct Case {
   bool bf16 = false;  // param_dtype bfloat16, reduce_dtype float32.
   bool offload = false;
   fsdp::NcclTransport transport = fsdp::NcclTransport::kDirect;
+  // Staged collectives over Gloo (comm/staged_collectives.h) instead of
+  // NCCL: how ranks sharing a GPU talk.
+  bool staged = false;
 };
 
 // The job this process is a rank of; set up once in main.
@@ -86,12 +96,14 @@ int64_t ModelStateBytesOnDevice(torch::nn::Module& model, torch::optim::AdamW& o
   return bytes;
 }
 
-void RunCaseOrThrow(benchmark::State& state, const Case& kase, const StepConfig& c) {
-  const c10::DeviceIndex index = static_cast<c10::DeviceIndex>(job->env.local_rank);
-  const c10::Device device(c10::DeviceType::CUDA, index);
-  c10::cuda::set_device(index);
-  // What earlier cases left cached would count in this one's reserved bytes.
-  c10::cuda::CUDACachingAllocator::emptyCache();
+// This rank's GPU: ranks share them round-robin.
+c10::Device RankDevice() {
+  return c10::Device(c10::DeviceType::CUDA,
+                     static_cast<c10::DeviceIndex>(job->env.local_rank %
+                                                   c10::cuda::device_count()));
+}
+
+models::Gpt MakeModel(const StepConfig& c, c10::Device device) {
   models::GptConfig config;
   config.n_layer = c.n_layer;
   config.n_head = c.n_head;
@@ -100,16 +112,68 @@ void RunCaseOrThrow(benchmark::State& state, const Case& kase, const StepConfig&
   config.seed = 1;
   models::Gpt model(config);
   model->to(device);
-  // A fresh communicator per case (its own key on the store), so that a case
-  // starts from the same state whatever ran before it.
+  return model;
+}
+
+// Untimed steps of the small model before the first case: the first use
+// of the device, cuBLAS and the allocator is slow, and would otherwise be
+// charged to whichever case runs first.
+void WarmUp(const StepConfig& c) {
+  const c10::Device device = RankDevice();
+  c10::cuda::set_device(device.index());
+  models::Gpt model = MakeModel(c, device);
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
+  for (int i = 0; i < 10; ++i) {
+    const at::Tensor batch = at::randint(
+        256, {c.batch_per_rank, c.block_size + 1}, at::TensorOptions(at::kLong).device(device));
+    models::LanguageModelLoss(model->forward(batch.narrow(1, 0, c.block_size)),
+                              batch.narrow(1, 1, c.block_size))
+        .backward();
+    optimizer.step();
+    optimizer.zero_grad();
+  }
+  c10::cuda::device_synchronize();
+}
+
+// The group a case trains over, fresh per case (its own keys on the store)
+// so that a case starts from the same state whatever ran before it; under
+// staged collectives, with the Gloo group that carries them.
+struct CaseGroup {
+  std::unique_ptr<fsdp::Collectives> host;
   std::unique_ptr<fsdp::Collectives> group;
+};
+
+CaseGroup MakeGroup(const Case& kase, c10::Device device) {
+  CaseGroup made;
+  const std::string name = absl::StrFormat("bench%d", job->groups_made++);
+  if (kase.staged) {
+    fsdp::GlooOptions gloo;
+    gloo.hostname = "127.0.0.1";  // Ranks sharing a GPU share a host.
+    gloo.group_name = name;
+    made.host = fsdp::ValueOrThrow(
+        fsdp::CreateGlooCollectives(job->store, job->env.rank, job->env.world_size, gloo));
+    made.group = fsdp::CreateStagedCollectives(*made.host, device);
+    return made;
+  }
+  fsdp::NcclOptions nccl;
+  nccl.group_name = name;
+  nccl.transport = kase.transport;
+  made.group = fsdp::ValueOrThrow(fsdp::CreateNcclCollectives(
+      job->store, job->env.rank, job->env.world_size, device.index(), nccl));
+  return made;
+}
+
+void RunCaseOrThrow(benchmark::State& state, const Case& kase, const StepConfig& c) {
+  const c10::Device device = RankDevice();
+  const c10::DeviceIndex index = device.index();
+  c10::cuda::set_device(index);
+  // What earlier cases left cached would count in this one's reserved bytes.
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  models::Gpt model = MakeModel(c, device);
+  CaseGroup group;
   std::unique_ptr<fsdp::FullyShardedModel> wrapped;
   if (kase.wrap) {
-    fsdp::NcclOptions nccl;
-    nccl.group_name = absl::StrFormat("bench%d", job->groups_made++);
-    nccl.transport = kase.transport;
-    group = fsdp::ValueOrThrow(fsdp::CreateNcclCollectives(
-        job->store, job->env.rank, job->env.world_size, index, nccl));
+    group = MakeGroup(kase, device);
     fsdp::FsdpOptions options;
     options.strategy = kase.strategy;
     options.offload_params = kase.offload;
@@ -118,7 +182,7 @@ void RunCaseOrThrow(benchmark::State& state, const Case& kase, const StepConfig&
       options.mixed_precision.reduce_dtype = fsdp::DType::kFloat32;
     }
     wrapped = fsdp::ValueOrThrow(fsdp::FullyShardedModel::Wrap(
-        model.ptr(), *group, options, fsdp::SelectModulesOfType<models::BlockImpl>()));
+        model.ptr(), *group.group, options, fsdp::SelectModulesOfType<models::BlockImpl>()));
   }
   torch::optim::AdamW optimizer(fsdp::UniqueParameters(*model),
                                 torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
@@ -146,6 +210,9 @@ void RunCaseOrThrow(benchmark::State& state, const Case& kase, const StepConfig&
   }
   std::sort(step_ms.begin(), step_ms.end());
   const double median_ms = step_ms[step_ms.size() / 2];
+  // The spread: the 10th and 90th percentiles.
+  state.counters["p10_ms"] = step_ms[step_ms.size() / 10];
+  state.counters["p90_ms"] = step_ms[step_ms.size() * 9 / 10];
   // Index 0 of each statistic is the aggregate over the allocator's pools.
   const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
   state.counters["median_ms"] = median_ms;
@@ -213,6 +280,11 @@ int main(int argc, char** argv) {
       // calls (identical at world size 1, where no collective reaches NCCL).
       Register(name, c, "full_shard:process_group",
                Case{true, kFull, false, false, fsdp::NcclTransport::kProcessGroup});
+      // Staged collectives: what ranks sharing one GPU use.
+      Register(name, c, "full_shard:staged",
+               Case{true, kFull, false, false, fsdp::NcclTransport::kDirect, /*staged=*/true});
+      Register(name, c, "full_shard:bf16:staged",
+               Case{true, kFull, true, false, fsdp::NcclTransport::kDirect, /*staged=*/true});
     }
     if (the_job.env.rank != 0) {
       // Only rank 0 writes the --benchmark_out file.
@@ -222,6 +294,7 @@ int main(int argc, char** argv) {
                               argv);
     }
     benchmark::Initialize(&argc, argv);
+    WarmUp(kSmall);
     if (the_job.env.rank == 0) {
       benchmark::RunSpecifiedBenchmarks();
     } else {

@@ -38,7 +38,7 @@ from gpt_interop import GPT, Block  # noqa: E402
 
 # As models/cuda_step_benchmark.cc: (n_layer, n_head, n_embd, block, batch per rank).
 MODELS = {"small": (4, 4, 256, 128, 8), "gpt2": (12, 12, 768, 1024, 8)}
-WARMUP, STEPS = 3, 10
+WARMUP, STEPS = 5, 50
 DEFAULT_CASES = [
     "%s/%s" % (model, impl)
     for model in MODELS
@@ -147,9 +147,11 @@ def run_case(name, device, rank, world):
     for s in optimizer.state.values():
         for key in ("exp_avg", "exp_avg_sq"):
             state_bytes += local_bytes_on(device, s.get(key))
-    median = sorted(times)[len(times) // 2]
+    ordered = sorted(times)
+    median = ordered[len(times) // 2]
     result = dict(name="BM_PyTorchStep/%s/%s/W:%d" % (model_name, impl, world),
                   torch=torch.__version__, mean_ms=sum(times) / len(times), median_ms=median,
+                  p10_ms=ordered[len(times) // 10], p90_ms=ordered[len(times) * 9 // 10],
                   tokens_per_s=batch * block * world / (median / 1e3),
                   model_state_MiB=state_bytes / 1048576.0)
     if device.type == "cuda":
@@ -180,6 +182,9 @@ def main():
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    # As the C++ side: untimed steps first, so that the first use of the
+    # device and its libraries is not charged to the first case.
+    run_case("small/unwrapped", device, rank, world)
     failed = 0
     for name in args.cases.split(","):
         try:

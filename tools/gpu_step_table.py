@@ -5,7 +5,7 @@ PyTorch's (models/fsdp_step_benchmark.py, JSON lines), as a markdown table
 per model and world size. Ratios are ours / PyTorch's: below 1 is faster
 (step time) or smaller (memory).
 
-  tools/gpu_step_table.py CPP_JSON PYTORCH_JSONL
+  tools/gpu_step_table.py CPP_JSON [CPP_JSON...] PYTORCH_JSONL
 """
 import json
 import sys
@@ -19,6 +19,8 @@ COUNTERPARTS = {
     "full_shard:bf16": ["fsdp:full_shard:bf16", "fully_shard:full_shard:bf16"],
     "full_shard:offload": ["fsdp:full_shard:offload", "fully_shard:full_shard:offload"],
     "full_shard:process_group": ["fsdp:full_shard", "fully_shard:full_shard"],
+    "full_shard:staged": ["fsdp:full_shard", "fully_shard:full_shard"],
+    "full_shard:bf16:staged": ["fsdp:full_shard:bf16", "fully_shard:full_shard:bf16"],
 }
 
 
@@ -41,8 +43,9 @@ def load_cpp(path):
         if "error_message" in run:
             out[key] = {"error": run["error_message"]}
         else:
-            out[key] = {k: run[k] for k in ("median_ms", "peak_allocated_MiB",
-                                             "peak_reserved_MiB", "model_state_MiB")}
+            out[key] = {k: run[k] for k in ("median_ms", "p10_ms", "p90_ms",
+                                             "peak_allocated_MiB", "peak_reserved_MiB",
+                                             "model_state_MiB") if k in run}
     return out
 
 
@@ -64,6 +67,14 @@ def cell(result, key, fmt):
     return fmt % result[key] if key in result else "-"
 
 
+def step(result):
+    """The median, and the 10th-90th percentile spread when there is one."""
+    median = cell(result, "median_ms", "%.2f")
+    if result and "p10_ms" in result and "p90_ms" in result:
+        return "%s (%.2f-%.2f)" % (median, result["p10_ms"], result["p90_ms"])
+    return median
+
+
 def memory(result):
     allocated = cell(result, "peak_allocated_MiB", "%.0f")
     if result and "peak_reserved_MiB" in result:
@@ -78,11 +89,14 @@ def ratio(ours, theirs, key):
 
 
 def main():
-    cpp, pytorch = load_cpp(sys.argv[1]), load_pytorch(sys.argv[2])
+    cpp = {}
+    for path in sys.argv[1:-1]:
+        cpp.update(load_cpp(path))
+    pytorch = load_pytorch(sys.argv[-1])
     versions = sorted({r["torch"] for r in pytorch.values() if "torch" in r})
-    print("PyTorch %s. Step: median of the timed steps, ms. Memory: peak allocated "
-          "MiB during the timed steps (reserved in parentheses). Ratio: ours / PyTorch's."
-          % ", ".join(versions))
+    print("PyTorch %s. Step: median of the timed steps, ms (10th-90th percentile in "
+          "parentheses). Memory: peak allocated MiB during the timed steps (reserved in "
+          "parentheses). Ratio: ours / PyTorch's, of the medians." % ", ".join(versions))
     for model, world in sorted({(m, w) for m, _, w in list(cpp) + list(pytorch)}):
         print("\n### %s, W=%d\n" % (model, world))
         print("| ours | step ms | peak MiB | PyTorch | step ms | peak MiB | step ratio | "
@@ -93,8 +107,8 @@ def main():
             for their_case in theirs:
                 other = pytorch.get((model, their_case, world))
                 print("| %s | %s | %s | %s | %s | %s | %s | %s |" % (
-                    case, cell(ours, "median_ms", "%.2f"), memory(ours),
-                    their_case, cell(other, "median_ms", "%.2f"), memory(other),
+                    case, step(ours), memory(ours),
+                    their_case, step(other), memory(other),
                     ratio(ours, other, "median_ms"), ratio(ours, other, "peak_allocated_MiB")))
     failures = [(k, r["error"]) for k, r in list(cpp.items()) + list(pytorch.items())
                 if "error" in r]

@@ -19,9 +19,10 @@
 # toolkit; abseil, googletest, google-benchmark and protobuf come from the
 # Debian packages in .gpu_deps/ (FSDP_GPU_DEPS), unpacked with dpkg -x.
 # Writes to OUT_DIR at most 8 files: summary.txt (each stage's outcome),
-# build.log, cuda_test.log (with the main job's runs), cpp_step.json, pytorch_step.jsonl,
-# step_table.md, nccl.json (two GPUs or more), ctest.log. A failing stage
-# is recorded and the next runs.
+# build.log, cuda_test.log (with the main job's runs), cpp_step.json,
+# pytorch_step.jsonl, step_table.md, nccl.json (two GPUs or more) or
+# cpp_step_w2.json (one GPU: two ranks sharing it), ctest.log. A failing
+# stage is recorded and the next runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -95,7 +96,7 @@ stage configure "$out/build.log" cmake -S . -B "$build" -G Ninja -DFSDP_CUDA=ON 
   -DCMAKE_CXX_STANDARD="$cxx_standard" || exit 1
 if stage build_cuda_targets "$out/build.log" cmake --build "$build" \
     --target fsdp_cuda_test models_cuda_step_benchmark comm_nccl_collectives_benchmark \
-    models_train_gpt; then
+    models_train_gpt comm_launch; then
   stage cuda_test "$out/cuda_test.log" "$build/fsdp/cuda_test"
   # --collectives=auto picks NCCL for the rank with a GPU of its own and
   # staged collectives for the two ranks sharing cuda:0.
@@ -107,19 +108,25 @@ if stage build_cuda_targets "$out/build.log" cmake --build "$build" \
   done
   stage cpp_step_benchmark "$out/build.log" "$build/models/cuda_step_benchmark" \
     --benchmark_out="$out/cpp_step.json" --benchmark_out_format=json
-  # The two NCCL transports (direct, ProcessGroupNCCL) need two GPUs or more.
+  # The two NCCL transports (direct, ProcessGroupNCCL) need two GPUs or more;
+  # with one, two ranks share it over staged collectives instead.
   if (($(nvidia-smi -L 2>/dev/null | wc -l) >= 2)); then
     stage nccl_transports "$out/build.log" "$build/comm/nccl_collectives_benchmark" \
       --benchmark_out="$out/nccl.json" --benchmark_out_format=json
   else
     note "nccl_transports: skipped (one GPU: NCCL needs a device per rank)"
+    stage cpp_step_benchmark_w2_shared "$out/build.log" "$build/comm/launch" \
+      --nproc_per_node=2 -- "$build/models/cuda_step_benchmark" \
+      --benchmark_filter='unwrapped|staged' --benchmark_out="$out/cpp_step_w2.json" \
+      --benchmark_out_format=json
   fi
 fi
 rm -f "$out/pytorch_step.jsonl"
 stage pytorch_step_benchmark "$out/build.log" env PYTHONUNBUFFERED=1 \
   python3 models/fsdp_step_benchmark.py "$out/pytorch_step.jsonl"
 if [[ -s "$out/cpp_step.json" && -s "$out/pytorch_step.jsonl" ]]; then
-  python3 tools/gpu_step_table.py "$out/cpp_step.json" "$out/pytorch_step.jsonl" \
+  python3 tools/gpu_step_table.py "$out/cpp_step.json" \
+    $([[ -s "$out/cpp_step_w2.json" ]] && echo "$out/cpp_step_w2.json") "$out/pytorch_step.jsonl" \
     >"$out/step_table.md" && cat "$out/step_table.md"
 fi
 
