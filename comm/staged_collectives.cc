@@ -200,6 +200,9 @@ class StagedCollectives final : public Collectives {
       } catch (const std::exception& e) {
         first_failure = e.what();
         job->Finish(first_failure);
+      } catch (...) {
+        first_failure = absl::StrCat(Describe(), ": a collective threw a non-standard exception");
+        job->Finish(first_failure);
       }
     }
   }

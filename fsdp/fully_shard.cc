@@ -403,6 +403,8 @@ void FullyShardedModel::FinishBackward() {
         scheduler_->Move(*handle, HandleTrainingState::kBackwardPost, HandleTrainingState::kIdle);
       }
     }
+    // A unit without parameters of its own has no post hook to end it.
+    unit->backward_span_.End();
     unit->pre_backward_done_ = false;
     unit->gradients_ready_ = 0;
   }

@@ -86,7 +86,7 @@ TEST(TrainGpt, BadFlagsAreRefusedNamingTheProblem) {
       {"--data=" + dir + "/none", 2, "--data=" + dir + "/none: not a readable file"},
       {"--data=" + dir + "/file", 2,
        "--data=" + dir + "/file: 0 bytes hold 0 held-out bytes (the last tenth), fewer than "
-       "one sequence of --block_size + 1 = 33"},
+       "--block_size + 2 = 34"},
       {"--eval_batches=0", 2, "--eval_batches=0: must be >= 1"},
       {"--device=cuda:x", 2, "--device=cuda:x: "},
       {"--collectives=pigeon", 2, "--collectives=pigeon: must be auto, gloo, nccl or staged"},

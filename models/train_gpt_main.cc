@@ -355,10 +355,11 @@ std::optional<std::string> DataProblem(int block_size) {
     return absl::StrCat("--data=", path, ": not a readable file");
   }
   const int64_t size = info.st_size, held_out = HeldOutBytes(size);
-  if (held_out < block_size + 1) {
+  // Sampling needs room for more than one sequence (TokenSampler).
+  if (held_out < block_size + 2) {
     return absl::StrFormat("--data=%s: %d bytes hold %d held-out bytes (the last tenth), fewer "
-                           "than one sequence of --block_size + 1 = %d",
-                           path, size, held_out, block_size + 1);
+                           "than --block_size + 2 = %d",
+                           path, size, held_out, block_size + 2);
   }
   return std::nullopt;
 }
@@ -636,7 +637,10 @@ void LoadInitialState(fsdp::FullyShardedModel& fsdp_model, const std::set<std::s
 class TokenSampler {
  public:
   TokenSampler(at::Tensor tokens, int64_t global_batch, int64_t block_size, uint64_t seed)
-      : tokens_(std::move(tokens)), global_batch_(global_batch), t_(block_size), sampler_(seed) {}
+      : tokens_(std::move(tokens)), global_batch_(global_batch), t_(block_size), sampler_(seed) {
+    TORCH_CHECK(tokens_.numel() >= t_ + 2, "TokenSampler: ", tokens_.numel(),
+                " tokens hold fewer than block_size + 2 = ", t_ + 2);
+  }
 
   // [global batch, block_size + 1] token ids.
   at::Tensor Next() {
@@ -928,7 +932,12 @@ class TrainingRun {
           std::isfinite(result.grad_norm) ? absl::StrFormat("%.6f", result.grad_norm).c_str()
                                           : "null",
           result.finite() ? "" : ", \"skipped\": true",
-          held_out_loss ? absl::StrFormat(", \"eval_loss\": %.6f", *held_out_loss).c_str() : "");
+          held_out_loss ? absl::StrCat(", \"eval_loss\": ",
+                                       std::isfinite(*held_out_loss)
+                                           ? absl::StrFormat("%.6f", *held_out_loss)
+                                           : std::string("null"))
+                              .c_str()
+                        : "");
       std::fflush(metrics_);
     }
     if (print_ &&
@@ -1115,6 +1124,7 @@ absl::StatusOr<Placement> ResolvePlacement(int local_rank, int ranks_on_host) {
   const std::string wanted = absl::GetFlag(FLAGS_collectives);
   Placement placement;
   const bool cuda = absl::StartsWith(device_flag, "cuda");
+  bool own_gpu = false;  // Every rank of this host has a GPU to itself.
   if (device_flag != "cpu" && !cuda) {
     return absl::InvalidArgumentError(
         absl::StrCat("--device=", device_flag, ": must be cpu, cuda or cuda:N"));
@@ -1136,7 +1146,7 @@ absl::StatusOr<Placement> ResolvePlacement(int local_rank, int ranks_on_host) {
       }
     }
     placement.device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
-    const bool own_gpu = device_flag == "cuda" ? ranks_on_host <= gpus : ranks_on_host == 1;
+    own_gpu = device_flag == "cuda" ? ranks_on_host <= gpus : ranks_on_host == 1;
     placement.collectives =
         wanted != "auto" ? wanted : (kBuiltWithNccl && own_gpu ? "nccl" : "staged");
   } else {
@@ -1154,6 +1164,11 @@ absl::StatusOr<Placement> ResolvePlacement(int local_rank, int ranks_on_host) {
   }
   if (chosen == "nccl" && !cuda) {
     return absl::InvalidArgumentError("--collectives=nccl needs --device=cuda or cuda:N");
+  }
+  if (chosen == "nccl" && cuda && !own_gpu) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--collectives=nccl with --device=", device_flag, ": ", ranks_on_host,
+        " ranks of this host would share a GPU, which NCCL refuses; use staged"));
   }
   if (chosen == "nccl" && !kBuiltWithNccl) {
     return absl::FailedPreconditionError(
