@@ -249,8 +249,11 @@ absl::Status LoadLocalStateDict(FullyShardedModel& model, const StateDict& state
     auto flat = given.find(key);
     auto layout = given.find(key + "_layout");
     if (flat == given.end() || layout == given.end()) {
+      // The half that is there belongs to the model: missing, not extra.
       if (flat == given.end()) check.Missing(key);
       if (layout == given.end()) check.Missing(key + "_layout");
+      if (flat != given.end()) given.erase(flat);
+      if (layout != given.end()) given.erase(layout);
       continue;
     }
     const at::Tensor mine = LocalLayout(model, *handle);
