@@ -291,6 +291,15 @@ set_tests_properties(//fsdp:fully_shard_test PROPERTIES TIMEOUT 300 ENVIRONMENT 
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_fully_shard_test")
 endif()
 
+# //fsdp:host_overhead_benchmark
+if(BUILD_TESTING)
+add_executable(fsdp_host_overhead_benchmark ${PROJECT_SOURCE_DIR}/fsdp/host_overhead_benchmark.cc)
+set_target_properties(fsdp_host_overhead_benchmark PROPERTIES OUTPUT_NAME host_overhead_benchmark RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
+target_link_libraries(fsdp_host_overhead_benchmark PRIVATE fsdp_fully_shard base_status comm_collectives testing_torch_python third_party_absl_base third_party_benchmark fsdp_torch)
+configure_file(${PROJECT_SOURCE_DIR}/fsdp/host_overhead_fsdp2.py "${CMAKE_BINARY_DIR}/fsdp/host_overhead_fsdp2.py" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/fsdp/host_overhead_fsdp2.py "${CMAKE_BINARY_DIR}/fsdp/host_overhead_benchmark.runfiles/fsdp_cpp/fsdp/host_overhead_fsdp2.py" COPYONLY)
+endif()
+
 # //fsdp:hybrid_shard_test
 if(BUILD_TESTING)
 add_executable(fsdp_hybrid_shard_test ${PROJECT_SOURCE_DIR}/fsdp/hybrid_shard_test.cc ${PROJECT_SOURCE_DIR}/fsdp/test_models.h)
@@ -330,6 +339,16 @@ add_dependencies(fsdp_policy_wrap_test policies_examples_libfqn_glob_policy_so)
 add_test(NAME //fsdp:policy_wrap_test COMMAND fsdp_policy_wrap_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//fsdp:policy_wrap_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_policy_wrap_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_policy_wrap_test")
+endif()
+
+# //fsdp:reduction_overlap_test
+if(BUILD_TESTING)
+add_executable(fsdp_reduction_overlap_test ${PROJECT_SOURCE_DIR}/fsdp/reduction_overlap_test.cc)
+set_target_properties(fsdp_reduction_overlap_test PROPERTIES OUTPUT_NAME reduction_overlap_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
+target_link_libraries(fsdp_reduction_overlap_test PRIVATE fsdp_fully_shard fsdp_test_util comm_collectives comm_gloo_collectives comm_hybrid_groups testing_fault_injection testing_multi_rank third_party_c10d_gloo third_party_gtest_main fsdp_torch)
+add_test(NAME //fsdp:reduction_overlap_test COMMAND fsdp_reduction_overlap_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//fsdp:reduction_overlap_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_reduction_overlap_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_reduction_overlap_test")
 endif()
 
 # //fsdp:runtime_streams
@@ -450,6 +469,18 @@ target_include_directories(fsdp_wrap_plan PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS fsdp_wrap_plan EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/fsdp/wrap_plan.h DESTINATION include/fsdp)
 
+# //models:fsdp2_parity_test
+if(BUILD_TESTING)
+add_executable(models_fsdp2_parity_test ${PROJECT_SOURCE_DIR}/models/fsdp2_parity_test.cc)
+set_target_properties(models_fsdp2_parity_test PROPERTIES OUTPUT_NAME fsdp2_parity_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
+target_link_libraries(models_fsdp2_parity_test PRIVATE models_gpt comm_gloo_collectives comm_hybrid_groups comm_local_launcher fsdp_fully_shard statedict_state_dict statedict_torch_file testing_multi_rank testing_torch_python third_party_absl_base third_party_c10d_gloo third_party_gtest_main fsdp_torch)
+configure_file(${PROJECT_SOURCE_DIR}/models/fsdp2_parity.py "${CMAKE_BINARY_DIR}/models/fsdp2_parity.py" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/models/gpt_interop.py "${CMAKE_BINARY_DIR}/models/gpt_interop.py" COPYONLY)
+add_test(NAME //models:fsdp2_parity_test COMMAND models_fsdp2_parity_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//models:fsdp2_parity_test PROPERTIES TIMEOUT 900 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/models_fsdp2_parity_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/models_fsdp2_parity_test")
+endif()
+
 # //models:gpt
 add_library(models_gpt SHARED ${PROJECT_SOURCE_DIR}/models/gpt.cc ${PROJECT_SOURCE_DIR}/models/gpt.h)
 set_target_properties(models_gpt PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models)
@@ -530,8 +561,8 @@ if(BUILD_TESTING)
 add_executable(models_train_step_benchmark ${PROJECT_SOURCE_DIR}/models/train_step_benchmark.cc)
 set_target_properties(models_train_step_benchmark PROPERTIES OUTPUT_NAME train_step_benchmark RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
 target_link_libraries(models_train_step_benchmark PRIVATE models_gpt base_status comm_launch_environment comm_local_launcher comm_rendezvous fsdp_fully_shard testing_torch_python third_party_absl_base third_party_benchmark fsdp_torch)
-configure_file(${PROJECT_SOURCE_DIR}/models/ddp_step_benchmark.py "${CMAKE_BINARY_DIR}/models/ddp_step_benchmark.py" COPYONLY)
-configure_file(${PROJECT_SOURCE_DIR}/models/ddp_step_benchmark.py "${CMAKE_BINARY_DIR}/models/train_step_benchmark.runfiles/fsdp_cpp/models/ddp_step_benchmark.py" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/models/pytorch_step_benchmark.py "${CMAKE_BINARY_DIR}/models/pytorch_step_benchmark.py" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/models/pytorch_step_benchmark.py "${CMAKE_BINARY_DIR}/models/train_step_benchmark.runfiles/fsdp_cpp/models/pytorch_step_benchmark.py" COPYONLY)
 configure_file(${PROJECT_SOURCE_DIR}/models/gpt_interop.py "${CMAKE_BINARY_DIR}/models/gpt_interop.py" COPYONLY)
 configure_file(${PROJECT_SOURCE_DIR}/models/gpt_interop.py "${CMAKE_BINARY_DIR}/models/train_step_benchmark.runfiles/fsdp_cpp/models/gpt_interop.py" COPYONLY)
 endif()

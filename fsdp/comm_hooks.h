@@ -7,10 +7,27 @@
 // A hook is an object, so its state lives in its members (PyTorch passes a
 // separate state object; here the hook is the state). The runtime calls
 // Reduce once per unit per reduction, from the unit's post-backward hook, on
-// every rank in the same order.
+// every rank in the same order (from the unit's post-backward hook, or at
+// the end of backward for a unit some of whose parameters got no
+// gradient). Reduce issues the reduction and returns it in flight (a
+// PendingReduction); the runtime goes on with backward and waits for it
+// later, so that communication overlaps the backward of the units before
+// it:
+//   * when it issues the next unit's reduction, it calls Advance() on the
+//     one before (once per reduction): a reduction waits there for the
+//     collectives that read the flat gradient and issues the rest (hybrid
+//     sharding's replicate all-reduce), so that reductions in flight hold
+//     at most one unit's flat gradient besides the one being issued
+//     (FSDP2 bounds its reduce-scatter inputs the same way; NO_SHARD,
+//     whose all-reduce is in place, holds them until the end);
+//   * at the end of backward it calls Wait() on each, in issue order.
+// A synchronous hook reduces inside Reduce and returns CompletedReduction().
 #ifndef FSDP_FSDP_COMM_HOOKS_H_
 #define FSDP_FSDP_COMM_HOOKS_H_
 
+#include <functional>
+#include <memory>
+#include <optional>
 #include <string>
 
 #include "ATen/core/Tensor.h"
@@ -28,7 +45,38 @@ struct CommHookContext {
   // built-in reduction (DefaultCommHook) runs under hybrid sharding:
   // RegisterCommHook refuses user hooks there, as PyTorch does.
   Collectives* replicate_group = nullptr;
+  // FsdpOptions::gradient_divide_factor: divide the sum by this instead of
+  // by the number of ranks (the built-in reduction divides before the sum).
+  std::optional<double> divide_factor;
 };
+
+// A reduction in flight. Destroying one that was not waited for waits for
+// its collectives (errors are then dropped), so the tensors they use are
+// never freed while a transfer still uses them.
+class PendingReduction {
+ public:
+  PendingReduction() = default;
+  PendingReduction(const PendingReduction&) = delete;
+  PendingReduction& operator=(const PendingReduction&) = delete;
+  virtual ~PendingReduction() = default;
+
+  // See the top of this file. The default does nothing. The runtime labels
+  // what this issues with the reduction's own unit.
+  virtual void Advance() {}
+  // Returns once `out` of the Reduce call holds the result; throws
+  // c10::Error if a collective failed. Called once, after which the
+  // reduction holds no tensors.
+  virtual void Wait() = 0;
+};
+
+// For a hook that finished inside Reduce.
+std::unique_ptr<PendingReduction> CompletedReduction();
+
+// `first`, then `then` on the waiting thread once `first` completed: how a
+// hook that post-processes another's result (a cast back, an error
+// feedback update) stays asynchronous. Advance() advances `first`.
+std::unique_ptr<PendingReduction> ReductionThen(std::unique_ptr<PendingReduction> first,
+                                                std::function<void()> then);
 
 class CommHook {
  public:
@@ -41,19 +89,23 @@ class CommHook {
   // leave in `out` the average over the group's ranks (times the replicate
   // group's): for a sharded unit `out` is this rank's chunk (grad.numel() /
   // W elements), for NO_SHARD it is `grad` itself (reduce in place). `out`
-  // has grad's dtype.
-  virtual void Reduce(const CommHookContext& context, at::Tensor& grad, at::Tensor& out) = 0;
+  // has grad's dtype. The reduction in flight keeps whatever tensors it
+  // still needs (`grad` at least until Advance()).
+  virtual std::unique_ptr<PendingReduction> Reduce(const CommHookContext& context, at::Tensor grad,
+                                                   at::Tensor out) = 0;
 };
 
 // FSDP's built-in reduction, what every unit uses unless a hook is
 // registered: reduce-scatter (all-reduce for NO_SHARD), then under hybrid
 // sharding an all-reduce of the result over the replicate group, with
 // PyTorch's pre- and post-division (by the number of ranks averaged over)
-// to keep sums in range.
+// to keep sums in range. Advance() waits for the reduce-scatter and issues
+// the replicate all-reduce; Wait() waits for that and post-divides.
 class DefaultCommHook : public CommHook {
  public:
   std::string Name() const override { return "default"; }
-  void Reduce(const CommHookContext& context, at::Tensor& grad, at::Tensor& out) override;
+  std::unique_ptr<PendingReduction> Reduce(const CommHookContext& context, at::Tensor grad,
+                                           at::Tensor out) override;
 };
 
 // PyTorch's fp16_compress_hook / bf16_compress_hook: communicates the
@@ -63,7 +115,8 @@ class LowPrecisionCommHook : public CommHook {
  public:
   explicit LowPrecisionCommHook(DType dtype) : dtype_(dtype) {}
   std::string Name() const override;
-  void Reduce(const CommHookContext& context, at::Tensor& grad, at::Tensor& out) override;
+  std::unique_ptr<PendingReduction> Reduce(const CommHookContext& context, at::Tensor grad,
+                                           at::Tensor out) override;
 
  private:
   DType dtype_;

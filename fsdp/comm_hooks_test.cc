@@ -131,7 +131,8 @@ TEST(CommHooks, CompressedHooksHalveTheBytesAndStayClose) {
 class ErrorFeedbackBf16Hook : public CommHook {
  public:
   std::string Name() const override { return "error_feedback_bf16"; }
-  void Reduce(const CommHookContext& context, at::Tensor& grad, at::Tensor& out) override {
+  std::unique_ptr<PendingReduction> Reduce(const CommHookContext& context, at::Tensor grad,
+                                           at::Tensor out) override {
     ++calls_;
     at::Tensor& residual = residuals_[context.unit];
     if (!residual.defined()) residual = at::zeros_like(grad);
@@ -139,8 +140,8 @@ class ErrorFeedbackBf16Hook : public CommHook {
     at::Tensor low = corrected.to(at::kBFloat16);
     residual = corrected - low.to(grad.scalar_type());
     at::Tensor low_out = context.sharded ? at::empty({out.numel()}, low.options()) : low;
-    DefaultCommHook().Reduce(context, low, low_out);
-    out.copy_(low_out);
+    return ReductionThen(DefaultCommHook().Reduce(context, low, low_out),
+                         [out, low_out]() mutable { out.copy_(low_out); });
   }
   int calls() const { return calls_; }
   float residual_norm() const {
@@ -179,6 +180,42 @@ TEST(CommHooks, AStatefulErrorFeedbackHookChangesWhatIsSentAndConverges) {
   std::printf("error feedback: loss %.5f -> %.5f (uncompressed %.5f -> %.5f)\n",
               hooked.losses.front(), hooked.losses.back(), plain.losses.front(),
               plain.losses.back());
+}
+
+// FSDP2's set_gradient_divide_factor: 1 makes the reduction a sum. At W = 2
+// the default divides by 2 (all of it before the sum), so the gradients
+// are exactly twice the default's, in every strategy.
+TEST(CommHooks, AGradientDivideFactorReplacesTheAverage) {
+  for (ShardingStrategy strategy :
+       {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard}) {
+    SCOPED_TRACE(ShardingStrategyName(strategy));
+    std::vector<std::map<std::string, at::Tensor>> grads(2);  // [default, factor 1], rank 0.
+    for (int summed = 0; summed < 2; ++summed) {
+      ASSERT_TRUE(RunOnThreadRanks(kWorld, [&](Collectives& comm) {
+                    Net model;
+                    FsdpOptions options;
+                    options.strategy = strategy;
+                    if (summed == 1) options.gradient_divide_factor = 1.0;
+                    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
+                                                           SelectModulesOfType<BlockImpl>());
+                    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+                    const int64_t rows = kGlobalBatch / kWorld;
+                    at::mse_loss(model->forward(Inputs(0, 0).narrow(0, comm.rank() * rows, rows)),
+                                 Targets(0, 0).narrow(0, comm.rank() * rows, rows))
+                        .backward();
+                    SummonFullParams full(
+                        **wrapped, {.writeback = false, .rank0_only = false, .with_grads = true});
+                    if (comm.rank() != 0) return;
+                    for (const auto& item : model->named_parameters()) {
+                      grads[summed][item.key()] = item.value().grad().clone();
+                    }
+                  }).ok());
+    }
+    ASSERT_EQ(grads[0].size(), grads[1].size());
+    for (const auto& [name, grad] : grads[0]) {
+      EXPECT_TRUE(at::equal(grad * 2, grads[1].at(name))) << name;
+    }
+  }
 }
 
 TEST(CommHooks, MisuseIsRefusedByName) {

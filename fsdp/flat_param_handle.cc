@@ -485,6 +485,8 @@ void FlatParamHandle::PrepareGradientsForBackward() {
   TORCH_CHECK(unsharded_ || !UnshardNeeded(), Describe(),
               ": PrepareGradientsForBackward needs the unit unsharded; training state ",
               HandleTrainingStateName(training_state_));
+  TORCH_CHECK(!has_pending_reduction(), Describe(),
+              ": PrepareGradientsForBackward while the last reduction is pending");
   // Reduced but not yet published (two backward passes without a Reshard
   // between): the accumulated gradient is in sharded_grad_ already. Or
   // no_sync: .grad holds full gradients that this backward adds to.
@@ -508,12 +510,14 @@ void FlatParamHandle::PrepareGradientsForBackward() {
   }
 }
 
-void FlatParamHandle::ReduceGradients() {
+void FlatParamHandle::StartReduceGradients() {
   TORCH_CHECK(unsharded_ || !UnshardNeeded(), Describe(),
               ": ReduceGradients needs the unit unsharded; training state ",
               HandleTrainingStateName(training_state_));
   TORCH_CHECK(has_trainable_params(), Describe(),
               ": ReduceGradients on a unit without trainable parameters");
+  TORCH_CHECK(!has_pending_reduction(), Describe(),
+              ": ReduceGradients while the previous reduction is pending");
   at::NoGradGuard no_grad;
   // Copying the gradients in casts them to the reduction's dtype. Only the
   // trainable segment is reduced: it starts the flat parameter.
@@ -537,13 +541,37 @@ void FlatParamHandle::ReduceGradients() {
   at::Tensor reduced = uses_sharded_views()
                            ? at::empty({trainable.shard_numel}, flat_grad.options())
                            : flat_grad;  // NO_SHARD reduces in place.
-  const CommHookContext context{group_, uses_sharded_views(), unit_name_,
-                                options_.replicate_group};
-  if (comm_hook_ != nullptr) {
-    comm_hook_->Reduce(context, flat_grad, reduced);
-  } else {
-    DefaultCommHook().Reduce(context, flat_grad, reduced);
+  const CommHookContext context{group_, uses_sharded_views(), unit_name_, options_.replicate_group,
+                                options_.gradient_divide_factor};
+  std::unique_ptr<PendingReduction> pending =
+      comm_hook_ != nullptr ? comm_hook_->Reduce(context, std::move(flat_grad), reduced)
+                            : DefaultCommHook().Reduce(context, std::move(flat_grad), reduced);
+  TORCH_CHECK(pending != nullptr, Describe(), ": the comm hook '",
+              comm_hook_ != nullptr ? comm_hook_->Name() : "default",
+              "' returned no reduction (a synchronous hook returns CompletedReduction())");
+  pending_reduction_ = std::move(pending);
+  reduced_ = std::move(reduced);
+  holds_unreduced_ = false;
+}
+
+void FlatParamHandle::AdvanceReduction() {
+  if (!has_pending_reduction()) return;
+  try {
+    pending_reduction_->Advance();
+  } catch (...) {
+    pending_reduction_.reset();
+    reduced_ = at::Tensor();
+    throw;
   }
+}
+
+void FlatParamHandle::FinishReduceGradients() {
+  if (!has_pending_reduction()) return;
+  std::unique_ptr<PendingReduction> pending = std::move(pending_reduction_);
+  at::Tensor reduced = std::move(reduced_);
+  pending->Wait();
+  pending.reset();
+  at::NoGradGuard no_grad;
   if (reduced.scalar_type() != GradDtype()) reduced = reduced.to(GradDtype());
   if (options_.offload_params) {
     // Accumulated on the compute device, in stream order: nothing here
@@ -560,11 +588,17 @@ void FlatParamHandle::ReduceGradients() {
     AllocateShardedGrad(std::move(reduced));
   }
   gradients_pending_ = true;
-  holds_unreduced_ = false;
-  // NO_SHARD's shapes already match (its parameters view the shard), unless
-  // offloading, where the parameters are on the compute device until
-  // Reshard points them at the host.
-  if (!uses_sharded_views() && !options_.offload_params) PublishGradients();
+  // The parameters view the shard already: NO_SHARD (unless offloading,
+  // where they are on the compute device until Reshard points them at the
+  // host), or a unit resharded while its reduction was in flight.
+  const bool params_at_shard =
+      uses_sharded_views() ? !unsharded_ : !options_.offload_params || !unsharded_;
+  if (params_at_shard) PublishGradients();
+}
+
+void FlatParamHandle::ReduceGradients() {
+  StartReduceGradients();
+  FinishReduceGradients();
 }
 
 void FlatParamHandle::WritebackShard() {
@@ -580,7 +614,7 @@ void FlatParamHandle::WritebackShard() {
 
 void FlatParamHandle::UnshardGradients() {
   if (!uses_sharded_views() || !sharded_grad_.defined() || !has_trainable_params()) return;
-  TORCH_CHECK(!holds_unreduced_ && !gradients_pending_, Describe(),
+  TORCH_CHECK(!holds_unreduced_ && !gradients_pending_ && !has_pending_reduction(), Describe(),
               ": gradients are not reduced yet (inside no_sync or backward)");
   full_grad_ = AllGatherShardLike(
       options_.offload_params ? OnComputeDevice(sharded_grad_, sharded_grad_.scalar_type())
@@ -602,7 +636,7 @@ void FlatParamHandle::ReshardGradients(bool writeback) {
 }
 
 void FlatParamHandle::KeepGradientsUnreduced() {
-  TORCH_CHECK(!gradients_pending_, Describe(),
+  TORCH_CHECK(!gradients_pending_ && !has_pending_reduction(), Describe(),
               ": KeepGradientsUnreduced after ReduceGradients in the same backward");
   holds_unreduced_ = true;
 }

@@ -153,6 +153,8 @@ struct FlatParamHandleOptions {
   bool keep_low_precision_grads = false;
   // See "CPU offload" above (PyTorch's CPUOffload(offload_params=True)).
   bool offload_params = false;
+  // FsdpOptions::gradient_divide_factor, handed to the comm hook.
+  std::optional<double> gradient_divide_factor;
 };
 
 class FlatParamHandle {
@@ -204,9 +206,21 @@ class FlatParamHandle {
 
   // After that backward: reduce-scatters (all-reduces for NO_SHARD) the
   // trainable parameters' full gradients, missing ones counting as zero.
-  // The result reaches .grad at the next Reshard (at once for NO_SHARD).
-  // REQUIRES: unsharded (or NO_SHARD), has_trainable_params().
+  // StartReduceGradients copies the gradients into a flat buffer, clears
+  // .grad and issues the reduction through the comm hook;
+  // FinishReduceGradients waits for it and adds the result into the
+  // sharded gradient, which reaches .grad then if the unit is resharded
+  // (or NO_SHARD without offload), else at the next Reshard. Between them
+  // the unit may be resharded and other units may run;
+  // AdvanceReduction lets the hook move its reduction on
+  // (PendingReduction::Advance, fsdp/comm_hooks.h). Start REQUIRES:
+  // unsharded (or NO_SHARD), has_trainable_params(), no reduction
+  // pending. Finish throws the reduction's error, leaving none pending.
+  void StartReduceGradients();
+  void AdvanceReduction();
+  void FinishReduceGradients();
   void ReduceGradients();
+  bool has_pending_reduction() const { return pending_reduction_ != nullptr; }
 
   // Instead of ReduceGradients, under no_sync: the full gradients stay in
   // .grad (full shape, even after Reshard) and later backward passes add to
@@ -362,6 +376,10 @@ class FlatParamHandle {
   at::Tensor full_grad_;     // The trainable segment, while UnshardGradients is in effect.
   std::vector<at::Tensor> grad_aliases_;  // Parameter i's part of sharded_grad_ (frozen: none).
   bool gradients_pending_ = false;  // Reduced into sharded_grad_, not yet in .grad.
+  // The reduction in flight (StartReduceGradients) and where it leaves
+  // this rank's reduced part of the flat gradient.
+  std::unique_ptr<PendingReduction> pending_reduction_;
+  at::Tensor reduced_;
   bool holds_unreduced_ = false;    // .grad holds full, unreduced gradients.
   std::vector<std::unique_ptr<CollectiveWork>> pending_unshard_;  // One per segment.
   bool unsharded_ = false;

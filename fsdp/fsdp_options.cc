@@ -10,8 +10,8 @@ std::string CrossRankOptionsKey(const FsdpOptions& options) {
   // that may differ between ranks.
   [[maybe_unused]] const auto& [strategy, replicate_group, mixed_precision, backward_prefetch,
                                 forward_prefetch, limit_all_gathers, check_execution_order,
-                                verify_collectives_every, offload_params, device_id,
-                                ignored_modules, sync_module_states, param_init_fn,
+                                verify_collectives_every, offload_params, gradient_divide_factor,
+                                device_id, ignored_modules, sync_module_states, param_init_fn,
                                 trace /* may differ */, debug_log /* may differ */] = options;
   return absl::StrCat(
       "strategy=", ShardingStrategyName(strategy),
@@ -23,6 +23,8 @@ std::string CrossRankOptionsKey(const FsdpOptions& options) {
       ",check_execution_order=", check_execution_order,
       ",verify_collectives_every=", verify_collectives_every,
       ",offload_params=", offload_params,
+      ",gradient_divide_factor=",
+      gradient_divide_factor ? absl::StrCat(*gradient_divide_factor) : "unset",
       ",device_type=", device_id ? c10::DeviceTypeName(device_id->type(), true) : "unset",
       ",ignored_modules=", ignored_modules.size(),
       ",sync_module_states=", sync_module_states,
@@ -42,6 +44,11 @@ absl::Status ValidateFsdpOptions(const FsdpOptions& options) {
     return absl::InvalidArgumentError(
         absl::StrCat("FsdpOptions::verify_collectives_every must be >= 0 (0: never), got ",
                      options.verify_collectives_every));
+  }
+  if (options.gradient_divide_factor && !(*options.gradient_divide_factor > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("FsdpOptions::gradient_divide_factor must be positive, got ",
+                     *options.gradient_divide_factor));
   }
   return absl::OkStatus();
 }

@@ -87,6 +87,13 @@ struct FsdpOptions {
   // works with it, inside NoSync (the full gradients then stay on the
   // compute device until the reducing backward) and outside.
   bool offload_params = false;
+  // FSDP2's set_gradient_divide_factor, for every unit: the built-in
+  // reduction divides the summed gradients by this instead of by the
+  // number of ranks they are averaged over (shard x replicate group), all
+  // of it before the sum. 1 reduces to the sum (a loss already divided by
+  // the global batch, say). Unset: the average, with PyTorch's split of the
+  // division before and after the sum. Must be positive.
+  std::optional<double> gradient_divide_factor;
   // PyTorch's device_id: the device the units compute on. Wrap moves each
   // unit's parameters there just before sharding it (set_data: the tensors
   // keep their identities), deferred ones (DeferParameterAllocation) after

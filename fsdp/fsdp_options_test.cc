@@ -19,8 +19,7 @@ struct Change {
 std::vector<Change> AgreedFieldChanges() {
   return {
       {"strategy", [](FsdpOptions& o) { o.strategy = ShardingStrategy::kShardGradOp; }},
-      {"mixed_precision",
-       [](FsdpOptions& o) { o.mixed_precision.param_dtype = DType::kBFloat16; }},
+      {"mixed_precision", [](FsdpOptions& o) { o.mixed_precision.param_dtype = DType::kBFloat16; }},
       {"backward_prefetch",
        [](FsdpOptions& o) { o.backward_prefetch = BackwardPrefetch::kBackwardPost; }},
       {"forward_prefetch", [](FsdpOptions& o) { o.forward_prefetch = true; }},
@@ -28,6 +27,7 @@ std::vector<Change> AgreedFieldChanges() {
       {"check_execution_order", [](FsdpOptions& o) { o.check_execution_order = false; }},
       {"verify_collectives_every", [](FsdpOptions& o) { o.verify_collectives_every = 5; }},
       {"offload_params", [](FsdpOptions& o) { o.offload_params = true; }},
+      {"gradient_divide_factor", [](FsdpOptions& o) { o.gradient_divide_factor = 1.0; }},
       {"device_id", [](FsdpOptions& o) { o.device_id = c10::Device(c10::kCUDA, 0); }},
       {"ignored_modules", [](FsdpOptions& o) { o.ignored_modules.push_back(nullptr); }},
       {"sync_module_states", [](FsdpOptions& o) { o.sync_module_states = true; }},

@@ -100,6 +100,7 @@ FlatParamHandleOptions HandleOptionsFor(const PlannedUnit& planned, const FsdpOp
   }
   handle_options.keep_low_precision_grads = mp.keep_low_precision_grads;
   handle_options.offload_params = options.offload_params;
+  handle_options.gradient_divide_factor = options.gradient_divide_factor;
   return handle_options;
 }
 
@@ -408,7 +409,15 @@ void FullyShardedModel::FinishBackward() {
     unit->pre_backward_done_ = false;
     unit->gradients_ready_ = 0;
   }
-  scheduler_->WaitForReductions();  // After the loop: it may have issued some.
+  try {
+    scheduler_->WaitForReductions();  // After the loop: it may have issued some.
+  } catch (...) {
+    // Every unit is idle and resharded; the next backward must queue its
+    // own callback.
+    backward_callback_queued_ = false;
+    SetModelState(ModelTrainingState::kIdle);
+    throw;
+  }
   backward_callback_queued_ = false;
   SetModelState(ModelTrainingState::kIdle);
   ++backward_passes_;

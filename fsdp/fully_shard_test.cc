@@ -761,6 +761,12 @@ TEST(FullyShard, BadOptionsAreRefusedAtWrap) {
                 HasSubstr("FsdpOptions::verify_collectives_every must be >= 0 (0: never), "
                           "got -1"));
     EXPECT_EQ(GetModuleUnit(model.get()), nullptr) << "nothing registered";
+    FsdpOptions zero_divide;
+    zero_divide.gradient_divide_factor = 0.0;
+    wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, zero_divide, SelectModulesOfType<BlockImpl>());
+    EXPECT_THAT(wrapped.status().message(),
+                HasSubstr("FsdpOptions::gradient_divide_factor must be positive, got 0"));
   });
   EXPECT_TRUE(status.ok()) << status;
 }

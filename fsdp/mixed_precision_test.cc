@@ -305,6 +305,50 @@ TEST(MixedPrecision, APolicySetsItPerUnit) {
               }).ok());
 }
 
+// output_dtype (FSDP2's): every unit returns float32 while it computes in
+// bfloat16. Casting bfloat16 to float32 and back is exact, so training must
+// equal the same model without output_dtype whose loss casts the output
+// itself, bit for bit.
+TEST(MixedPrecision, OutputDtypeCastsWhatUnitsReturnAndTrainsAsAnExplicitCast) {
+  std::vector<Trajectory> runs(2);  // [with output_dtype, without]
+  for (int with_output_dtype = 0; with_output_dtype < 2; ++with_output_dtype) {
+    const absl::Status trained = RunOnThreadRanks(kWorld, [&](Collectives& comm) {
+      Chain model;
+      FsdpOptions options;
+      options.mixed_precision.param_dtype = DType::kBFloat16;
+      options.mixed_precision.cast_forward_inputs = true;
+      if (with_output_dtype == 0) {
+        options.mixed_precision.output_dtype = DType::kFloat32;
+      }
+      auto wrapped =
+          FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
+      ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+      auto sgd = MakeSgd(model->parameters());
+      Trajectory& run = runs[with_output_dtype];
+      for (int step = 0; step < kSteps; ++step) {
+        const at::Tensor out = model->forward(RankInputs(step, comm.rank()));
+        EXPECT_EQ(out.scalar_type(), with_output_dtype == 0 ? at::kFloat : at::kBFloat16);
+        at::Tensor loss = out.to(at::kFloat).pow(2).mean();
+        loss.backward();
+        sgd.step();
+        sgd.zero_grad();
+        if (comm.rank() == 0) run.losses.push_back(loss.item<float>());
+      }
+      SummonFullParams full(**wrapped, {/*writeback=*/false});
+      if (comm.rank() != 0) return;
+      for (const auto& item : model->named_parameters()) {
+        run.params[item.key()] = item.value().detach().clone();
+      }
+    });
+    ASSERT_TRUE(trained.ok()) << trained;
+  }
+  EXPECT_EQ(runs[0].losses, runs[1].losses);
+  ASSERT_EQ(runs[0].params.size(), runs[1].params.size());
+  for (const auto& [name, value] : runs[0].params) {
+    EXPECT_TRUE(at::equal(value, runs[1].params.at(name))) << name;
+  }
+}
+
 TEST(MixedPrecision, BufferDtypeCastsFloatingBuffersAndRemembersTheirDtype) {
   ASSERT_TRUE(RunOnThreadRanks(kWorld, [&](Collectives& comm) {
                 Net model;

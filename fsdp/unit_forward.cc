@@ -45,14 +45,27 @@ at::Tensor UnitForward::Input(const at::Tensor& input) const {
   return input.to(ToScalarType(*mp.param_dtype));
 }
 
+at::Tensor UnitForward::CastOutput(const at::Tensor& output) const {
+  const std::optional<DType>& dtype = unit_->mixed_precision_.output_dtype;
+  if (!dtype || !output.defined() || !output.is_floating_point()) return output;
+  return output.to(ToScalarType(*dtype));
+}
+
 at::Tensor UnitForward::Return(at::Tensor output) {
-  if (unit_ != nullptr) unit_->model_->PostForward(*unit_, {output});
+  if (unit_ != nullptr) {
+    // Cast first: the pre-backward hooks go on what the caller receives.
+    output = CastOutput(output);
+    unit_->model_->PostForward(*unit_, {output});
+  }
   returned_ = true;
   return output;
 }
 
 std::vector<at::Tensor> UnitForward::Return(std::vector<at::Tensor> outputs) {
-  if (unit_ != nullptr) unit_->model_->PostForward(*unit_, outputs);
+  if (unit_ != nullptr) {
+    for (at::Tensor& output : outputs) output = CastOutput(output);
+    unit_->model_->PostForward(*unit_, outputs);
+  }
   returned_ = true;
   return outputs;
 }

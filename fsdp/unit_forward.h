@@ -42,12 +42,15 @@ class UnitForward {
   at::Tensor Input(const at::Tensor& input) const;
 
   // Ends the forward: reshards by strategy and arms the pre-backward hook
-  // on every output that requires grad. Returns its argument.
+  // on every output that requires grad. Returns its argument, each
+  // floating-point tensor cast to the unit's output_dtype when its mixed
+  // precision has one.
   at::Tensor Return(at::Tensor output);
   std::vector<at::Tensor> Return(std::vector<at::Tensor> outputs);
 
  private:
   void Abandon();  // Reshards and idles the unit after an exception.
+  at::Tensor CastOutput(const at::Tensor& output) const;
 
   FsdpUnit* unit_;
   bool returned_ = false;

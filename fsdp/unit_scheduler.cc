@@ -1,5 +1,8 @@
 #include "fsdp/unit_scheduler.h"
 
+#include <exception>
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 #include "c10/core/StreamGuard.h"
 #include "fsdp/trace.h"
@@ -75,23 +78,47 @@ void UnitScheduler::ReshardGradients(FlatParamHandle& handle, bool writeback) {
 }
 
 void UnitScheduler::ReduceGradients(FlatParamHandle& handle) {
-  // The reduction runs beside the rest of backward, which waits for it at
-  // the end (WaitForReductions).
-  RuntimeStreams::WaitStream(streams_.reduce_scatter(), streams_.compute());
   c10::StreamGuard on_reduce_scatter(streams_.reduce_scatter());
+  // Before the wait on compute below: what an earlier reduction issues
+  // next (hybrid's replicate all-reduce) needs nothing this backward
+  // computed since.
+  for (; advanced_ < reducing_.size(); ++advanced_) {
+    FlatParamHandle* earlier = reducing_[advanced_];
+    CollectiveLabel label(group_, replicate_group_, earlier->unit_name(), "backward");
+    earlier->AdvanceReduction();
+  }
+  RuntimeStreams::WaitStream(streams_.reduce_scatter(), streams_.compute());
   CollectiveLabel label(group_, replicate_group_, handle.unit_name(), "backward");
   TraceSpan span(trace_, handle.uses_sharded_views() ? "reduce-scatter" : "all-reduce",
                  handle.unit_name());
-  handle.ReduceGradients();
+  handle.StartReduceGradients();
+  reducing_.push_back(&handle);
 }
 
 void UnitScheduler::WaitForReductions() {
+  std::vector<FlatParamHandle*> reducing = std::move(reducing_);
+  reducing_.clear();
+  advanced_ = 0;
+  std::exception_ptr first_failure;
+  {
+    c10::StreamGuard on_reduce_scatter(streams_.reduce_scatter());
+    for (FlatParamHandle* handle : reducing) {
+      CollectiveLabel label(group_, replicate_group_, handle->unit_name(), "backward");
+      TraceSpan span(trace_, "reduction wait", handle->unit_name());
+      try {
+        handle->FinishReduceGradients();
+      } catch (...) {
+        if (!first_failure) first_failure = std::current_exception();
+      }
+    }
+  }
   RuntimeStreams::WaitStream(streams_.compute(), streams_.reduce_scatter());
   if (offload_params_) {
     // The host gradients are written by asynchronous device-to-host
     // copies; the optimizer reads them on the host right after this.
     DeviceEvent::RecordOn(streams_.compute()).Synchronize();
   }
+  if (first_failure) std::rethrow_exception(first_failure);
 }
 
 void UnitScheduler::Move(FlatParamHandle& handle, HandleTrainingState from,

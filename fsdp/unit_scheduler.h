@@ -22,6 +22,7 @@
 #define FSDP_FSDP_UNIT_SCHEDULER_H_
 
 #include <string>
+#include <vector>
 
 #include "c10/core/Device.h"
 #include "comm/collectives.h"
@@ -67,11 +68,18 @@ class UnitScheduler {
   // into the sharded gradient first when `writeback`.
   void UnshardGradients(FlatParamHandle& handle, const std::string& phase);
   void ReshardGradients(FlatParamHandle& handle, bool writeback);
-  // Reduces the handle's gradients (its comm hook, fsdp/comm_hooks.h) on
-  // the reduction stream, after the compute stream produced them.
+  // Issues the reduction of the handle's gradients (its comm hook,
+  // fsdp/comm_hooks.h) on the reduction stream, after the compute stream
+  // produced them, and returns with it in flight: backward goes on beside
+  // it. First advances the reduction issued before it (each is advanced
+  // once, labelled with its own unit), which bounds the flat gradients
+  // reductions in flight hold to one (NO_SHARD, which reduces in place,
+  // holds its flat gradients until WaitForReductions).
   void ReduceGradients(FlatParamHandle& handle);
-  // Compute waits for every reduction issued so far; with offload_params
-  // the host waits too, since the optimizer reads host gradients next.
+  // Finishes every reduction in flight, in issue order, then makes compute
+  // wait for them; with offload_params the host waits too, since the
+  // optimizer reads host gradients next. The first failure is thrown after
+  // every reduction was waited for.
   void WaitForReductions();
   // Checks that the handle is in `from` and moves it to `to`.
   void Move(FlatParamHandle& handle, HandleTrainingState from, HandleTrainingState to);
@@ -84,6 +92,8 @@ class UnitScheduler {
   const bool offload_params_;
   RuntimeStreams streams_;
   AllGatherRateLimiter limiter_;
+  std::vector<FlatParamHandle*> reducing_;  // Reductions in flight, in issue order.
+  size_t advanced_ = 0;                     // reducing_[0, advanced_) were advanced.
 };
 
 }  // namespace fsdp

@@ -1,7 +1,11 @@
 // Training-step benchmark of the GPT (models/gpt.h): FSDP at W ranks for each
 // sharding strategy, plain single-process libtorch on the same global batch,
-// and PyTorch's own DistributedDataParallel (Debian's python3-torch over
-// Gloo, models/ddp_step_benchmark.py) on the same model, batch and optimizer.
+// and PyTorch's own DistributedDataParallel, FullyShardedDataParallel (FSDP1)
+// and fully_shard (FSDP2) over Gloo (models/pytorch_step_benchmark.py, run
+// by the interop Python of testing/torch_python.h) on the same model, batch
+// and optimizer. Run it from a build against the same torch as that Python
+// (tools/test_torch2.sh's CMake build with torch 2.15), so that both sides
+// use the same kernels.
 // Plus per-rank memory against model size (FULL_SHARD vs NO_SHARD) where
 // model state dominates.
 //
@@ -13,11 +17,12 @@
 // process start, rendezvous and wrapping are not in the figures. Reported
 // per case (worst rank): step time (the benchmark's time, median of the
 // timed steps), peak resident memory during the timed steps
-// (/proc/self/status VmHWM after resetting it through clear_refs), and the
+// (/proc/self/status VmHWM after resetting it through clear_refs), the
 // measured bytes of model state the rank holds (parameters, gradients and
-// AdamW state: the tensors themselves, summed).
+// AdamW state: the tensors themselves, summed), and the bytes it sent per
+// step (/proc/self/io wchar: Gloo's socket writes, the same library on
+// both sides).
 #include <malloc.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -33,8 +38,9 @@
 
 #include "ATen/ATen.h"
 #include "ATen/Parallel.h"
-#include "absl/strings/numbers.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
@@ -65,7 +71,19 @@ struct WorkerResult {
   double step_ms = 0;
   double peak_rss_mib = 0;
   double model_state_mib = 0;
+  double sent_mib = 0;  // Per step.
 };
+
+// Bytes this process passed to write(2)-like calls so far: Gloo's sends
+// (writev on its sockets).
+int64_t BytesWritten() {
+  std::ifstream io("/proc/self/io");
+  std::string line;
+  while (std::getline(io, line)) {
+    if (line.rfind("wchar:", 0) == 0) return std::atoll(line.c_str() + 6);
+  }
+  return 0;
+}
 
 double ReadVmHwmMib() {
   std::ifstream status("/proc/self/status");
@@ -147,49 +165,55 @@ int RunWorker(int argc, char** argv) {
                                 torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
   at::manual_seed(100 + env.rank);
   std::vector<double> step_ms;
+  int64_t sent_before = 0;
+  int64_t state_bytes = 0;
   for (int step = 0; step < c.warmup + c.steps; ++step) {
-    if (step == c.warmup) ResetPeakRss();
+    if (step == c.warmup) {
+      ResetPeakRss();
+      sent_before = BytesWritten();
+    }
     const at::Tensor batch = at::randint(256, {c.batch_per_rank, c.block_size + 1}, at::kLong);
     const Clock::time_point start = Clock::now();
     at::Tensor loss = models::LanguageModelLoss(model->forward(batch.narrow(1, 0, c.block_size)),
                                                 batch.narrow(1, 1, c.block_size));
     loss.backward();
     optimizer.step();
+    // Gradients included: libtorch 2.x's zero_grad drops them.
+    if (step == c.warmup + c.steps - 1) state_bytes = ModelStateBytes(*model, optimizer);
     optimizer.zero_grad();
     if (step >= c.warmup) {
       step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
     }
   }
+  const double sent_mib = (BytesWritten() - sent_before) / static_cast<double>(c.steps) / 1048576.0;
   std::sort(step_ms.begin(), step_ms.end());
   std::ofstream out(absl::StrCat(out_dir, "/rank_", env.rank, ".txt"));
-  out << absl::StrFormat("step_ms=%.3f peak_rss_mib=%.1f model_state_mib=%.2f\n",
+  out << absl::StrFormat("step_ms=%.3f peak_rss_mib=%.1f model_state_mib=%.2f sent_mib=%.3f\n",
                          step_ms[step_ms.size() / 2], ReadVmHwmMib(),
-                         ModelStateBytes(*model, optimizer) / 1048576.0);
+                         state_bytes / 1048576.0, sent_mib);
   return out ? 0 : 1;
 }
 
+// kUnavailable with the worker's reason when it could not run the case (a
+// torch without FSDP2).
 absl::StatusOr<WorkerResult> ParseWorkerResult(const std::string& path) {
   std::ifstream in(path);
   std::string line;
   if (!std::getline(in, line)) return absl::NotFoundError("no result in " + path);
+  if (absl::StartsWith(line, "unavailable=")) {
+    return absl::UnavailableError(line.substr(std::string("unavailable=").size()));
+  }
   std::map<std::string, double> values;
   for (absl::string_view field : absl::StrSplit(line, ' ')) {
     const std::vector<std::string> kv = absl::StrSplit(field, '=');
     double v = 0;
     if (kv.size() == 2 && absl::SimpleAtod(kv[1], &v)) values[kv[0]] = v;
   }
-  for (const char* key : {"step_ms", "peak_rss_mib", "model_state_mib"}) {
+  for (const char* key : {"step_ms", "peak_rss_mib", "model_state_mib", "sent_mib"}) {
     if (values.count(key) == 0) return absl::DataLossError(absl::StrCat(path, " lacks ", key));
   }
-  return WorkerResult{values["step_ms"], values["peak_rss_mib"], values["model_state_mib"]};
-}
-
-std::string RunfilePath(const std::string& relative) {
-  if (::access(relative.c_str(), R_OK) == 0) return relative;
-  char exe[4096] = {};
-  const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
-  if (n <= 0) return relative;
-  return std::string(exe, n) + ".runfiles/fsdp_cpp/" + relative;
+  return WorkerResult{values["step_ms"], values["peak_rss_mib"], values["model_state_mib"],
+                      values["sent_mib"]};
 }
 
 // Launches one case; fills the benchmark's time and counters from the ranks'
@@ -220,9 +244,10 @@ void RunCase(benchmark::State& state, const std::string& mode, int world, const 
       std::to_string(c.n_layer), std::to_string(c.n_head),   std::to_string(c.n_embd),
       std::to_string(c.block_size), std::to_string(batch), std::to_string(c.warmup),
       std::to_string(c.steps)};
-  if (mode == "pytorch_ddp") {
+  if (absl::StartsWith(mode, "pytorch_")) {
     launch.program = ::fsdp::testing::TorchPython();
-    launch.args = {RunfilePath("models/ddp_step_benchmark.py"), dir};
+    launch.args = {::fsdp::testing::ScriptPath("models/pytorch_step_benchmark.py"),
+                   mode.substr(std::string("pytorch_").size()), dir};
   } else {
     launch.program = "/proc/self/exe";
     launch.args = {"--worker", mode, dir};
@@ -230,6 +255,12 @@ void RunCase(benchmark::State& state, const std::string& mode, int world, const 
   launch.args.insert(launch.args.end(), shape.begin(), shape.end());
   for (auto _ : state) {
     absl::StatusOr<fsdp::LaunchResult> result = fsdp::LaunchLocalRanks(launch);
+    if (result.ok() && result->forwarded_signal != 0) {
+      // Interrupted (Ctrl-C, kill): stop here rather than start the next case.
+      std::fprintf(stderr, "train_step_benchmark: stopped by signal %d\n",
+                   result->forwarded_signal);
+      std::exit(128 + result->forwarded_signal);
+    }
     if (!result.ok() || !result->ok()) {
       state.SkipWithError(
           (result.ok() ? result->Summary() : std::string(result.status().message())).c_str());
@@ -245,14 +276,32 @@ void RunCase(benchmark::State& state, const std::string& mode, int world, const 
       worst.step_ms = std::max(worst.step_ms, r->step_ms);
       worst.peak_rss_mib = std::max(worst.peak_rss_mib, r->peak_rss_mib);
       worst.model_state_mib = std::max(worst.model_state_mib, r->model_state_mib);
+      worst.sent_mib = std::max(worst.sent_mib, r->sent_mib);
     }
     state.SetIterationTime(worst.step_ms / 1e3);
     state.counters["peak_rss_MiB"] = worst.peak_rss_mib;
     state.counters["model_state_MiB"] = worst.model_state_mib;
+    state.counters["sent_MiB_per_step"] = worst.sent_mib;
     state.counters["tokens_per_s"] =
         static_cast<double>(c.batch_per_rank) * world * c.block_size / (worst.step_ms / 1e3);
   }
   std::system(("rm -rf '" + dir + "'").c_str());
+}
+
+// Which torch the PyTorch cases run (tools/train_step_benchmark_table.py
+// labels them with it).
+void PrintPyTorchSide() {
+  const std::string python = ::fsdp::testing::TorchPython();
+  std::string version = "unknown";
+  if (FILE* pipe =
+          ::popen((python + " -c 'import torch; print(torch.__version__)'").c_str(), "r")) {
+    char line[128] = {};
+    if (std::fgets(line, sizeof(line), pipe) != nullptr)
+      version = std::string(absl::StripAsciiWhitespace(line));
+    ::pclose(pipe);
+  }
+  std::printf("pytorch side: %s (torch %s)\n", python.c_str(), version.c_str());
+  std::fflush(stdout);
 }
 
 void Register(const std::string& family, const std::string& mode, int world,
@@ -279,8 +328,8 @@ int main(int argc, char** argv) {
   }
   const StepConfig step;
   for (int world : {1, 2, 4}) {
-    for (const char* mode :
-         {"single", "full_shard", "shard_grad_op", "no_shard", "pytorch_ddp"}) {
+    for (const char* mode : {"single", "full_shard", "shard_grad_op", "no_shard", "pytorch_ddp",
+                             "pytorch_fsdp1", "pytorch_fsdp2"}) {
       Register("BM_TrainStep", mode, world, step);
     }
     // The price of the collective header check (on in every case above).
@@ -308,6 +357,7 @@ int main(int argc, char** argv) {
     }
   }
   benchmark::Initialize(&argc, argv);
+  PrintPyTorchSide();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

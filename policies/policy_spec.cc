@@ -70,8 +70,9 @@ absl::StatusOr<std::vector<PolicySpec>> ParsePolicySpecs(absl::string_view spec)
 
 namespace {
 // The per-unit option keys every policy takes (GetUnitOptions).
-constexpr const char* kUnitOptionKeys[] = {"strategy", "param_dtype", "reduce_dtype",
-                                           "buffer_dtype", "keep_low_precision_grads",
+constexpr const char* kUnitOptionKeys[] = {"strategy",           "param_dtype",
+                                           "reduce_dtype",       "buffer_dtype",
+                                           "output_dtype",       "keep_low_precision_grads",
                                            "cast_forward_inputs"};
 }  // namespace
 
@@ -138,10 +139,11 @@ absl::StatusOr<UnitOptions> PolicySpec::GetUnitOptions() const {
   // Any mixed-precision key gives the unit a MixedPrecision of its own.
   MixedPrecision mp;
   bool any = false;
-  for (auto [key, field] : {std::pair<const char*, std::optional<DType>*>{"param_dtype",
-                                                                          &mp.param_dtype},
-                            {"reduce_dtype", &mp.reduce_dtype},
-                            {"buffer_dtype", &mp.buffer_dtype}}) {
+  for (auto [key, field] :
+       {std::pair<const char*, std::optional<DType>*>{"param_dtype", &mp.param_dtype},
+        {"reduce_dtype", &mp.reduce_dtype},
+        {"buffer_dtype", &mp.buffer_dtype},
+        {"output_dtype", &mp.output_dtype}}) {
     const std::string* value = Find(key);
     if (value == nullptr) continue;
     any = true;

@@ -59,11 +59,12 @@ TEST(PolicyRegistry, BuiltInsAreRegisteredAndBuildFromSpecs) {
   EXPECT_THAT(TargetsOf(**overridden, *model),
               ElementsAre("h.0 strategy=SHARD_GRAD_OP", "h.1 strategy=SHARD_GRAD_OP"));
   auto mixed = PolicyRegistry::Global().Build(
-      "module:Block,param_dtype=bf16,reduce_dtype=float32,cast_forward_inputs=true");
+      "module:Block,param_dtype=bf16,reduce_dtype=float32,output_dtype=fp32,"
+      "cast_forward_inputs=true");
   ASSERT_TRUE(mixed.ok()) << mixed.status();
-  EXPECT_THAT(TargetsOf(**mixed, *model),
-              ElementsAre("h.0 param_dtype=bfloat16,reduce_dtype=float32,cast_forward_inputs=true",
-                          "h.1 param_dtype=bfloat16,reduce_dtype=float32,cast_forward_inputs=true"));
+  const std::string mp =
+      "param_dtype=bfloat16,reduce_dtype=float32,output_dtype=float32,cast_forward_inputs=true";
+  EXPECT_THAT(TargetsOf(**mixed, *model), ElementsAre("h.0 " + mp, "h.1 " + mp));
   // Blocks, then what is left above 2000 elements (the head's 2700).
   auto sequence = PolicyRegistry::Global().Build("module:Block+size:min_numel=2000");
   ASSERT_TRUE(sequence.ok()) << sequence.status();
@@ -89,9 +90,11 @@ TEST(PolicyRegistry, BadSpecsAreErrorsNamingTheProblem) {
            {"size:min_numel=lots", "'min_numel' must be an integer, got 'lots'"},
            {"size:min_numel=0", "min_numel must be at least 1"},
            {"size:min_numel=5,min_numel=6", "'min_numel' given twice"},
-           {"size:bogus=1", "policy 'size' has no argument 'bogus' (it takes: strategy, "
-                            "param_dtype, reduce_dtype, buffer_dtype, keep_low_precision_grads, "
-                            "cast_forward_inputs, min_numel, exclude, force_leaf)"},
+           {"size:bogus=1",
+            "policy 'size' has no argument 'bogus' (it takes: strategy, "
+            "param_dtype, reduce_dtype, buffer_dtype, output_dtype, "
+            "keep_low_precision_grads, cast_forward_inputs, min_numel, exclude, "
+            "force_leaf)"},
            {"module:Block,param_dtype=fp8", "param_dtype: unknown dtype 'fp8'"},
            {"module:Block,cast_forward_inputs=yes",
             "'cast_forward_inputs' must be true or false, got 'yes'"},

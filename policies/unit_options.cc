@@ -81,6 +81,7 @@ std::string MixedPrecision::ToString() const {
   if (param_dtype) parts.push_back(absl::StrCat("param_dtype=", DTypeName(*param_dtype)));
   if (reduce_dtype) parts.push_back(absl::StrCat("reduce_dtype=", DTypeName(*reduce_dtype)));
   if (buffer_dtype) parts.push_back(absl::StrCat("buffer_dtype=", DTypeName(*buffer_dtype)));
+  if (output_dtype) parts.push_back(absl::StrCat("output_dtype=", DTypeName(*output_dtype)));
   if (keep_low_precision_grads) parts.push_back("keep_low_precision_grads=true");
   if (cast_forward_inputs) parts.push_back("cast_forward_inputs=true");
   if (!cast_root_forward_inputs) parts.push_back("cast_root_forward_inputs=false");

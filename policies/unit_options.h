@@ -66,9 +66,15 @@ struct MixedPrecision {
   // to param_dtype; for the root, cast_root_forward_inputs.
   bool cast_forward_inputs = false;
   bool cast_root_forward_inputs = true;
+  // Floating-point tensors the unit's forward returns (UnitForward::Return)
+  // are cast to it, so that autograd casts their gradients back (FSDP2's
+  // MixedPrecisionPolicy.output_dtype): a bfloat16 model handing float32
+  // logits to its loss, say.
+  std::optional<DType> output_dtype;
 
   bool enabled() const {
-    return param_dtype.has_value() || reduce_dtype.has_value() || buffer_dtype.has_value();
+    return param_dtype.has_value() || reduce_dtype.has_value() || buffer_dtype.has_value() ||
+           output_dtype.has_value();
   }
   // "param_dtype=bfloat16,reduce_dtype=float32,..." (only what is set).
   std::string ToString() const;

@@ -36,4 +36,12 @@ std::string TorchPython() {
 #endif
 }
 
+std::string ScriptPath(const std::string& relative) {
+  if (access(relative.c_str(), R_OK) == 0) return relative;
+  char exe[4096] = {};
+  const ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+  if (n <= 0) return relative;
+  return std::string(exe, n) + ".runfiles/fsdp_cpp/" + relative;
+}
+
 }  // namespace fsdp::testing

@@ -21,6 +21,12 @@ namespace fsdp::testing {
 // The interpreter's path, chosen as above.
 std::string TorchPython();
 
+// Where a Python script of the source tree (`relative`, "models/x.py"),
+// listed in the binary's `data`, is: the path itself when readable from
+// the working directory (bazel test and run, CTest), else in the runfiles
+// beside the executable (a binary started from elsewhere).
+std::string ScriptPath(const std::string& relative);
+
 }  // namespace fsdp::testing
 
 #endif  // FSDP_TESTING_TORCH_PYTHON_H_

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the whole test suite: the layering check, then every Bazel test.
 # Arguments are passed to `bazel test`.
-# Ends with "N passed, N failed" over the individual gtest cases.
+# Ends with "N passed, N failed" over the individual gtest cases (and
+# ", N skipped" when some were skipped).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
