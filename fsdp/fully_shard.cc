@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "ATen/native/Resize.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "c10/core/GradMode.h"
@@ -357,7 +358,7 @@ void FullyShardedModel::PostBackward(FsdpUnit& unit) {
               "); was one of its parameters used outside its forward?");
   if (++unit.gradients_ready_ < static_cast<int>(unit.accumulators_.size())) return;
   scheduler_->Move(*handle, HandleTrainingState::kBackwardPre, HandleTrainingState::kBackwardPost);
-  ReduceOrKeep(*handle);
+  ReduceOrKeep(unit);
   scheduler_->Reshard(*handle);
   unit.backward_span_.End();
   if (options_.backward_prefetch == BackwardPrefetch::kBackwardPost) {
@@ -365,13 +366,34 @@ void FullyShardedModel::PostBackward(FsdpUnit& unit) {
   }
 }
 
-void FullyShardedModel::ReduceOrKeep(FlatParamHandle& handle) {
+void FullyShardedModel::ReduceOrKeep(FsdpUnit& unit) {
+  FlatParamHandle& handle = *unit.handle_;
   if (!handle.has_trainable_params()) return;  // A frozen unit has no gradients.
-  if (no_sync_) {
+  if (no_sync_ || !unit.requires_gradient_sync_) {
     handle.KeepGradientsUnreduced();
     return;
   }
   scheduler_->ReduceGradients(handle);
+}
+
+absl::Status FullyShardedModel::SetRequiresGradientSync(const torch::nn::Module& module,
+                                                        bool requires, bool recurse) {
+  FSDP_RETURN_IF_ERROR(RequireIdle("SetRequiresGradientSync"));
+  const FsdpUnit* target = nullptr;
+  for (const auto& unit : units_) {
+    if (unit->module_ == &module) target = unit.get();
+  }
+  if (target == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("SetRequiresGradientSync: module '", module.name(),
+                     "' is not a unit of this model (the root or a module the policy wrapped)"));
+  }
+  const std::string prefix = target->fqn_.empty() ? "" : target->fqn_ + ".";
+  for (auto& unit : units_) {
+    const bool inside = unit.get() == target || (recurse && absl::StartsWith(unit->fqn_, prefix));
+    if (inside) unit->requires_gradient_sync_ = requires;
+  }
+  return absl::OkStatus();
 }
 
 std::string FullyShardedModel::UnshardPhase(const FlatParamHandle& handle) const {
@@ -395,7 +417,7 @@ void FullyShardedModel::FinishBackward() {
       if (handle->training_state() == HandleTrainingState::kBackwardPre) {
         scheduler_->Move(*handle, HandleTrainingState::kBackwardPre,
                          HandleTrainingState::kBackwardPost);
-        ReduceOrKeep(*handle);
+        ReduceOrKeep(*unit);
         unit->backward_span_.End();
       }
       scheduler_->DiscardPrefetch(*handle);  // A prefetch whose unit took no part.

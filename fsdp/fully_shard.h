@@ -105,6 +105,8 @@ class FsdpUnit {
   ShardingStrategy strategy() const { return strategy_; }
   // The root's mixed precision or the policy's override for this unit.
   const MixedPrecision& mixed_precision() const { return mixed_precision_; }
+  // FullyShardedModel::SetRequiresGradientSync.
+  bool requires_gradient_sync() const { return requires_gradient_sync_; }
 
  private:
   friend class FullyShardedModel;
@@ -116,6 +118,7 @@ class FsdpUnit {
   bool is_root_ = false;
   ShardingStrategy strategy_ = ShardingStrategy::kFullShard;
   MixedPrecision mixed_precision_;
+  bool requires_gradient_sync_ = true;
   class FullyShardedModel* model_ = nullptr;
   // From the first iteration's order: the unit to prefetch (index in
   // FullyShardedModel::units_, -1 for none) in forward and in backward.
@@ -186,6 +189,17 @@ class FullyShardedModel {
   // (not inside NoSync); kInvalidArgument for a bad norm_type or max_norm.
   absl::StatusOr<at::Tensor> ClipGradNorm(double max_norm, double norm_type = 2.0);
 
+  // FSDP2's set_requires_gradient_sync, a persistent NoSync per unit: while
+  // false for a unit, its backward passes keep full gradients in .grad and
+  // add to them without communicating, and the first backward after it is
+  // true again reduces their sum. `module` is the root or a wrapped module;
+  // with `recurse`, every unit in its subtree is set too. Every rank must
+  // set the same units alike (a rank that reduces where another does not
+  // fails at the collective headers). kFailedPrecondition unless IDLE;
+  // kNotFound when `module` is not a unit of this model.
+  absl::Status SetRequiresGradientSync(const torch::nn::Module& module, bool requires,
+                                       bool recurse = true);
+
   // Reduces every unit's gradients through `hook` from now on (PyTorch's
   // register_comm_hook on the root; the hook object carries its state). Once,
   // before the first forward. Fails with kInvalidArgument for a null hook or
@@ -227,7 +241,7 @@ class FullyShardedModel {
   void PreBackward(FsdpUnit& unit);
   void PostBackward(FsdpUnit& unit);
   void FinishBackward();
-  void ReduceOrKeep(FlatParamHandle& handle);
+  void ReduceOrKeep(FsdpUnit& unit);
   // "backward" for an all-gather that serves backward, else "forward".
   std::string UnshardPhase(const FlatParamHandle& handle) const;
   // Ends the first forward: fixes the prefetch targets and checks the order

@@ -313,6 +313,53 @@ TEST_P(FullyShardUtilities, MatchLocalTraining) {
   EXPECT_TRUE(status.ok()) << status;
 }
 
+// SetRequiresGradientSync (FSDP2's set_requires_gradient_sync) over the
+// first of two micro-batches matches accumulating both locally: on the root
+// with recurse (every unit, as NoSync), and on blocks.1 alone (the other
+// units reduce both micro-batches and accumulate the reduced shards).
+TEST(FullyShard, RequiresGradientSyncPerUnitMatchesAccumulation) {
+  const Trajectory expected = TrainLocally(Optim::kSgdMomentum, 2, 0);
+  for (const bool only_block_1 : {false, true}) {
+    SCOPED_TRACE(only_block_1 ? "blocks.1 alone" : "the root, recursively");
+    absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
+      Net model;
+      auto wrapped =
+          FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+      ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+      FullyShardedModel& fsdp = **wrapped;
+      const torch::nn::Module& target =
+          only_block_1 ? static_cast<const torch::nn::Module&>(*model->blocks[1]) : *model;
+      auto optimizer = MakeOptimizer(Optim::kSgdMomentum, model->parameters());
+      const int64_t rows = kGlobalBatch / 2;
+      for (int step = 0; step < kSteps; ++step) {
+        for (int micro = 0; micro < 2; ++micro) {
+          ASSERT_TRUE(fsdp.SetRequiresGradientSync(target, micro == 1).ok());
+          comm.ResetCounters();
+          at::Tensor x = Inputs(step, micro).narrow(0, comm.rank() * rows, rows);
+          at::Tensor y = Targets(step, micro).narrow(0, comm.rank() * rows, rows);
+          at::mse_loss(model->forward(x), y).backward();
+          // Root and three blocks reduce, less those told not to.
+          EXPECT_EQ(comm.counters().Calls(CollectiveOp::kReduceScatter),
+                    micro == 1 ? 4 : (only_block_1 ? 3 : 0));
+        }
+        optimizer->step();
+        optimizer->zero_grad();
+      }
+      for (const auto& unit : fsdp.units()) EXPECT_TRUE(unit->requires_gradient_sync());
+      torch::nn::Linear stranger(2, 2);
+      EXPECT_EQ(fsdp.SetRequiresGradientSync(*stranger, false).code(), absl::StatusCode::kNotFound);
+      SummonFullParams full(fsdp);
+      for (const auto& item : model->named_parameters()) {
+        const at::Tensor& want = expected.params.at(item.key());
+        EXPECT_TRUE(at::allclose(item.value().detach(), want, 1e-5, 1e-6))
+            << item.key() << " max diff "
+            << (item.value().detach() - want).abs().max().item<float>();
+      }
+    });
+    EXPECT_TRUE(status.ok()) << status;
+  }
+}
+
 std::vector<UtilityCase> UtilityCases() {
   const double inf = std::numeric_limits<double>::infinity();
   std::vector<UtilityCase> cases;

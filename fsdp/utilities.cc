@@ -35,7 +35,9 @@ absl::StatusOr<at::Tensor> FullyShardedModel::ClipGradNorm(double max_norm, doub
   for (const auto& unit : units_) {
     if (unit->handle_ && unit->handle_->holds_unreduced_gradients()) {
       return absl::FailedPreconditionError(absl::StrCat(
-          Describe(*unit), ": ClipGradNorm inside NoSync (gradients are not reduced yet)"));
+          Describe(*unit),
+          ": ClipGradNorm inside NoSync or with requires_gradient_sync false (gradients are not "
+          "reduced yet)"));
     }
   }
   try {
