@@ -6,10 +6,9 @@
 //
 // A hook is an object, so its state lives in its members (PyTorch passes a
 // separate state object; here the hook is the state). The runtime calls
-// Reduce once per unit per reduction, from the unit's post-backward hook, on
-// every rank in the same order (from the unit's post-backward hook, or at
-// the end of backward for a unit some of whose parameters got no
-// gradient). Reduce issues the reduction and returns it in flight (a
+// Reduce once per unit per reduction, on every rank in the same order: from
+// the unit's post-backward hook, or at the end of backward for a unit some
+// of whose parameters got no gradient. Reduce issues the reduction and returns it in flight (a
 // PendingReduction); the runtime goes on with backward and waits for it
 // later, so that communication overlaps the backward of the units before
 // it:
@@ -87,8 +86,9 @@ class CommHook {
   // flat_param_handle.h: padded to W chunks, in the unit's reduction
   // dtype); the hook may modify it. It must
   // leave in `out` the average over the group's ranks (times the replicate
-  // group's): for a sharded unit `out` is this rank's chunk (grad.numel() /
-  // W elements), for NO_SHARD it is `grad` itself (reduce in place). `out`
+  // group's), or the sum divided by context.divide_factor when that is set:
+  // for a sharded unit `out` is this rank's chunk (grad.numel() / W
+  // elements), for NO_SHARD it is `grad` itself (reduce in place). `out`
   // has grad's dtype. The reduction in flight keeps whatever tensors it
   // still needs (`grad` at least until Advance()).
   virtual std::unique_ptr<PendingReduction> Reduce(const CommHookContext& context, at::Tensor grad,

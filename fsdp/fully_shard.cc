@@ -377,7 +377,7 @@ void FullyShardedModel::ReduceOrKeep(FsdpUnit& unit) {
 }
 
 absl::Status FullyShardedModel::SetRequiresGradientSync(const torch::nn::Module& module,
-                                                        bool requires, bool recurse) {
+                                                        bool requires_sync, bool recurse) {
   FSDP_RETURN_IF_ERROR(RequireIdle("SetRequiresGradientSync"));
   const FsdpUnit* target = nullptr;
   for (const auto& unit : units_) {
@@ -391,7 +391,7 @@ absl::Status FullyShardedModel::SetRequiresGradientSync(const torch::nn::Module&
   const std::string prefix = target->fqn_.empty() ? "" : target->fqn_ + ".";
   for (auto& unit : units_) {
     const bool inside = unit.get() == target || (recurse && absl::StartsWith(unit->fqn_, prefix));
-    if (inside) unit->requires_gradient_sync_ = requires;
+    if (inside) unit->requires_gradient_sync_ = requires_sync;
   }
   return absl::OkStatus();
 }

@@ -197,7 +197,7 @@ class FullyShardedModel {
   // set the same units alike (a rank that reduces where another does not
   // fails at the collective headers). kFailedPrecondition unless IDLE;
   // kNotFound when `module` is not a unit of this model.
-  absl::Status SetRequiresGradientSync(const torch::nn::Module& module, bool requires,
+  absl::Status SetRequiresGradientSync(const torch::nn::Module& module, bool requires_sync,
                                        bool recurse = true);
 
   // Reduces every unit's gradients through `hook` from now on (PyTorch's
