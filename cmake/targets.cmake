@@ -517,6 +517,17 @@ set_target_properties(models_job_test_util PROPERTIES LIBRARY_OUTPUT_DIRECTORY $
 target_link_libraries(models_job_test_util PUBLIC third_party_absl_base third_party_gtest)
 endif()
 
+# //models:optimizer_step_benchmark
+if(BUILD_TESTING)
+add_executable(models_optimizer_step_benchmark ${PROJECT_SOURCE_DIR}/models/optimizer_step_benchmark.cc)
+set_target_properties(models_optimizer_step_benchmark PROPERTIES OUTPUT_NAME optimizer_step_benchmark RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
+target_link_libraries(models_optimizer_step_benchmark PRIVATE models_gpt base_status comm_gloo_collectives fsdp_fully_shard optim_flat_shard_optimizers testing_torch_python third_party_absl_base third_party_benchmark fsdp_torch)
+configure_file(${PROJECT_SOURCE_DIR}/models/pytorch_optimizer_benchmark.py "${CMAKE_BINARY_DIR}/models/pytorch_optimizer_benchmark.py" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/models/pytorch_optimizer_benchmark.py "${CMAKE_BINARY_DIR}/models/optimizer_step_benchmark.runfiles/fsdp_cpp/models/pytorch_optimizer_benchmark.py" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/models/gpt_interop.py "${CMAKE_BINARY_DIR}/models/gpt_interop.py" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/models/gpt_interop.py "${CMAKE_BINARY_DIR}/models/optimizer_step_benchmark.runfiles/fsdp_cpp/models/gpt_interop.py" COPYONLY)
+endif()
+
 # //models:output_paths
 add_library(models_output_paths SHARED ${PROJECT_SOURCE_DIR}/models/output_paths.cc ${PROJECT_SOURCE_DIR}/models/output_paths.h)
 set_target_properties(models_output_paths PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models)
@@ -528,7 +539,7 @@ install(FILES ${PROJECT_SOURCE_DIR}/models/output_paths.h DESTINATION include/mo
 # //models:train_gpt
 add_executable(models_train_gpt ${PROJECT_SOURCE_DIR}/models/train_gpt_main.cc)
 set_target_properties(models_train_gpt PROPERTIES OUTPUT_NAME train_gpt RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
-target_link_libraries(models_train_gpt PRIVATE models_gpt models_output_paths optim_run_checkpoints base_status comm_collectives comm_launch_environment comm_local_launcher comm_rendezvous comm_staged_collectives fsdp_fully_shard fsdp_trace optim_training_checkpoint policies_builtin_policies policies_registry statedict_state_dict statedict_torch_file third_party_absl_flags fsdp_torch)
+target_link_libraries(models_train_gpt PRIVATE models_gpt models_output_paths optim_flat_shard_optimizers optim_run_checkpoints base_status comm_collectives comm_launch_environment comm_local_launcher comm_rendezvous comm_staged_collectives fsdp_fully_shard fsdp_trace optim_training_checkpoint policies_builtin_policies policies_registry statedict_state_dict statedict_torch_file third_party_absl_flags fsdp_torch)
 
 # //models:train_gpt_bad_input_test
 if(BUILD_TESTING)
@@ -565,6 +576,24 @@ configure_file(${PROJECT_SOURCE_DIR}/models/pytorch_step_benchmark.py "${CMAKE_B
 configure_file(${PROJECT_SOURCE_DIR}/models/pytorch_step_benchmark.py "${CMAKE_BINARY_DIR}/models/train_step_benchmark.runfiles/fsdp_cpp/models/pytorch_step_benchmark.py" COPYONLY)
 configure_file(${PROJECT_SOURCE_DIR}/models/gpt_interop.py "${CMAKE_BINARY_DIR}/models/gpt_interop.py" COPYONLY)
 configure_file(${PROJECT_SOURCE_DIR}/models/gpt_interop.py "${CMAKE_BINARY_DIR}/models/train_step_benchmark.runfiles/fsdp_cpp/models/gpt_interop.py" COPYONLY)
+endif()
+
+# //optim:flat_shard_optimizers
+add_library(optim_flat_shard_optimizers SHARED ${PROJECT_SOURCE_DIR}/optim/flat_shard_optimizers.cc ${PROJECT_SOURCE_DIR}/optim/flat_shard_optimizers.h)
+set_target_properties(optim_flat_shard_optimizers PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/optim)
+target_link_libraries(optim_flat_shard_optimizers PUBLIC optim_optim_internal fsdp_torch)
+target_include_directories(optim_flat_shard_optimizers PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS optim_flat_shard_optimizers EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/optim/flat_shard_optimizers.h DESTINATION include/optim)
+
+# //optim:flat_shard_optimizers_test
+if(BUILD_TESTING)
+add_executable(optim_flat_shard_optimizers_test ${PROJECT_SOURCE_DIR}/optim/flat_shard_optimizers_test.cc)
+set_target_properties(optim_flat_shard_optimizers_test PROPERTIES OUTPUT_NAME flat_shard_optimizers_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/optim ENABLE_EXPORTS ON)
+target_link_libraries(optim_flat_shard_optimizers_test PRIVATE optim_flat_shard_optimizers optim_optim_state optim_training_checkpoint comm_collectives fsdp_fully_shard fsdp_test_models fsdp_test_util statedict_state_dict testing_multi_rank third_party_absl_base third_party_gtest_main fsdp_torch)
+add_test(NAME //optim:flat_shard_optimizers_test COMMAND optim_flat_shard_optimizers_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//optim:flat_shard_optimizers_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/optim_flat_shard_optimizers_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/optim_flat_shard_optimizers_test")
 endif()
 
 # //optim:optim_internal

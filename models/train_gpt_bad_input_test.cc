@@ -74,6 +74,8 @@ TEST(TrainGpt, BadFlagsAreRefusedNamingTheProblem) {
       {"--eps=0", 2, "--eps=0: must be > 0 and finite"},
       {"--grad_clip=-1", 2, "--grad_clip=-1: must be >= 0 and finite (0: off)"},
       {"--optimizer=adam", 2, "--optimizer=adam: expected adamw or sgd"},
+      {"--optimizer_kernel=foreach", 2,
+       "--optimizer_kernel=foreach: expected flat_exact, flat_fused or per_parameter"},
       {"--on_nonfinite=ignore", 2, "--on_nonfinite=ignore: expected stop or skip"},
       {"--sharding_strategy=ful_shard", 2, "unknown sharding strategy 'ful_shard' (valid: "},
       {"--param_dtype=int8", 2, "unknown dtype 'int8' (valid: float32/fp32"},

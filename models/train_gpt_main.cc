@@ -57,6 +57,7 @@
 #include "fsdp/utilities.h"
 #include "models/gpt.h"
 #include "models/output_paths.h"
+#include "optim/flat_shard_optimizers.h"
 #include "optim/run_checkpoints.h"
 #include "optim/training_checkpoint.h"
 #include "policies/registry.h"
@@ -90,6 +91,12 @@ ABSL_FLAG(int, sample_tokens, 64,
           "With --data: after training, generate this many bytes from a held-out prompt and "
           "print them (rank 0); 0: none.");
 ABSL_FLAG(std::string, optimizer, "adamw", "adamw or sgd (with momentum --beta1).");
+ABSL_FLAG(std::string, optimizer_kernel, "flat_exact",
+          "How the optimizer steps the shards: flat_exact (each unit's shard as one tensor with "
+          "libtorch's arithmetic, equal to per_parameter bit for bit; "
+          "optim/flat_shard_optimizers.h), flat_fused (PyTorch's fused kernels over each "
+          "unit's shard; libtorch >= 2.4; equal up to rounding) or per_parameter (libtorch's "
+          "optimizers).");
 // The optimizer's hyper-parameters are optional flags: on --resume, one
 // given on the command line replaces the checkpoint's value (and says so),
 // one not given keeps the checkpoint's.
@@ -440,6 +447,16 @@ std::vector<std::string> FlagProblems(fsdp::ShardingStrategy strategy, int world
   if (const std::string o = absl::GetFlag(FLAGS_optimizer); o != "adamw" && o != "sgd") {
     problems.push_back("--optimizer=" + o + ": expected adamw or sgd");
   }
+  if (const std::string k = absl::GetFlag(FLAGS_optimizer_kernel);
+      k != "flat_exact" && k != "flat_fused" && k != "per_parameter") {
+    problems.push_back("--optimizer_kernel=" + k +
+                       ": expected flat_exact, flat_fused or per_parameter");
+  } else if (k == "flat_fused" && !fsdp::kHaveFusedOptimizerKernels) {
+    problems.push_back(absl::StrFormat(
+        "--optimizer_kernel=flat_fused: needs libtorch >= 2.4 (PyTorch's fused optimizer "
+        "kernels); this is libtorch %d.%d: use flat_exact",
+        TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR));
+  }
   if (const std::string n = absl::GetFlag(FLAGS_on_nonfinite); n != "stop" && n != "skip") {
     problems.push_back("--on_nonfinite=" + n + ": expected stop or skip");
   }
@@ -553,12 +570,23 @@ std::vector<Hyperparameter> HyperparametersOf(torch::optim::OptimizerOptions& op
 // default.
 std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(std::vector<at::Tensor> params) {
   std::unique_ptr<torch::optim::Optimizer> optimizer;
+  const std::string kernel = absl::GetFlag(FLAGS_optimizer_kernel);
+  const fsdp::FlatShardKernel flat_kernel =
+      kernel == "flat_fused" ? fsdp::FlatShardKernel::kFused : fsdp::FlatShardKernel::kExact;
   if (absl::GetFlag(FLAGS_optimizer) == "sgd") {
-    optimizer = std::make_unique<torch::optim::SGD>(std::move(params),
-                                                    torch::optim::SGDOptions(3e-3));
+    const auto options = torch::optim::SGDOptions(3e-3);
+    if (kernel == "per_parameter") {
+      optimizer = std::make_unique<torch::optim::SGD>(std::move(params), options);
+    } else {
+      optimizer = std::make_unique<fsdp::FlatShardSGD>(std::move(params), options, flat_kernel);
+    }
   } else {
-    optimizer = std::make_unique<torch::optim::AdamW>(std::move(params),
-                                                      torch::optim::AdamWOptions(3e-3));
+    const auto options = torch::optim::AdamWOptions(3e-3);
+    if (kernel == "per_parameter") {
+      optimizer = std::make_unique<torch::optim::AdamW>(std::move(params), options);
+    } else {
+      optimizer = std::make_unique<fsdp::FlatShardAdamW>(std::move(params), options, flat_kernel);
+    }
   }
   for (auto& group : optimizer->param_groups()) {
     for (const Hyperparameter& h : HyperparametersOf(group.options())) {
