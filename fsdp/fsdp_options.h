@@ -56,7 +56,8 @@ struct FsdpOptions {
   // replace it per unit. Off by default.
   MixedPrecision mixed_precision;
   // Prefetching follows the order units ran in on the first iteration; at
-  // most one unit is prefetched at a time.
+  // most one unit is prefetched at a time, unless a unit is given its own
+  // list (FullyShardedModel::SetModulesToForwardPrefetch, ...).
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
   bool forward_prefetch = false;
   // PyTorch's limit_all_gathers: before issuing an all-gather, wait on the

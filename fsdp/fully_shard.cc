@@ -240,7 +240,9 @@ void FullyShardedModel::PreForward(FsdpUnit& unit) {
   SetModelState(ModelTrainingState::kForwardBackward);  // Only once admitted.
   if (!order_recorded_) pre_forward_order_.push_back(IndexOf(unit));
   scheduler_->Unshard(*handle, UnshardPhase(*handle));
-  if (options_.forward_prefetch) Prefetch(unit.forward_prefetch_);
+  if (options_.forward_prefetch || unit.forward_prefetch_explicit_) {
+    Prefetch(unit.forward_prefetch_);
+  }
   HookGradientAccumulators(unit);
 }
 
@@ -345,7 +347,8 @@ void FullyShardedModel::PreBackward(FsdpUnit& unit) {
   scheduler_->Move(*handle, HandleTrainingState::kIdle, HandleTrainingState::kBackwardPre);
   scheduler_->Unshard(*handle, UnshardPhase(*handle));
   handle->PrepareGradientsForBackward();
-  if (options_.backward_prefetch == BackwardPrefetch::kBackwardPre) {
+  if (options_.backward_prefetch == BackwardPrefetch::kBackwardPre ||
+      unit.backward_prefetch_explicit_) {
     Prefetch(unit.backward_prefetch_);
   }
 }
@@ -361,7 +364,8 @@ void FullyShardedModel::PostBackward(FsdpUnit& unit) {
   ReduceOrKeep(unit);
   scheduler_->Reshard(*handle);
   unit.backward_span_.End();
-  if (options_.backward_prefetch == BackwardPrefetch::kBackwardPost) {
+  if (options_.backward_prefetch == BackwardPrefetch::kBackwardPost &&
+      !unit.backward_prefetch_explicit_) {
     Prefetch(unit.backward_prefetch_);
   }
 }
@@ -379,10 +383,7 @@ void FullyShardedModel::ReduceOrKeep(FsdpUnit& unit) {
 absl::Status FullyShardedModel::SetRequiresGradientSync(const torch::nn::Module& module,
                                                         bool requires_sync, bool recurse) {
   FSDP_RETURN_IF_ERROR(RequireIdle("SetRequiresGradientSync"));
-  const FsdpUnit* target = nullptr;
-  for (const auto& unit : units_) {
-    if (unit->module_ == &module) target = unit.get();
-  }
+  const FsdpUnit* target = UnitOf(module);
   if (target == nullptr) {
     return absl::NotFoundError(
         absl::StrCat("SetRequiresGradientSync: module '", module.name(),
@@ -394,6 +395,48 @@ absl::Status FullyShardedModel::SetRequiresGradientSync(const torch::nn::Module&
     if (inside) unit->requires_gradient_sync_ = requires_sync;
   }
   return absl::OkStatus();
+}
+
+FsdpUnit* FullyShardedModel::UnitOf(const torch::nn::Module& module) const {
+  for (const auto& unit : units_) {
+    if (unit->module_ == &module) return unit.get();
+  }
+  return nullptr;
+}
+
+absl::Status FullyShardedModel::SetModulesToPrefetch(
+    const char* caller, const torch::nn::Module& unit_module,
+    const std::vector<const torch::nn::Module*>& modules, bool forward) {
+  FSDP_RETURN_IF_ERROR(RequireIdle(caller));
+  FsdpUnit* unit = UnitOf(unit_module);
+  if (unit == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat(caller, ": module '", unit_module.name(),
+                     "' is not a unit of this model (the root or a module the policy wrapped)"));
+  }
+  std::vector<int> indices;
+  for (size_t i = 0; i < modules.size(); ++i) {
+    const FsdpUnit* target = modules[i] == nullptr ? nullptr : UnitOf(*modules[i]);
+    if (target == nullptr) {
+      return absl::NotFoundError(absl::StrCat(
+          caller, ": modules[", i, "] ('", modules[i] == nullptr ? "null" : modules[i]->name(),
+          "') is not a unit of this model (the root or a module the policy wrapped)"));
+    }
+    indices.push_back(IndexOf(*target));
+  }
+  (forward ? unit->forward_prefetch_ : unit->backward_prefetch_) = std::move(indices);
+  (forward ? unit->forward_prefetch_explicit_ : unit->backward_prefetch_explicit_) = true;
+  return absl::OkStatus();
+}
+
+absl::Status FullyShardedModel::SetModulesToForwardPrefetch(
+    const torch::nn::Module& unit_module, const std::vector<const torch::nn::Module*>& modules) {
+  return SetModulesToPrefetch("SetModulesToForwardPrefetch", unit_module, modules, true);
+}
+
+absl::Status FullyShardedModel::SetModulesToBackwardPrefetch(
+    const torch::nn::Module& unit_module, const std::vector<const torch::nn::Module*>& modules) {
+  return SetModulesToPrefetch("SetModulesToBackwardPrefetch", unit_module, modules, false);
 }
 
 std::string FullyShardedModel::UnshardPhase(const FlatParamHandle& handle) const {
@@ -465,12 +508,13 @@ int FullyShardedModel::IndexOf(const FsdpUnit& unit) const {
   return -1;
 }
 
-void FullyShardedModel::Prefetch(int unit_index) {
-  if (unit_index < 0) return;
-  FlatParamHandle* handle = units_[unit_index]->handle_.get();
-  // Only a unit that is idle (not yet run in this pass) and resharded.
-  if (handle == nullptr || handle->training_state() != HandleTrainingState::kIdle) return;
-  scheduler_->Prefetch(*handle, UnshardPhase(*handle));
+void FullyShardedModel::Prefetch(const std::vector<int>& unit_indices) {
+  for (int unit_index : unit_indices) {
+    FlatParamHandle* handle = units_[unit_index]->handle_.get();
+    // Only a unit that is idle (not yet run in this pass) and resharded.
+    if (handle == nullptr || handle->training_state() != HandleTrainingState::kIdle) continue;
+    scheduler_->Prefetch(*handle, UnshardPhase(*handle));
+  }
 }
 
 void FullyShardedModel::RecordExecutionOrder() {
@@ -483,12 +527,20 @@ void FullyShardedModel::RecordExecutionOrder() {
   // Forward: the unit that entered forward next. Backward runs units in the
   // reverse of the order their forwards ended, so a unit's backward is
   // followed by that of the unit whose forward ended just before its own.
+  // A unit that runs more than once keeps its first successor.
+  std::vector<bool> forward_set(units_.size(), false);
   for (size_t i = 0; i + 1 < pre_forward_order_.size(); ++i) {
-    FsdpUnit& unit = *units_[pre_forward_order_[i]];
-    if (unit.forward_prefetch_ < 0) unit.forward_prefetch_ = pre_forward_order_[i + 1];
+    const int index = pre_forward_order_[i];
+    FsdpUnit& unit = *units_[index];
+    if (unit.forward_prefetch_explicit_ || forward_set[index]) continue;
+    unit.forward_prefetch_ = {pre_forward_order_[i + 1]};
+    forward_set[index] = true;
   }
   for (size_t i = 1; i < post_forward_order_.size(); ++i) {
-    units_[post_forward_order_[i]]->backward_prefetch_ = post_forward_order_[i - 1];
+    const int index = post_forward_order_[i];
+    FsdpUnit& unit = *units_[index];
+    if (unit.backward_prefetch_explicit_) continue;
+    unit.backward_prefetch_ = {post_forward_order_[i - 1]};
   }
 }
 

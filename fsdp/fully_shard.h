@@ -120,10 +120,13 @@ class FsdpUnit {
   MixedPrecision mixed_precision_;
   bool requires_gradient_sync_ = true;
   class FullyShardedModel* model_ = nullptr;
-  // From the first iteration's order: the unit to prefetch (index in
-  // FullyShardedModel::units_, -1 for none) in forward and in backward.
-  int forward_prefetch_ = -1;
-  int backward_prefetch_ = -1;
+  // The units to prefetch (indices in FullyShardedModel::units_) in forward
+  // and in backward: set explicitly (SetModulesToForwardPrefetch, ...), or
+  // else the next unit of the first iteration's order.
+  std::vector<int> forward_prefetch_;
+  std::vector<int> backward_prefetch_;
+  bool forward_prefetch_explicit_ = false;
+  bool backward_prefetch_explicit_ = false;
   // Forward and backward as trace spans and profiler ranges, open from the
   // pre hook to the post hook.
   TraceSpan forward_span_;
@@ -189,6 +192,24 @@ class FullyShardedModel {
   // (not inside NoSync); kInvalidArgument for a bad norm_type or max_norm.
   absl::StatusOr<at::Tensor> ClipGradNorm(double max_norm, double norm_type = 2.0);
 
+  // FSDP2's set_modules_to_forward_prefetch / set_modules_to_backward_
+  // prefetch: when `unit_module`'s forward (backward) starts, right after its
+  // own all-gather, the all-gathers of `modules`' units are issued in that
+  // order, instead of the one next unit the first iteration's order chose,
+  // and whatever FsdpOptions::forward_prefetch / backward_prefetch say (an
+  // explicit backward list is issued from the pre-backward hook). A unit
+  // that already ran in this pass, or is unsharded, is skipped. More than
+  // one prefetch in flight holds more full parameters (limit_all_gathers
+  // still bounds the all-gathers in flight); an empty list turns
+  // prefetching off for the unit. Every rank must set the same lists (the
+  // collective headers stop a rank that does not). kFailedPrecondition
+  // unless IDLE; kNotFound when `unit_module` or one of `modules` is not a
+  // unit of this model.
+  absl::Status SetModulesToForwardPrefetch(const torch::nn::Module& unit_module,
+                                           const std::vector<const torch::nn::Module*>& modules);
+  absl::Status SetModulesToBackwardPrefetch(const torch::nn::Module& unit_module,
+                                            const std::vector<const torch::nn::Module*>& modules);
+
   // FSDP2's set_requires_gradient_sync, a persistent NoSync per unit: while
   // false for a unit, its backward passes keep full gradients in .grad and
   // add to them without communicating, and the first backward after it is
@@ -247,7 +268,12 @@ class FullyShardedModel {
   // Ends the first forward: fixes the prefetch targets and checks the order
   // across ranks.
   void RecordExecutionOrder();
-  void Prefetch(int unit_index);
+  void Prefetch(const std::vector<int>& unit_indices);
+  // The unit of `module`, or null.
+  FsdpUnit* UnitOf(const torch::nn::Module& module) const;
+  absl::Status SetModulesToPrefetch(const char* caller, const torch::nn::Module& unit_module,
+                                    const std::vector<const torch::nn::Module*>& modules,
+                                    bool forward);
   // Reported to FsdpOptions::debug_log.
   void SetModelState(ModelTrainingState to);
   int IndexOf(const FsdpUnit& unit) const;

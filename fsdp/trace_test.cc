@@ -142,6 +142,75 @@ TEST(DebugLog, PrefetchIssuesTheNextUnitsAllGatherWhereAsked) {
   EXPECT_LT(ahead, position(forward, "unit 'blocks.0': FORWARD -> IDLE"));
 }
 
+// Explicit prefetch lists (FSDP2's set_modules_to_forward_prefetch and
+// set_modules_to_backward_prefetch): the named units' all-gathers are issued
+// in the given order right after the unit's own, from the first iteration
+// on and without forward_prefetch; an empty list turns a unit's backward
+// prefetch off. The gradients are those of a run without lists.
+TEST(DebugLog, ExplicitPrefetchListsIssueTheNamedAllGathers) {
+  auto run = [](bool lists, std::vector<std::string>* lines, std::vector<at::Tensor>* grads) {
+    EXPECT_TRUE(
+        RunOnThreadRanks(2, [&](Collectives& comm) {
+          FsdpOptions options;
+          if (comm.rank() == 0) {
+            options.debug_log = [&](const std::string& line) { lines->push_back(line); };
+          }
+          Net model;
+          auto wrapped =
+              FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
+          ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+          const torch::nn::Module* block[3];
+          for (int i = 0; i < 3; ++i) block[i] = model->blocks[i].get();
+          if (lists) {
+            FullyShardedModel& m = **wrapped;
+            ASSERT_TRUE(m.SetModulesToForwardPrefetch(*block[0], {block[1], block[2]}).ok());
+            ASSERT_TRUE(m.SetModulesToBackwardPrefetch(*model, {block[0]}).ok());
+            ASSERT_TRUE(m.SetModulesToBackwardPrefetch(*block[2], {}).ok());
+            ASSERT_TRUE(m.SetModulesToBackwardPrefetch(*block[1], {}).ok());
+            // Refused by name: a module inside a unit, and in the list.
+            const absl::Status inner = m.SetModulesToForwardPrefetch(*model->head, {block[1]});
+            EXPECT_EQ(inner.code(), absl::StatusCode::kNotFound);
+            EXPECT_THAT(std::string(inner.message()),
+                        ::testing::HasSubstr("is not a unit of this model"));
+            const absl::Status listed =
+                m.SetModulesToBackwardPrefetch(*block[1], {block[0], model->head.get()});
+            EXPECT_EQ(listed.code(), absl::StatusCode::kNotFound);
+            EXPECT_THAT(std::string(listed.message()), ::testing::HasSubstr("modules[1]"));
+          }
+          if (comm.rank() == 0) lines->clear();
+          model->forward(Inputs(/*step=*/0, /*micro=*/0)).sum().backward();
+          if (comm.rank() == 0) {
+            for (const at::Tensor& p : model->parameters()) grads->push_back(p.grad().clone());
+          }
+        }).ok());
+  };
+  std::vector<std::string> lines, default_lines;
+  std::vector<at::Tensor> grads, default_grads;
+  run(true, &lines, &grads);
+  run(false, &default_lines, &default_grads);
+  auto position = [&](const std::string& line) {
+    auto it = std::find(lines.begin(), lines.end(), line);
+    EXPECT_NE(it, lines.end()) << line;
+    return it - lines.begin();
+  };
+  const auto gather1 = position("unit 'blocks.1': all-gather prefetched (forward)");
+  const auto gather2 = position("unit 'blocks.2': all-gather prefetched (forward)");
+  EXPECT_LT(position("unit 'blocks.0': IDLE -> FORWARD"), gather1);
+  EXPECT_LT(gather1, gather2);
+  EXPECT_LT(gather2, position("unit 'blocks.0': FORWARD -> IDLE"));
+  const auto gather0 = position("unit 'blocks.0': all-gather prefetched (backward)");
+  EXPECT_LT(position("unit '<root>': IDLE -> BACKWARD_PRE"), gather0);
+  EXPECT_LT(gather0, position("unit 'blocks.2': IDLE -> BACKWARD_PRE"));
+  for (const std::string unit : {"blocks.1", "blocks.2"}) {
+    EXPECT_EQ(std::count(lines.begin(), lines.end(),
+                         "unit '" + unit + "': all-gather prefetched (backward)"),
+              0)
+        << unit;
+  }
+  ASSERT_EQ(grads.size(), default_grads.size());
+  for (size_t i = 0; i < grads.size(); ++i) EXPECT_TRUE(at::equal(grads[i], default_grads[i])) << i;
+}
+
 TEST(Trace, RecordsEachUnitsWorkAndWritesChromeTraceJson) {
   std::vector<TraceEvent> events;
   std::string path = std::string(std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR")
