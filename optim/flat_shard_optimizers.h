@@ -38,6 +38,11 @@
 // is copied into the run's buffer at the next step. Serializing a state
 // writes a copy of its own elements only, not the whole buffer.
 //
+// Not supported: sparse gradients (refused by name; libtorch's SGD takes
+// them). The step updates a run through views of its storage, so the
+// parameters' version counters do not advance as libtorch's in-place step
+// would advance them (nothing in FSDP reads them).
+//
 // Thread safety: as libtorch's optimizers (none).
 #ifndef FSDP_OPTIM_FLAT_SHARD_OPTIMIZERS_H_
 #define FSDP_OPTIM_FLAT_SHARD_OPTIMIZERS_H_
