@@ -3,7 +3,8 @@
 # CUDA torch (README, "GPU builds"): builds the CUDA targets with CMake
 # against that torch, runs //fsdp:cuda_test (world size 1 over NCCL, and 2
 # and 3 ranks sharing the GPU through staged collectives), trains the main
-# job on the GPU (one rank over NCCL; two ranks sharing the GPU, staged),
+# job on the GPU (one rank over NCCL, with the flat-shard optimizer's exact
+# and fused kernels; two ranks sharing the GPU, staged),
 # runs the training-step benchmark on both sides (ours, models/cuda_step_benchmark.cc;
 # PyTorch's FullyShardedDataParallel and fully_shard,
 # models/fsdp_step_benchmark.py) and writes them side by side; with two GPUs
@@ -106,6 +107,11 @@ if stage build_cuda_targets "$out/build.log" cmake --build "$build" \
     stage "train_gpt_${device}_w$ranks" "$out/cuda_test.log" "$build/models/train_gpt" \
       --device="$device" --world_size="$ranks" --steps=60 --log_every=20 --print_plan=false
   done
+  # The runs above step the shards with FlatShardAdamW's kExact kernel (the
+  # default); this one with PyTorch's fused CUDA kernel.
+  stage train_gpt_cuda_w1_fused_optimizer "$out/cuda_test.log" "$build/models/train_gpt" \
+    --device=cuda --world_size=1 --steps=60 --log_every=20 --print_plan=false \
+    --optimizer_kernel=flat_fused
   stage cpp_step_benchmark "$out/build.log" "$build/models/cuda_step_benchmark" \
     --benchmark_out="$out/cpp_step.json" --benchmark_out_format=json
   # The two NCCL transports (direct, ProcessGroupNCCL) need two GPUs or more;
