@@ -42,12 +42,16 @@ class Then : public PendingReduction {
 // (hybrid) the replicate group's all-reduce of this rank's shard.
 class DefaultReduction : public PendingReduction {
  public:
+  // `partial`: hybrid's all-reduce left out (CommHookContext::all_reduce).
   DefaultReduction(std::unique_ptr<CollectiveWork> shard_group_work, at::Tensor grad,
-                   at::Tensor out, Collectives* replicate, double postdivide)
+                   at::Tensor out, Collectives* replicate, double postdivide, bool partial,
+                   at::Tensor add_before_all_reduce)
       : grad_(std::move(grad)),
         out_(std::move(out)),
+        add_before_all_reduce_(std::move(add_before_all_reduce)),
         replicate_(replicate),
         postdivide_(postdivide),
+        partial_(partial),
         shard_group_work_(std::move(shard_group_work)) {}
 
   void Advance() override {
@@ -55,7 +59,11 @@ class DefaultReduction : public PendingReduction {
     shard_group_work_->Wait();
     shard_group_work_.reset();
     grad_ = at::Tensor();  // The flat gradient is no longer read.
-    if (replicate_ != nullptr && replicate_->world_size() > 1) {
+    if (replicate_ != nullptr && replicate_->world_size() > 1 && !partial_) {
+      if (add_before_all_reduce_.defined()) {
+        out_.add_(add_before_all_reduce_);
+        add_before_all_reduce_ = at::Tensor();
+      }
       // Only this rank's shard crosses shard groups.
       replicate_work_ = replicate_->AllReduce(out_, ReduceOp::kSum);
     }
@@ -67,7 +75,7 @@ class DefaultReduction : public PendingReduction {
       replicate_work_->Wait();
       replicate_work_.reset();
     }
-    if (postdivide_ != 1) out_.div_(postdivide_);
+    if (postdivide_ != 1 && !partial_) out_.div_(postdivide_);
     out_ = at::Tensor();
   }
 
@@ -76,8 +84,10 @@ class DefaultReduction : public PendingReduction {
   // them before it lets go of their tensors.
   at::Tensor grad_;
   at::Tensor out_;
+  at::Tensor add_before_all_reduce_;
   Collectives* const replicate_;
   const double postdivide_;
+  const bool partial_;
   std::unique_ptr<CollectiveWork> shard_group_work_;
   std::unique_ptr<CollectiveWork> replicate_work_;
 };
@@ -104,8 +114,15 @@ std::unique_ptr<PendingReduction> DefaultCommHook::Reduce(const CommHookContext&
   std::unique_ptr<CollectiveWork> work =
       context.sharded ? context.group.ReduceScatterTensor(out, grad, ReduceOp::kSum)
                       : context.group.AllReduce(grad, ReduceOp::kSum);
+  const bool partial = !context.all_reduce && replicate != nullptr && replicate->world_size() > 1;
+  TORCH_CHECK(!context.add_before_all_reduce.defined() ||
+                  (replicate != nullptr && context.all_reduce &&
+                   context.add_before_all_reduce.sizes() == out.sizes()),
+              "DefaultCommHook: add_before_all_reduce for unit '", context.unit,
+              "' needs a replicate group, all_reduce and out's shape");
   return std::make_unique<DefaultReduction>(std::move(work), std::move(grad), std::move(out),
-                                            replicate, postdivide);
+                                            replicate, postdivide, partial,
+                                            context.add_before_all_reduce);
 }
 
 std::string LowPrecisionCommHook::Name() const {

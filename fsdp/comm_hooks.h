@@ -47,6 +47,15 @@ struct CommHookContext {
   // FsdpOptions::gradient_divide_factor: divide the sum by this instead of
   // by the number of ranks (the built-in reduction divides before the sum).
   std::optional<double> divide_factor;
+  // Hybrid sharding only (FullyShardedModel::SetRequiresAllReduce). False:
+  // the replicate group's all-reduce is left out, and `out` holds this shard
+  // group's sum before the post-divide, which the runtime keeps and hands to
+  // the next reduction that all-reduces as `add_before_all_reduce`: added to
+  // that reduction's reduce-scatter result before its all-reduce (so the
+  // sum crosses the replicate group once, as FSDP2's partial reduce
+  // output does).
+  bool all_reduce = true;
+  at::Tensor add_before_all_reduce;
 };
 
 // A reduction in flight. Destroying one that was not waited for waits for

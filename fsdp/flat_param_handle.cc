@@ -510,7 +510,7 @@ void FlatParamHandle::PrepareGradientsForBackward() {
   }
 }
 
-void FlatParamHandle::StartReduceGradients() {
+void FlatParamHandle::StartReduceGradients(bool all_reduce) {
   TORCH_CHECK(unsharded_ || !UnshardNeeded(), Describe(),
               ": ReduceGradients needs the unit unsharded; training state ",
               HandleTrainingStateName(training_state_));
@@ -541,8 +541,15 @@ void FlatParamHandle::StartReduceGradients() {
   at::Tensor reduced = uses_sharded_views()
                            ? at::empty({trainable.shard_numel}, flat_grad.options())
                            : flat_grad;  // NO_SHARD reduces in place.
-  const CommHookContext context{group_, uses_sharded_views(), unit_name_, options_.replicate_group,
-                                options_.gradient_divide_factor};
+  CommHookContext context{group_, uses_sharded_views(), unit_name_, options_.replicate_group,
+                          options_.gradient_divide_factor};
+  const bool hybrid =
+      options_.replicate_group != nullptr && options_.replicate_group->world_size() > 1;
+  context.all_reduce = all_reduce || !hybrid;
+  if (context.all_reduce && partial_reduced_.defined()) {
+    context.add_before_all_reduce = std::move(partial_reduced_);
+    partial_reduced_ = at::Tensor();
+  }
   std::unique_ptr<PendingReduction> pending =
       comm_hook_ != nullptr ? comm_hook_->Reduce(context, std::move(flat_grad), reduced)
                             : DefaultCommHook().Reduce(context, std::move(flat_grad), reduced);
@@ -551,6 +558,7 @@ void FlatParamHandle::StartReduceGradients() {
               "' returned no reduction (a synchronous hook returns CompletedReduction())");
   pending_reduction_ = std::move(pending);
   reduced_ = std::move(reduced);
+  reduction_is_partial_ = !context.all_reduce;
   holds_unreduced_ = false;
 }
 
@@ -572,6 +580,19 @@ void FlatParamHandle::FinishReduceGradients() {
   pending->Wait();
   pending.reset();
   at::NoGradGuard no_grad;
+  const bool params_at_shard =
+      uses_sharded_views() ? !unsharded_ : !options_.offload_params || !unsharded_;
+  if (reduction_is_partial_) {
+    // Kept in the reduction's dtype on the compute device until the
+    // all-reduce that takes it; the sharded gradient (and .grad) stay as
+    // they were.
+    partial_reduced_ = partial_reduced_.defined() ? partial_reduced_.add_(reduced) : reduced;
+    if (sharded_grad_.defined()) {
+      gradients_pending_ = true;
+      if (params_at_shard) PublishGradients();
+    }
+    return;
+  }
   if (reduced.scalar_type() != GradDtype()) reduced = reduced.to(GradDtype());
   if (options_.offload_params) {
     // Accumulated on the compute device, in stream order: nothing here
@@ -591,8 +612,6 @@ void FlatParamHandle::FinishReduceGradients() {
   // The parameters view the shard already: NO_SHARD (unless offloading,
   // where they are on the compute device until Reshard points them at the
   // host), or a unit resharded while its reduction was in flight.
-  const bool params_at_shard =
-      uses_sharded_views() ? !unsharded_ : !options_.offload_params || !unsharded_;
   if (params_at_shard) PublishGradients();
 }
 

@@ -216,11 +216,19 @@ class FlatParamHandle {
   // (PendingReduction::Advance, fsdp/comm_hooks.h). Start REQUIRES:
   // unsharded (or NO_SHARD), has_trainable_params(), no reduction
   // pending. Finish throws the reduction's error, leaving none pending.
-  void StartReduceGradients();
+  // `all_reduce` false (hybrid sharding, FullyShardedModel::
+  // SetRequiresAllReduce): the replicate group's all-reduce is left out and
+  // Finish keeps the shard group's sum aside instead of adding it to the
+  // sharded gradient; the next reduction that all-reduces adds it before its
+  // all-reduce (CommHookContext::all_reduce).
+  void StartReduceGradients(bool all_reduce = true);
   void AdvanceReduction();
   void FinishReduceGradients();
   void ReduceGradients();
   bool has_pending_reduction() const { return pending_reduction_ != nullptr; }
+  // Reduced within the shard group, kept aside for the replicate group's
+  // next all-reduce (StartReduceGradients(false)).
+  bool has_partial_reduction() const { return partial_reduced_.defined(); }
 
   // Instead of ReduceGradients, under no_sync: the full gradients stay in
   // .grad (full shape, even after Reshard) and later backward passes add to
@@ -380,6 +388,8 @@ class FlatParamHandle {
   // this rank's reduced part of the flat gradient.
   std::unique_ptr<PendingReduction> pending_reduction_;
   at::Tensor reduced_;
+  bool reduction_is_partial_ = false;  // The pending reduction leaves out the all-reduce.
+  at::Tensor partial_reduced_;         // has_partial_reduction().
   bool holds_unreduced_ = false;    // .grad holds full, unreduced gradients.
   std::vector<std::unique_ptr<CollectiveWork>> pending_unshard_;  // One per segment.
   bool unsharded_ = false;

@@ -377,23 +377,42 @@ void FullyShardedModel::ReduceOrKeep(FsdpUnit& unit) {
     handle.KeepGradientsUnreduced();
     return;
   }
-  scheduler_->ReduceGradients(handle);
+  scheduler_->ReduceGradients(handle, unit.requires_all_reduce_);
+}
+
+absl::StatusOr<std::vector<FsdpUnit*>> FullyShardedModel::UnitsOf(const char* caller,
+                                                                  const torch::nn::Module& module,
+                                                                  bool recurse) {
+  const FsdpUnit* target = UnitOf(module);
+  if (target == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat(caller, ": module '", module.name(),
+                     "' is not a unit of this model (the root or a module the policy wrapped)"));
+  }
+  const std::string prefix = target->fqn_.empty() ? "" : target->fqn_ + ".";
+  std::vector<FsdpUnit*> units;
+  for (auto& unit : units_) {
+    const bool inside = unit.get() == target || (recurse && absl::StartsWith(unit->fqn_, prefix));
+    if (inside) units.push_back(unit.get());
+  }
+  return units;
 }
 
 absl::Status FullyShardedModel::SetRequiresGradientSync(const torch::nn::Module& module,
                                                         bool requires_sync, bool recurse) {
   FSDP_RETURN_IF_ERROR(RequireIdle("SetRequiresGradientSync"));
-  const FsdpUnit* target = UnitOf(module);
-  if (target == nullptr) {
-    return absl::NotFoundError(
-        absl::StrCat("SetRequiresGradientSync: module '", module.name(),
-                     "' is not a unit of this model (the root or a module the policy wrapped)"));
-  }
-  const std::string prefix = target->fqn_.empty() ? "" : target->fqn_ + ".";
-  for (auto& unit : units_) {
-    const bool inside = unit.get() == target || (recurse && absl::StartsWith(unit->fqn_, prefix));
-    if (inside) unit->requires_gradient_sync_ = requires_sync;
-  }
+  FSDP_ASSIGN_OR_RETURN(std::vector<FsdpUnit*> units,
+                        UnitsOf("SetRequiresGradientSync", module, recurse));
+  for (FsdpUnit* unit : units) unit->requires_gradient_sync_ = requires_sync;
+  return absl::OkStatus();
+}
+
+absl::Status FullyShardedModel::SetRequiresAllReduce(const torch::nn::Module& module,
+                                                     bool requires_all_reduce, bool recurse) {
+  FSDP_RETURN_IF_ERROR(RequireIdle("SetRequiresAllReduce"));
+  FSDP_ASSIGN_OR_RETURN(std::vector<FsdpUnit*> units,
+                        UnitsOf("SetRequiresAllReduce", module, recurse));
+  for (FsdpUnit* unit : units) unit->requires_all_reduce_ = requires_all_reduce;
   return absl::OkStatus();
 }
 

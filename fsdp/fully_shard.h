@@ -107,6 +107,8 @@ class FsdpUnit {
   const MixedPrecision& mixed_precision() const { return mixed_precision_; }
   // FullyShardedModel::SetRequiresGradientSync.
   bool requires_gradient_sync() const { return requires_gradient_sync_; }
+  // FullyShardedModel::SetRequiresAllReduce.
+  bool requires_all_reduce() const { return requires_all_reduce_; }
 
  private:
   friend class FullyShardedModel;
@@ -119,6 +121,7 @@ class FsdpUnit {
   ShardingStrategy strategy_ = ShardingStrategy::kFullShard;
   MixedPrecision mixed_precision_;
   bool requires_gradient_sync_ = true;
+  bool requires_all_reduce_ = true;
   class FullyShardedModel* model_ = nullptr;
   // The units to prefetch (indices in FullyShardedModel::units_) in forward
   // and in backward: set explicitly (SetModulesToForwardPrefetch, ...), or
@@ -221,6 +224,18 @@ class FullyShardedModel {
   absl::Status SetRequiresGradientSync(const torch::nn::Module& module, bool requires_sync,
                                        bool recurse = true);
 
+  // FSDP2's set_requires_all_reduce, for hybrid sharding's gradient
+  // accumulation: while false for a unit, its backward passes reduce-scatter
+  // within the shard group but leave out the all-reduce across the replicate
+  // group, keeping the shard group's sum aside (.grad does not change); the
+  // first backward after it is true again adds that sum to its own before
+  // its all-reduce, so the accumulated gradient crosses the replicate group
+  // once. Without a replicate group it changes nothing. `module` and
+  // `recurse`, the errors, and that every rank must set the same units
+  // alike: as SetRequiresGradientSync.
+  absl::Status SetRequiresAllReduce(const torch::nn::Module& module, bool requires_all_reduce,
+                                    bool recurse = true);
+
   // Reduces every unit's gradients through `hook` from now on (PyTorch's
   // register_comm_hook on the root; the hook object carries its state). Once,
   // before the first forward. Fails with kInvalidArgument for a null hook or
@@ -271,6 +286,10 @@ class FullyShardedModel {
   void Prefetch(const std::vector<int>& unit_indices);
   // The unit of `module`, or null.
   FsdpUnit* UnitOf(const torch::nn::Module& module) const;
+  // `module`'s unit, and with `recurse` every unit in its subtree; kNotFound
+  // naming `caller` when `module` is not a unit.
+  absl::StatusOr<std::vector<FsdpUnit*>> UnitsOf(const char* caller,
+                                                 const torch::nn::Module& module, bool recurse);
   absl::Status SetModulesToPrefetch(const char* caller, const torch::nn::Module& unit_module,
                                     const std::vector<const torch::nn::Module*>& modules,
                                     bool forward);

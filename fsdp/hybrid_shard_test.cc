@@ -165,6 +165,70 @@ INSTANTIATE_TEST_SUITE_P(
                       HybridCase{6, 2, ShardingStrategy::kHybridShardZero2}),
     CaseName);
 
+// SetRequiresAllReduce (FSDP2's set_requires_all_reduce): of two
+// micro-batches, the first leaves out the replicate group's all-reduce (and
+// .grad stays empty); after the second the gradients are those of two
+// micro-batches that both all-reduce, and the replicate group carried one
+// all-reduce per unit instead of two.
+TEST(HybridShard, RequiresAllReduceFalseDefersTheSumAcrossGroups) {
+  const HybridShardLayout layout = HybridShardLayout::Create(4, 2).value();
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  absl::Status status = RunOnThreadRanks(4, [&](Collectives& world) {
+    GlooOptions gloo;
+    gloo.hostname = "127.0.0.1";
+    gloo.timeout = std::chrono::seconds(60);
+    auto groups = CreateHybridShardCollectives(world.rank(), layout, gloo.group_name,
+                                               GlooGroupConnector(store, gloo));
+    ASSERT_TRUE(groups.ok()) << groups.status();
+    Collectives& shard = *groups->shard;
+    Collectives& replicate = *groups->replicate;
+    FsdpOptions options;
+    options.strategy = ShardingStrategy::kHybridShard;
+    options.replicate_group = &replicate;
+    Net deferred, reference;
+    auto wrapped_deferred =
+        FullyShardedModel::Wrap(deferred.ptr(), shard, options, SelectModulesOfType<BlockImpl>());
+    auto wrapped_reference =
+        FullyShardedModel::Wrap(reference.ptr(), shard, options, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped_deferred.ok() && wrapped_reference.ok());
+    const int64_t rows = kGlobalBatch / 4;
+    auto backward = [&](Net& model, int micro) {
+      at::Tensor x = Inputs(0, micro).narrow(0, world.rank() * rows, rows);
+      at::Tensor y = Targets(0, micro).narrow(0, world.rank() * rows, rows);
+      at::mse_loss(model->forward(x), y).backward();
+    };
+    for (int micro = 0; micro < 2; ++micro) backward(reference, micro);
+
+    ASSERT_TRUE((*wrapped_deferred)->SetRequiresAllReduce(*deferred, false).ok());
+    replicate.ResetCounters();
+    backward(deferred, 0);
+    EXPECT_EQ(replicate.counters().Calls(CollectiveOp::kAllReduce), 0);
+    for (const at::Tensor& p : deferred->parameters()) EXPECT_FALSE(p.grad().defined());
+    for (const auto& unit : (*wrapped_deferred)->units()) {
+      EXPECT_TRUE(unit->handle()->has_partial_reduction()) << unit->fqn();
+    }
+    ASSERT_TRUE((*wrapped_deferred)->SetRequiresAllReduce(*deferred, true).ok());
+    backward(deferred, 1);
+    EXPECT_EQ(replicate.counters().Calls(CollectiveOp::kAllReduce), 4);  // Root and three blocks.
+    for (const auto& unit : (*wrapped_deferred)->units()) {
+      EXPECT_FALSE(unit->handle()->has_partial_reduction()) << unit->fqn();
+    }
+    const std::vector<at::Tensor> got = deferred->parameters();
+    const std::vector<at::Tensor> want = reference->parameters();
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_TRUE(got[i].grad().defined() && want[i].grad().defined()) << i;
+      EXPECT_TRUE(at::allclose(got[i].grad(), want[i].grad(), 1e-5, 1e-7))
+          << i << ": largest difference "
+          << (got[i].grad() - want[i].grad()).abs().max().item<float>();
+    }
+    // A unit that is not one is refused by name.
+    const absl::Status refused = (*wrapped_deferred)->SetRequiresAllReduce(*deferred->head, false);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kNotFound);
+    EXPECT_THAT(std::string(refused.message()), HasSubstr("SetRequiresAllReduce: module"));
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
 TEST(HybridShard, NeedsAReplicateGroupExactlyWithAHybridStrategy) {
   ASSERT_TRUE(RunOnThreadRanks(2, [](Collectives& comm) {
                 Net model;

@@ -77,7 +77,7 @@ void UnitScheduler::ReshardGradients(FlatParamHandle& handle, bool writeback) {
   handle.ReshardGradients(writeback);
 }
 
-void UnitScheduler::ReduceGradients(FlatParamHandle& handle) {
+void UnitScheduler::ReduceGradients(FlatParamHandle& handle, bool all_reduce) {
   c10::StreamGuard on_reduce_scatter(streams_.reduce_scatter());
   // Before the wait on compute below: what an earlier reduction issues
   // next (hybrid's replicate all-reduce) needs nothing this backward
@@ -91,7 +91,7 @@ void UnitScheduler::ReduceGradients(FlatParamHandle& handle) {
   CollectiveLabel label(group_, replicate_group_, handle.unit_name(), "backward");
   TraceSpan span(trace_, handle.uses_sharded_views() ? "reduce-scatter" : "all-reduce",
                  handle.unit_name());
-  handle.StartReduceGradients();
+  handle.StartReduceGradients(all_reduce);
   reducing_.push_back(&handle);
 }
 

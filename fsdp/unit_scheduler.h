@@ -75,7 +75,8 @@ class UnitScheduler {
   // once, labelled with its own unit), which bounds the flat gradients
   // reductions in flight hold to one (NO_SHARD, which reduces in place,
   // holds its flat gradients until WaitForReductions).
-  void ReduceGradients(FlatParamHandle& handle);
+  // `all_reduce`: FlatParamHandle::StartReduceGradients's.
+  void ReduceGradients(FlatParamHandle& handle, bool all_reduce = true);
   // Finishes every reduction in flight, in issue order, then makes compute
   // wait for them; with offload_params the host waits too, since the
   // optimizer reads host gradients next. The first failure is thrown after
