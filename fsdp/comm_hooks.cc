@@ -104,6 +104,12 @@ std::unique_ptr<PendingReduction> ReductionThen(std::unique_ptr<PendingReduction
 std::unique_ptr<PendingReduction> DefaultCommHook::Reduce(const CommHookContext& context,
                                                           at::Tensor grad, at::Tensor out) {
   Collectives* replicate = context.replicate_group;
+  const bool partial = !context.all_reduce && replicate != nullptr && replicate->world_size() > 1;
+  TORCH_CHECK(!context.add_before_all_reduce.defined() ||
+                  (replicate != nullptr && context.all_reduce &&
+                   context.add_before_all_reduce.sizes() == out.sizes()),
+              "DefaultCommHook: add_before_all_reduce for unit '", context.unit,
+              "' needs a replicate group, all_reduce and out's shape");
   const int world =
       context.group.world_size() * (replicate != nullptr ? replicate->world_size() : 1);
   // FSDP2 divides by a user's factor wholly before the sum.
@@ -114,12 +120,6 @@ std::unique_ptr<PendingReduction> DefaultCommHook::Reduce(const CommHookContext&
   std::unique_ptr<CollectiveWork> work =
       context.sharded ? context.group.ReduceScatterTensor(out, grad, ReduceOp::kSum)
                       : context.group.AllReduce(grad, ReduceOp::kSum);
-  const bool partial = !context.all_reduce && replicate != nullptr && replicate->world_size() > 1;
-  TORCH_CHECK(!context.add_before_all_reduce.defined() ||
-                  (replicate != nullptr && context.all_reduce &&
-                   context.add_before_all_reduce.sizes() == out.sizes()),
-              "DefaultCommHook: add_before_all_reduce for unit '", context.unit,
-              "' needs a replicate group, all_reduce and out's shape");
   return std::make_unique<DefaultReduction>(std::move(work), std::move(grad), std::move(out),
                                             replicate, postdivide, partial,
                                             context.add_before_all_reduce);

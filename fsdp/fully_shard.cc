@@ -233,6 +233,7 @@ void FullyShardedModel::PreForward(FsdpUnit& unit) {
   if (handle == nullptr) {
     SetModelState(ModelTrainingState::kForwardBackward);
     if (!order_recorded_) pre_forward_order_.push_back(IndexOf(unit));
+    if (unit.forward_prefetch_explicit_) Prefetch(unit.forward_prefetch_);
     return;
   }
   CheckTrainableAsWrapped(unit);
@@ -343,7 +344,10 @@ void FullyShardedModel::PreBackward(FsdpUnit& unit) {
     torch::autograd::Engine::get_default_engine().queue_callback([this] { FinishBackward(); });
   }
   FlatParamHandle* handle = unit.handle_.get();
-  if (handle == nullptr) return;
+  if (handle == nullptr) {
+    if (unit.backward_prefetch_explicit_) Prefetch(unit.backward_prefetch_);
+    return;
+  }
   scheduler_->Move(*handle, HandleTrainingState::kIdle, HandleTrainingState::kBackwardPre);
   scheduler_->Unshard(*handle, UnshardPhase(*handle));
   handle->PrepareGradientsForBackward();
@@ -546,7 +550,9 @@ void FullyShardedModel::RecordExecutionOrder() {
   // Forward: the unit that entered forward next. Backward runs units in the
   // reverse of the order their forwards ended, so a unit's backward is
   // followed by that of the unit whose forward ended just before its own.
-  // A unit that runs more than once keeps its first successor.
+  // In forward, a unit that runs more than once keeps its first successor;
+  // in backward, the unit whose forward ended last before its own (as
+  // before explicit lists).
   std::vector<bool> forward_set(units_.size(), false);
   for (size_t i = 0; i + 1 < pre_forward_order_.size(); ++i) {
     const int index = pre_forward_order_[i];

@@ -200,12 +200,15 @@ class FullyShardedModel {
   // own all-gather, the all-gathers of `modules`' units are issued in that
   // order, instead of the one next unit the first iteration's order chose,
   // and whatever FsdpOptions::forward_prefetch / backward_prefetch say (an
-  // explicit backward list is issued from the pre-backward hook). A unit
-  // that already ran in this pass, or is unsharded, is skipped. More than
-  // one prefetch in flight holds more full parameters (limit_all_gathers
-  // still bounds the all-gathers in flight); an empty list turns
-  // prefetching off for the unit. Every rank must set the same lists (the
-  // collective headers stop a rank that does not). kFailedPrecondition
+  // explicit backward list is issued from the pre-backward hook; a unit
+  // without parameters of its own issues its lists too). A listed unit that
+  // is unsharded, or in backward already ran, is skipped; in forward, one
+  // that already ran is gathered again (as FSDP2 does) and holds its full
+  // parameters until its backward. The listed all-gathers are issued one
+  // after another (limit_all_gathers waits for an earlier reshard before the
+  // first only), so a longer list holds more full parameters at once; an
+  // empty list turns prefetching off for the unit. Every rank must set the
+  // same lists (the collective headers stop a rank that does not). kFailedPrecondition
   // unless IDLE; kNotFound when `unit_module` or one of `modules` is not a
   // unit of this model.
   absl::Status SetModulesToForwardPrefetch(const torch::nn::Module& unit_module,
@@ -227,10 +230,13 @@ class FullyShardedModel {
   // FSDP2's set_requires_all_reduce, for hybrid sharding's gradient
   // accumulation: while false for a unit, its backward passes reduce-scatter
   // within the shard group but leave out the all-reduce across the replicate
-  // group, keeping the shard group's sum aside (.grad does not change); the
-  // first backward after it is true again adds that sum to its own before
-  // its all-reduce, so the accumulated gradient crosses the replicate group
-  // once. Without a replicate group it changes nothing. `module` and
+  // group, keeping the shard group's sum aside (none of it reaches .grad);
+  // the next backward that reduces with it true again adds that sum to its
+  // own before its all-reduce, so the accumulated gradient crosses the
+  // replicate group once. The kept sum is in the reduction's dtype
+  // (MixedPrecision::reduce_dtype) and nothing clears it but that
+  // all-reduce: zero_grad does not, and ClipGradNorm refuses while one is
+  // kept. Without a replicate group it changes nothing. `module` and
   // `recurse`, the errors, and that every rank must set the same units
   // alike: as SetRequiresGradientSync.
   absl::Status SetRequiresAllReduce(const torch::nn::Module& module, bool requires_all_reduce,

@@ -165,11 +165,11 @@ INSTANTIATE_TEST_SUITE_P(
                       HybridCase{6, 2, ShardingStrategy::kHybridShardZero2}),
     CaseName);
 
-// SetRequiresAllReduce (FSDP2's set_requires_all_reduce): of two
-// micro-batches, the first leaves out the replicate group's all-reduce (and
-// .grad stays empty); after the second the gradients are those of two
-// micro-batches that both all-reduce, and the replicate group carried one
-// all-reduce per unit instead of two.
+// SetRequiresAllReduce (FSDP2's set_requires_all_reduce): of three
+// micro-batches, the first two leave out the replicate group's all-reduce
+// (.grad stays empty, ClipGradNorm refuses); after the third the gradients
+// are those of three micro-batches that all all-reduce, and the replicate
+// group carried one all-reduce per unit instead of three.
 TEST(HybridShard, RequiresAllReduceFalseDefersTheSumAcrossGroups) {
   const HybridShardLayout layout = HybridShardLayout::Create(4, 2).value();
   auto store = c10::make_intrusive<c10d::HashStore>();
@@ -197,18 +197,21 @@ TEST(HybridShard, RequiresAllReduceFalseDefersTheSumAcrossGroups) {
       at::Tensor y = Targets(0, micro).narrow(0, world.rank() * rows, rows);
       at::mse_loss(model->forward(x), y).backward();
     };
-    for (int micro = 0; micro < 2; ++micro) backward(reference, micro);
+    for (int micro = 0; micro < 3; ++micro) backward(reference, micro);
 
     ASSERT_TRUE((*wrapped_deferred)->SetRequiresAllReduce(*deferred, false).ok());
     replicate.ResetCounters();
-    backward(deferred, 0);
+    for (int micro = 0; micro < 2; ++micro) backward(deferred, micro);
     EXPECT_EQ(replicate.counters().Calls(CollectiveOp::kAllReduce), 0);
     for (const at::Tensor& p : deferred->parameters()) EXPECT_FALSE(p.grad().defined());
     for (const auto& unit : (*wrapped_deferred)->units()) {
       EXPECT_TRUE(unit->handle()->has_partial_reduction()) << unit->fqn();
     }
+    const absl::StatusOr<at::Tensor> clipped = (*wrapped_deferred)->ClipGradNorm(1.0);
+    EXPECT_EQ(clipped.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(clipped.status().message()), HasSubstr("requires_all_reduce false"));
     ASSERT_TRUE((*wrapped_deferred)->SetRequiresAllReduce(*deferred, true).ok());
-    backward(deferred, 1);
+    backward(deferred, 2);
     EXPECT_EQ(replicate.counters().Calls(CollectiveOp::kAllReduce), 4);  // Root and three blocks.
     for (const auto& unit : (*wrapped_deferred)->units()) {
       EXPECT_FALSE(unit->handle()->has_partial_reduction()) << unit->fqn();

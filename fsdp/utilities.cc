@@ -39,6 +39,12 @@ absl::StatusOr<at::Tensor> FullyShardedModel::ClipGradNorm(double max_norm, doub
           ": ClipGradNorm inside NoSync or with requires_gradient_sync false (gradients are not "
           "reduced yet)"));
     }
+    if (unit->handle_ && unit->handle_->has_partial_reduction()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          Describe(*unit),
+          ": ClipGradNorm with requires_all_reduce false (a shard group's gradient sum waits "
+          "for the next all-reducing backward)"));
+    }
   }
   try {
     return ClipCheckedGradNorm(max_norm, norm_type);
