@@ -68,9 +68,10 @@ enum class FlatShardKernel {
   // chunks: in float32 and float64 the results equal libtorch's bit for bit
   // (tested at W = 1, 2, 3 under FULL_SHARD, SHARD_GRAD_OP and NO_SHARD, with
   // one and two parameter groups, on libtorch 1.13 and 2.15). In bfloat16
-  // and float16 they may differ in the last bit: ATen's own kernels round
-  // those differently in their vectorized and scalar loops, and an
-  // element's position decides its loop (tested: within one bfloat16 step).
+  // they may differ in the last bit: ATen's own bfloat16 kernels give an
+  // element different last bits depending on its position in the tensor
+  // (seen, not traced to the kernel; per parameter and per run, positions
+  // differ). Tested: within one bfloat16 step. float16 is not tested.
   kExact,
   // PyTorch's fused AdamW / SGD kernels (what torch.optim's fused=True
   // runs), one pass over the elements and one call per set of

@@ -418,11 +418,11 @@ TEST(FlatShardOptimizers, HandBuiltRunsAcrossGroupsEqualLibtorchInEveryDtype) {
           if (kernel == FlatShardKernel::kExact && dtype != at::kBFloat16) {
             EXPECT_TRUE(at::equal(layout.params[i], layout.loose[i])) << "parameter " << i;
           } else if (dtype == at::kBFloat16) {
-            // ATen's bfloat16 kernels round differently in their vectorized
-            // and scalar loops (the scalar operand in float or in bfloat16),
-            // and which loop an element takes depends on its position in the
-            // tensor: per parameter and per run, positions differ. Within
-            // one bfloat16 step (1/128 relative; the values here are below 1).
+            // ATen's bfloat16 kernels give an element different last bits
+            // depending on its position in the tensor (seen here, not traced
+            // to the kernel), and per parameter and per run positions
+            // differ. Within one bfloat16 step (1/128 relative; the values
+            // here are below 1).
             EXPECT_TRUE(at::allclose(layout.params[i].to(at::kFloat),
                                      layout.loose[i].to(at::kFloat), 1.0 / 128, 1.0 / 128))
                 << "parameter " << i << ", largest difference "
