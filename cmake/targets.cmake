@@ -174,6 +174,24 @@ target_include_directories(comm_store_fingerprint_exchange PUBLIC $<INSTALL_INTE
 install(TARGETS comm_store_fingerprint_exchange EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/comm/store_fingerprint_exchange.h DESTINATION include/comm)
 
+# //fsdp:activation_checkpointing
+add_library(fsdp_activation_checkpointing SHARED ${PROJECT_SOURCE_DIR}/fsdp/activation_checkpointing.cc ${PROJECT_SOURCE_DIR}/fsdp/activation_checkpointing.h)
+set_target_properties(fsdp_activation_checkpointing PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
+target_link_libraries(fsdp_activation_checkpointing PUBLIC policies_wrap_policy third_party_absl_base third_party_absl_status fsdp_torch)
+target_include_directories(fsdp_activation_checkpointing PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS fsdp_activation_checkpointing EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/fsdp/activation_checkpointing.h DESTINATION include/fsdp)
+
+# //fsdp:activation_checkpointing_test
+if(BUILD_TESTING)
+add_executable(fsdp_activation_checkpointing_test ${PROJECT_SOURCE_DIR}/fsdp/activation_checkpointing_test.cc)
+set_target_properties(fsdp_activation_checkpointing_test PROPERTIES OUTPUT_NAME activation_checkpointing_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
+target_link_libraries(fsdp_activation_checkpointing_test PRIVATE fsdp_activation_checkpointing fsdp_fully_shard fsdp_test_util comm_collectives testing_multi_rank third_party_gtest_main fsdp_torch)
+add_test(NAME //fsdp:activation_checkpointing_test COMMAND fsdp_activation_checkpointing_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//fsdp:activation_checkpointing_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_activation_checkpointing_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_activation_checkpointing_test")
+endif()
+
 # //fsdp:comm_hooks
 add_library(fsdp_comm_hooks SHARED ${PROJECT_SOURCE_DIR}/fsdp/comm_hooks.cc ${PROJECT_SOURCE_DIR}/fsdp/comm_hooks.h)
 set_target_properties(fsdp_comm_hooks PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
@@ -276,7 +294,7 @@ endif()
 # //fsdp:fully_shard
 add_library(fsdp_fully_shard SHARED ${PROJECT_SOURCE_DIR}/fsdp/fully_shard.cc ${PROJECT_SOURCE_DIR}/fsdp/unit_forward.cc ${PROJECT_SOURCE_DIR}/fsdp/utilities.cc ${PROJECT_SOURCE_DIR}/fsdp/fully_shard.h ${PROJECT_SOURCE_DIR}/fsdp/unit_forward.h ${PROJECT_SOURCE_DIR}/fsdp/utilities.h)
 set_target_properties(fsdp_fully_shard PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
-target_link_libraries(fsdp_fully_shard PUBLIC fsdp_cross_rank_checks fsdp_flat_param_handle fsdp_fsdp_options fsdp_unit_init fsdp_unit_registry fsdp_unit_scheduler fsdp_wrap_plan base_status comm_collectives policies_wrap_policy third_party_absl_base third_party_absl_status fsdp_torch)
+target_link_libraries(fsdp_fully_shard PUBLIC fsdp_activation_checkpointing fsdp_cross_rank_checks fsdp_flat_param_handle fsdp_fsdp_options fsdp_unit_init fsdp_unit_registry fsdp_unit_scheduler fsdp_wrap_plan base_status comm_collectives policies_wrap_policy third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(fsdp_fully_shard PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS fsdp_fully_shard EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/fsdp/fully_shard.h ${PROJECT_SOURCE_DIR}/fsdp/unit_forward.h ${PROJECT_SOURCE_DIR}/fsdp/utilities.h DESTINATION include/fsdp)
@@ -420,7 +438,7 @@ install(FILES ${PROJECT_SOURCE_DIR}/fsdp/unit_init.h DESTINATION include/fsdp)
 # //fsdp:unit_module
 add_library(fsdp_unit_module SHARED ${PROJECT_SOURCE_DIR}/fsdp/unit_module.cc ${PROJECT_SOURCE_DIR}/fsdp/unit_module.h)
 set_target_properties(fsdp_unit_module PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
-target_link_libraries(fsdp_unit_module PUBLIC fsdp_fully_shard fsdp_wrap_plan fsdp_torch)
+target_link_libraries(fsdp_unit_module PUBLIC fsdp_activation_checkpointing fsdp_fully_shard fsdp_wrap_plan fsdp_torch)
 target_include_directories(fsdp_unit_module PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS fsdp_unit_module EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/fsdp/unit_module.h DESTINATION include/fsdp)
@@ -429,7 +447,7 @@ install(FILES ${PROJECT_SOURCE_DIR}/fsdp/unit_module.h DESTINATION include/fsdp)
 if(BUILD_TESTING)
 add_executable(fsdp_unit_module_test ${PROJECT_SOURCE_DIR}/fsdp/unit_module_test.cc)
 set_target_properties(fsdp_unit_module_test PROPERTIES OUTPUT_NAME unit_module_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
-target_link_libraries(fsdp_unit_module_test PRIVATE fsdp_fully_shard fsdp_test_util fsdp_unit_module comm_collectives testing_multi_rank third_party_gtest_main fsdp_torch)
+target_link_libraries(fsdp_unit_module_test PRIVATE fsdp_activation_checkpointing fsdp_fully_shard fsdp_test_util fsdp_unit_module comm_collectives testing_multi_rank third_party_gtest_main fsdp_torch)
 add_test(NAME //fsdp:unit_module_test COMMAND fsdp_unit_module_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//fsdp:unit_module_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_unit_module_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_unit_module_test")
@@ -484,7 +502,7 @@ endif()
 # //models:gpt
 add_library(models_gpt SHARED ${PROJECT_SOURCE_DIR}/models/gpt.cc ${PROJECT_SOURCE_DIR}/models/gpt.h)
 set_target_properties(models_gpt PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models)
-target_link_libraries(models_gpt PUBLIC fsdp_fully_shard fsdp_torch)
+target_link_libraries(models_gpt PUBLIC fsdp_activation_checkpointing fsdp_fully_shard fsdp_torch)
 target_include_directories(models_gpt PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS models_gpt EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/models/gpt.h DESTINATION include/models)
@@ -504,7 +522,7 @@ endif()
 if(BUILD_TESTING)
 add_executable(models_gpt_test ${PROJECT_SOURCE_DIR}/models/gpt_test.cc)
 set_target_properties(models_gpt_test PROPERTIES OUTPUT_NAME gpt_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
-target_link_libraries(models_gpt_test PRIVATE models_gpt fsdp_fully_shard testing_multi_rank third_party_gtest_main fsdp_torch)
+target_link_libraries(models_gpt_test PRIVATE models_gpt fsdp_activation_checkpointing fsdp_fully_shard testing_multi_rank third_party_gtest_main fsdp_torch)
 add_test(NAME //models:gpt_test COMMAND models_gpt_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//models:gpt_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/models_gpt_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/models_gpt_test")
@@ -539,7 +557,7 @@ install(FILES ${PROJECT_SOURCE_DIR}/models/output_paths.h DESTINATION include/mo
 # //models:train_gpt
 add_executable(models_train_gpt ${PROJECT_SOURCE_DIR}/models/train_gpt_main.cc)
 set_target_properties(models_train_gpt PROPERTIES OUTPUT_NAME train_gpt RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
-target_link_libraries(models_train_gpt PRIVATE models_gpt models_output_paths optim_flat_shard_optimizers optim_run_checkpoints base_status comm_collectives comm_launch_environment comm_local_launcher comm_rendezvous comm_staged_collectives fsdp_fully_shard fsdp_trace optim_training_checkpoint policies_builtin_policies policies_registry statedict_state_dict statedict_torch_file third_party_absl_flags fsdp_torch)
+target_link_libraries(models_train_gpt PRIVATE models_gpt models_output_paths optim_flat_shard_optimizers optim_run_checkpoints base_status comm_collectives comm_launch_environment comm_local_launcher comm_rendezvous comm_staged_collectives fsdp_activation_checkpointing fsdp_fully_shard fsdp_trace optim_training_checkpoint policies_builtin_policies policies_registry statedict_state_dict statedict_torch_file third_party_absl_flags fsdp_torch)
 
 # //models:train_gpt_bad_input_test
 if(BUILD_TESTING)
@@ -757,7 +775,7 @@ install(FILES ${CMAKE_BINARY_DIR}/statedict/checkpoint_manifest.pb.h DESTINATION
 # //statedict:checkpoint_manifest_proto_codegen
 add_custom_command(
   OUTPUT ${CMAKE_BINARY_DIR}/statedict/checkpoint_manifest.pb.h ${CMAKE_BINARY_DIR}/statedict/checkpoint_manifest.pb.cc
-  COMMAND ${Protobuf_PROTOC_EXECUTABLE} --proto_path=${PROJECT_SOURCE_DIR} --cpp_out=${CMAKE_BINARY_DIR} ${PROJECT_SOURCE_DIR}/statedict/checkpoint_manifest.proto
+  COMMAND ${FSDP_PROTOC} --proto_path=${PROJECT_SOURCE_DIR} --cpp_out=${CMAKE_BINARY_DIR} ${PROJECT_SOURCE_DIR}/statedict/checkpoint_manifest.proto
   DEPENDS ${PROJECT_SOURCE_DIR}/statedict/checkpoint_manifest.proto
   VERBATIM)
 
@@ -939,7 +957,7 @@ endif()
 if(BUILD_TESTING)
 add_custom_command(
   OUTPUT ${CMAKE_BINARY_DIR}/third_party/protobuf_smoke.pb.h ${CMAKE_BINARY_DIR}/third_party/protobuf_smoke.pb.cc
-  COMMAND ${Protobuf_PROTOC_EXECUTABLE} --proto_path=${PROJECT_SOURCE_DIR} --cpp_out=${CMAKE_BINARY_DIR} ${PROJECT_SOURCE_DIR}/third_party/protobuf_smoke.proto
+  COMMAND ${FSDP_PROTOC} --proto_path=${PROJECT_SOURCE_DIR} --cpp_out=${CMAKE_BINARY_DIR} ${PROJECT_SOURCE_DIR}/third_party/protobuf_smoke.proto
   DEPENDS ${PROJECT_SOURCE_DIR}/third_party/protobuf_smoke.proto
   VERBATIM)
 endif()

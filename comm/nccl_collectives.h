@@ -1,8 +1,11 @@
 // Collectives over NCCL, for ranks that compute on CUDA devices (one device
 // per rank). Built only under --config=cuda, against a CUDA-enabled libtorch.
 //
-// UNVERIFIED: no GPU has run this code yet (see README, "GPU builds"); it is
-// compiled in the --config=cuda build on CPU-only machines.
+// Run on one GPU only (an H200, torch 2.11, 2026-11-26; README, "GPU
+// builds"): one-rank groups of both transports, where no collective reaches
+// NCCL. UNVERIFIED: the data path between ranks, the waits, the timeout and
+// abort, which need two GPUs. It is compiled in the --config=cuda build on
+// CPU-only machines.
 //
 // Communicators are created through the job's rendezvous store (the same
 // TCPStore the Gloo groups use): rank 0 makes the NCCL unique id and sets

@@ -1,11 +1,19 @@
 #include "fsdp/unit_forward.h"
 
+#include "fsdp/activation_checkpointing.h"
 #include "fsdp/fully_shard.h"
 
 namespace fsdp {
 
 UnitForward::UnitForward(const torch::nn::Module* module) : unit_(GetModuleUnit(module)) {
   if (unit_ == nullptr) return;
+  // Its recompute would gather the unit again inside another unit's
+  // backward, outside the hooks that order gathers and reductions.
+  TORCH_CHECK(!InCheckpointedRegion(), unit_->model_->Describe(*unit_),
+              " opens its forward inside the activation-checkpointed region '",
+              CheckpointedRegionName(),
+              "': a checkpointed region must not contain another unit's forward. Checkpoint the "
+              "unit itself (its region inside its scope) or modules within one unit");
   try {
     unit_->model_->PreForward(*unit_);
   } catch (...) {

@@ -1,6 +1,7 @@
 #include "fsdp/unit_module.h"
 
 #include "c10/util/Exception.h"
+#include "fsdp/activation_checkpointing.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/unit_forward.h"
 
@@ -24,7 +25,7 @@ UnitModuleImpl::UnitModuleImpl(std::shared_ptr<torch::nn::Module> inner,
 
 at::Tensor UnitModuleImpl::forward(const at::Tensor& input) {
   UnitForward unit(this);
-  return unit.Return(forward_(unit.Input(input)));
+  return unit.Return(CheckpointedForward(*this, unit.Input(input), forward_));
 }
 
 void UnitModuleImpl::train(bool on) {

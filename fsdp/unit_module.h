@@ -1,7 +1,10 @@
 // Stock libtorch modules as FSDP units, with no edits to them: UnitModule
 // holds any module whose forward maps one tensor to one tensor (Linear,
 // TransformerEncoderLayer, a Sequential of such) and opens the unit's
-// UnitForward scope around that forward.
+// UnitForward scope around that forward. It is also a
+// CheckpointableModule (fsdp/activation_checkpointing.h): selected by
+// ApplyActivationCheckpointing, the held module's forward is recomputed in
+// backward, inside the unit's scope.
 //
 //   fsdp::UnitModule model(torch::nn::Sequential(
 //       fsdp::UnitModule(torch::nn::TransformerEncoderLayer(options)),
@@ -35,13 +38,16 @@
 #include <utility>
 
 #include "ATen/core/Tensor.h"
+#include "fsdp/activation_checkpointing.h"
 #include "fsdp/wrap_plan.h"
 #include "torch/nn/module.h"
 #include "torch/nn/pimpl.h"
 
 namespace fsdp {
 
-class UnitModuleImpl : public torch::nn::Module, public ShardableModule {
+class UnitModuleImpl : public torch::nn::Module,
+                       public ShardableModule,
+                       public CheckpointableModule {
  public:
   // `inner` is a module holder (torch::nn::Linear, ...) or a shared_ptr to
   // a module; its forward must be callable with one tensor.
@@ -52,7 +58,7 @@ class UnitModuleImpl : public torch::nn::Module, public ShardableModule {
         }) {}
 
   // Opens the unit's scope (when it is a unit) around the held module's
-  // forward.
+  // forward, checkpointed when selected.
   at::Tensor forward(const at::Tensor& input);
 
   const std::shared_ptr<torch::nn::Module>& inner() const { return inner_; }

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "fsdp/activation_checkpointing.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_util.h"
 #include "fsdp/utilities.h"
@@ -154,6 +155,53 @@ TEST_P(UnitModuleParity, TransformerEncoderLayersAsUnitsMatchLocalTraining) {
     for (const auto& item : model->named_parameters()) {
       EXPECT_TRUE(at::allclose(item.value(), expected_params.at(item.key()), 1e-5, 1e-6))
           << item.key();
+    }
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+// Stock layers held by UnitModules, checkpointed: the same training, bit
+// for bit, with the same collectives.
+TEST_P(UnitModuleParity, CheckpointedLayersTrainAsWithout) {
+  const int world_size = GetParam();
+  absl::Status status = RunOnThreadRanks(world_size, [&](Collectives& comm) {
+    auto train = [&](bool checkpoint) {
+      UnitModule model = UnitModel();
+      auto wrapped =
+          FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<UnitModuleImpl>());
+      EXPECT_TRUE(wrapped.ok()) << wrapped.status();
+      if (checkpoint) {
+        absl::StatusOr<std::vector<std::string>> applied =
+            ApplyActivationCheckpointing(*model, *ModuleTypePolicy::Of<UnitModuleImpl>());
+        EXPECT_TRUE(applied.ok()) << applied.status();
+        EXPECT_EQ(*applied, (std::vector<std::string>{"0", "1"}));
+      }
+      auto optimizer = MakeOptimizer(Optim::kAdam, model->parameters());
+      const int64_t rows = kBatch / world_size;
+      std::vector<at::Tensor> results;
+      std::vector<int> gathers;
+      for (int step = 0; step < kSteps; ++step) {
+        comm.ResetCounters();
+        at::Tensor loss =
+            at::mse_loss(model->forward(Inputs(step).narrow(1, comm.rank() * rows, rows)),
+                         Targets(step).narrow(1, comm.rank() * rows, rows));
+        const int regions = CheckpointedRegionsInGraph(loss);
+        loss.backward();
+        optimizer->step();
+        optimizer->zero_grad();
+        results.push_back(loss.detach());
+        gathers.push_back(comm.counters().Calls(CollectiveOp::kAllGather));
+        EXPECT_EQ(regions, checkpoint ? 2 : 0);
+      }
+      for (const at::Tensor& p : model->parameters()) results.push_back(p.detach().clone());
+      return std::make_pair(results, gathers);
+    };
+    const auto [plain, plain_gathers] = train(false);
+    const auto [checkpointed, checkpointed_gathers] = train(true);
+    EXPECT_EQ(plain_gathers, checkpointed_gathers);
+    ASSERT_EQ(plain.size(), checkpointed.size());
+    for (size_t i = 0; i < plain.size(); ++i) {
+      EXPECT_TRUE(at::equal(plain[i], checkpointed[i])) << "result " << i;
     }
   });
   EXPECT_TRUE(status.ok()) << status;

@@ -11,8 +11,17 @@
 
 namespace models {
 
+namespace {
+
+// nanoGPT's nn.Dropout: active in training mode only.
+at::Tensor Dropout(const at::Tensor& x, double p, bool training) {
+  return p > 0.0 && training ? at::dropout(x, p, /*train=*/true) : x;
+}
+
+}  // namespace
+
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptConfig& config)
-    : n_head(config.n_head) {
+    : n_head(config.n_head), dropout_(config.dropout) {
   TORCH_CHECK(config.n_embd % config.n_head == 0, "GptConfig: n_embd ", config.n_embd,
               " is not a multiple of n_head ", config.n_head);
   c_attn = register_module("c_attn", torch::nn::Linear(config.n_embd, 3 * config.n_embd));
@@ -24,13 +33,15 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
   auto qkv = c_attn->forward(x).split(c, /*dim=*/2);
   auto heads = [&](const at::Tensor& z) { return z.view({b, t, n_head, hs}).transpose(1, 2); };
   at::Tensor y = Attend(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]));
-  return c_proj->forward(y.transpose(1, 2).contiguous().view({b, t, c}));
+  return Dropout(c_proj->forward(y.transpose(1, 2).contiguous().view({b, t, c})), dropout_,
+                 is_training());
 }
 
 at::Tensor CausalSelfAttentionImpl::Attend(const at::Tensor& q, const at::Tensor& k,
                                            const at::Tensor& v) {
 #if TORCH_VERSION_MAJOR >= 2
-  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{},
+                                          /*dropout_p=*/is_training() ? dropout_ : 0.0,
                                           /*is_causal=*/true);
 #else
   const int64_t t = q.size(2);
@@ -40,17 +51,18 @@ at::Tensor CausalSelfAttentionImpl::Attend(const at::Tensor& q, const at::Tensor
   }
   at::Tensor att = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(3)));
   att = att.masked_fill(causal_mask_, -std::numeric_limits<float>::infinity()).softmax(-1);
-  return at::matmul(att, v);
+  return at::matmul(Dropout(att, dropout_, is_training()), v);
 #endif
 }
 
-MlpImpl::MlpImpl(const GptConfig& config) {
+MlpImpl::MlpImpl(const GptConfig& config) : dropout_(config.dropout) {
   c_fc = register_module("c_fc", torch::nn::Linear(config.n_embd, 4 * config.n_embd));
   c_proj = register_module("c_proj", torch::nn::Linear(4 * config.n_embd, config.n_embd));
 }
 
 at::Tensor MlpImpl::forward(const at::Tensor& x) {
-  return c_proj->forward(at::gelu(c_fc->forward(x)));  // Exact (erf) GELU.
+  // Exact (erf) GELU.
+  return Dropout(c_proj->forward(at::gelu(c_fc->forward(x))), dropout_, is_training());
 }
 
 BlockImpl::BlockImpl(const GptConfig& config) {
@@ -62,9 +74,10 @@ BlockImpl::BlockImpl(const GptConfig& config) {
 
 at::Tensor BlockImpl::forward(at::Tensor x) {
   fsdp::UnitForward unit(this);
-  x = x + attn->forward(ln_1->forward(x));
-  x = x + mlp->forward(ln_2->forward(x));
-  return unit.Return(x);
+  return unit.Return(fsdp::CheckpointedForward(*this, x, [this](at::Tensor x) {
+    x = x + attn->forward(ln_1->forward(x));
+    return x + mlp->forward(ln_2->forward(x));
+  }));
 }
 
 TransformerImpl::TransformerImpl(const GptConfig& config) {
@@ -111,7 +124,8 @@ at::Tensor GptImpl::forward(const at::Tensor& idx) {
   TORCH_CHECK(t <= config.block_size, "Gpt: sequence length ", t, " exceeds block_size ",
               config.block_size);
   at::Tensor pos = at::arange(t, idx.options().dtype(at::kLong));
-  at::Tensor x = transformer->wte->forward(idx) + transformer->wpe->forward(pos);
+  at::Tensor x = Dropout(transformer->wte->forward(idx) + transformer->wpe->forward(pos),
+                         config.dropout, is_training());
   for (const auto& block : *transformer->h) x = block->as<BlockImpl>()->forward(x);
   x = transformer->ln_f->forward(x);
   return unit.Return(lm_head->forward(x));

@@ -2,11 +2,14 @@
 // parameter names (transformer.wte, transformer.wpe, transformer.h.{i}.ln_1,
 // .attn.c_attn, .attn.c_proj, .ln_2, .mlp.c_fc, .mlp.c_proj,
 // transformer.ln_f, lm_head tied to transformer.wte), exact (erf) GELU,
-// LayerNorm with bias, no dropout.
+// LayerNorm with bias, dropout as configured (none by default).
 //
 // FSDP-ready: Block and Gpt are fsdp::ShardableModule and open a
 // fsdp::UnitForward scope in forward — the only FSDP lines in the model; the
-// scopes do nothing when the model is not wrapped. Wrap per block with
+// scopes do nothing when the model is not wrapped. Block is also an
+// fsdp::CheckpointableModule: its math runs through CheckpointedForward, so
+// fsdp::ApplyActivationCheckpointing(model, *ModuleTypePolicy::Of<BlockImpl>())
+// recomputes each block's activations in backward. Wrap per block with
 // fsdp::SelectModulesOfType<models::BlockImpl>(); the embeddings, the final
 // LayerNorm and the tied head stay with the root.
 #ifndef FSDP_MODELS_GPT_H_
@@ -15,6 +18,7 @@
 #include <cstdint>
 
 #include "ATen/core/Tensor.h"
+#include "fsdp/activation_checkpointing.h"
 #include "fsdp/fully_shard.h"
 #include "torch/nn/module.h"
 #include "torch/nn/modules/container/modulelist.h"
@@ -31,6 +35,10 @@ struct GptConfig {
   int64_t n_head = 2;
   int64_t n_embd = 64;
   uint64_t seed = 0;  // Initialization (nanoGPT's: N(0, 0.02), scaled c_proj).
+  // nanoGPT's dropout, in training mode: after the embeddings, on the
+  // attention weights, and after each block's two projections. Draws from
+  // the default generator of the activations' device.
+  double dropout = 0.0;
 };
 
 // Attention through libtorch 2.x's fused scaled_dot_product_attention
@@ -45,6 +53,7 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
 
  private:
   at::Tensor Attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+  double dropout_;
   at::Tensor causal_mask_;  // Eager path: true above the diagonal; rebuilt when t or device change.
 };
 TORCH_MODULE(CausalSelfAttention);
@@ -53,10 +62,13 @@ struct MlpImpl : torch::nn::Module {
   explicit MlpImpl(const GptConfig& config);
   at::Tensor forward(const at::Tensor& x);
   torch::nn::Linear c_fc{nullptr}, c_proj{nullptr};
+
+ private:
+  double dropout_;
 };
 TORCH_MODULE(Mlp);
 
-struct BlockImpl : torch::nn::Module, fsdp::ShardableModule {
+struct BlockImpl : torch::nn::Module, fsdp::ShardableModule, fsdp::CheckpointableModule {
   explicit BlockImpl(const GptConfig& config);
   at::Tensor forward(at::Tensor x);
   torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};

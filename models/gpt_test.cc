@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "fsdp/activation_checkpointing.h"
 #include "fsdp/utilities.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -189,6 +190,139 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, GptFsdpParity, ::testing::ValuesIn(Cases()), CaseName);
+
+// One rank's run of the GPT under FSDP, with or without each block
+// checkpointed: every step's loss, the final shards and the collectives.
+struct CheckpointRun {
+  std::vector<at::Tensor> losses;
+  std::vector<at::Tensor> shards;
+  std::vector<fsdp::CollectiveCounters> counters;
+};
+
+CheckpointRun TrainWithCheckpointing(fsdp::Collectives& comm, fsdp::FsdpOptions options,
+                                     const GptConfig& config, bool checkpoint, bool seed_dropout) {
+  Gpt model(config);
+  auto wrapped = fsdp::FullyShardedModel::Wrap(model.ptr(), comm, options,
+                                               fsdp::SelectModulesOfType<BlockImpl>());
+  EXPECT_TRUE(wrapped.ok()) << wrapped.status();
+  if (checkpoint) {
+    absl::StatusOr<std::vector<std::string>> chosen =
+        fsdp::ApplyActivationCheckpointing(*model, *fsdp::ModuleTypePolicy::Of<BlockImpl>());
+    EXPECT_TRUE(chosen.ok()) << chosen.status();
+    EXPECT_EQ(chosen->size(), static_cast<size_t>(config.n_layer));
+  }
+  // Dropout draws from the process's default generator: the same draws in
+  // both runs.
+  if (seed_dropout) at::manual_seed(1000 + comm.rank());
+  auto optimizer = MakeOptimizer(Optim::kAdamW, fsdp::UniqueParameters(*model));
+  const int64_t rows = kGlobalBatch / comm.world_size();
+  CheckpointRun run;
+  for (int step = 0; step < 3; ++step) {
+    comm.ResetCounters();
+    at::Tensor tokens = Tokens(step).narrow(0, comm.rank() * rows, rows);
+    at::Tensor loss =
+        LanguageModelLoss(model->forward(tokens.narrow(1, 0, 8)), tokens.narrow(1, 1, 8));
+    // One region per block in the graph, or none.
+    EXPECT_EQ(fsdp::CheckpointedRegionsInGraph(loss), checkpoint ? config.n_layer : 0);
+    loss.backward();
+    optimizer->step();
+    optimizer->zero_grad();
+    run.losses.push_back(loss.detach());
+    run.counters.push_back(comm.counters());
+  }
+  for (const at::Tensor& p : fsdp::UniqueParameters(*model)) {
+    run.shards.push_back(p.detach().clone());
+  }
+  return run;
+}
+
+// Checkpointing changes nothing in the result: losses and parameters equal
+// bit for bit, with the same collectives per step.
+void ExpectSameTraining(const CheckpointRun& plain, const CheckpointRun& checkpointed) {
+  ASSERT_EQ(plain.losses.size(), checkpointed.losses.size());
+  for (size_t i = 0; i < plain.losses.size(); ++i) {
+    EXPECT_TRUE(at::equal(plain.losses[i], checkpointed.losses[i]))
+        << "step " << i << ": " << plain.losses[i].item<float>() << " vs "
+        << checkpointed.losses[i].item<float>();
+    for (fsdp::CollectiveOp op :
+         {fsdp::CollectiveOp::kAllGather, fsdp::CollectiveOp::kReduceScatter,
+          fsdp::CollectiveOp::kAllReduce}) {
+      EXPECT_EQ(plain.counters[i].Calls(op), checkpointed.counters[i].Calls(op))
+          << "step " << i << ", op " << static_cast<int>(op);
+    }
+  }
+  ASSERT_EQ(plain.shards.size(), checkpointed.shards.size());
+  for (size_t i = 0; i < plain.shards.size(); ++i) {
+    EXPECT_TRUE(at::equal(plain.shards[i], checkpointed.shards[i]))
+        << "parameter " << i << " max diff "
+        << (plain.shards[i].to(at::kFloat) - checkpointed.shards[i].to(at::kFloat))
+               .abs()
+               .max()
+               .item<float>();
+  }
+}
+
+struct CheckpointCase {
+  int world_size;
+  fsdp::ShardingStrategy strategy;
+  bool bf16;
+};
+
+class GptActivationCheckpointing : public ::testing::TestWithParam<CheckpointCase> {};
+
+TEST_P(GptActivationCheckpointing, TrainsBitForBitAsWithout) {
+  const CheckpointCase c = GetParam();
+  absl::Status status = RunOnThreadRanks(c.world_size, [&](fsdp::Collectives& comm) {
+    fsdp::FsdpOptions options;
+    options.strategy = c.strategy;
+    if (c.bf16) options.mixed_precision.param_dtype = fsdp::DType::kBFloat16;
+    const CheckpointRun plain = TrainWithCheckpointing(comm, options, TinyConfig(), false, false);
+    const CheckpointRun checkpointed =
+        TrainWithCheckpointing(comm, options, TinyConfig(), true, false);
+    ExpectSameTraining(plain, checkpointed);
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+std::vector<CheckpointCase> CheckpointCases() {
+  std::vector<CheckpointCase> cases;
+  for (int w : {1, 2, 3}) {
+    for (fsdp::ShardingStrategy s :
+         {fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kShardGradOp,
+          fsdp::ShardingStrategy::kNoShard}) {
+      cases.push_back({w, s, /*bf16=*/false});
+    }
+    cases.push_back({w, fsdp::ShardingStrategy::kFullShard, /*bf16=*/true});
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, GptActivationCheckpointing, ::testing::ValuesIn(CheckpointCases()),
+                         [](const ::testing::TestParamInfo<CheckpointCase>& info) {
+                           return "W" + std::to_string(info.param.world_size) + "_" +
+                                  fsdp::ShardingStrategyName(info.param.strategy) +
+                                  (info.param.bf16 ? "_BFloat16" : "");
+                         });
+
+// Dropout from the default generator, which thread ranks would share: one
+// process per rank.
+TEST(GptActivationCheckpointing, DropoutTrainsBitForBitAsWithoutOnProcessRanks) {
+  for (int world_size : {2, 3}) {
+    absl::Status status =
+        ::fsdp::testing::RunOnProcessRanks(world_size, [&](fsdp::Collectives& comm) {
+          GptConfig config = TinyConfig();
+          config.dropout = 0.2;
+          const CheckpointRun plain = TrainWithCheckpointing(comm, {}, config, false, true);
+          const CheckpointRun checkpointed = TrainWithCheckpointing(comm, {}, config, true, true);
+          ExpectSameTraining(plain, checkpointed);
+          // Dropout is on: the same model without it computes another loss.
+          const CheckpointRun no_dropout =
+              TrainWithCheckpointing(comm, {}, TinyConfig(), false, true);
+          EXPECT_FALSE(at::equal(no_dropout.losses[0], plain.losses[0]));
+        });
+    EXPECT_TRUE(status.ok()) << "W=" << world_size << ": " << status;
+  }
+}
 
 }  // namespace
 }  // namespace models

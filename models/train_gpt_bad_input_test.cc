@@ -70,6 +70,7 @@ TEST(TrainGpt, BadFlagsAreRefusedNamingTheProblem) {
       {"--lr=nan", 2, "--lr=nan: must be >= 0 and finite"},
       {"--weight_decay=inf", 2, "--weight_decay=inf: must be >= 0 and finite"},
       {"--beta1=-0.1", 2, "--beta1=-0.1: must be in [0, 1)"},
+      {"--dropout=1", 2, "--dropout=1: must be in [0, 1)"},
       {"--beta2=1", 2, "--beta2=1: must be in [0, 1)"},
       {"--eps=0", 2, "--eps=0: must be > 0 and finite"},
       {"--grad_clip=-1", 2, "--grad_clip=-1: must be >= 0 and finite (0: off)"},
@@ -87,8 +88,9 @@ TEST(TrainGpt, BadFlagsAreRefusedNamingTheProblem) {
       {"--device=tpu", 2, "--device=tpu: must be cpu, cuda or cuda:N"},
       {"--data=" + dir + "/none", 2, "--data=" + dir + "/none: not a readable file"},
       {"--data=" + dir + "/file", 2,
-       "--data=" + dir + "/file: 0 bytes hold 0 held-out bytes (the last tenth), fewer than "
-       "--block_size + 2 = 34"},
+       "--data=" + dir +
+           "/file: 0 bytes hold 0 held-out bytes (the last tenth), fewer than "
+           "--block_size + 2 = 34"},
       {"--eval_batches=0", 2, "--eval_batches=0: must be >= 1"},
       {"--device=cuda:x", 2, "--device=cuda:x: "},
       {"--collectives=pigeon", 2, "--collectives=pigeon: must be auto, gloo, nccl or staged"},
@@ -102,8 +104,7 @@ TEST(TrainGpt, BadFlagsAreRefusedNamingTheProblem) {
       // Output paths are created and test-written before anything runs
       // (a regular file where a directory must be: even root cannot).
       {"--checkpoint_dir=" + dir + "/file/ckpt", 2,
-       "--checkpoint_dir=" + dir + "/file/ckpt: cannot create '" + dir +
-           "/file': Not a directory"},
+       "--checkpoint_dir=" + dir + "/file/ckpt: cannot create '" + dir + "/file': Not a directory"},
       {"--export_state_dict=" + dir + "/file/final.pt", 2,
        "--export_state_dict=" + dir + "/file/final.pt: cannot create '" + dir +
            "/file': Not a directory"},
@@ -115,8 +116,7 @@ TEST(TrainGpt, BadFlagsAreRefusedNamingTheProblem) {
        "--metrics_jsonl=" + dir + "/file/m.jsonl: cannot create '" + dir +
            "/file': Not a directory"},
       {"--record_batches=" + dir + "/file/b.pt", 2,
-       "--record_batches=" + dir + "/file/b.pt: cannot create '" + dir +
-           "/file': Not a directory"},
+       "--record_batches=" + dir + "/file/b.pt: cannot create '" + dir + "/file': Not a directory"},
   };
   ASSERT_EQ(std::system(absl::StrCat("touch '", dir, "/file'").c_str()), 0);
   // The sweep's table (README.md, "Bad input"): flag, message, exit code,

@@ -39,10 +39,10 @@
 #if __has_include("ATen/DeviceAccelerator.h")
 #include "ATen/DeviceAccelerator.h"
 #endif
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -52,6 +52,7 @@
 #include "comm/local_launcher.h"
 #include "comm/rendezvous.h"
 #include "comm/staged_collectives.h"
+#include "fsdp/activation_checkpointing.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/trace.h"
 #include "fsdp/utilities.h"
@@ -78,6 +79,14 @@ ABSL_FLAG(int, block_size, 32, "Context length.");
 ABSL_FLAG(int, n_layer, 2, "Transformer blocks (one FSDP unit each).");
 ABSL_FLAG(int, n_head, 4, "Attention heads.");
 ABSL_FLAG(int, n_embd, 64, "Model width.");
+ABSL_FLAG(double, dropout, 0.0,
+          "nanoGPT's dropout probability, in [0, 1): after the embeddings, on the attention "
+          "weights and after each block's projections; off for the eval loss and the sample. "
+          "Masks come from a seed of --seed, the rank and the step.");
+ABSL_FLAG(bool, activation_checkpointing, false,
+          "Recompute each block's activations in backward instead of keeping them "
+          "(fsdp/activation_checkpointing.h): about one more forward per step for most of the "
+          "activation memory.");
 ABSL_FLAG(std::string, data, "",
           "Train on this file's bytes (tokens 0..255) instead of the generated corpus: the "
           "first 90% trains, the last 10% is held out for the eval loss and the prompt of "
@@ -248,6 +257,9 @@ struct RankReport {
   int64_t optimizer_state_bytes = 0, unsharded_optimizer_state_bytes = 0;
   // The caching allocator's peak on the rank's GPU; none on the host.
   std::optional<int64_t> peak_device_bytes;
+  // Resident memory once the model is wrapped and the optimizer built,
+  // before the first step: what the peak adds to it is the steps' own.
+  int64_t rss_before_steps = 0;
   std::string device;
 };
 
@@ -263,6 +275,14 @@ std::optional<int64_t> PeakDeviceBytes(const c10::Device& device) {
 #else
   return std::nullopt;
 #endif
+}
+
+// The process's resident set now (/proc/self/statm); 0 where unreadable.
+int64_t CurrentRssBytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t size_pages = 0, resident_pages = 0;
+  if (!(statm >> size_pages >> resident_pages)) return 0;
+  return resident_pages * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
 }
 
 int64_t LocalGradientBytes(torch::nn::Module& model) {
@@ -294,18 +314,18 @@ void PrintRankReport(int rank, const RankReport& r, const fsdp::CollectiveCounte
   getrusage(RUSAGE_SELF, &usage);
   constexpr double kMiB = 1048576.0;
   const std::string line = absl::StrFormat(
-      "rank %d: peak RSS %.1f MiB%s; held / unsharded: parameters %.2f / %.2f MiB, gradients "
+      "rank %d: peak RSS %.1f MiB (%.1f before the first step)%s; held / unsharded: parameters "
+      "%.2f / %.2f MiB, gradients "
       "%.2f / %.2f MiB, optimizer state %.2f / %.2f MiB; all-gathered %.1f MiB in %d calls, "
       "reduce-scattered %.1f MiB in %d calls, all-reduced %.1f MiB in %d calls\n",
-      rank, usage.ru_maxrss / 1024.0,
-      r.peak_device_bytes ? absl::StrFormat(", peak %s memory %.1f MiB", r.device,
-                                            *r.peak_device_bytes / kMiB)
-                          : "",
-      r.shard_param_bytes / kMiB, r.unsharded_param_bytes / kMiB,
-      r.gradient_bytes / kMiB, r.unsharded_param_bytes / kMiB, r.optimizer_state_bytes / kMiB,
-      r.unsharded_optimizer_state_bytes / kMiB,
-      c.Bytes(fsdp::CollectiveOp::kAllGather) / kMiB, c.Calls(fsdp::CollectiveOp::kAllGather),
-      c.Bytes(fsdp::CollectiveOp::kReduceScatter) / kMiB,
+      rank, usage.ru_maxrss / 1024.0, r.rss_before_steps / kMiB,
+      r.peak_device_bytes
+          ? absl::StrFormat(", peak %s memory %.1f MiB", r.device, *r.peak_device_bytes / kMiB)
+          : "",
+      r.shard_param_bytes / kMiB, r.unsharded_param_bytes / kMiB, r.gradient_bytes / kMiB,
+      r.unsharded_param_bytes / kMiB, r.optimizer_state_bytes / kMiB,
+      r.unsharded_optimizer_state_bytes / kMiB, c.Bytes(fsdp::CollectiveOp::kAllGather) / kMiB,
+      c.Calls(fsdp::CollectiveOp::kAllGather), c.Bytes(fsdp::CollectiveOp::kReduceScatter) / kMiB,
       c.Calls(fsdp::CollectiveOp::kReduceScatter), c.Bytes(fsdp::CollectiveOp::kAllReduce) / kMiB,
       c.Calls(fsdp::CollectiveOp::kAllReduce));
   std::fputs(line.c_str(), stdout);
@@ -431,14 +451,15 @@ std::vector<std::string> FlagProblems(fsdp::ShardingStrategy strategy, int world
     const char* range;
   };
   constexpr double kInf = std::numeric_limits<double>::infinity();
-  for (const Real& r : {Real{"lr", absl::GetFlag(FLAGS_lr), 0, true, kInf, ">= 0 and finite"},
-                        Real{"weight_decay", absl::GetFlag(FLAGS_weight_decay), 0, true, kInf,
-                             ">= 0 and finite"},
-                        Real{"beta1", absl::GetFlag(FLAGS_beta1), 0, true, 1, "in [0, 1)"},
-                        Real{"beta2", absl::GetFlag(FLAGS_beta2), 0, true, 1, "in [0, 1)"},
-                        Real{"eps", absl::GetFlag(FLAGS_eps), 0, false, kInf, "> 0 and finite"},
-                        Real{"grad_clip", absl::GetFlag(FLAGS_grad_clip), 0, true, kInf,
-                             ">= 0 and finite (0: off)"}}) {
+  for (const Real& r :
+       {Real{"lr", absl::GetFlag(FLAGS_lr), 0, true, kInf, ">= 0 and finite"},
+        Real{"weight_decay", absl::GetFlag(FLAGS_weight_decay), 0, true, kInf, ">= 0 and finite"},
+        Real{"beta1", absl::GetFlag(FLAGS_beta1), 0, true, 1, "in [0, 1)"},
+        Real{"dropout", absl::GetFlag(FLAGS_dropout), 0, true, 1, "in [0, 1)"},
+        Real{"beta2", absl::GetFlag(FLAGS_beta2), 0, true, 1, "in [0, 1)"},
+        Real{"eps", absl::GetFlag(FLAGS_eps), 0, false, kInf, "> 0 and finite"},
+        Real{"grad_clip", absl::GetFlag(FLAGS_grad_clip), 0, true, kInf,
+             ">= 0 and finite (0: off)"}}) {
     if (!r.value.has_value()) continue;
     const double v = *r.value;
     const bool ok = std::isfinite(v) && (r.min_inclusive ? v >= r.min : v > r.min) && v < r.below;
@@ -745,8 +766,24 @@ models::GptConfig GptConfigFromFlags() {
   config.n_head = absl::GetFlag(FLAGS_n_head);
   config.n_embd = absl::GetFlag(FLAGS_n_embd);
   config.seed = absl::GetFlag(FLAGS_seed);
+  config.dropout = absl::GetFlag(FLAGS_dropout);
   return config;
 }
+
+// Evaluation mode (no dropout) for the scope's forwards.
+class EvalMode {
+ public:
+  explicit EvalMode(torch::nn::Module& model) : model_(model), was_training_(model.is_training()) {
+    model_.eval();
+  }
+  ~EvalMode() { model_.train(was_training_); }
+  EvalMode(const EvalMode&) = delete;
+  EvalMode& operator=(const EvalMode&) = delete;
+
+ private:
+  torch::nn::Module& model_;
+  bool was_training_;
+};
 
 // One step's global figures, the same on every rank.
 struct StepResult {
@@ -803,6 +840,7 @@ class TrainingRun {
     PrintHeader(layout_note);
     batches_.emplace(corpus_.train, per_rank_ * world_size_, config_.block_size, steps_);
     ResumeIfAsked();
+    report_.rss_before_steps = CurrentRssBytes();
     start_ = Clock::now();
     for (int step = first_step_; step <= steps_; ++step) {
       const StepResult result = Step(step);
@@ -838,6 +876,14 @@ class TrainingRun {
     for (const auto& [name, tensor] : fsdp::ModuleStateDict(*model_)) model_keys.insert(name);
     fsdp_model_ = fsdp::ValueOrThrow(
         fsdp::FullyShardedModel::Wrap(model_.ptr(), fsdp_group_, options, policy));
+    if (absl::GetFlag(FLAGS_activation_checkpointing)) {
+      const std::vector<std::string> checkpointed =
+          fsdp::ValueOrThrow(fsdp::ApplyActivationCheckpointing(
+              *model_, *fsdp::ModuleTypePolicy::Of<models::BlockImpl>()));
+      if (print_) {
+        std::printf("activation checkpointing: %s\n", absl::StrJoin(checkpointed, ", ").c_str());
+      }
+    }
     if (print_ && absl::GetFlag(FLAGS_print_plan)) {
       std::printf("%s", fsdp_model_->plan().ToString().c_str());
     }
@@ -897,6 +943,15 @@ class TrainingRun {
   StepResult Step(int step) {
     const int64_t t = config_.block_size;
     const at::Tensor global_batch = batches_->Next(step);
+    if (config_.dropout > 0) {
+      // libtorch seeds its default generator at random; a seed of the run's,
+      // the rank's and the step's makes the masks reproducible, different
+      // on each rank, and the same after --resume as without a stop.
+      const uint64_t mixed = absl::GetFlag(FLAGS_seed) * 0x9E3779B97F4A7C15ULL +
+                             static_cast<uint64_t>(rank_) * 0xC2B2AE3D27D4EB4FULL +
+                             static_cast<uint64_t>(step);
+      at::manual_seed(mixed);
+    }
     if (rank_ == 0 && !absl::GetFlag(FLAGS_record_batches).empty()) {
       recorded_batches_.push_back(global_batch);
     }
@@ -983,6 +1038,7 @@ class TrainingRun {
   // across ranks. Under no_grad: FSDP reshards after each forward.
   float HeldOutLoss() {
     at::NoGradGuard no_grad;
+    EvalMode eval(*model_);
     const int64_t t = config_.block_size;
     at::Tensor sum = at::zeros({1}, at::TensorOptions().device(device_));
     for (const at::Tensor& global : eval_batches_) {
@@ -1001,6 +1057,7 @@ class TrainingRun {
   // rank 0's draw is broadcast, so the ranks cannot drift apart.
   void PrintSample() {
     at::NoGradGuard no_grad;
+    EvalMode eval(*model_);
     const int64_t t = config_.block_size;
     const int64_t prompt = std::min<int64_t>({t, 32, corpus_.held_out.numel()});
     std::vector<int64_t> tokens(corpus_.held_out.data_ptr<int64_t>(),

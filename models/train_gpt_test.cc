@@ -157,6 +157,50 @@ TEST(TrainGpt, OptimizerKernelsTrainTheSameModel) {
   }
 }
 
+// --activation_checkpointing recomputes each block in backward: with
+// dropout (the same draws, restored for the recompute), every step's loss and
+// the held-out losses (eval mode: no dropout) equal those without, and the
+// collectives are the same.
+TEST(TrainGpt, ActivationCheckpointingTrainsTheSameModel) {
+  const std::string dir = TempDir("activation_checkpointing");
+  {
+    std::ofstream out(dir + "/text.txt");
+    for (int i = 0; i < 600; ++i) out << "Line " << i % 37 << ": checkpoints recompute.\n";
+  }
+  std::map<std::string, std::vector<double>> losses;
+  std::map<std::string, std::vector<std::string>> eval_losses;
+  std::map<std::string, std::string> traffic;
+  for (const std::string flag : {"false", "true"}) {
+    const std::string metrics = absl::StrCat(dir, "/", flag, ".jsonl");
+    const CommandResult run = RunCommand(absl::StrCat(
+        kTrainGpt, " --steps=6 --log_every=3 --print_plan=false --world_size=2 --batch_size=4",
+        " --n_layer=3 --dropout=0.1 --eval_every=3 --sample_tokens=0 --data=", dir,
+        "/text.txt --activation_checkpointing=", flag, " --metrics_jsonl=", metrics));
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+    EXPECT_EQ(run.output.find("activation checkpointing: transformer.h.0, transformer.h.1, "
+                              "transformer.h.2\n") != std::string::npos,
+              flag == "true")
+        << run.output;
+    losses[flag] = LossesOf(metrics);
+    const std::string text = ReadText(metrics);
+    for (size_t at = text.find("\"eval_loss\": "); at != std::string::npos;
+         at = text.find("\"eval_loss\": ", at + 1)) {
+      eval_losses[flag].push_back(text.substr(at, text.find_first_of(",}", at) - at));
+    }
+    // The collectives of rank 0, from its report line.
+    const size_t at = run.output.find("rank 0: peak RSS");
+    ASSERT_NE(at, std::string::npos) << run.output;
+    const size_t from = run.output.find("all-gathered", at);
+    traffic[flag] = run.output.substr(from, run.output.find('\n', from) - from);
+    std::remove(metrics.c_str());
+  }
+  ASSERT_EQ(losses["false"].size(), 6u);
+  EXPECT_EQ(losses["true"], losses["false"]);
+  EXPECT_EQ(eval_losses["false"].size(), 2u);  // Steps 3 and 6.
+  EXPECT_EQ(eval_losses["true"], eval_losses["false"]);
+  EXPECT_EQ(traffic["true"], traffic["false"]);
+}
+
 // --data: the job trains on a text file's bytes, measures the loss on the
 // held-out last tenth at the asked steps (printed and in the metrics), and
 // ends with a sample generated from a held-out prompt; the text is

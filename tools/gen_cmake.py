@@ -137,7 +137,7 @@ def generate(rules):
             lines += [
                 "add_custom_command(",
                 "  OUTPUT %s" % " ".join(outs),
-                "  COMMAND ${Protobuf_PROTOC_EXECUTABLE} --proto_path=${PROJECT_SOURCE_DIR}"
+                "  COMMAND ${FSDP_PROTOC} --proto_path=${PROJECT_SOURCE_DIR}"
                 " --cpp_out=${CMAKE_BINARY_DIR} %s" % source(srcs[0]),
                 "  DEPENDS %s" % source(srcs[0]),
                 "  VERBATIM)",

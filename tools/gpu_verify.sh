@@ -95,41 +95,64 @@ stage configure "$out/build.log" cmake -S . -B "$build" -G Ninja -DFSDP_CUDA=ON 
   -DCMAKE_PREFIX_PATH="$torch_dir" -DFSDP_DEPS_PREFIX="$prefix" \
   -DFSDP_NCCL_ROOT="$nccl_root" -DCMAKE_CXX_FLAGS="$extra_flags" \
   -DCMAKE_CXX_STANDARD="$cxx_standard" || exit 1
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+# Built apart, so that a target that fails to compile costs only its own stages.
+stage build_activation_checkpointing_test "$out/build.log" cmake --build "$build" \
+  --target fsdp_activation_checkpointing_test
+((gpus >= 2)) && stage build_nccl_benchmark "$out/build.log" cmake --build "$build" \
+  --target comm_nccl_collectives_benchmark
 if stage build_cuda_targets "$out/build.log" cmake --build "$build" \
-    --target fsdp_cuda_test models_cuda_step_benchmark comm_nccl_collectives_benchmark \
-    models_train_gpt comm_launch; then
-  stage cuda_test "$out/cuda_test.log" "$build/fsdp/cuda_test"
+    --target fsdp_cuda_test models_cuda_step_benchmark models_train_gpt comm_launch; then
+  # Each run has a time limit (exit 124 when it hits it), so that one hang
+  # leaves the later stages their time.
+  stage cuda_test "$out/cuda_test.log" timeout -k 10 240 "$build/fsdp/cuda_test"
+  # Fused attention's dropout, recomputed by a checkpointed region on the GPU.
+  [[ -x "$build/fsdp/activation_checkpointing_test" ]] &&
+    stage activation_checkpointing_cuda "$out/cuda_test.log" \
+      timeout -k 10 60 "$build/fsdp/activation_checkpointing_test" --gtest_filter='*Cuda*'
   # --collectives=auto picks NCCL for the rank with a GPU of its own and
   # staged collectives for the two ranks sharing cuda:0.
   for ranks in 1 2; do
     device=cuda
     ((ranks > 1)) && device=cuda:0
-    stage "train_gpt_${device}_w$ranks" "$out/cuda_test.log" "$build/models/train_gpt" \
+    stage "train_gpt_${device}_w$ranks" "$out/cuda_test.log" \
+      timeout -k 10 90 "$build/models/train_gpt" \
       --device="$device" --world_size="$ranks" --steps=60 --log_every=20 --print_plan=false
   done
   # The runs above step the shards with FlatShardAdamW's kExact kernel (the
   # default); this one with PyTorch's fused CUDA kernel.
-  stage train_gpt_cuda_w1_fused_optimizer "$out/cuda_test.log" "$build/models/train_gpt" \
+  stage train_gpt_cuda_w1_fused_optimizer "$out/cuda_test.log" \
+    timeout -k 10 90 "$build/models/train_gpt" \
     --device=cuda --world_size=1 --steps=60 --log_every=20 --print_plan=false \
     --optimizer_kernel=flat_fused
-  stage cpp_step_benchmark "$out/build.log" "$build/models/cuda_step_benchmark" \
+  # Activation checkpointing on the GPU: the caching allocator's peak with
+  # and without, on the long-context GPT of the committed CPU measurement.
+  stage activation_checkpointing_memory_cuda "$out/cuda_test.log" \
+    timeout -k 10 120 python3 tools/activation_checkpointing_memory.py "$build/models/train_gpt" --device=cuda \
+    --world_sizes=1 --raw "$out/activation_checkpointing_cuda_raw.txt"
+  stage cpp_step_benchmark "$out/build.log" timeout -k 10 240 \
+    "$build/models/cuda_step_benchmark" \
     --benchmark_out="$out/cpp_step.json" --benchmark_out_format=json
   # The two NCCL transports (direct, ProcessGroupNCCL) need two GPUs or more;
   # with one, two ranks share it over staged collectives instead.
-  if (($(nvidia-smi -L 2>/dev/null | wc -l) >= 2)); then
+  if ((gpus >= 2)); then
     stage nccl_transports "$out/build.log" "$build/comm/nccl_collectives_benchmark" \
       --benchmark_out="$out/nccl.json" --benchmark_out_format=json
   else
     note "nccl_transports: skipped (one GPU: NCCL needs a device per rank)"
-    stage cpp_step_benchmark_w2_shared "$out/build.log" "$build/comm/launch" \
-      --nproc_per_node=2 -- "$build/models/cuda_step_benchmark" \
-      --benchmark_filter='unwrapped|staged' --benchmark_out="$out/cpp_step_w2.json" \
-      --benchmark_out_format=json
   fi
 fi
 rm -f "$out/pytorch_step.jsonl"
 stage pytorch_step_benchmark "$out/build.log" env PYTHONUNBUFFERED=1 \
-  python3 models/fsdp_step_benchmark.py "$out/pytorch_step.jsonl"
+  timeout -k 10 240 python3 models/fsdp_step_benchmark.py "$out/pytorch_step.jsonl"
+# Last: the slowest case (the GPT-2 model's parameters staged through host
+# memory every step) must not cost the single-rank table its time.
+if ((gpus < 2)) && [[ -x "$build/models/cuda_step_benchmark" ]]; then
+  stage cpp_step_benchmark_w2_shared "$out/build.log" timeout -k 10 240 "$build/comm/launch" \
+    --nproc_per_node=2 -- "$build/models/cuda_step_benchmark" \
+    --benchmark_filter='unwrapped|staged' --benchmark_out="$out/cpp_step_w2.json" \
+    --benchmark_out_format=json
+fi
 if [[ -s "$out/cpp_step.json" && -s "$out/pytorch_step.jsonl" ]]; then
   python3 tools/gpu_step_table.py "$out/cpp_step.json" \
     $([[ -s "$out/cpp_step_w2.json" ]] && echo "$out/cpp_step_w2.json") "$out/pytorch_step.jsonl" \
