@@ -114,7 +114,13 @@ def run_case(name, device, rank, world):
         model = wrap_fully_shard(model, strategy, variant)
     elif kind != "unwrapped":
         raise ValueError("unknown case " + name)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    # The fused kernel where every parameter is on the GPU, as the C++
+    # side's FlatShardAdamW (models/cuda_step_benchmark.cc); offloaded (host)
+    # parameters take PyTorch's default, since torch < 2.4 has no fused
+    # AdamW on the CPU.
+    on_gpu = all(p.device.type == "cuda" for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01,
+                                  **({"fused": True} if on_gpu else {}))
     torch.manual_seed(100 + rank)
 
     def sync():

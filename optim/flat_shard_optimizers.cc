@@ -415,9 +415,16 @@ at::Tensor FlatShardAdamW::step(LossClosure closure) {
         call.buffers1.push_back(exp_avg.narrow(0, s.lo, s.n));
         call.buffers2.push_back(exp_avg_sq.narrow(0, s.lo, s.n));
         if (o.amsgrad()) call.buffers3.push_back(max_exp_avg_sq.narrow(0, s.lo, s.n));
-        // The kernel takes the step count after this step's increment.
-        call.steps.push_back(
-            at::full({}, static_cast<double>(step), param.options().dtype(at::kFloat)));
+        // The kernel takes the step count after this step's increment, and
+        // only reads it: the key holds the step, so one tensor serves the
+        // whole call (a tensor per stretch cost an allocation and, on a
+        // GPU, a fill kernel each).
+        if (call.steps.empty()) {
+          call.steps.push_back(
+              at::full({}, static_cast<double>(step), param.options().dtype(at::kFloat)));
+        } else {
+          call.steps.push_back(call.steps.front());
+        }
       }
       continue;
     }

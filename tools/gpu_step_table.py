@@ -13,6 +13,8 @@ import sys
 # Our case -> PyTorch's cases with the same sharding, precision and offload.
 COUNTERPARTS = {
     "unwrapped": ["unwrapped"],
+    # libtorch's per-parameter AdamW against PyTorch's fused one.
+    "unwrapped:per_parameter_adamw": ["unwrapped"],
     "full_shard": ["fsdp:full_shard", "fully_shard:full_shard"],
     "shard_grad_op": ["fsdp:shard_grad_op", "fully_shard:shard_grad_op"],
     "no_shard": ["fsdp:no_shard"],
