@@ -2,18 +2,21 @@
 // unwrapped model trained on the same device, with and without CPU offload
 // and with bf16 mixed precision; offload moves shards, gradients and
 // optimizer state off the device, measured with the caching allocator's
-// statistics; full parameters are freed after backward. And several ranks
+// statistics; full parameters are freed after backward; the rate limiter
+// bounds the full parameters in flight. And several ranks
 // (processes) sharing the GPU through staged collectives: the same model,
 // and exactly the collectives the same run on the host issues.
 //
 // Needs a GPU and a CUDA-enabled libtorch: built under --config=cuda (tag
 // manual, so //... never builds it) or by the CMake build against a pip
 // torch. Passed on one H200 with torch 2.11 on 2026-11-26
-// (models/gpu_verify_h200/README.md); not yet run with torch 2.15 on a GPU.
+// (models/gpu_verify_h200/README.md), before the rate limiter's test was
+// added; not yet run with torch 2.15 on a GPU.
 #include <cstdio>
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -169,6 +172,70 @@ TEST(CudaFsdp, DeviceIdWithOffloadWrapsUnitByUnit) {
   }
   const at::Tensor x = at::ones({2, 1024}, at::TensorOptions().device(kCuda));
   EXPECT_TRUE(model->forward(x).is_cuda());
+}
+
+// A WideBlock that records where its weight's data is during its forward:
+// the full parameters it was gathered into.
+struct AddressRecordingBlockImpl : torch::nn::Module, ShardableModule {
+  explicit AddressRecordingBlockImpl(std::vector<const void*>* addresses) : addresses(addresses) {
+    fc = register_module("fc", torch::nn::Linear(1024, 1024));
+  }
+  at::Tensor forward(at::Tensor x) {
+    UnitForward unit(this);
+    addresses->push_back(fc->weight.data_ptr());
+    return unit.Return(at::tanh(fc->forward(x)));
+  }
+  torch::nn::Linear fc{nullptr};
+  std::vector<const void*>* addresses;
+};
+
+// The rate limiter (FsdpOptions::limit_all_gathers) has an effect. The
+// compute stream is held behind a long kernel, so the host issues a whole
+// forward of 8 units ahead of the device. A unit's full parameters, freed
+// after its forward, cannot be reused until the compute stream has passed
+// them (the caching allocator waits on the event record_stream left), so
+// without the limiter every unit is gathered into new memory: 8 full
+// buffers at once. With it, the host waits, before each all-gather, for the
+// reshard two units back, and that unit's memory is reused: at most 3
+// buffers.
+TEST(CudaFsdp, RateLimiterBoundsTheFullParametersInFlight) {
+  for (bool limit : {false, true}) {
+    SCOPED_TRACE(limit ? "limit_all_gathers" : "no limit");
+    std::vector<const void*> addresses;
+    torch::nn::Sequential model;
+    for (int i = 0; i < 8; ++i) {
+      model->push_back(std::make_shared<AddressRecordingBlockImpl>(&addresses));
+    }
+    model->to(kCuda);
+    auto group = CreateNcclCollectives(c10::make_intrusive<c10d::HashStore>(), 0, 1, 0).value();
+    FsdpOptions options;
+    options.limit_all_gathers = limit;
+    auto wrapped = FullyShardedModel::Wrap(model.ptr(), *group, options,
+                                           SelectModulesOfType<AddressRecordingBlockImpl>())
+                       .value();
+    at::NoGradGuard no_grad;  // Every unit reshards after its forward.
+    const at::Tensor x = at::ones({2, 1024}, at::TensorOptions().device(kCuda));
+    model->forward(x);  // The first forward's one-time work stays out of the count.
+    c10::cuda::device_synchronize();
+    c10::cuda::CUDACachingAllocator::emptyCache();
+    addresses.clear();
+    const int64_t waits_before = wrapped->scheduler().rate_limiter().host_waits();
+    at::cuda::sleep(int64_t{1} << 31);  // About a second on the compute stream.
+    model->forward(x);
+    const int64_t waits = wrapped->scheduler().rate_limiter().host_waits() - waits_before;
+    c10::cuda::device_synchronize();
+    ASSERT_EQ(addresses.size(), 8u);
+    const size_t distinct = std::set<const void*>(addresses.begin(), addresses.end()).size();
+    std::printf("%s: 8 units gathered into %zu distinct buffers; the host waited %lld times\n",
+                limit ? "limit_all_gathers" : "no limit", distinct, static_cast<long long>(waits));
+    if (limit) {
+      EXPECT_LE(distinct, 3u);
+      EXPECT_GT(waits, 0);
+    } else {
+      EXPECT_EQ(distinct, 8u);
+      EXPECT_EQ(waits, 0);
+    }
+  }
 }
 
 // The all-gather stream waits for the compute stream before reading shards:
