@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <map>
 #include <memory>
+#include <optional>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -231,6 +233,126 @@ TEST(HybridShard, RequiresAllReduceFalseDefersTheSumAcrossGroups) {
   });
   EXPECT_TRUE(status.ok()) << status;
 }
+
+// A variant of hybrid sharding for SetRequiresAllReduce's parity check.
+struct DeferCase {
+  std::string name;
+  ShardingStrategy strategy;  // The root's: HYBRID_SHARD or _HYBRID_SHARD_ZERO2.
+  bool blocks_no_shard;       // The blocks replicated within the shard group (a policy override).
+  bool offload_params;
+  MixedPrecision mixed_precision;
+  double rtol, atol;  // at::allclose's.
+};
+
+void PrintTo(const DeferCase& c, std::ostream* os) { *os << c.name; }
+
+class DeferredAllReduce : public ::testing::TestWithParam<DeferCase> {};
+
+// Two micro-batches, the first leaving out the replicate all-reduce, give the
+// gradients of two that both all-reduce, and the replicate group carries
+// one all-reduce per unit (root and three blocks) in all.
+TEST_P(DeferredAllReduce, FirstMicroBatchDeferredMatchesTwoThatAllReduce) {
+  const DeferCase c = GetParam();
+  const HybridShardLayout layout = HybridShardLayout::Create(4, 2).value();
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  absl::Status status = RunOnThreadRanks(4, [&](Collectives& world) {
+    GlooOptions gloo;
+    gloo.hostname = "127.0.0.1";
+    gloo.timeout = std::chrono::seconds(60);
+    auto groups = CreateHybridShardCollectives(world.rank(), layout, gloo.group_name,
+                                               GlooGroupConnector(store, gloo));
+    ASSERT_TRUE(groups.ok()) << groups.status();
+    Collectives& shard = *groups->shard;
+    Collectives& replicate = *groups->replicate;
+    FsdpOptions options;
+    options.strategy = c.strategy;
+    options.replicate_group = &replicate;
+    options.offload_params = c.offload_params;
+    options.mixed_precision = c.mixed_precision;
+    CustomPolicy policy([&](const std::string&,
+                            const torch::nn::Module& m) -> std::optional<UnitOptions> {
+      if (dynamic_cast<const BlockImpl*>(&m) == nullptr) return std::nullopt;
+      UnitOptions unit;
+      if (c.blocks_no_shard) unit.strategy = ShardingStrategy::kNoShard;
+      return unit;
+    });
+    Net deferred, reference;
+    auto wrapped_deferred = FullyShardedModel::Wrap(deferred.ptr(), shard, options, policy);
+    auto wrapped_reference = FullyShardedModel::Wrap(reference.ptr(), shard, options, policy);
+    ASSERT_TRUE(wrapped_deferred.ok()) << wrapped_deferred.status();
+    ASSERT_TRUE(wrapped_reference.ok()) << wrapped_reference.status();
+    FullyShardedModel& fsdp = **wrapped_deferred;
+    ASSERT_EQ(fsdp.units().size(), 4u);
+    if (c.blocks_no_shard) {
+      EXPECT_EQ(fsdp.units()[1]->strategy(), ShardingStrategy::kNoShard);
+      EXPECT_FALSE(fsdp.units()[1]->handle()->uses_sharded_views());
+    }
+    const int64_t rows = kGlobalBatch / 4;
+    auto backward = [&](Net& model, int micro) {
+      at::Tensor x = Inputs(0, micro).narrow(0, world.rank() * rows, rows);
+      at::Tensor y = Targets(0, micro).narrow(0, world.rank() * rows, rows);
+      // A bf16 output's loss against float targets: mse_loss's backward
+      // needs one dtype.
+      at::mse_loss(model->forward(x).to(y.scalar_type()), y).backward();
+    };
+    for (int micro = 0; micro < 2; ++micro) backward(reference, micro);
+
+    ASSERT_TRUE(fsdp.SetRequiresAllReduce(*deferred, false).ok());
+    replicate.ResetCounters();
+    backward(deferred, 0);
+    EXPECT_EQ(replicate.counters().Calls(CollectiveOp::kAllReduce), 0);
+    for (const auto& unit : fsdp.units()) {
+      EXPECT_TRUE(unit->handle()->has_partial_reduction()) << unit->fqn();
+    }
+    ASSERT_TRUE(fsdp.SetRequiresAllReduce(*deferred, true).ok());
+    backward(deferred, 1);
+    EXPECT_EQ(replicate.counters().Calls(CollectiveOp::kAllReduce), 4);
+    for (const auto& unit : fsdp.units()) {
+      EXPECT_FALSE(unit->handle()->has_partial_reduction()) << unit->fqn();
+    }
+    const std::vector<at::Tensor> got = deferred->parameters();
+    const std::vector<at::Tensor> want = reference->parameters();
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_TRUE(got[i].grad().defined() && want[i].grad().defined()) << i;
+      ASSERT_EQ(got[i].grad().scalar_type(), want[i].grad().scalar_type()) << i;
+      EXPECT_TRUE(at::allclose(got[i].grad(), want[i].grad(), c.rtol, c.atol))
+          << i << ": largest difference "
+          << (got[i].grad() - want[i].grad()).abs().max().item<float>() << " of "
+          << want[i].grad().abs().max().item<float>();
+    }
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+MixedPrecision Bf16Params(std::optional<DType> reduce_dtype) {
+  MixedPrecision mp;
+  mp.param_dtype = DType::kBFloat16;
+  mp.reduce_dtype = reduce_dtype;
+  return mp;
+}
+
+// fp32 reductions: both runs reduce equal gradients (bf16 compute included:
+// the same bf16 gradients in both) and differ at most in the order of fp32
+// additions, so the existing test's 1e-5 (it measured 0 here). With a bf16
+// reduction the kept sum is bf16 and adds before the all-reduce, where the
+// reference adds two reduced gradients in fp32: a few bf16 roundings of
+// 2^-8 relative each, so 2^-6 relative, and 2e-3 absolute for elements that
+// cancel (measured: at most 1.5e-3 on gradients of up to 0.36).
+INSTANTIATE_TEST_SUITE_P(
+    Variants, DeferredAllReduce,
+    ::testing::Values(
+        DeferCase{"HybridShardNoShardBlocks", ShardingStrategy::kHybridShard, true, false, {},
+                  1e-5, 1e-7},
+        DeferCase{"Zero2", ShardingStrategy::kHybridShardZero2, false, false, {}, 1e-5, 1e-7},
+        DeferCase{"HybridShardOffload", ShardingStrategy::kHybridShard, false, true, {}, 1e-5,
+                  1e-7},
+        DeferCase{"Zero2Offload", ShardingStrategy::kHybridShardZero2, false, true, {}, 1e-5,
+                  1e-7},
+        DeferCase{"Bf16ParamsFp32Reduce", ShardingStrategy::kHybridShard, false, false,
+                  Bf16Params(DType::kFloat32), 1e-5, 1e-7},
+        DeferCase{"Bf16ParamsBf16Reduce", ShardingStrategy::kHybridShard, false, false,
+                  Bf16Params(std::nullopt), 1.0 / 64, 2e-3}),
+    [](const ::testing::TestParamInfo<DeferCase>& info) { return info.param.name; });
 
 TEST(HybridShard, NeedsAReplicateGroupExactlyWithAHybridStrategy) {
   ASSERT_TRUE(RunOnThreadRanks(2, [](Collectives& comm) {

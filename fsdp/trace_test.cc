@@ -3,7 +3,9 @@
 #include "fsdp/trace.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <fstream>
 #include <iterator>
 #include <map>
@@ -209,6 +211,173 @@ TEST(DebugLog, ExplicitPrefetchListsIssueTheNamedAllGathers) {
   }
   ASSERT_EQ(grads.size(), default_grads.size());
   for (size_t i = 0; i < grads.size(); ++i) EXPECT_TRUE(at::equal(grads[i], default_grads[i])) << i;
+}
+
+// Three blocks under a root that holds no parameters of its own: the root's
+// unit has no handle.
+struct StackImpl : torch::nn::Module, ShardableModule {
+  StackImpl() {
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    blocks->push_back(::fsdp::testing::Block(7, 13, 0));
+    blocks->push_back(::fsdp::testing::Block(13, 11, 1));
+    blocks->push_back(::fsdp::testing::Block(11, 9, 2));
+    ::fsdp::testing::FillDeterministically(*this);
+  }
+  at::Tensor forward(at::Tensor x) {
+    UnitForward unit(this);
+    x = unit.Input(x);
+    for (const auto& block : *blocks) x = block->as<BlockImpl>()->forward(x);
+    // Math of its own after the blocks: on blocks.2's output tensor itself,
+    // blocks.2's pre-backward hook would run first (registration order).
+    return unit.Return(0.5 * x);
+  }
+  torch::nn::ModuleList blocks{nullptr};
+};
+TORCH_MODULE(Stack);
+
+// Rank 0's debug log and gradients of one iteration at W = 2.
+struct LoggedIteration {
+  std::vector<std::string> lines;
+  std::vector<at::Tensor> grads;
+};
+
+// One iteration of a freshly wrapped `Model` (Net or Stack, blocks wrapped)
+// with `backward` prefetch, after `configure` (every rank) sets its lists;
+// `after_forward` runs on every rank between forward and backward.
+template <typename Model>
+LoggedIteration RunLogged(
+    BackwardPrefetch backward,
+    const std::function<void(FullyShardedModel&, Model&)>& configure = nullptr,
+    const std::function<void(FullyShardedModel&)>& after_forward = nullptr) {
+  LoggedIteration result;
+  EXPECT_TRUE(
+      RunOnThreadRanks(2, [&](Collectives& comm) {
+        FsdpOptions options;
+        options.backward_prefetch = backward;
+        if (comm.rank() == 0) {
+          options.debug_log = [&](const std::string& line) { result.lines.push_back(line); };
+        }
+        Model model;
+        auto wrapped =
+            FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
+        ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+        if (configure) configure(**wrapped, model);
+        at::Tensor out = model->forward(Inputs(/*step=*/0, /*micro=*/0));
+        if (after_forward) after_forward(**wrapped);
+        out.sum().backward();
+        if (comm.rank() == 0) {
+          for (const at::Tensor& p : model->parameters()) {
+            result.grads.push_back(p.grad().clone());
+          }
+        }
+      }).ok());
+  return result;
+}
+
+int64_t Position(const std::vector<std::string>& lines, const std::string& line) {
+  auto it = std::find(lines.begin(), lines.end(), line);
+  EXPECT_NE(it, lines.end()) << line;
+  return it - lines.begin();
+}
+
+int64_t Count(const std::vector<std::string>& lines, const std::string& line) {
+  return std::count(lines.begin(), lines.end(), line);
+}
+
+void ExpectEqualGradients(const LoggedIteration& got, const LoggedIteration& want) {
+  ASSERT_EQ(got.grads.size(), want.grads.size());
+  for (size_t i = 0; i < got.grads.size(); ++i) {
+    EXPECT_TRUE(at::equal(got.grads[i], want.grads[i])) << i;
+  }
+}
+
+// Guards: a unit without a handle issues its lists too (its own pre hooks
+// return early, before any prefetch of the default order).
+TEST(DebugLog, UnitWithoutParametersIssuesItsPrefetchLists) {
+  auto configure = [](FullyShardedModel& m, Stack& model) {
+    const torch::nn::Module* block[3];
+    for (int i = 0; i < 3; ++i) block[i] = model->blocks[i].get();
+    ASSERT_EQ(m.units()[0]->handle(), nullptr) << "the root holds no parameters";
+    ASSERT_TRUE(m.SetModulesToForwardPrefetch(*model, {block[0], block[1]}).ok());
+    ASSERT_TRUE(m.SetModulesToBackwardPrefetch(*model, {block[2], block[1]}).ok());
+  };
+  const LoggedIteration listed = RunLogged<Stack>(BackwardPrefetch::kBackwardPre, configure);
+  const LoggedIteration plain = RunLogged<Stack>(BackwardPrefetch::kBackwardPre);
+  const std::vector<std::string>& lines = listed.lines;
+  // Forward: both issued by the root's pre-forward, before blocks.0 runs.
+  const auto gather0 = Position(lines, "unit 'blocks.0': all-gather prefetched (forward)");
+  const auto gather1 = Position(lines, "unit 'blocks.1': all-gather prefetched (forward)");
+  EXPECT_LT(Position(lines, "model: IDLE -> FORWARD_BACKWARD"), gather0);
+  EXPECT_LT(gather0, gather1);
+  EXPECT_LT(gather1, Position(lines, "unit 'blocks.0': IDLE -> FORWARD"));
+  // Backward: both issued by the root's pre-backward, before blocks.2's;
+  // blocks.2's own prefetch of blocks.1 then finds it pending.
+  const std::string back2 = "unit 'blocks.2': all-gather prefetched (backward)";
+  const std::string back1 = "unit 'blocks.1': all-gather prefetched (backward)";
+  EXPECT_LT(Position(lines, back2), Position(lines, back1));
+  EXPECT_LT(Position(lines, back1), Position(lines, "unit 'blocks.2': IDLE -> BACKWARD_PRE"));
+  EXPECT_EQ(Count(lines, back1), 1);
+  // Without lists the handle-less root prefetches nothing.
+  for (const std::string& line :
+       {back2, std::string("unit 'blocks.0': all-gather prefetched (forward)")}) {
+    EXPECT_EQ(Count(plain.lines, line), 0) << line;
+  }
+  ExpectEqualGradients(listed, plain);
+}
+
+// Guards: in forward, a listed unit that already ran is gathered again and
+// that gather serves its backward (no second gather there).
+TEST(DebugLog, ForwardListRegathersAUnitThatAlreadyRanAndKeepsItForBackward) {
+  const std::string forward0 = "unit 'blocks.0': all-gather prefetched (forward)";
+  const std::string backward0 = "unit 'blocks.0': all-gather prefetched (backward)";
+  const LoggedIteration listed = RunLogged<Net>(
+      BackwardPrefetch::kBackwardPre,
+      [](FullyShardedModel& m, Net& model) {
+        ASSERT_TRUE(
+            m.SetModulesToForwardPrefetch(*model->blocks[2], {model->blocks[0].get()}).ok());
+      },
+      [](FullyShardedModel& m) {
+        // Between forward and backward: blocks.0's gather is still held.
+        ASSERT_EQ(m.units()[1]->fqn(), "blocks.0");
+        EXPECT_TRUE(m.units()[1]->handle()->has_pending_unshard());
+      });
+  const LoggedIteration plain = RunLogged<Net>(BackwardPrefetch::kBackwardPre);
+  const std::vector<std::string>& lines = listed.lines;
+  const auto gather = Position(lines, forward0);
+  EXPECT_LT(Position(lines, "unit 'blocks.0': FORWARD -> IDLE"), gather);
+  EXPECT_LT(Position(lines, "unit 'blocks.2': IDLE -> FORWARD"), gather);
+  EXPECT_LT(gather, Position(lines, "unit 'blocks.2': FORWARD -> IDLE"));
+  // blocks.1's backward prefetch of blocks.0 finds it pending; without the
+  // list it issues one.
+  EXPECT_EQ(Count(lines, backward0), 0);
+  EXPECT_EQ(Count(plain.lines, backward0), 1);
+  EXPECT_EQ(Count(plain.lines, forward0), 0);
+  ExpectEqualGradients(listed, plain);
+}
+
+// Guards: under BACKWARD_POST an explicit backward list is issued from the
+// pre-backward hook, not after the unit's reduction.
+TEST(DebugLog, ExplicitBackwardListUnderBackwardPostIsIssuedFromThePreHook) {
+  const LoggedIteration listed = RunLogged<Net>(
+      BackwardPrefetch::kBackwardPost, [](FullyShardedModel& m, Net& model) {
+        ASSERT_TRUE(m.SetModulesToBackwardPrefetch(
+                         *model->blocks[2], {model->blocks[1].get(), model->blocks[0].get()})
+                        .ok());
+      });
+  const LoggedIteration plain = RunLogged<Net>(BackwardPrefetch::kBackwardPost);
+  const std::vector<std::string>& lines = listed.lines;
+  const std::string back1 = "unit 'blocks.1': all-gather prefetched (backward)";
+  const std::string back0 = "unit 'blocks.0': all-gather prefetched (backward)";
+  EXPECT_LT(Position(lines, "unit 'blocks.2': IDLE -> BACKWARD_PRE"), Position(lines, back1));
+  EXPECT_LT(Position(lines, back1), Position(lines, back0));
+  const std::string post2 = "unit 'blocks.2': BACKWARD_PRE -> BACKWARD_POST";
+  EXPECT_LT(Position(lines, back0), Position(lines, post2));
+  // Issued once each: blocks.1's post-hook prefetch of blocks.0 finds it
+  // pending. Without the list, blocks.1 is prefetched after blocks.2's post.
+  EXPECT_EQ(Count(lines, back1), 1);
+  EXPECT_EQ(Count(lines, back0), 1);
+  EXPECT_LT(Position(plain.lines, post2), Position(plain.lines, back1));
+  ExpectEqualGradients(listed, plain);
 }
 
 TEST(Trace, RecordsEachUnitsWorkAndWritesChromeTraceJson) {
