@@ -132,29 +132,41 @@ struct AutocastState {
   }
 };
 
-// Also turns autocast's cast cache off: it keys low-precision copies of
-// leaves that require grad (the parameters) by tensor, and is cleared only
-// when an autocast scope ends, which a recompute in backward is not inside;
-// cached copies made here would be used, stale, by the forwards after the
-// optimizer step. Uncached casts compute the same values.
+// Turns autocast's cast cache off. The cache keys low-precision copies of
+// leaves that require grad (the parameters) by tensor and is cleared only
+// when an autocast scope ends. A copy cached in a region's forward (where
+// gradients are off) would have no history, and a use of the same
+// parameter after the region, in the same scope, would take it and lose
+// its gradient (PyTorch issue 112583; not seen with libtorch 1.13 or 2.15);
+// one cached in a recompute (in backward, inside no scope) would be used,
+// stale, by the forwards after the optimizer step. Uncached casts compute
+// the same values.
+class CastCacheOff {
+ public:
+  CastCacheOff() : previous_(at::autocast::is_autocast_cache_enabled()) {
+    at::autocast::set_autocast_cache_enabled(false);
+  }
+  ~CastCacheOff() { at::autocast::set_autocast_cache_enabled(previous_); }
+  CastCacheOff(const CastCacheOff&) = delete;
+  CastCacheOff& operator=(const CastCacheOff&) = delete;
+
+ private:
+  bool previous_;
+};
+
+// Autocast as it was at forward, for the recompute, without the cast cache.
 class AutocastScope {
  public:
-  explicit AutocastScope(const AutocastState& state)
-      : previous_(AutocastState::Current()),
-        previous_cache_enabled_(at::autocast::is_autocast_cache_enabled()) {
-    at::autocast::set_autocast_cache_enabled(false);
+  explicit AutocastScope(const AutocastState& state) : previous_(AutocastState::Current()) {
     state.Set();
   }
-  ~AutocastScope() {
-    previous_.Set();
-    at::autocast::set_autocast_cache_enabled(previous_cache_enabled_);
-  }
+  ~AutocastScope() { previous_.Set(); }
   AutocastScope(const AutocastScope&) = delete;
   AutocastScope& operator=(const AutocastScope&) = delete;
 
  private:
+  CastCacheOff no_cache_;
   AutocastState previous_;
-  bool previous_cache_enabled_;
 };
 
 // What the node keeps besides the saved inputs.
@@ -204,6 +216,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     ctx->set_materialize_grads(false);
     std::vector<at::Tensor> outputs;
     {
+      CastCacheOff no_cache;
       RegionScope region(&record->name);
       outputs = record->body(inputs.vec());  // Gradients are off in a node's forward.
     }
@@ -266,7 +279,11 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     std::vector<at::Tensor> known = sources;
     for (size_t j = 0; j < record->parameters.size(); ++j) {
       known.push_back(record->parameters[j]);
-      if (!ctx->needs_input_grad(saved.size() + j)) continue;  // Frozen since, or not wanted.
+      // Not wanted, or frozen since the forward (autograd still asks for
+      // its gradient then; backward without checkpointing skips it).
+      if (!ctx->needs_input_grad(saved.size() + j) || !record->parameters[j].requires_grad()) {
+        continue;
+      }
       sources.push_back(record->parameters[j]);
       source_slot.push_back(saved.size() + j);
     }

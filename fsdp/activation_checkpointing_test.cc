@@ -245,15 +245,17 @@ TEST(ActivationCheckpointing, ASharedModuleGetsItsGradientOnce) {
 // Autocast is on for the recompute as in forward, and leaves no cached
 // low-precision weight behind: a forward after the weights change uses
 // the new ones.
-TEST(ActivationCheckpointing, AutocastIsRestoredForTheRecomputeWithoutCachingCasts) {
-  auto set_cpu_autocast = [](bool on) {
+void SetCpuAutocast(bool on) {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
-    at::autocast::set_autocast_enabled(at::kCPU, on);
+  at::autocast::set_autocast_enabled(at::kCPU, on);
 #else
-    at::autocast::set_cpu_enabled(on);
+  at::autocast::set_cpu_enabled(on);
 #endif
-    if (!on) at::autocast::clear_cache();  // What an autocast scope does on exit.
-  };
+  if (!on) at::autocast::clear_cache();  // What an autocast scope does on exit.
+}
+
+TEST(ActivationCheckpointing, AutocastIsRestoredForTheRecomputeWithoutCachingCasts) {
+  auto set_cpu_autocast = SetCpuAutocast;
   auto linear = torch::nn::Linear(8, 8);
   auto body = [&](const std::vector<at::Tensor>& in) {
     return std::vector<at::Tensor>{linear->forward(in[0])};
@@ -281,6 +283,35 @@ TEST(ActivationCheckpointing, AutocastIsRestoredForTheRecomputeWithoutCachingCas
   at::Tensor want = at::linear(x.to(at::kBFloat16), linear->weight.to(at::kBFloat16),
                                linear->bias.to(at::kBFloat16));
   EXPECT_TRUE(at::equal(after, want)) << "a stale cached cast of the weight was used";
+}
+
+// A plain use of a weight after a checkpointed one, in one autocast scope:
+// the region's forward runs with gradients off, and a low-precision copy of
+// the weight cached there would have no history, so the plain use would
+// take it and its share of the weight's gradient would be lost (PyTorch
+// issue 112583). The region turns the cache off; libtorch 1.13 and 2.15 do
+// not show the loss with it on either, so this guards other versions.
+TEST(ActivationCheckpointing, AWeightUsedAgainAfterItsRegionInOneAutocastScopeGetsBothGradients) {
+  auto linear = torch::nn::Linear(8, 8);
+  auto body = [&](const std::vector<at::Tensor>& in) {
+    return std::vector<at::Tensor>{linear->forward(in[0])};
+  };
+  const at::Tensor x = at::sin(at::arange(16, at::kFloat)).view({2, 8});
+  auto grads = [&](bool checkpoint) {
+    linear->zero_grad();
+    SetCpuAutocast(true);
+    at::Tensor y =
+        checkpoint ? Checkpoint("autocast", body, {x}, linear->parameters())[0] : body({x})[0];
+    at::Tensor z = linear->forward(x);
+    SetCpuAutocast(false);
+    (y.to(at::kFloat).sum() + z.to(at::kFloat).pow(2).sum()).backward();
+    return linear->weight.grad().clone();
+  };
+  const at::Tensor plain = grads(false);
+  // Not bit for bit: without checkpointing both uses share one cast, whose
+  // gradient sums them in bfloat16; with it each use's is cast on its own.
+  EXPECT_TRUE(at::allclose(grads(true), plain, 2e-2, 2e-2))
+      << "the plain use's gradient was lost: " << (grads(true) - plain).abs().max();
 }
 
 TEST(ActivationCheckpointing, RefusesSecondOrderGradientsAndUndefinedTensors) {

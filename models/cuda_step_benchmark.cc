@@ -26,7 +26,8 @@
 //
 // The optimizer, on both sides, is AdamW stepped by PyTorch's fused kernel
 // (here FlatShardAdamW with FlatShardKernel::kFused, there
-// torch.optim.AdamW(fused=True)), so that neither side's step time carries
+// torch.optim.AdamW(fused=True); offloaded host parameters only from torch
+// 2.4, which has the CPU kernel), so that neither side's step time carries
 // an optimizer the other does not use; the unwrapped:per_parameter_adamw
 // case shows what libtorch's own AdamW, one op sequence per parameter,
 // costs instead.
@@ -144,7 +145,9 @@ void WarmUp(const StepConfig& c) {
   const c10::Device device = RankDevice();
   c10::cuda::set_device(device.index());
   models::Gpt model = MakeModel(c, device);
-  fsdp::FlatShardAdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3),
+  // Unique: the tied embedding is listed twice by parameters(), and one
+  // fused call must not update the same memory twice.
+  fsdp::FlatShardAdamW optimizer(fsdp::UniqueParameters(*model), torch::optim::AdamWOptions(1e-3),
                                  kOptimizerKernel);
   for (int i = 0; i < 10; ++i) {
     const at::Tensor batch = at::randint(

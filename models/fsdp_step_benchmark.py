@@ -114,13 +114,13 @@ def run_case(name, device, rank, world):
         model = wrap_fully_shard(model, strategy, variant)
     elif kind != "unwrapped":
         raise ValueError("unknown case " + name)
-    # The fused kernel where every parameter is on the GPU, as the C++
-    # side's FlatShardAdamW (models/cuda_step_benchmark.cc); offloaded (host)
-    # parameters take PyTorch's default, since torch < 2.4 has no fused
-    # AdamW on the CPU.
+    # PyTorch's fused kernel, as the C++ side's FlatShardAdamW
+    # (models/cuda_step_benchmark.cc), for GPU parameters and, from torch 2.4
+    # (which has the CPU kernel), for offloaded host ones too.
     on_gpu = all(p.device.type == "cuda" for p in model.parameters())
+    has_cpu_kernel = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 4)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01,
-                                  **({"fused": True} if on_gpu else {}))
+                                  **({"fused": True} if on_gpu or has_cpu_kernel else {}))
     torch.manual_seed(100 + rank)
 
     def sync():

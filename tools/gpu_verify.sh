@@ -20,10 +20,11 @@
 # toolkit; abseil, googletest, google-benchmark and protobuf come from the
 # Debian packages in .gpu_deps/ (FSDP_GPU_DEPS), unpacked with dpkg -x.
 # Writes to OUT_DIR at most 8 files: summary.txt (each stage's outcome),
-# build.log, cuda_test.log (with the main job's runs), cpp_step.json,
-# pytorch_step.jsonl, step_table.md, nccl.json (two GPUs or more) or
-# cpp_step_w2.json (one GPU: two ranks sharing it), ctest.log. A failing
-# stage is recorded and the next runs.
+# build.log, cuda_test.log (with the activation-checkpointing test's CUDA
+# case, the main job's runs and activation checkpointing's memory runs),
+# cpp_step.json, pytorch_step.jsonl, step_table.md, nccl.json (two GPUs or
+# more) or cpp_step_w2.json (one GPU: two ranks sharing it), ctest.log. A
+# failing stage is recorded and the next runs; each run has a time limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -95,19 +96,27 @@ stage configure "$out/build.log" cmake -S . -B "$build" -G Ninja -DFSDP_CUDA=ON 
   -DCMAKE_PREFIX_PATH="$torch_dir" -DFSDP_DEPS_PREFIX="$prefix" \
   -DFSDP_NCCL_ROOT="$nccl_root" -DCMAKE_CXX_FLAGS="$extra_flags" \
   -DCMAKE_CXX_STANDARD="$cxx_standard" || exit 1
-gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
-# Built apart, so that a target that fails to compile costs only its own stages.
+# GPUs, not MIG instances (which nvidia-smi -L lists too).
+gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
+# Built apart, so that a target that fails to compile costs only its own
+# stages; a stage runs only if this run built its binary (build-gpu may
+# hold one from an earlier run).
+ac_built=0 nccl_built=0 cuda_built=0
 stage build_activation_checkpointing_test "$out/build.log" cmake --build "$build" \
-  --target fsdp_activation_checkpointing_test
-((gpus >= 2)) && stage build_nccl_benchmark "$out/build.log" cmake --build "$build" \
-  --target comm_nccl_collectives_benchmark
-if stage build_cuda_targets "$out/build.log" cmake --build "$build" \
-    --target fsdp_cuda_test models_cuda_step_benchmark models_train_gpt comm_launch; then
+  --target fsdp_activation_checkpointing_test && ac_built=1
+if ((gpus >= 2)); then
+  stage build_nccl_benchmark "$out/build.log" cmake --build "$build" \
+    --target comm_nccl_collectives_benchmark && nccl_built=1
+fi
+stage build_cuda_targets "$out/build.log" cmake --build "$build" \
+  --target fsdp_cuda_test models_cuda_step_benchmark models_train_gpt comm_launch &&
+  cuda_built=1
+if ((cuda_built)); then
   # Each run has a time limit (exit 124 when it hits it), so that one hang
   # leaves the later stages their time.
   stage cuda_test "$out/cuda_test.log" timeout -k 10 240 "$build/fsdp/cuda_test"
   # Fused attention's dropout, recomputed by a checkpointed region on the GPU.
-  [[ -x "$build/fsdp/activation_checkpointing_test" ]] &&
+  ((ac_built)) &&
     stage activation_checkpointing_cuda "$out/cuda_test.log" \
       timeout -k 10 60 "$build/fsdp/activation_checkpointing_test" --gtest_filter='*Cuda*'
   # --collectives=auto picks NCCL for the rank with a GPU of its own and
@@ -129,17 +138,19 @@ if stage build_cuda_targets "$out/build.log" cmake --build "$build" \
   # and without, on the long-context GPT of the committed CPU measurement.
   stage activation_checkpointing_memory_cuda "$out/cuda_test.log" \
     timeout -k 10 120 python3 tools/activation_checkpointing_memory.py "$build/models/train_gpt" --device=cuda \
-    --world_sizes=1 --raw "$out/activation_checkpointing_cuda_raw.txt"
+    --world_sizes=1 --raw /tmp/fsdp_activation_checkpointing_cuda_raw.txt
+  cat /tmp/fsdp_activation_checkpointing_cuda_raw.txt >>"$out/cuda_test.log" 2>/dev/null
   stage cpp_step_benchmark "$out/build.log" timeout -k 10 240 \
     "$build/models/cuda_step_benchmark" \
     --benchmark_out="$out/cpp_step.json" --benchmark_out_format=json
   # The two NCCL transports (direct, ProcessGroupNCCL) need two GPUs or more;
   # with one, two ranks share it over staged collectives instead.
-  if ((gpus >= 2)); then
-    stage nccl_transports "$out/build.log" "$build/comm/nccl_collectives_benchmark" \
+  if ((nccl_built)); then
+    stage nccl_transports "$out/build.log" timeout -k 10 240 \
+      "$build/comm/nccl_collectives_benchmark" \
       --benchmark_out="$out/nccl.json" --benchmark_out_format=json
   else
-    note "nccl_transports: skipped (one GPU: NCCL needs a device per rank)"
+    ((gpus < 2)) && note "nccl_transports: skipped (one GPU: NCCL needs a device per rank)"
   fi
 fi
 rm -f "$out/pytorch_step.jsonl"
@@ -147,7 +158,7 @@ stage pytorch_step_benchmark "$out/build.log" env PYTHONUNBUFFERED=1 \
   timeout -k 10 240 python3 models/fsdp_step_benchmark.py "$out/pytorch_step.jsonl"
 # Last: the slowest case (the GPT-2 model's parameters staged through host
 # memory every step) must not cost the single-rank table its time.
-if ((gpus < 2)) && [[ -x "$build/models/cuda_step_benchmark" ]]; then
+if ((gpus < 2 && cuda_built)); then
   stage cpp_step_benchmark_w2_shared "$out/build.log" timeout -k 10 240 "$build/comm/launch" \
     --nproc_per_node=2 -- "$build/models/cuda_step_benchmark" \
     --benchmark_filter='unwrapped|staged' --benchmark_out="$out/cpp_step_w2.json" \
