@@ -479,6 +479,16 @@ target_include_directories(fsdp_unit_scheduler PUBLIC $<INSTALL_INTERFACE:includ
 install(TARGETS fsdp_unit_scheduler EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/fsdp/unit_scheduler.h DESTINATION include/fsdp)
 
+# //fsdp:unshard_controls_test
+if(BUILD_TESTING)
+add_executable(fsdp_unshard_controls_test ${PROJECT_SOURCE_DIR}/fsdp/unshard_controls_test.cc)
+set_target_properties(fsdp_unshard_controls_test PROPERTIES OUTPUT_NAME unshard_controls_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
+target_link_libraries(fsdp_unshard_controls_test PRIVATE fsdp_fully_shard fsdp_test_models fsdp_test_util comm_collectives testing_multi_rank third_party_gtest_main fsdp_torch)
+add_test(NAME //fsdp:unshard_controls_test COMMAND fsdp_unshard_controls_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//fsdp:unshard_controls_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_unshard_controls_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_unshard_controls_test")
+endif()
+
 # //fsdp:wrap_plan
 add_library(fsdp_wrap_plan SHARED ${PROJECT_SOURCE_DIR}/fsdp/wrap_plan.cc ${PROJECT_SOURCE_DIR}/fsdp/wrap_plan.h)
 set_target_properties(fsdp_wrap_plan PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)

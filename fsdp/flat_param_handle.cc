@@ -148,7 +148,8 @@ FlatParamHandle::FlatParamHandle(std::string unit_name, std::vector<FlatParamEnt
       params_(std::move(params)),
       group_(group),
       options_(options),
-      compute_device_(params_.front().param.device()) {
+      compute_device_(params_.front().param.device()),
+      divide_factor_(options.gradient_divide_factor) {
   LayOut();
   // Flatten the current values (identical on every rank: the caller's
   // contract) and keep this rank's part.
@@ -291,6 +292,27 @@ std::string FlatParamHandle::Describe() const {
                       group_.world_size());
 }
 
+bool FlatParamHandle::FullParamsMatchShard() const {
+  TORCH_CHECK(!has_pending_unshard(), Describe(),
+              ": FullParamsMatchShard while an all-gather is pending");
+  if (!unsharded_ || summon_full_.defined() || !full_.defined()) return true;
+  at::NoGradGuard no_grad;
+  const at::Tensor shard = OnComputeDevice(local_shard_, compute_dtype_);
+  if (!uses_sharded_views()) return at::equal(full_, shard);
+  for (const Segment& seg : segments_) {
+    const at::Tensor mine =
+        full_.narrow(0, seg.full_begin + group_.rank() * seg.shard_numel, seg.shard_numel);
+    if (!at::equal(mine, shard.narrow(0, seg.shard_begin, seg.shard_numel))) return false;
+  }
+  return true;
+}
+
+void FlatParamHandle::SetGradientDivideFactor(std::optional<double> factor) {
+  TORCH_CHECK(!factor || *factor > 0, Describe(),
+              ": the gradient divide factor must be positive, got ", factor ? *factor : 0.0);
+  divide_factor_ = factor;
+}
+
 void FlatParamHandle::Transition(HandleTrainingState from, HandleTrainingState to) {
   TORCH_CHECK(training_state_ == from, Describe(), ": cannot enter ",
               HandleTrainingStateName(to), " from ", HandleTrainingStateName(training_state_),
@@ -382,10 +404,10 @@ at::ScalarType FlatParamHandle::GradDtype() const {
              : local_shard_.scalar_type();
 }
 
-void FlatParamHandle::StartUnshard() {
+void FlatParamHandle::StartUnshard(bool copy_shard) {
   // NO_SHARD's low-precision copy is a local cast, made in FinishUnshard.
   if (!uses_sharded_views() || unsharded_ || has_pending_unshard()) return;
-  const bool copies = low_precision_ || options_.offload_params;
+  const bool copies = low_precision_ || options_.offload_params || copy_shard;
   try {
     if (low_precision_ && training_state_ == HandleTrainingState::kSummonFullParams) {
       summon_full_ = at::empty({padded_numel_}, local_shard_.options().device(compute_device_));
@@ -398,6 +420,7 @@ void FlatParamHandle::StartUnshard() {
     }
     AllocateStorage(full_);
     if (copies) send_buffer_ = OnComputeDevice(local_shard_, compute_dtype_);
+    if (send_buffer_.is_same(local_shard_)) send_buffer_ = local_shard_.clone();
     pending_unshard_ =
         AllGatherSegments(full_, copies ? send_buffer_ : local_shard_, segments_.size());
   } catch (...) {
@@ -542,7 +565,7 @@ void FlatParamHandle::StartReduceGradients(bool all_reduce) {
                            ? at::empty({trainable.shard_numel}, flat_grad.options())
                            : flat_grad;  // NO_SHARD reduces in place.
   CommHookContext context{group_, uses_sharded_views(), unit_name_, options_.replicate_group,
-                          options_.gradient_divide_factor};
+                          divide_factor_};
   const bool hybrid =
       options_.replicate_group != nullptr && options_.replicate_group->world_size() > 1;
   context.all_reduce = all_reduce || !hybrid;

@@ -182,8 +182,12 @@ class FlatParamHandle {
   // All-gathers the full parameter and points the parameters at it.
   // StartUnshard issues the all-gather; FinishUnshard waits for it and
   // swaps the parameters' data (so another unit's compute can run between
-  // them). No-ops when already unsharded or under NO_SHARD.
-  void StartUnshard();
+  // them). No-ops when already unsharded or under NO_SHARD. With
+  // `copy_shard`, the all-gather sends a copy of the shard made now, so that
+  // a write to the shard before FinishUnshard reaches no rank's result (the
+  // collective may read its input any time until then): for all-gathers
+  // issued ahead of their forward (FullyShardedModel::Unshard).
+  void StartUnshard(bool copy_shard = false);
   // Throws the all-gather's error, leaving the handle sharded with nothing
   // allocated.
   void FinishUnshard();
@@ -252,6 +256,20 @@ class FlatParamHandle {
   // built-in reduction (DefaultCommHook); null restores it. The hook must
   // outlive its use.
   void SetCommHook(CommHook* hook) { comm_hook_ = hook; }
+  // Replaces FlatParamHandleOptions::gradient_divide_factor from the next
+  // reduction on (unset: the average). Must be positive.
+  void SetGradientDivideFactor(std::optional<double> factor);
+  std::optional<double> gradient_divide_factor() const { return divide_factor_; }
+
+  // Whether the full parameter held still agrees with the shard: this
+  // rank's part of it equals the shard (cast to the compute dtype, as the
+  // all-gather sent it). An optimizer step or a state dict load writes the
+  // shard, and a step on parameters pointing at the full parameter writes
+  // that, so full parameters made ahead of their forward (kept after
+  // backward, an explicit unshard) that fail this are stale. Reads both
+  // (a device sync on CUDA). True when not unsharded. REQUIRES: no
+  // all-gather pending.
+  bool FullParamsMatchShard() const;
 
   HandleTrainingState training_state() const { return training_state_; }
   // Moves to `to`, checking that `from` is the current state; the error
@@ -394,6 +412,7 @@ class FlatParamHandle {
   std::vector<std::unique_ptr<CollectiveWork>> pending_unshard_;  // One per segment.
   bool unsharded_ = false;
   CommHook* comm_hook_ = nullptr;
+  std::optional<double> divide_factor_;
   HandleTrainingState training_state_ = HandleTrainingState::kIdle;
 };
 

@@ -1,5 +1,6 @@
 #include "fsdp/fully_shard.h"
 
+#include <cstdio>
 #include <optional>
 #include <utility>
 
@@ -50,6 +51,21 @@ void DeferParameterAllocation(torch::nn::Module& module) {
 }
 
 absl::Status FullyShardedModel::RequireIdle(const std::string& what) const {
+  FSDP_RETURN_IF_ERROR(RequireNotRunning(what));
+  for (const auto& unit : units_) {
+    const FlatParamHandle* handle = unit->handle_.get();
+    if (handle != nullptr && handle->UnshardNeeded() &&
+        (handle->is_unsharded() || handle->has_pending_unshard())) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, " on rank ", group_.rank(), ": unit '", UnitName(unit->fqn_),
+                       "' holds full parameters between steps (kept after backward by "
+                       "SetReshardAfterBackward(false), or from Unshard); call Reshard first"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FullyShardedModel::RequireNotRunning(const std::string& what) const {
   if (training_state_ != ModelTrainingState::kIdle) {
     return absl::FailedPreconditionError(
         absl::StrCat(what, " on rank ", group_.rank(),
@@ -80,6 +96,18 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<torch::nn::Module> root,
 FullyShardedModel::~FullyShardedModel() {
   std::vector<std::pair<const torch::nn::Module*, FsdpUnit*>> registered;
   for (auto& unit : units_) {
+    // Full parameters held between steps (SetReshardAfterBackward, Unshard)
+    // go, so that the parameters stay sharded as documented.
+    FlatParamHandle* handle = unit->handle_.get();
+    if (handle != nullptr && handle->training_state() == HandleTrainingState::kIdle) {
+      try {
+        scheduler_->DiscardPrefetch(*handle);
+        scheduler_->Reshard(*handle);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "~FullyShardedModel on rank %d: resharding unit '%s' failed: %s\n",
+                     group_.rank(), UnitName(unit->fqn_).c_str(), e.what());
+      }
+    }
     registered.emplace_back(unit->module_, unit.get());
     for (auto& [node, key] : unit->accumulators_) node->del_post_hook(key);
   }
@@ -226,8 +254,25 @@ void FullyShardedModel::LazyInit() {
   initialized_ = true;
 }
 
+void FullyShardedModel::CheckNoStaleFullParams() {
+  for (const auto& unit : units_) {
+    FlatParamHandle* handle = unit->handle_.get();
+    if (handle == nullptr || !handle->UnshardNeeded()) continue;
+    if (!handle->is_unsharded() && !handle->has_pending_unshard()) continue;
+    // An Unshard not waited for: its forward would wait for it now anyway.
+    if (handle->has_pending_unshard()) scheduler_->Unshard(*handle, "forward");
+    TORCH_CHECK(handle->FullParamsMatchShard(), Describe(*unit),
+                ": its shard or parameters were written (an optimizer step? a state dict "
+                "load?) while it held full parameters made before (kept after backward by "
+                "SetReshardAfterBackward(false), or from Unshard), which are stale now; call "
+                "Reshard before writing them");
+  }
+}
+
 void FullyShardedModel::PreForward(FsdpUnit& unit) {
   if (!initialized_) LazyInit();
+  // Before anything moves, so that Reshard and a new step can follow.
+  if (training_state_ == ModelTrainingState::kIdle) CheckNoStaleFullParams();
   unit.forward_span_ = TraceSpan(options_.trace, "forward", UnitName(unit.fqn_));
   FlatParamHandle* handle = unit.handle_.get();
   if (handle == nullptr) {
@@ -366,12 +411,21 @@ void FullyShardedModel::PostBackward(FsdpUnit& unit) {
   if (++unit.gradients_ready_ < static_cast<int>(unit.accumulators_.size())) return;
   scheduler_->Move(*handle, HandleTrainingState::kBackwardPre, HandleTrainingState::kBackwardPost);
   ReduceOrKeep(unit);
-  scheduler_->Reshard(*handle);
+  ReshardAfterBackward(unit);
   unit.backward_span_.End();
   if (options_.backward_prefetch == BackwardPrefetch::kBackwardPost &&
       !unit.backward_prefetch_explicit_) {
     Prefetch(unit.backward_prefetch_);
   }
+}
+
+void FullyShardedModel::ReshardAfterBackward(FsdpUnit& unit) {
+  FlatParamHandle& handle = *unit.handle_;
+  // A reducing backward always reshards: its gradient shards reach .grad
+  // only then, and the optimizer step that follows writes the shards.
+  const bool keep = !unit.reshard_after_backward_ &&
+                    (!handle.has_trainable_params() || handle.holds_unreduced_gradients());
+  if (!keep) scheduler_->Reshard(handle);
 }
 
 void FullyShardedModel::ReduceOrKeep(FsdpUnit& unit) {
@@ -404,7 +458,7 @@ absl::StatusOr<std::vector<FsdpUnit*>> FullyShardedModel::UnitsOf(const char* ca
 
 absl::Status FullyShardedModel::SetRequiresGradientSync(const torch::nn::Module& module,
                                                         bool requires_sync, bool recurse) {
-  FSDP_RETURN_IF_ERROR(RequireIdle("SetRequiresGradientSync"));
+  FSDP_RETURN_IF_ERROR(RequireNotRunning("SetRequiresGradientSync"));
   FSDP_ASSIGN_OR_RETURN(std::vector<FsdpUnit*> units,
                         UnitsOf("SetRequiresGradientSync", module, recurse));
   for (FsdpUnit* unit : units) unit->requires_gradient_sync_ = requires_sync;
@@ -413,10 +467,73 @@ absl::Status FullyShardedModel::SetRequiresGradientSync(const torch::nn::Module&
 
 absl::Status FullyShardedModel::SetRequiresAllReduce(const torch::nn::Module& module,
                                                      bool requires_all_reduce, bool recurse) {
-  FSDP_RETURN_IF_ERROR(RequireIdle("SetRequiresAllReduce"));
+  FSDP_RETURN_IF_ERROR(RequireNotRunning("SetRequiresAllReduce"));
   FSDP_ASSIGN_OR_RETURN(std::vector<FsdpUnit*> units,
                         UnitsOf("SetRequiresAllReduce", module, recurse));
   for (FsdpUnit* unit : units) unit->requires_all_reduce_ = requires_all_reduce;
+  return absl::OkStatus();
+}
+
+absl::Status FullyShardedModel::SetReshardAfterBackward(const torch::nn::Module& module,
+                                                        bool reshard_after_backward, bool recurse) {
+  FSDP_RETURN_IF_ERROR(RequireNotRunning("SetReshardAfterBackward"));
+  FSDP_ASSIGN_OR_RETURN(std::vector<FsdpUnit*> units,
+                        UnitsOf("SetReshardAfterBackward", module, recurse));
+  for (FsdpUnit* unit : units) unit->reshard_after_backward_ = reshard_after_backward;
+  return absl::OkStatus();
+}
+
+absl::Status FullyShardedModel::SetGradientDivideFactor(const torch::nn::Module& module,
+                                                        std::optional<double> factor,
+                                                        bool recurse) {
+  FSDP_RETURN_IF_ERROR(RequireNotRunning("SetGradientDivideFactor"));
+  if (factor && !(*factor > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("SetGradientDivideFactor: the factor must be positive, got ", *factor));
+  }
+  FSDP_ASSIGN_OR_RETURN(std::vector<FsdpUnit*> units,
+                        UnitsOf("SetGradientDivideFactor", module, recurse));
+  for (FsdpUnit* unit : units) {
+    if (unit->handle_ != nullptr) unit->handle_->SetGradientDivideFactor(factor);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<UnshardHandle> FullyShardedModel::Unshard(const torch::nn::Module& module) {
+  FSDP_ASSIGN_OR_RETURN(std::vector<FsdpUnit*> units, UnitsOf("Unshard", module, false));
+  FsdpUnit& unit = *units.front();
+  if (backward_callback_queued_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("Unshard on rank ", group_.rank(),
+                     ": the model is in backward; unshard between steps "
+                     "or in forward"));
+  }
+  FlatParamHandle* handle = unit.handle_.get();
+  if (handle != nullptr && handle->training_state() != HandleTrainingState::kIdle) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "Unshard on rank ", group_.rank(), ": unit '", UnitName(unit.fqn_), "' is in state ",
+        HandleTrainingStateName(handle->training_state()), "; unshard it before its forward"));
+  }
+  // A copy of the shard: a write before the forward waits must reach no
+  // rank's result, so that the forward's check sees it (CheckNoStaleFullParams).
+  if (handle != nullptr) scheduler_->IssueUnshard(*handle, UnshardPhase(*handle), true);
+  return UnshardHandle(this, &unit);
+}
+
+void UnshardHandle::Wait() {
+  FlatParamHandle* handle = unit_->handle();
+  if (handle == nullptr || !handle->has_pending_unshard()) return;
+  model_->scheduler_->Unshard(*handle, model_->UnshardPhase(*handle));
+}
+
+absl::Status FullyShardedModel::Reshard(const torch::nn::Module& module, bool recurse) {
+  FSDP_RETURN_IF_ERROR(RequireNotRunning("Reshard"));
+  FSDP_ASSIGN_OR_RETURN(std::vector<FsdpUnit*> units, UnitsOf("Reshard", module, recurse));
+  for (FsdpUnit* unit : units) {
+    if (unit->handle_ == nullptr) continue;
+    scheduler_->DiscardPrefetch(*unit->handle_);
+    scheduler_->Reshard(*unit->handle_);
+  }
   return absl::OkStatus();
 }
 
@@ -430,7 +547,7 @@ FsdpUnit* FullyShardedModel::UnitOf(const torch::nn::Module& module) const {
 absl::Status FullyShardedModel::SetModulesToPrefetch(
     const char* caller, const torch::nn::Module& unit_module,
     const std::vector<const torch::nn::Module*>& modules, bool forward) {
-  FSDP_RETURN_IF_ERROR(RequireIdle(caller));
+  FSDP_RETURN_IF_ERROR(RequireNotRunning(caller));
   FsdpUnit* unit = UnitOf(unit_module);
   if (unit == nullptr) {
     return absl::NotFoundError(
@@ -487,7 +604,7 @@ void FullyShardedModel::FinishBackward() {
         unit->backward_span_.End();
       }
       scheduler_->DiscardPrefetch(*handle);  // A prefetch whose unit took no part.
-      scheduler_->Reshard(*handle);
+      ReshardAfterBackward(*unit);
       if (handle->training_state() == HandleTrainingState::kBackwardPost) {
         scheduler_->Move(*handle, HandleTrainingState::kBackwardPost, HandleTrainingState::kIdle);
       }

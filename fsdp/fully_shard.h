@@ -109,6 +109,8 @@ class FsdpUnit {
   bool requires_gradient_sync() const { return requires_gradient_sync_; }
   // FullyShardedModel::SetRequiresAllReduce.
   bool requires_all_reduce() const { return requires_all_reduce_; }
+  // FullyShardedModel::SetReshardAfterBackward.
+  bool reshard_after_backward() const { return reshard_after_backward_; }
 
  private:
   friend class FullyShardedModel;
@@ -122,6 +124,7 @@ class FsdpUnit {
   MixedPrecision mixed_precision_;
   bool requires_gradient_sync_ = true;
   bool requires_all_reduce_ = true;
+  bool reshard_after_backward_ = true;
   class FullyShardedModel* model_ = nullptr;
   // The units to prefetch (indices in FullyShardedModel::units_) in forward
   // and in backward: set explicitly (SetModulesToForwardPrefetch, ...), or
@@ -146,6 +149,22 @@ class FsdpUnit {
   std::vector<std::pair<AccumulatorPtr, uintptr_t>> accumulators_;
 };
 
+// An all-gather FullyShardedModel::Unshard issued (FSDP2's UnshardHandle).
+// Copyable; valid while its model lives.
+class UnshardHandle {
+ public:
+  // Waits for the all-gather and points the unit's parameters at their full
+  // values. No-op when nothing is pending any more (the unit's forward
+  // waited for it, or the unit was resharded).
+  void Wait();
+
+ private:
+  friend class FullyShardedModel;
+  UnshardHandle(class FullyShardedModel* model, FsdpUnit* unit) : model_(model), unit_(unit) {}
+  class FullyShardedModel* model_;
+  FsdpUnit* unit_;
+};
+
 // The root's state: owns every unit's state (pre-order, root first) and
 // the registry entries of the model's modules. Keep it alive while the model
 // trains; destroying it unregisters the modules (their parameters stay
@@ -168,10 +187,18 @@ class FullyShardedModel {
 
   const std::vector<std::unique_ptr<FsdpUnit>>& units() const { return units_; }
   ModelTrainingState training_state() const { return training_state_; }
-  // OK between steps; otherwise kFailedPrecondition naming `what`, this
-  // rank and why: the model is in forward or backward, or a unit is inside
-  // SummonFullParams. The one check of every call that runs between steps.
+  // OK between steps with every unit resharded; otherwise
+  // kFailedPrecondition naming `what`, this rank and why: the model is in
+  // forward or backward, a unit is inside SummonFullParams, or a unit holds
+  // full parameters made ahead of its forward (SetReshardAfterBackward,
+  // Unshard; Reshard frees them). The check of every call that reads or
+  // writes parameters, gradients or state between steps.
   absl::Status RequireIdle(const std::string& what) const;
+  // RequireIdle less its last condition: the check of the calls that change
+  // only how the next steps run (NoSync, the Set* controls, Unshard,
+  // Reshard), which gradient accumulation makes between micro-batches
+  // while units hold full parameters.
+  absl::Status RequireNotRunning(const std::string& what) const;
   const FsdpOptions& options() const { return options_; }
   // The plan the model was wrapped with (parameter lists without tensors).
   const WrapPlan& plan() const { return plan_; }
@@ -242,6 +269,50 @@ class FullyShardedModel {
   absl::Status SetRequiresAllReduce(const torch::nn::Module& module, bool requires_all_reduce,
                                     bool recurse = true);
 
+  // FSDP2's set_reshard_after_backward, for gradient accumulation: while
+  // false for a unit, a backward pass that leaves its gradients unreduced
+  // (SetRequiresGradientSync(false), NoSync) or that it has none for (all
+  // its parameters frozen) keeps its full parameters, so that the next
+  // forward needs no all-gather for it (nor its backward, unless the
+  // forward reshards it: FULL_SHARD). A backward that reduces its
+  // gradients reshards it all the same: the reduced gradient shards reach
+  // .grad of the parameters only then, and an optimizer steps the shards.
+  // The full parameters held are stale once the parameters or the shard
+  // are written (an optimizer step, a state dict load): the next forward
+  // refuses them, naming the unit, and calls that read or write
+  // parameters refuse to run until Reshard frees them (RequireIdle).
+  // `module`, `recurse`, the errors, and that every rank must set the same
+  // units alike: as SetRequiresGradientSync.
+  absl::Status SetReshardAfterBackward(const torch::nn::Module& module, bool reshard_after_backward,
+                                       bool recurse = true);
+
+  // FSDP2's set_gradient_divide_factor per unit: FsdpOptions::
+  // gradient_divide_factor for `module`'s unit (and with `recurse` every
+  // unit in its subtree) from its next reduction on; nullopt restores the
+  // average. kInvalidArgument unless positive; otherwise as
+  // SetRequiresGradientSync.
+  absl::Status SetGradientDivideFactor(const torch::nn::Module& module,
+                                       std::optional<double> factor, bool recurse = true);
+
+  // FSDP2's unshard(async_op=True): issues the all-gather of `module`'s
+  // unit alone (not its subtree) in the dtype its forward computes in, and
+  // returns at once; UnshardHandle::Wait, or else the unit's next forward,
+  // waits for it. Between steps (to overlap the first all-gather with
+  // loading the batch) or inside forward for a unit that has not run yet (a
+  // hand-made prefetch); every rank must unshard the same units in the same
+  // order. The unit then holds full parameters until its forward reshards
+  // it or Reshard frees them, with SetReshardAfterBackward's protection
+  // against stale ones. No-op when already unsharded. kFailedPrecondition
+  // while the unit runs or the model is in backward; kNotFound as
+  // SetRequiresGradientSync.
+  absl::StatusOr<UnshardHandle> Unshard(const torch::nn::Module& module);
+
+  // FSDP2's reshard(): frees the full parameters that `module`'s unit (with
+  // `recurse`, every unit in its subtree) holds between steps, waiting for
+  // an all-gather Unshard left pending. No communication of its own.
+  // Errors as SetRequiresGradientSync.
+  absl::Status Reshard(const torch::nn::Module& module, bool recurse = true);
+
   // Reduces every unit's gradients through `hook` from now on (PyTorch's
   // register_comm_hook on the root; the hook object carries its state). Once,
   // before the first forward. Fails with kInvalidArgument for a null hook or
@@ -266,6 +337,7 @@ class FullyShardedModel {
   friend class UnitForward;
   friend class NoSync;
   friend class SummonFullParams;
+  friend class UnshardHandle;
   FullyShardedModel(std::shared_ptr<torch::nn::Module> root, Collectives& group,
                     const FsdpOptions& options);
 
@@ -273,6 +345,9 @@ class FullyShardedModel {
   // with the same options (one all-gather).
   void LazyInit();
   void PreForward(FsdpUnit& unit);
+  // At the start of a forward: throws naming the first unit whose full
+  // parameters, made ahead of it, are stale (SetReshardAfterBackward).
+  void CheckNoStaleFullParams();
   // ClipGradNorm after its checks.
   at::Tensor ClipCheckedGradNorm(double max_norm, double norm_type);
   // Throws naming the parameter when one's requires_grad changed since Wrap.
@@ -284,6 +359,9 @@ class FullyShardedModel {
   void PostBackward(FsdpUnit& unit);
   void FinishBackward();
   void ReduceOrKeep(FsdpUnit& unit);
+  // After the unit's backward: frees its full parameters unless
+  // SetReshardAfterBackward(false) keeps them.
+  void ReshardAfterBackward(FsdpUnit& unit);
   // "backward" for an all-gather that serves backward, else "forward".
   std::string UnshardPhase(const FlatParamHandle& handle) const;
   // Ends the first forward: fixes the prefetch targets and checks the order

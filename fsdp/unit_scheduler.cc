@@ -18,7 +18,8 @@ UnitScheduler::UnitScheduler(Collectives& group, const FsdpOptions& options, c10
       streams_(device),
       limiter_(options.limit_all_gathers ? 2 : 0) {}
 
-void UnitScheduler::IssueUnshard(FlatParamHandle& handle, const std::string& phase) {
+void UnitScheduler::IssueUnshard(FlatParamHandle& handle, const std::string& phase,
+                                 bool copy_shard) {
   if (!handle.uses_sharded_views() || handle.is_unsharded() || handle.has_pending_unshard()) {
     return;
   }
@@ -29,7 +30,7 @@ void UnitScheduler::IssueUnshard(FlatParamHandle& handle, const std::string& pha
   c10::StreamGuard on_all_gather(streams_.all_gather());
   CollectiveLabel label(group_, handle.unit_name(), phase);
   TraceSpan span(trace_, "all-gather issue", handle.unit_name());
-  handle.StartUnshard();
+  handle.StartUnshard(copy_shard);
 }
 
 void UnitScheduler::Prefetch(FlatParamHandle& handle, const std::string& phase) {

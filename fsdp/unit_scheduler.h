@@ -48,7 +48,8 @@ class UnitScheduler {
   // ("forward", "backward", "summon_full_params", ...), unless its
   // parameters are full already, an all-gather is pending, or there is
   // nothing to gather (NO_SHARD): a prefetch, or the first half of Unshard.
-  void IssueUnshard(FlatParamHandle& handle, const std::string& phase);
+  // `copy_shard`: FlatParamHandle::StartUnshard's.
+  void IssueUnshard(FlatParamHandle& handle, const std::string& phase, bool copy_shard = false);
   // IssueUnshard ahead of the unit's own hook (forward and backward
   // prefetch); the debug log says so when an all-gather was issued.
   void Prefetch(FlatParamHandle& handle, const std::string& phase);
