@@ -47,6 +47,27 @@ void CheckSameWrapOnEveryRank(Collectives& group, const FsdpOptions& options,
               ". Every rank must wrap the same model with the same policy and options.");
 }
 
+void CheckPostForwardGroup(Collectives& shard_group, Collectives& post_forward_group) {
+  const int k = post_forward_group.world_size();
+  CollectiveLabel label(post_forward_group, "", "lazy init (post-forward group check)");
+  at::Tensor all = at::empty({k}, at::kDouble);
+  post_forward_group
+      .AllGatherIntoTensor(all, at::tensor({double(shard_group.rank())}, at::kDouble))
+      ->Wait();
+  const int first = shard_group.rank() / k * k;
+  std::string held;
+  bool consecutive = true;
+  for (int j = 0; j < k; ++j) {
+    const int rank = static_cast<int>(all[j].item<double>());
+    absl::StrAppend(&held, j == 0 ? "" : ", ", rank);
+    consecutive = consecutive && rank == first + j;
+  }
+  TORCH_CHECK(consecutive, "rank ", shard_group.rank(), " of ", shard_group.world_size(),
+              ": FsdpOptions::post_forward_group holds shard-group ranks {", held,
+              "} in its rank order, but must hold this rank's block of ", k, " consecutive ranks {",
+              first, "..", first + k - 1, "} in order (HybridShardLayout(W, k)'s shard group)");
+}
+
 void CheckSameExecutionOrderOnEveryRank(Collectives& group, const std::vector<int>& order,
                                         const std::vector<std::string>& unit_names) {
   const int world = group.world_size();

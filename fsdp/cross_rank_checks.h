@@ -27,6 +27,12 @@ struct UnitSignature {
   MixedPrecision mixed_precision;
 };
 
+// FsdpOptions::post_forward_group is this rank's block of k consecutive
+// ranks of `shard_group`, in order: one all-gather over it. Throws naming
+// the ranks it holds otherwise (a group of other ranks would gather other
+// units' pieces, or the right pieces in the wrong places).
+void CheckPostForwardGroup(Collectives& shard_group, Collectives& post_forward_group);
+
 // The same units (pre-order), each with the same size, the same trainable
 // parameters, strategy and precision, and the same options (CrossRankOptionsKey) on every rank.
 void CheckSameWrapOnEveryRank(Collectives& group, const FsdpOptions& options,

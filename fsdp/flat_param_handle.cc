@@ -292,10 +292,8 @@ std::string FlatParamHandle::Describe() const {
                       group_.world_size());
 }
 
-bool FlatParamHandle::FullParamsMatchShard() const {
-  TORCH_CHECK(!has_pending_unshard(), Describe(),
-              ": FullParamsMatchShard while an all-gather is pending");
-  if (!unsharded_ || summon_full_.defined() || !full_.defined()) return true;
+bool FlatParamHandle::KeptFullMatchesShard() const {
+  if (!full_kept_) return true;
   at::NoGradGuard no_grad;
   const at::Tensor shard = OnComputeDevice(local_shard_, compute_dtype_);
   if (!uses_sharded_views()) return at::equal(full_, shard);
@@ -369,6 +367,9 @@ void FlatParamHandle::PublishGradients() {
 int64_t FlatParamHandle::full_param_bytes() const {
   int64_t bytes = full_.defined() ? static_cast<int64_t>(full_.storage().nbytes()) : 0;
   if (summon_full_.defined()) bytes += static_cast<int64_t>(summon_full_.storage().nbytes());
+  if (post_forward_shard_.defined()) {
+    bytes += static_cast<int64_t>(post_forward_shard_.storage().nbytes());
+  }
   return bytes;
 }
 
@@ -404,10 +405,16 @@ at::ScalarType FlatParamHandle::GradDtype() const {
              : local_shard_.scalar_type();
 }
 
-void FlatParamHandle::StartUnshard(bool copy_shard) {
+void FlatParamHandle::SnapshotShard() {
+  at::NoGradGuard no_grad;
+  shard_snapshot_ = local_shard_.clone();
+}
+
+void FlatParamHandle::StartUnshard() {
   // NO_SHARD's low-precision copy is a local cast, made in FinishUnshard.
-  if (!uses_sharded_views() || unsharded_ || has_pending_unshard()) return;
-  const bool copies = low_precision_ || options_.offload_params || copy_shard;
+  if (!uses_sharded_views() || unsharded_ || full_kept_ || has_pending_unshard()) return;
+  const bool copies = low_precision_ || options_.offload_params;
+  const at::Tensor& shard = shard_snapshot_.defined() ? shard_snapshot_ : local_shard_;
   try {
     if (low_precision_ && training_state_ == HandleTrainingState::kSummonFullParams) {
       summon_full_ = at::empty({padded_numel_}, local_shard_.options().device(compute_device_));
@@ -419,13 +426,34 @@ void FlatParamHandle::StartUnshard(bool copy_shard) {
       return;
     }
     AllocateStorage(full_);
-    if (copies) send_buffer_ = OnComputeDevice(local_shard_, compute_dtype_);
-    if (send_buffer_.is_same(local_shard_)) send_buffer_ = local_shard_.clone();
-    pending_unshard_ =
-        AllGatherSegments(full_, copies ? send_buffer_ : local_shard_, segments_.size());
+    if (post_forward_shard_.defined()) {
+      // Made on the compute stream, read by this all-gather, dropped after it.
+      RecordUseOnCurrentStream(post_forward_shard_);
+      Collectives& post = *options_.post_forward_group;
+      int64_t begin = 0;
+      for (const Segment& seg : segments_) {
+        const int64_t piece = seg.padded_numel / post.world_size();
+        pending_unshard_.push_back(
+            post.AllGatherIntoTensor(full_.narrow(0, seg.full_begin, seg.padded_numel),
+                                     post_forward_shard_.narrow(0, begin, piece)));
+        begin += piece;
+      }
+      return;
+    }
+    if (copies) send_buffer_ = OnComputeDevice(shard, compute_dtype_);
+    RecordUseOnCurrentStream(shard_snapshot_);  // Made on compute, read here.
+    pending_unshard_ = AllGatherSegments(full_, copies ? send_buffer_ : shard, segments_.size());
   } catch (...) {
-    // Nothing issued is still running (AllGatherSegments waited): sharded
-    // with nothing allocated, as before.
+    // Nothing issued is still running (AllGatherSegments waited; the
+    // post-forward all-gathers are waited for here): sharded with nothing
+    // allocated, as before, and the next unshard gathers the shards.
+    try {
+      WaitAll(std::move(pending_unshard_));
+    } catch (...) {
+    }
+    pending_unshard_.clear();
+    post_forward_shard_ = at::Tensor();
+    shard_snapshot_ = at::Tensor();
     send_buffer_ = at::Tensor();
     summon_full_ = at::Tensor();
     FreeStorage(full_);
@@ -435,6 +463,12 @@ void FlatParamHandle::StartUnshard(bool copy_shard) {
 
 void FlatParamHandle::FinishUnshard() {
   if (!UnshardNeeded() || unsharded_) return;
+  if (full_kept_ && !has_pending_unshard()) {
+    PointParamsAtFull();
+    full_kept_ = false;
+    unsharded_ = true;
+    return;
+  }
   if (!uses_sharded_views()) {
     at::NoGradGuard no_grad;
     AllocateStorage(full_);
@@ -470,12 +504,33 @@ void FlatParamHandle::WaitForPendingUnshard() {
     // as before it started.
     pending_unshard_.clear();
     send_buffer_ = at::Tensor();
+    post_forward_shard_ = at::Tensor();
+    shard_snapshot_ = at::Tensor();
     FreeStorage(full_);
     summon_full_ = at::Tensor();
     throw;
   }
   pending_unshard_.clear();
   send_buffer_ = at::Tensor();
+  post_forward_shard_ = at::Tensor();
+  shard_snapshot_ = at::Tensor();
+}
+
+void FlatParamHandle::WaitForUnshard() {
+  if (!has_pending_unshard()) return;
+  TORCH_CHECK(!summon_full_.defined(), Describe(),
+              ": WaitForUnshard of a full-precision all-gather (kSummonFullParams)");
+  WaitForPendingUnshard();
+  full_kept_ = true;
+}
+
+void FlatParamHandle::ReshardKeepingFull() {
+  TORCH_CHECK(unsharded_ && !summon_full_.defined() && full_.defined(), Describe(),
+              ": ReshardKeepingFull needs the unit unsharded for compute; training state ",
+              HandleTrainingStateName(training_state_));
+  unsharded_ = false;  // Reshard then leaves full_ alone.
+  Reshard();
+  full_kept_ = true;
 }
 
 void FlatParamHandle::DiscardPendingUnshard() {
@@ -487,10 +542,35 @@ void FlatParamHandle::DiscardPendingUnshard() {
   }
 }
 
+void FlatParamHandle::ReshardAfterForward() {
+  Collectives* post = options_.post_forward_group;
+  if (post == nullptr || !uses_sharded_views() || !unsharded_ || summon_full_.defined()) {
+    Reshard();
+    return;
+  }
+  at::Tensor pieces;
+  {
+    at::NoGradGuard no_grad;
+    std::vector<at::Tensor> mine;
+    for (const Segment& seg : segments_) {
+      const int64_t piece = seg.padded_numel / post->world_size();
+      mine.push_back(full_.narrow(0, seg.full_begin + post->rank() * piece, piece));
+    }
+    pieces = mine.size() == 1 ? mine.front().clone() : at::cat(mine);
+  }
+  Reshard();
+  post_forward_shard_ = std::move(pieces);
+}
+
 void FlatParamHandle::Reshard() {
   if (uses_sharded_views() || low_precision_ || options_.offload_params) {
     TORCH_CHECK(!has_pending_unshard(), Describe(),
                 ": Reshard while an all-gather is pending (call FinishUnshard first)");
+    post_forward_shard_ = at::Tensor();
+    if (full_kept_) {
+      FreeStorage(full_);
+      full_kept_ = false;
+    }
     if (unsharded_) {
       if (summon_full_.defined()) {
         summon_full_ = at::Tensor();

@@ -155,6 +155,9 @@ struct FlatParamHandleOptions {
   bool offload_params = false;
   // FsdpOptions::gradient_divide_factor, handed to the comm hook.
   std::optional<double> gradient_divide_factor;
+  // FsdpOptions::post_forward_group (ReshardAfterForward); only for
+  // strategies that shard. Must outlive the handle.
+  Collectives* post_forward_group = nullptr;
 };
 
 class FlatParamHandle {
@@ -182,16 +185,40 @@ class FlatParamHandle {
   // All-gathers the full parameter and points the parameters at it.
   // StartUnshard issues the all-gather; FinishUnshard waits for it and
   // swaps the parameters' data (so another unit's compute can run between
-  // them). No-ops when already unsharded or under NO_SHARD. With
-  // `copy_shard`, the all-gather sends a copy of the shard made now, so that
-  // a write to the shard before FinishUnshard reaches no rank's result (the
-  // collective may read its input any time until then): for all-gathers
-  // issued ahead of their forward (FullyShardedModel::Unshard).
-  void StartUnshard(bool copy_shard = false);
+  // them). No-ops when already unsharded or under NO_SHARD; with a kept
+  // full parameter (below), StartUnshard issues nothing and FinishUnshard
+  // points the parameters at it.
+  void StartUnshard();
   // Throws the all-gather's error, leaving the handle sharded with nothing
   // allocated.
   void FinishUnshard();
   void Unshard();
+
+  // Kept full parameters: the full parameter stays allocated and valid
+  // while the parameters point at their shards as after Reshard, so that
+  // between steps optimizers, state dicts and checkpoints see the shards as
+  // always, and the next Unshard needs no all-gather.
+  //  * ReshardKeepingFull: Reshard, but keeps the full parameter.
+  //    REQUIRES: unsharded, not under kSummonFullParams.
+  //  * WaitForUnshard: waits for the pending all-gather and keeps its
+  //    result so (no-op without one).
+  //  * SnapshotShard: the next StartUnshard sends a copy of the shard made
+  //    now rather than the shard itself, so that a write to the shard
+  //    before the all-gather reads it reaches no rank's result (for an
+  //    all-gather issued ahead of its forward).
+  //  * KeptFullMatchesShard: whether this rank's part of the kept full
+  //    parameter still equals its shard (cast to the compute dtype, as the
+  //    all-gather sent it); false once an optimizer step, a load or a
+  //    writeback changed the shard since. The kept full parameter is valid
+  //    only if this holds on every rank of the shard group (this rank's
+  //    answer alone does not say so). Reads both (a device sync on CUDA).
+  //    True without a kept full parameter.
+  // Reshard frees a kept full parameter.
+  void ReshardKeepingFull();
+  void WaitForUnshard();
+  void SnapshotShard();
+  bool holds_kept_full() const { return full_kept_; }
+  bool KeptFullMatchesShard() const;
 
   // Waits for a pending StartUnshard (a prefetch that turned out not to be
   // needed) and frees its buffer; no-op without one.
@@ -202,6 +229,15 @@ class FlatParamHandle {
   // and, after ReduceGradients, their gradients at this rank's part of the
   // reduced gradient. No-op when already resharded and nothing is pending.
   void Reshard();
+  // Reshard, keeping a copy of the part of every segment of the full
+  // parameter (in its compute dtype, on the compute device) that this
+  // rank's place j in the k-rank post_forward_group stands for: elements
+  // [j * P_s / k, (j + 1) * P_s / k) of segment s. The next StartUnshard
+  // all-gathers those pieces over post_forward_group instead of the shards
+  // over the shard group, and the copy goes once it has. Without a
+  // post_forward_group, or not unsharded: Reshard.
+  void ReshardAfterForward();
+  bool holds_post_forward_shard() const { return post_forward_shard_.defined(); }
 
   // Once before each backward pass through this unit: sets the parameters'
   // accumulated .grad aside and clears them, so that autograd accumulates
@@ -261,16 +297,6 @@ class FlatParamHandle {
   void SetGradientDivideFactor(std::optional<double> factor);
   std::optional<double> gradient_divide_factor() const { return divide_factor_; }
 
-  // Whether the full parameter held still agrees with the shard: this
-  // rank's part of it equals the shard (cast to the compute dtype, as the
-  // all-gather sent it). An optimizer step or a state dict load writes the
-  // shard, and a step on parameters pointing at the full parameter writes
-  // that, so full parameters made ahead of their forward (kept after
-  // backward, an explicit unshard) that fail this are stale. Reads both
-  // (a device sync on CUDA). True when not unsharded. REQUIRES: no
-  // all-gather pending.
-  bool FullParamsMatchShard() const;
-
   HandleTrainingState training_state() const { return training_state_; }
   // Moves to `to`, checking that `from` is the current state; the error
   // names the unit, the rank and both states.
@@ -320,8 +346,8 @@ class FlatParamHandle {
   // segment alone).
   at::Tensor FullViewOf(const at::Tensor& full, size_t i) const;
 
-  // Bytes currently allocated for the full parameter (0 when resharded):
-  // what the memory tests sample.
+  // Bytes currently allocated for the full parameter (0 when resharded),
+  // with the pieces ReshardAfterForward keeps: what the memory tests sample.
   int64_t full_param_bytes() const;
   // Where the unit computes (the parameters' device at Create) and where
   // its shard and sharded gradient live (the host when offloading).
@@ -395,6 +421,10 @@ class FlatParamHandle {
   at::Tensor summon_full_;   // Full precision, while a summon is unsharded.
   // The cast or device copy of the shard a pending all-gather sends.
   at::Tensor send_buffer_;
+  at::Tensor shard_snapshot_;  // SnapshotShard's copy, until its all-gather is done.
+  bool full_kept_ = false;     // full_ holds the valid full parameter; params on the shard.
+  // ReshardAfterForward's pieces, P / k elements in compute_dtype_.
+  at::Tensor post_forward_shard_;
   std::vector<at::Tensor> shard_views_;  // Parameter i's view of local_shard_.
   // Like the trainable segment's part of local_shard_ (host when
   // offloading); undefined until first needed.

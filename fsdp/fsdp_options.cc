@@ -8,7 +8,8 @@ std::string CrossRankOptionsKey(const FsdpOptions& options) {
   // Every field is bound by name, so that adding one to FsdpOptions breaks
   // this line until the new field is either keyed below or named as one
   // that may differ between ranks.
-  [[maybe_unused]] const auto& [strategy, replicate_group, mixed_precision, backward_prefetch,
+  [[maybe_unused]] const auto& [strategy, replicate_group, post_forward_group, mixed_precision,
+                                backward_prefetch,
                                 forward_prefetch, limit_all_gathers, check_execution_order,
                                 verify_collectives_every, offload_params, gradient_divide_factor,
                                 device_id, ignored_modules, sync_module_states, param_init_fn,
@@ -16,6 +17,8 @@ std::string CrossRankOptionsKey(const FsdpOptions& options) {
   return absl::StrCat(
       "strategy=", ShardingStrategyName(strategy),
       ",replicate_group_size=", replicate_group != nullptr ? replicate_group->world_size() : 0,
+      ",post_forward_group_size=",
+      post_forward_group != nullptr ? post_forward_group->world_size() : 0,
       ",mixed_precision={", mixed_precision.ToString(), "}",
       ",backward_prefetch=", static_cast<int>(backward_prefetch),
       ",forward_prefetch=", forward_prefetch,

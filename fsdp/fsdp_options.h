@@ -52,6 +52,19 @@ struct FsdpOptions {
   // all shard x replicate ranks. Compared across ranks by its size; must
   // outlive the model.
   Collectives* replicate_group = nullptr;
+  // FSDP2's reshard_after_forward as an int k: after forward, a unit that
+  // frees its full parameters then (FULL_SHARD, HYBRID_SHARD; not the root)
+  // keeps 1/k of them instead, the part this rank stands for in this group
+  // of k ranks, and its backward all-gathers over this group alone (within
+  // a node, say), not the whole shard group: k times the memory of a shard
+  // held between forward and backward, for a backward all-gather over k
+  // ranks. The group must be this rank's block of k consecutive ranks of the
+  // shard group (ranks (r / k) * k ... + k-1 in it; HybridShardLayout(W, k)'s
+  // shard group, comm/hybrid_groups.h), with 1 < k < W and k dividing W:
+  // checked at Wrap (sizes) and at the first forward (which ranks). Numbers
+  // are unchanged: the all-gathers copy values. Must outlive the model.
+  // Null: free everything (reshard_after_forward=True).
+  Collectives* post_forward_group = nullptr;
   // PyTorch's mixed_precision (policies/unit_options.h); a policy may
   // replace it per unit. Off by default.
   MixedPrecision mixed_precision;

@@ -44,7 +44,7 @@ TEST(CrossRankOptionsKey, EveryFieldRanksMustAgreeOnChangesTheKey) {
   }
 }
 
-TEST(CrossRankOptionsKey, TheReplicateGroupCountsByItsSize) {
+TEST(CrossRankOptionsKey, TheReplicateAndPostForwardGroupsCountByTheirSizes) {
   absl::Status status = testing::RunOnThreadRanks(1, [](Collectives& replicate) {
     FsdpOptions hybrid;
     hybrid.strategy = ShardingStrategy::kHybridShard;
@@ -53,6 +53,12 @@ TEST(CrossRankOptionsKey, TheReplicateGroupCountsByItsSize) {
     EXPECT_NE(CrossRankOptionsKey(hybrid), without);
     EXPECT_NE(CrossRankOptionsKey(hybrid).find("replicate_group_size=1"), std::string::npos)
         << CrossRankOptionsKey(hybrid);
+    FsdpOptions post_forward;
+    const std::string full_reshard = CrossRankOptionsKey(post_forward);
+    post_forward.post_forward_group = &replicate;
+    EXPECT_NE(CrossRankOptionsKey(post_forward), full_reshard);
+    EXPECT_NE(CrossRankOptionsKey(post_forward).find("post_forward_group_size=1"),
+              std::string::npos);
   });
   EXPECT_TRUE(status.ok()) << status;
 }

@@ -1,6 +1,6 @@
 #include "fsdp/fully_shard.h"
 
-#include <cstdio>
+#include <algorithm>
 #include <optional>
 #include <utility>
 
@@ -51,21 +51,6 @@ void DeferParameterAllocation(torch::nn::Module& module) {
 }
 
 absl::Status FullyShardedModel::RequireIdle(const std::string& what) const {
-  FSDP_RETURN_IF_ERROR(RequireNotRunning(what));
-  for (const auto& unit : units_) {
-    const FlatParamHandle* handle = unit->handle_.get();
-    if (handle != nullptr && handle->UnshardNeeded() &&
-        (handle->is_unsharded() || handle->has_pending_unshard())) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(what, " on rank ", group_.rank(), ": unit '", UnitName(unit->fqn_),
-                       "' holds full parameters between steps (kept after backward by "
-                       "SetReshardAfterBackward(false), or from Unshard); call Reshard first"));
-    }
-  }
-  return absl::OkStatus();
-}
-
-absl::Status FullyShardedModel::RequireNotRunning(const std::string& what) const {
   if (training_state_ != ModelTrainingState::kIdle) {
     return absl::FailedPreconditionError(
         absl::StrCat(what, " on rank ", group_.rank(),
@@ -96,18 +81,6 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<torch::nn::Module> root,
 FullyShardedModel::~FullyShardedModel() {
   std::vector<std::pair<const torch::nn::Module*, FsdpUnit*>> registered;
   for (auto& unit : units_) {
-    // Full parameters held between steps (SetReshardAfterBackward, Unshard)
-    // go, so that the parameters stay sharded as documented.
-    FlatParamHandle* handle = unit->handle_.get();
-    if (handle != nullptr && handle->training_state() == HandleTrainingState::kIdle) {
-      try {
-        scheduler_->DiscardPrefetch(*handle);
-        scheduler_->Reshard(*handle);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "~FullyShardedModel on rank %d: resharding unit '%s' failed: %s\n",
-                     group_.rank(), UnitName(unit->fqn_).c_str(), e.what());
-      }
-    }
     registered.emplace_back(unit->module_, unit.get());
     for (auto& [node, key] : unit->accumulators_) node->del_post_hook(key);
   }
@@ -130,6 +103,9 @@ FlatParamHandleOptions HandleOptionsFor(const PlannedUnit& planned, const FsdpOp
   handle_options.keep_low_precision_grads = mp.keep_low_precision_grads;
   handle_options.offload_params = options.offload_params;
   handle_options.gradient_divide_factor = options.gradient_divide_factor;
+  if (ReshardsAfterForward(planned.strategy)) {
+    handle_options.post_forward_group = options.post_forward_group;
+  }
   return handle_options;
 }
 
@@ -162,6 +138,17 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
     return absl::Status(failed.code(), absl::StrCat(who, failed.message()));
   };
   if (absl::Status valid = ValidateFsdpOptions(options); !valid.ok()) return on_rank(valid);
+  if (const Collectives* post = options.post_forward_group; post != nullptr) {
+    const int k = post->world_size();
+    if (k <= 1 || k >= group.world_size() || group.world_size() % k != 0 ||
+        post->rank() != group.rank() % k) {
+      return on_rank(absl::InvalidArgumentError(absl::StrCat(
+          "FsdpOptions::post_forward_group has ", k, " ranks (this rank is its rank ", post->rank(),
+          ") but must be this rank's block of k consecutive ranks of the ", group.world_size(),
+          "-rank shard group, with 1 < k < ", group.world_size(),
+          " and k dividing it (this rank would be its rank ", group.rank() % std::max(k, 1), ")")));
+    }
+  }
   absl::StatusOr<WrapPlan> plan = PlanWrap(*root, group.world_size(), options, policy);
   if (!plan.ok()) return on_rank(plan.status());
   if (absl::Status device_ok = CheckDeviceId(options, *plan); !device_ok.ok()) {
@@ -251,28 +238,45 @@ void FullyShardedModel::LazyInit() {
     units.push_back(std::move(signature));
   }
   CheckSameWrapOnEveryRank(group_, options_, units);
+  if (options_.post_forward_group != nullptr) {
+    CheckPostForwardGroup(group_, *options_.post_forward_group);
+  }
   initialized_ = true;
 }
 
-void FullyShardedModel::CheckNoStaleFullParams() {
+void FullyShardedModel::ValidateKeptFullParams() {
+  // Which units keep full parameters is the same on every rank (the same
+  // settings and Unshard calls), and so is whether this all-reduce runs.
+  std::vector<FlatParamHandle*> kept;
   for (const auto& unit : units_) {
     FlatParamHandle* handle = unit->handle_.get();
-    if (handle == nullptr || !handle->UnshardNeeded()) continue;
-    if (!handle->is_unsharded() && !handle->has_pending_unshard()) continue;
-    // An Unshard not waited for: its forward would wait for it now anyway.
-    if (handle->has_pending_unshard()) scheduler_->Unshard(*handle, "forward");
-    TORCH_CHECK(handle->FullParamsMatchShard(), Describe(*unit),
-                ": its shard or parameters were written (an optimizer step? a state dict "
-                "load?) while it held full parameters made before (kept after backward by "
-                "SetReshardAfterBackward(false), or from Unshard), which are stale now; call "
-                "Reshard before writing them");
+    if (handle == nullptr) continue;
+    scheduler_->WaitForUnshard(*handle);  // An Unshard not waited for.
+    if (handle->holds_kept_full()) kept.push_back(handle);
+  }
+  if (kept.empty()) return;
+  at::Tensor stale = at::zeros({static_cast<int64_t>(kept.size())}, at::kDouble);
+  for (size_t i = 0; i < kept.size(); ++i) {
+    if (!kept[i]->KeptFullMatchesShard()) stale[i] = 1.0;
+  }
+  {
+    CollectiveLabel label(group_, "", "kept full parameters check");
+    group_.AllReduce(stale, ReduceOp::kSum)->Wait();
+  }
+  for (size_t i = 0; i < kept.size(); ++i) {
+    if (stale[i].item<double>() == 0) continue;
+    scheduler_->Reshard(*kept[i]);
+    if (options_.debug_log) {
+      options_.debug_log(absl::StrCat("unit '", kept[i]->unit_name(),
+                                      "': kept full parameters are stale (a shard was written "
+                                      "since they were gathered); gathering again"));
+    }
   }
 }
 
 void FullyShardedModel::PreForward(FsdpUnit& unit) {
   if (!initialized_) LazyInit();
-  // Before anything moves, so that Reshard and a new step can follow.
-  if (training_state_ == ModelTrainingState::kIdle) CheckNoStaleFullParams();
+  if (training_state_ == ModelTrainingState::kIdle) ValidateKeptFullParams();
   unit.forward_span_ = TraceSpan(options_.trace, "forward", UnitName(unit.fqn_));
   FlatParamHandle* handle = unit.handle_.get();
   if (handle == nullptr) {
@@ -357,9 +361,11 @@ void FullyShardedModel::PostForward(FsdpUnit& unit, const std::vector<at::Tensor
     // FULL_SHARD frees parameters after forward; the root keeps them, since
     // its backward starts right away (as in PyTorch). Without a backward to
     // come, every strategy frees them now.
-    const bool reshard = !backward_follows ||
-                         (ReshardsAfterForward(unit.strategy_) && !unit.is_root_);
-    if (reshard) scheduler_->Reshard(*handle);
+    if (!backward_follows) {
+      scheduler_->Reshard(*handle);
+    } else if (ReshardsAfterForward(unit.strategy_) && !unit.is_root_) {
+      scheduler_->ReshardAfterForward(*handle);  // Keeps a piece with a post_forward_group.
+    }
   }
   if (!backward_follows) {
     if (unit.is_root_) {
@@ -425,7 +431,11 @@ void FullyShardedModel::ReshardAfterBackward(FsdpUnit& unit) {
   // only then, and the optimizer step that follows writes the shards.
   const bool keep = !unit.reshard_after_backward_ &&
                     (!handle.has_trainable_params() || handle.holds_unreduced_gradients());
-  if (!keep) scheduler_->Reshard(handle);
+  if (keep && handle.is_unsharded()) {
+    scheduler_->ReshardKeepingFull(handle);
+  } else if (!(keep && handle.holds_kept_full())) {  // Kept by the post hook already.
+    scheduler_->Reshard(handle);
+  }
 }
 
 void FullyShardedModel::ReduceOrKeep(FsdpUnit& unit) {
@@ -458,7 +468,7 @@ absl::StatusOr<std::vector<FsdpUnit*>> FullyShardedModel::UnitsOf(const char* ca
 
 absl::Status FullyShardedModel::SetRequiresGradientSync(const torch::nn::Module& module,
                                                         bool requires_sync, bool recurse) {
-  FSDP_RETURN_IF_ERROR(RequireNotRunning("SetRequiresGradientSync"));
+  FSDP_RETURN_IF_ERROR(RequireIdle("SetRequiresGradientSync"));
   FSDP_ASSIGN_OR_RETURN(std::vector<FsdpUnit*> units,
                         UnitsOf("SetRequiresGradientSync", module, recurse));
   for (FsdpUnit* unit : units) unit->requires_gradient_sync_ = requires_sync;
@@ -467,7 +477,7 @@ absl::Status FullyShardedModel::SetRequiresGradientSync(const torch::nn::Module&
 
 absl::Status FullyShardedModel::SetRequiresAllReduce(const torch::nn::Module& module,
                                                      bool requires_all_reduce, bool recurse) {
-  FSDP_RETURN_IF_ERROR(RequireNotRunning("SetRequiresAllReduce"));
+  FSDP_RETURN_IF_ERROR(RequireIdle("SetRequiresAllReduce"));
   FSDP_ASSIGN_OR_RETURN(std::vector<FsdpUnit*> units,
                         UnitsOf("SetRequiresAllReduce", module, recurse));
   for (FsdpUnit* unit : units) unit->requires_all_reduce_ = requires_all_reduce;
@@ -476,7 +486,7 @@ absl::Status FullyShardedModel::SetRequiresAllReduce(const torch::nn::Module& mo
 
 absl::Status FullyShardedModel::SetReshardAfterBackward(const torch::nn::Module& module,
                                                         bool reshard_after_backward, bool recurse) {
-  FSDP_RETURN_IF_ERROR(RequireNotRunning("SetReshardAfterBackward"));
+  FSDP_RETURN_IF_ERROR(RequireIdle("SetReshardAfterBackward"));
   FSDP_ASSIGN_OR_RETURN(std::vector<FsdpUnit*> units,
                         UnitsOf("SetReshardAfterBackward", module, recurse));
   for (FsdpUnit* unit : units) unit->reshard_after_backward_ = reshard_after_backward;
@@ -486,7 +496,7 @@ absl::Status FullyShardedModel::SetReshardAfterBackward(const torch::nn::Module&
 absl::Status FullyShardedModel::SetGradientDivideFactor(const torch::nn::Module& module,
                                                         std::optional<double> factor,
                                                         bool recurse) {
-  FSDP_RETURN_IF_ERROR(RequireNotRunning("SetGradientDivideFactor"));
+  FSDP_RETURN_IF_ERROR(RequireIdle("SetGradientDivideFactor"));
   if (factor && !(*factor > 0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("SetGradientDivideFactor: the factor must be positive, got ", *factor));
@@ -514,20 +524,20 @@ absl::StatusOr<UnshardHandle> FullyShardedModel::Unshard(const torch::nn::Module
         "Unshard on rank ", group_.rank(), ": unit '", UnitName(unit.fqn_), "' is in state ",
         HandleTrainingStateName(handle->training_state()), "; unshard it before its forward"));
   }
-  // A copy of the shard: a write before the forward waits must reach no
-  // rank's result, so that the forward's check sees it (CheckNoStaleFullParams).
-  if (handle != nullptr) scheduler_->IssueUnshard(*handle, UnshardPhase(*handle), true);
+  // From a copy of the shard: a write before the forward must reach no
+  // rank's result, so that ValidateKeptFullParams sees it.
+  if (handle != nullptr) {
+    scheduler_->IssueUnshard(*handle, UnshardPhase(*handle), /*snapshot=*/true);
+  }
   return UnshardHandle(this, &unit);
 }
 
 void UnshardHandle::Wait() {
-  FlatParamHandle* handle = unit_->handle();
-  if (handle == nullptr || !handle->has_pending_unshard()) return;
-  model_->scheduler_->Unshard(*handle, model_->UnshardPhase(*handle));
+  if (unit_->handle() != nullptr) model_->scheduler_->WaitForUnshard(*unit_->handle());
 }
 
 absl::Status FullyShardedModel::Reshard(const torch::nn::Module& module, bool recurse) {
-  FSDP_RETURN_IF_ERROR(RequireNotRunning("Reshard"));
+  FSDP_RETURN_IF_ERROR(RequireIdle("Reshard"));
   FSDP_ASSIGN_OR_RETURN(std::vector<FsdpUnit*> units, UnitsOf("Reshard", module, recurse));
   for (FsdpUnit* unit : units) {
     if (unit->handle_ == nullptr) continue;
@@ -547,7 +557,7 @@ FsdpUnit* FullyShardedModel::UnitOf(const torch::nn::Module& module) const {
 absl::Status FullyShardedModel::SetModulesToPrefetch(
     const char* caller, const torch::nn::Module& unit_module,
     const std::vector<const torch::nn::Module*>& modules, bool forward) {
-  FSDP_RETURN_IF_ERROR(RequireNotRunning(caller));
+  FSDP_RETURN_IF_ERROR(RequireIdle(caller));
   FsdpUnit* unit = UnitOf(unit_module);
   if (unit == nullptr) {
     return absl::NotFoundError(

@@ -153,9 +153,8 @@ class FsdpUnit {
 // Copyable; valid while its model lives.
 class UnshardHandle {
  public:
-  // Waits for the all-gather and points the unit's parameters at their full
-  // values. No-op when nothing is pending any more (the unit's forward
-  // waited for it, or the unit was resharded).
+  // Waits for the all-gather, keeping its result for the unit's forward
+  // (FullyShardedModel::Unshard). No-op when nothing is pending any more.
   void Wait();
 
  private:
@@ -187,18 +186,10 @@ class FullyShardedModel {
 
   const std::vector<std::unique_ptr<FsdpUnit>>& units() const { return units_; }
   ModelTrainingState training_state() const { return training_state_; }
-  // OK between steps with every unit resharded; otherwise
-  // kFailedPrecondition naming `what`, this rank and why: the model is in
-  // forward or backward, a unit is inside SummonFullParams, or a unit holds
-  // full parameters made ahead of its forward (SetReshardAfterBackward,
-  // Unshard; Reshard frees them). The check of every call that reads or
-  // writes parameters, gradients or state between steps.
+  // OK between steps; otherwise kFailedPrecondition naming `what`, this
+  // rank and why: the model is in forward or backward, or a unit is inside
+  // SummonFullParams. The one check of every call that runs between steps.
   absl::Status RequireIdle(const std::string& what) const;
-  // RequireIdle less its last condition: the check of the calls that change
-  // only how the next steps run (NoSync, the Set* controls, Unshard,
-  // Reshard), which gradient accumulation makes between micro-batches
-  // while units hold full parameters.
-  absl::Status RequireNotRunning(const std::string& what) const;
   const FsdpOptions& options() const { return options_; }
   // The plan the model was wrapped with (parameter lists without tensors).
   const WrapPlan& plan() const { return plan_; }
@@ -272,17 +263,22 @@ class FullyShardedModel {
   // FSDP2's set_reshard_after_backward, for gradient accumulation: while
   // false for a unit, a backward pass that leaves its gradients unreduced
   // (SetRequiresGradientSync(false), NoSync) or that it has none for (all
-  // its parameters frozen) keeps its full parameters, so that the next
-  // forward needs no all-gather for it (nor its backward, unless the
+  // its parameters frozen) keeps its full parameters aside, so that the
+  // next forward needs no all-gather for it (nor its backward, unless the
   // forward reshards it: FULL_SHARD). A backward that reduces its
-  // gradients reshards it all the same: the reduced gradient shards reach
-  // .grad of the parameters only then, and an optimizer steps the shards.
-  // The full parameters held are stale once the parameters or the shard
-  // are written (an optimizer step, a state dict load): the next forward
-  // refuses them, naming the unit, and calls that read or write
-  // parameters refuse to run until Reshard frees them (RequireIdle).
-  // `module`, `recurse`, the errors, and that every rank must set the same
-  // units alike: as SetRequiresGradientSync.
+  // gradients reshards it: the optimizer steps the shards next.
+  // Kept full parameters (here and from Unshard) differ from FSDP2's in two
+  // ways. Between steps the parameters point at their shards all the same,
+  // so optimizers, state dicts and checkpoints see what they always see.
+  // And they cannot go stale: the first forward hook of a step compares
+  // each kept unit's own part of them with its shard on every rank (one
+  // all-reduce of a flag per kept unit over the shard group; on CUDA, a
+  // device sync per kept unit) and gathers again, on every rank, the units
+  // whose shard was written anywhere since (an optimizer step, a load).
+  // SummonFullParams and FULL state dicts drop them (they gather in full
+  // precision). `module`, `recurse`, the
+  // errors, and that every rank must set the same units alike: as
+  // SetRequiresGradientSync.
   absl::Status SetReshardAfterBackward(const torch::nn::Module& module, bool reshard_after_backward,
                                        bool recurse = true);
 
@@ -295,22 +291,23 @@ class FullyShardedModel {
                                        std::optional<double> factor, bool recurse = true);
 
   // FSDP2's unshard(async_op=True): issues the all-gather of `module`'s
-  // unit alone (not its subtree) in the dtype its forward computes in, and
-  // returns at once; UnshardHandle::Wait, or else the unit's next forward,
-  // waits for it. Between steps (to overlap the first all-gather with
-  // loading the batch) or inside forward for a unit that has not run yet (a
-  // hand-made prefetch); every rank must unshard the same units in the same
-  // order. The unit then holds full parameters until its forward reshards
-  // it or Reshard frees them, with SetReshardAfterBackward's protection
-  // against stale ones. No-op when already unsharded. kFailedPrecondition
-  // while the unit runs or the model is in backward; kNotFound as
-  // SetRequiresGradientSync.
+  // unit alone (not its subtree), in the dtype its forward computes in and
+  // from a copy of its shard made now, and returns at once. The result is
+  // kept as SetReshardAfterBackward describes, for the unit's forward:
+  // UnshardHandle::Wait waits for the all-gather (else the step's first
+  // forward hook does), and the parameters point at the full values from
+  // the unit's forward on, not before. Between steps (to overlap the first
+  // all-gather with loading the batch) or inside forward for a unit that
+  // has not run yet (a hand-made prefetch); every rank must unshard the
+  // same units in the same order. No-op when the unit's full parameters are
+  // in place or kept already. kFailedPrecondition while the unit runs or
+  // the model is in backward; kNotFound as SetRequiresGradientSync.
   absl::StatusOr<UnshardHandle> Unshard(const torch::nn::Module& module);
 
-  // FSDP2's reshard(): frees the full parameters that `module`'s unit (with
-  // `recurse`, every unit in its subtree) holds between steps, waiting for
-  // an all-gather Unshard left pending. No communication of its own.
-  // Errors as SetRequiresGradientSync.
+  // FSDP2's reshard(): frees the full parameters `module`'s unit (with
+  // `recurse`, every unit in its subtree) keeps, waiting for an all-gather
+  // Unshard left pending. No communication of its own. Errors as
+  // SetRequiresGradientSync.
   absl::Status Reshard(const torch::nn::Module& module, bool recurse = true);
 
   // Reduces every unit's gradients through `hook` from now on (PyTorch's
@@ -345,9 +342,10 @@ class FullyShardedModel {
   // with the same options (one all-gather).
   void LazyInit();
   void PreForward(FsdpUnit& unit);
-  // At the start of a forward: throws naming the first unit whose full
-  // parameters, made ahead of it, are stale (SetReshardAfterBackward).
-  void CheckNoStaleFullParams();
+  // At the start of a step's forward: finishes pending Unshards and drops
+  // kept full parameters whose shard was written on any rank since
+  // (SetReshardAfterBackward).
+  void ValidateKeptFullParams();
   // ClipGradNorm after its checks.
   at::Tensor ClipCheckedGradNorm(double max_norm, double norm_type);
   // Throws naming the parameter when one's requires_grad changed since Wrap.

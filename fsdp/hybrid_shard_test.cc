@@ -383,5 +383,123 @@ TEST(HybridShard, StrategyNamesParseLikePyTorchs) {
               HasSubstr("HYBRID_SHARD, _HYBRID_SHARD_ZERO2"));
 }
 
+// FSDP2's reshard_after_forward=k: FULL_SHARD at W = 4 with post-forward
+// groups of 2 ({0,1}, {2,3}). Each block keeps half its full parameters
+// between forward and backward (measured), its backward all-gathers run
+// over the pair instead of all four ranks (counted), and every loss and
+// parameter equals plain FULL_SHARD's bit for bit (the gathers copy values).
+TEST(PostForwardGroup, BackwardGathersWithinTheGroupAndChangesNoNumber) {
+  constexpr int kWorld = 4;
+  constexpr int kGroup = 2;
+  const HybridShardLayout layout = HybridShardLayout::Create(kWorld, kGroup).value();
+  struct Config {
+    std::optional<DType> param_dtype;
+    bool offload_params;
+  };
+  for (const Config& config :
+       {Config{std::nullopt, false}, Config{DType::kBFloat16, false}, Config{std::nullopt, true}}) {
+    const std::optional<DType> param_dtype = config.param_dtype;
+    SCOPED_TRACE(param_dtype ? "bfloat16" : config.offload_params ? "offload" : "float32");
+    std::vector<Trajectory> runs(2);  // [plain, post-forward group], rank 0's.
+    for (int post = 0; post < 2; ++post) {
+      auto store = c10::make_intrusive<c10d::HashStore>();
+      absl::Status status = RunOnThreadRanks(kWorld, [&](Collectives& world) {
+        GlooOptions gloo;
+        gloo.hostname = "127.0.0.1";
+        gloo.timeout = std::chrono::seconds(60);
+        auto groups = CreateHybridShardCollectives(world.rank(), layout, gloo.group_name,
+                                                   GlooGroupConnector(store, gloo));
+        ASSERT_TRUE(groups.ok()) << groups.status();
+        Collectives& pair = *groups->shard;  // Ranks {0,1} or {2,3}.
+        Net model;
+        FsdpOptions options;
+        options.mixed_precision.param_dtype = param_dtype;
+        options.offload_params = config.offload_params;
+        if (post == 1) options.post_forward_group = &pair;
+        auto wrapped =
+            FullyShardedModel::Wrap(model.ptr(), world, options, SelectModulesOfType<BlockImpl>());
+        ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+        FullyShardedModel& fsdp = **wrapped;
+        int64_t held_between = 0;  // What the units should hold after forward.
+        for (const auto& unit : fsdp.units()) {
+          const int64_t elements = unit->handle()->padded_numel();
+          held_between += (unit->is_root() ? elements : post == 1 ? elements / kGroup : 0) *
+                          (param_dtype ? 2 : 4);
+        }
+        auto optimizer = MakeSgd(model->parameters());
+        const int64_t rows = kGlobalBatch / kWorld;
+        for (int step = 0; step < kSteps; ++step) {
+          at::Tensor out = model->forward(Inputs(step, 0).narrow(0, world.rank() * rows, rows));
+          at::Tensor loss = at::mse_loss(out.to(at::kFloat),
+                                         Targets(step, 0).narrow(0, world.rank() * rows, rows));
+          EXPECT_EQ(fsdp.FullParamBytes(), held_between) << "step " << step;
+          world.ResetCounters();
+          pair.ResetCounters();
+          loss.backward();
+          // The root keeps its parameters from forward; the three blocks are
+          // gathered again, over the pair with a post-forward group.
+          EXPECT_EQ(world.counters().Calls(CollectiveOp::kAllGather), post == 1 ? 0 : 3);
+          EXPECT_EQ(pair.counters().Calls(CollectiveOp::kAllGather), post == 1 ? 3 : 0);
+          EXPECT_EQ(fsdp.FullParamBytes(), 0);
+          at::Tensor mean = loss.detach().clone();
+          world.AllReduce(mean, ReduceOp::kAvg)->Wait();
+          if (world.rank() == 0) runs[post].losses.push_back(mean.item<float>());
+          optimizer.step();
+          optimizer.zero_grad();
+        }
+        SummonFullParams full(fsdp);
+        if (world.rank() != 0) return;
+        for (const auto& item : model->named_parameters()) {
+          runs[post].params[item.key()] = item.value().detach().clone();
+        }
+      });
+      ASSERT_TRUE(status.ok()) << status;
+    }
+    EXPECT_EQ(runs[0].losses, runs[1].losses);
+    for (const auto& [name, value] : runs[0].params) {
+      EXPECT_TRUE(at::equal(value, runs[1].params.at(name))) << name;
+    }
+  }
+}
+
+// A post-forward group of the wrong size is refused at Wrap; one of the
+// right size and rank but other members ({0,3} and {2,1}) at the first
+// forward, on every rank, naming the ranks it holds.
+TEST(PostForwardGroup, AGroupOfOtherRanksIsRefusedByName) {
+  constexpr int kWorld = 4;
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  absl::Status status = RunOnThreadRanks(kWorld, [&](Collectives& world) {
+    Net model;
+    FsdpOptions whole;
+    whole.post_forward_group = &world;  // k = W: nothing to save.
+    auto refused =
+        FullyShardedModel::Wrap(model.ptr(), world, whole, SelectModulesOfType<BlockImpl>());
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(refused.status().message(), HasSubstr("with 1 < k < 4"));
+    GlooOptions gloo;
+    gloo.hostname = "127.0.0.1";
+    gloo.timeout = std::chrono::seconds(60);
+    const int r = world.rank();
+    const bool first_pair = r == 0 || r == 3;
+    auto crossed = GlooGroupConnector(store, gloo)(first_pair ? "crossed0" : "crossed1",
+                                                   r == 0 || r == 2 ? 0 : 1, 2);
+    ASSERT_TRUE(crossed.ok()) << crossed.status();
+    FsdpOptions options;
+    options.post_forward_group = crossed->get();
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), world, options, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+    try {
+      model->forward(Inputs(0, 0));
+      ADD_FAILURE() << "a forward ran with a post-forward group of other ranks";
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.what(),
+                  HasSubstr(first_pair ? "holds shard-group ranks {" + std::string("0, 3}")
+                                       : "holds shard-group ranks {2, 1}"));
+    }
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
 }  // namespace
 }  // namespace fsdp

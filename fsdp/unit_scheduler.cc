@@ -12,25 +12,37 @@ namespace fsdp {
 UnitScheduler::UnitScheduler(Collectives& group, const FsdpOptions& options, c10::Device device)
     : group_(group),
       replicate_group_(options.replicate_group),
+      post_forward_group_(options.post_forward_group),
       trace_(options.trace),
       debug_log_(options.debug_log),
       offload_params_(options.offload_params),
       streams_(device),
       limiter_(options.limit_all_gathers ? 2 : 0) {}
 
-void UnitScheduler::IssueUnshard(FlatParamHandle& handle, const std::string& phase,
-                                 bool copy_shard) {
-  if (!handle.uses_sharded_views() || handle.is_unsharded() || handle.has_pending_unshard()) {
+void UnitScheduler::IssueUnshard(FlatParamHandle& handle, const std::string& phase, bool snapshot) {
+  if (!handle.uses_sharded_views() || handle.is_unsharded() || handle.holds_kept_full() ||
+      handle.has_pending_unshard()) {
     return;
   }
+  if (snapshot) handle.SnapshotShard();  // On the compute stream, before the wait below.
   limiter_.BeforeAllGather();
   // The shard may have been written on the compute stream since its last
   // gather (the optimizer step, a state dict load): gather it after that.
   RuntimeStreams::WaitStream(streams_.all_gather(), streams_.compute());
   c10::StreamGuard on_all_gather(streams_.all_gather());
-  CollectiveLabel label(group_, handle.unit_name(), phase);
+  CollectiveLabel label(group_, post_forward_group_, handle.unit_name(), phase);
   TraceSpan span(trace_, "all-gather issue", handle.unit_name());
-  handle.StartUnshard(copy_shard);
+  handle.StartUnshard();
+}
+
+void UnitScheduler::WaitForUnshard(FlatParamHandle& handle) {
+  if (!handle.has_pending_unshard()) return;
+  {
+    c10::StreamGuard on_all_gather(streams_.all_gather());
+    TraceSpan wait(trace_, "all-gather wait", handle.unit_name());
+    handle.WaitForUnshard();
+  }
+  RuntimeStreams::WaitStream(streams_.compute(), streams_.all_gather());
 }
 
 void UnitScheduler::Prefetch(FlatParamHandle& handle, const std::string& phase) {
@@ -66,6 +78,15 @@ void UnitScheduler::Reshard(FlatParamHandle& handle) {
   const bool frees = handle.uses_sharded_views() && handle.is_unsharded();
   TraceSpan span = frees ? TraceSpan(trace_, "reshard", handle.unit_name()) : TraceSpan();
   handle.Reshard();
+  if (frees) limiter_.OnReshard(DeviceEvent::RecordOn(streams_.compute()));
+}
+
+void UnitScheduler::ReshardKeepingFull(FlatParamHandle& handle) { handle.ReshardKeepingFull(); }
+
+void UnitScheduler::ReshardAfterForward(FlatParamHandle& handle) {
+  const bool frees = handle.uses_sharded_views() && handle.is_unsharded();
+  TraceSpan span = frees ? TraceSpan(trace_, "reshard", handle.unit_name()) : TraceSpan();
+  handle.ReshardAfterForward();
   if (frees) limiter_.OnReshard(DeviceEvent::RecordOn(streams_.compute()));
 }
 
@@ -124,6 +145,10 @@ void UnitScheduler::WaitForReductions() {
 
 void UnitScheduler::Move(FlatParamHandle& handle, HandleTrainingState from,
                          HandleTrainingState to) {
+  if (to == HandleTrainingState::kSummonFullParams && handle.training_state() == from) {
+    DiscardPrefetch(handle);
+    if (handle.holds_kept_full()) Reshard(handle);
+  }
   handle.Transition(from, to);
   if (debug_log_) {
     debug_log_(absl::StrCat("unit '", handle.unit_name(), "': ", HandleTrainingStateName(from),

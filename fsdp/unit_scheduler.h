@@ -47,9 +47,15 @@ class UnitScheduler {
   // Issues the all-gather of the handle's shard, labelled with `phase`
   // ("forward", "backward", "summon_full_params", ...), unless its
   // parameters are full already, an all-gather is pending, or there is
-  // nothing to gather (NO_SHARD): a prefetch, or the first half of Unshard.
-  // `copy_shard`: FlatParamHandle::StartUnshard's.
-  void IssueUnshard(FlatParamHandle& handle, const std::string& phase, bool copy_shard = false);
+  // nothing to gather (NO_SHARD), or a kept full parameter serves: a
+  // prefetch, or the first half of Unshard. With `snapshot`, the shard is
+  // copied on the compute stream first (FlatParamHandle::SnapshotShard), so
+  // that work issued on it later (an optimizer step) cannot reach the
+  // all-gather.
+  void IssueUnshard(FlatParamHandle& handle, const std::string& phase, bool snapshot = false);
+  // Waits for the handle's pending all-gather and keeps its result aside,
+  // the parameters still on their shards (FlatParamHandle::WaitForUnshard).
+  void WaitForUnshard(FlatParamHandle& handle);
   // IssueUnshard ahead of the unit's own hook (forward and backward
   // prefetch); the debug log says so when an all-gather was issued.
   void Prefetch(FlatParamHandle& handle, const std::string& phase);
@@ -63,6 +69,12 @@ class UnitScheduler {
   // Frees the handle's full parameters (if it holds any) once compute is
   // done with them, and tells the rate limiter.
   void Reshard(FlatParamHandle& handle);
+  // Reshard keeping the full parameters for the next Unshard
+  // (FlatParamHandle::ReshardKeepingFull).
+  void ReshardKeepingFull(FlatParamHandle& handle);
+  // Reshard after forward: FlatParamHandle::ReshardAfterForward, which
+  // keeps this rank's piece for FsdpOptions::post_forward_group.
+  void ReshardAfterForward(FlatParamHandle& handle);
   // Between steps: the handle's full gradients in .grad, all-gathered
   // from its sharded ones on the compute stream (FlatParamHandle::
   // UnshardGradients), labelled `phase`; and back, writing this rank's part
@@ -83,12 +95,16 @@ class UnitScheduler {
   // optimizer reads host gradients next. The first failure is thrown after
   // every reduction was waited for.
   void WaitForReductions();
-  // Checks that the handle is in `from` and moves it to `to`.
+  // Checks that the handle is in `from` and moves it to `to`. Entering
+  // kSummonFullParams first drops a pending all-gather and a kept full
+  // parameter: both are in the compute dtype, and the summon gathers in
+  // full precision.
   void Move(FlatParamHandle& handle, HandleTrainingState from, HandleTrainingState to);
 
  private:
   Collectives& group_;
   Collectives* const replicate_group_;
+  Collectives* const post_forward_group_;
   TraceRecorder* const trace_;
   const DebugLog debug_log_;
   const bool offload_params_;

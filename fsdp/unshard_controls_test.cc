@@ -159,57 +159,57 @@ INSTANTIATE_TEST_SUITE_P(
                                      : std::string());
     });
 
-// An optimizer step while full parameters are kept would leave them stale:
-// the next forward refuses, naming the unit, and runs again after Reshard;
-// calls that read or write parameters refuse while any unit holds some.
-TEST(ReshardAfterBackward, AStepWhileParametersAreKeptIsRefusedUntilReshard) {
-  absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
-    Net model;
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
-    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
-    FullyShardedModel& fsdp = **wrapped;
-    torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
-    auto micro_batch = [&] {
-      at::mse_loss(model->forward(RankRows(Inputs(0, 0), comm.rank(), 2)),
-                   RankRows(Targets(0, 0), comm.rank(), 2))
-          .backward();
-    };
-    ASSERT_TRUE(fsdp.SetRequiresGradientSync(*model, false).ok());
-    ASSERT_TRUE(fsdp.SetReshardAfterBackward(*model, false).ok());
-    micro_batch();
-    ASSERT_GT(fsdp.FullParamBytes(), 0);
-    // Between micro-batches the controls still run; what touches
-    // parameters does not.
-    EXPECT_TRUE(fsdp.SetRequiresGradientSync(*model, false).ok());
-    { NoSync no_sync(fsdp); }
-    EXPECT_THAT(fsdp.ClipGradNorm(1.0).status().message(),
-                HasSubstr("holds full parameters between steps"));
-    try {
-      SummonFullParams full(fsdp);
-      ADD_FAILURE() << "SummonFullParams ran while full parameters were kept";
-    } catch (const c10::Error& e) {
-      EXPECT_THAT(e.what(), HasSubstr("call Reshard first"));
-    }
-    optimizer.step();  // Writes the parameters in place: the kept copies are stale.
-    try {
-      micro_batch();
-      ADD_FAILURE() << "a forward ran on stale full parameters";
-    } catch (const c10::Error& e) {
-      EXPECT_THAT(e.what(), HasSubstr("unit '<root>'"));  // The first unit kept.
-      EXPECT_THAT(e.what(), HasSubstr("its shard or parameters were written"));
-    }
-    EXPECT_EQ(fsdp.training_state(), ModelTrainingState::kIdle);
-    ASSERT_TRUE(fsdp.Reshard(*model).ok());
-    EXPECT_EQ(fsdp.FullParamBytes(), 0);
-    comm.ResetCounters();
-    micro_batch();  // Gathers the stepped shards again.
-    EXPECT_EQ(comm.counters().Calls(CollectiveOp::kAllGather), 4 + 3);
-    ASSERT_TRUE(fsdp.Reshard(*model).ok());
-    torch::nn::Linear stranger(2, 2);
-    EXPECT_EQ(fsdp.SetReshardAfterBackward(*stranger, false).code(), absl::StatusCode::kNotFound);
-    EXPECT_EQ(fsdp.Reshard(*stranger).code(), absl::StatusCode::kNotFound);
-  });
-  EXPECT_TRUE(status.ok()) << status;
+// Forward and backward of micro-batch `micro` of step 0 on this rank's
+// rows; returns the loss.
+float MicroBatch(Net& model, Collectives& comm, int micro) {
+  at::Tensor loss = at::mse_loss(model->forward(RankRows(Inputs(0, micro), comm.rank(), 2)),
+                                 RankRows(Targets(0, micro), comm.rank(), 2));
+  loss.backward();
+  return loss.item<float>();
+}
+
+// Kept full parameters stay valid only while no shard changes: a write to
+// one rank's shard of the root between micro-batches (here by hand, on rank
+// 0 alone) makes every rank gather the root again, and the next loss is the
+// one the written shard gives (that of a run that resharded instead). The
+// parameters point at their shards between passes, and SummonFullParams
+// drops what is kept.
+TEST(ReshardAfterBackward, AShardWrittenOnOneRankIsGatheredAgainOnEvery) {
+  std::vector<float> losses(2);  // [resharded before the write, kept], rank 0's.
+  for (int keep = 0; keep < 2; ++keep) {
+    absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
+      Net model;
+      auto wrapped =
+          FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+      ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+      FullyShardedModel& fsdp = **wrapped;
+      ASSERT_TRUE(fsdp.SetRequiresGradientSync(*model, false).ok());
+      ASSERT_TRUE(fsdp.SetReshardAfterBackward(*model, false).ok());
+      MicroBatch(model, comm, 0);
+      EXPECT_GT(fsdp.FullParamBytes(), 0);
+      for (const auto& item : model->named_parameters()) {
+        EXPECT_EQ(item.value().dim(), 1) << item.key();  // On its shard between passes.
+      }
+      if (keep == 0) ASSERT_TRUE(fsdp.Reshard(*model).ok());
+      if (comm.rank() == 0) {
+        at::NoGradGuard no_grad;
+        model->head->weight.add_(0.5);  // Rank 0's part of the root's shard.
+      }
+      comm.ResetCounters();
+      const float loss = MicroBatch(model, comm, 1);
+      if (comm.rank() == 0) losses[keep] = loss;
+      // The root and three blocks: all gathered again after Reshard; kept,
+      // the root only, as stale; and the blocks again for backward.
+      EXPECT_EQ(comm.counters().Calls(CollectiveOp::kAllGather), keep == 0 ? 4 + 3 : 1 + 3);
+      EXPECT_EQ(comm.counters().Calls(CollectiveOp::kAllReduce), keep == 0 ? 0 : 1);
+      MicroBatch(model, comm, 0);
+      ASSERT_GT(fsdp.FullParamBytes(), 0);
+      { SummonFullParams full(fsdp); }
+      EXPECT_EQ(fsdp.FullParamBytes(), 0);
+    });
+    EXPECT_TRUE(status.ok()) << status;
+  }
+  EXPECT_EQ(losses[0], losses[1]);
 }
 
 // A frozen unit has no gradients to reduce, so a reducing backward keeps it
@@ -235,41 +235,17 @@ TEST(ReshardAfterBackward, FrozenUnitsStayUnshardedAcrossReducingBackward) {
       // backward does: FULL_SHARD reshards it after forward).
       if (step > 0) EXPECT_EQ(forward_gathers, 3);
       EXPECT_EQ(comm.counters().Calls(CollectiveOp::kAllGather) - forward_gathers, 3);
-      EXPECT_TRUE(frozen->is_unsharded());
+      EXPECT_TRUE(frozen->holds_kept_full());
       for (const auto& unit : fsdp.units()) {
-        if (unit->handle() != frozen) EXPECT_FALSE(unit->handle()->is_unsharded()) << unit->fqn();
+        EXPECT_FALSE(unit->handle()->is_unsharded()) << unit->fqn();
+        if (unit->handle() != frozen) EXPECT_FALSE(unit->handle()->holds_kept_full());
       }
+      EXPECT_TRUE(fsdp.ClipGradNorm(1.0).ok());  // Between steps as always.
       optimizer->step();  // Steps the trainable units only: the kept one stays valid.
       optimizer->zero_grad();
     }
-    EXPECT_EQ(fsdp.RequireIdle("a test").code(), absl::StatusCode::kFailedPrecondition);
     ASSERT_TRUE(fsdp.Reshard(*model).ok());
     EXPECT_EQ(fsdp.FullParamBytes(), 0);
-    EXPECT_TRUE(fsdp.RequireIdle("a test").ok());
-  });
-  EXPECT_TRUE(status.ok()) << status;
-}
-
-// Destroying the model frees what it held: the parameters are left on
-// their shards, as after any step.
-TEST(ReshardAfterBackward, DestroyingTheModelLeavesTheParametersSharded) {
-  absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
-    Net model;
-    {
-      auto wrapped =
-          FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
-      ASSERT_TRUE(wrapped.ok()) << wrapped.status();
-      ASSERT_TRUE((*wrapped)->SetRequiresGradientSync(*model, false).ok());
-      ASSERT_TRUE((*wrapped)->SetReshardAfterBackward(*model, false).ok());
-      at::mse_loss(model->forward(RankRows(Inputs(0, 0), comm.rank(), 2)),
-                   RankRows(Targets(0, 0), comm.rank(), 2))
-          .backward();
-      ASSERT_EQ(model->head->weight.dim(), 2);                   // Held full.
-      ASSERT_TRUE((*wrapped)->Unshard(*model->blocks[0]).ok());  // Left pending.
-    }
-    for (const auto& item : model->named_parameters()) {
-      EXPECT_EQ(item.value().dim(), 1) << item.key();  // This rank's part of its unit's shard.
-    }
   });
   EXPECT_TRUE(status.ok()) << status;
 }
@@ -296,9 +272,9 @@ TEST(Unshard, AnAsyncUnshardServesTheUnitsForward) {
           EXPECT_GT(fsdp.FullParamBytes(), 0);  // Allocated for the gather, this unit's only.
           EXPECT_EQ(fsdp.FullParamBytes(), fsdp.units()[1]->handle()->full_param_bytes());
           if (step == 1) {
-            handle->Wait();  // Full parameters in place, before the forward.
-            EXPECT_EQ(model->blocks[0]->as<BlockImpl>()->fc->weight.sizes(),
-                      (std::vector<int64_t>{13, 7}));
+            handle->Wait();  // Gathered and kept; the parameters stay on their shards.
+            EXPECT_TRUE(fsdp.units()[1]->handle()->holds_kept_full());
+            EXPECT_EQ(model->blocks[0]->as<BlockImpl>()->fc->weight.dim(), 1);
           }
           // Twice is once; Wait after it served is a no-op.
           ASSERT_TRUE(fsdp.Unshard(first_block).ok());
@@ -320,46 +296,48 @@ TEST(Unshard, AnAsyncUnshardServesTheUnitsForward) {
   EXPECT_EQ(losses[0], losses[1]);
 }
 
-// An unshard made stale by a step is refused at the forward; Reshard
-// discards it. Unshard in backward, or of a stranger, is refused by name.
-TEST(Unshard, MisuseIsRefusedByName) {
-  absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
-    Net model;
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
-    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
-    FullyShardedModel& fsdp = **wrapped;
-    torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
-    auto forward_backward = [&] {
-      at::mse_loss(model->forward(RankRows(Inputs(0, 0), comm.rank(), 2)),
-                   RankRows(Targets(0, 0), comm.rank(), 2))
-          .backward();
-    };
-    forward_backward();
-    ASSERT_TRUE(fsdp.Unshard(*model->blocks[1]).ok());  // Pending, never waited for.
-    optimizer.step();
-    try {
-      forward_backward();
-      ADD_FAILURE() << "a forward used an all-gather issued before the step";
-    } catch (const c10::Error& e) {
-      EXPECT_THAT(e.what(), HasSubstr("unit 'blocks.1'"));
-      EXPECT_THAT(e.what(), HasSubstr("call Reshard before writing them"));
-    }
-    ASSERT_TRUE(fsdp.Reshard(*model).ok());
-    EXPECT_FALSE(fsdp.units()[2]->handle()->has_pending_unshard());
-    optimizer.zero_grad();
+// An optimizer step after Unshard (before the forward) reaches no rank's
+// gathered copy (it was taken from a copy of the shard), and the forward
+// gathers the unit again: its loss is a plain run's. Unshard in backward,
+// or of a stranger, is refused by name.
+TEST(Unshard, AStepAfterUnshardIsGatheredAgain) {
+  std::vector<float> losses(2);  // [plain, unsharded before the step], rank 0's.
+  for (int ahead = 0; ahead < 2; ++ahead) {
+    absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
+      Net model;
+      auto wrapped =
+          FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+      ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+      FullyShardedModel& fsdp = **wrapped;
+      torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+      MicroBatch(model, comm, 0);
+      if (ahead == 1) ASSERT_TRUE(fsdp.Unshard(*model->blocks[1]).ok());
+      optimizer.step();
+      optimizer.zero_grad();
+      comm.ResetCounters();
+      const float loss = MicroBatch(model, comm, 1);
+      if (comm.rank() == 0) losses[ahead] = loss;
+      EXPECT_EQ(comm.counters().Calls(CollectiveOp::kAllGather), 4 + 3);
+      EXPECT_EQ(comm.counters().Calls(CollectiveOp::kAllReduce), ahead);  // The check.
+      EXPECT_FALSE(fsdp.units()[2]->handle()->holds_kept_full());
+      if (ahead == 0) return;
 
-    absl::Status in_backward;
-    g_after_block_backward = [&](int index) {
-      if (index == 2) in_backward = fsdp.Unshard(*model->blocks[0]).status();
-    };
-    forward_backward();
-    g_after_block_backward = nullptr;
-    EXPECT_EQ(in_backward.code(), absl::StatusCode::kFailedPrecondition);
-    EXPECT_THAT(in_backward.message(), HasSubstr("the model is in backward"));
-    torch::nn::Linear stranger(2, 2);
-    EXPECT_EQ(fsdp.Unshard(*stranger).status().code(), absl::StatusCode::kNotFound);
-  });
-  EXPECT_TRUE(status.ok()) << status;
+      absl::Status in_backward;
+      g_after_block_backward = [&](int index) {
+        if (index == 2) in_backward = fsdp.Unshard(*model->blocks[0]).status();
+      };
+      MicroBatch(model, comm, 0);
+      g_after_block_backward = nullptr;
+      EXPECT_EQ(in_backward.code(), absl::StatusCode::kFailedPrecondition);
+      EXPECT_THAT(in_backward.message(), HasSubstr("the model is in backward"));
+      torch::nn::Linear stranger(2, 2);
+      EXPECT_EQ(fsdp.Unshard(*stranger).status().code(), absl::StatusCode::kNotFound);
+      EXPECT_EQ(fsdp.Reshard(*stranger).code(), absl::StatusCode::kNotFound);
+      EXPECT_EQ(fsdp.SetReshardAfterBackward(*stranger, false).code(), absl::StatusCode::kNotFound);
+    });
+    EXPECT_TRUE(status.ok()) << status;
+  }
+  EXPECT_EQ(losses[0], losses[1]);
 }
 
 // A divide factor on one unit changes that unit's gradients alone: at W = 2,

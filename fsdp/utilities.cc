@@ -172,7 +172,7 @@ absl::Status FullyShardedModel::Apply(const std::function<void(torch::nn::Module
 }
 
 NoSync::NoSync(FullyShardedModel& model) : model_(model), previous_(model.no_sync_) {
-  ThrowIfError(model.RequireNotRunning("NoSync"));
+  ThrowIfError(model.RequireIdle("NoSync"));
   model_.no_sync_ = true;
 }
 
