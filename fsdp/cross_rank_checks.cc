@@ -49,23 +49,35 @@ void CheckSameWrapOnEveryRank(Collectives& group, const FsdpOptions& options,
 
 void CheckPostForwardGroup(Collectives& shard_group, Collectives& post_forward_group) {
   const int k = post_forward_group.world_size();
-  CollectiveLabel label(post_forward_group, "", "lazy init (post-forward group check)");
-  at::Tensor all = at::empty({k}, at::kDouble);
-  post_forward_group
-      .AllGatherIntoTensor(all, at::tensor({double(shard_group.rank())}, at::kDouble))
-      ->Wait();
+  at::Tensor held = at::empty({k}, at::kDouble);
+  {
+    CollectiveLabel label(post_forward_group, "", "lazy init (post-forward group check)");
+    post_forward_group
+        .AllGatherIntoTensor(held, at::tensor({double(shard_group.rank())}, at::kDouble))
+        ->Wait();
+  }
   const int first = shard_group.rank() / k * k;
-  std::string held;
+  std::string mine;
   bool consecutive = true;
   for (int j = 0; j < k; ++j) {
-    const int rank = static_cast<int>(all[j].item<double>());
-    absl::StrAppend(&held, j == 0 ? "" : ", ", rank);
+    const int rank = static_cast<int>(held[j].item<double>());
+    absl::StrAppend(&mine, j == 0 ? "" : ", ", rank);
     consecutive = consecutive && rank == first + j;
   }
-  TORCH_CHECK(consecutive, "rank ", shard_group.rank(), " of ", shard_group.world_size(),
-              ": FsdpOptions::post_forward_group holds shard-group ranks {", held,
-              "} in its rank order, but must hold this rank's block of ", k, " consecutive ranks {",
-              first, "..", first + k - 1, "} in order (HybridShardLayout(W, k)'s shard group)");
+  // Only the ranks of a wrong group see it: the verdict is shared, so that
+  // no rank goes on into a forward the others left.
+  at::Tensor wrong = at::tensor({consecutive ? 0.0 : 1.0}, at::kDouble);
+  {
+    CollectiveLabel label(shard_group, "", "lazy init (post-forward group check)");
+    shard_group.AllReduce(wrong, ReduceOp::kSum)->Wait();
+  }
+  const int wrong_ranks = static_cast<int>(wrong.item<double>());
+  TORCH_CHECK(wrong_ranks == 0, "rank ", shard_group.rank(), " of ", shard_group.world_size(),
+              ": FsdpOptions::post_forward_group is not each rank's block of ", k,
+              " consecutive shard-group ranks on ", wrong_ranks,
+              " rank(s); this rank's holds shard-group ranks {", mine,
+              "} in its rank order, and should hold {", first, "..", first + k - 1,
+              "} (HybridShardLayout(W, k)'s shard group)");
 }
 
 void CheckSameExecutionOrderOnEveryRank(Collectives& group, const std::vector<int>& order,

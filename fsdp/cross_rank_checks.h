@@ -27,10 +27,13 @@ struct UnitSignature {
   MixedPrecision mixed_precision;
 };
 
-// FsdpOptions::post_forward_group is this rank's block of k consecutive
-// ranks of `shard_group`, in order: one all-gather over it. Throws naming
-// the ranks it holds otherwise (a group of other ranks would gather other
-// units' pieces, or the right pieces in the wrong places).
+// FsdpOptions::post_forward_group is every rank's block of k consecutive
+// ranks of `shard_group`, in order (one all-gather over it, one all-reduce
+// over the shard group); throws on every rank otherwise, naming the ranks
+// this rank's group holds. Any k ranks would gather correct values (each
+// keeps the piece of its place in the group); the layout is FSDP2's, and a
+// group of other ranks (the replicate group passed by mistake, say) would
+// carry backward's all-gathers outside the node they are meant for.
 void CheckPostForwardGroup(Collectives& shard_group, Collectives& post_forward_group);
 
 // The same units (pre-order), each with the same size, the same trainable

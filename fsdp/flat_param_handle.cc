@@ -426,7 +426,8 @@ void FlatParamHandle::StartUnshard() {
       return;
     }
     AllocateStorage(full_);
-    if (post_forward_shard_.defined()) {
+    if (post_forward_shard_.defined() &&
+        training_state_ != HandleTrainingState::kSummonFullParams) {
       // Made on the compute stream, read by this all-gather, dropped after it.
       RecordUseOnCurrentStream(post_forward_shard_);
       Collectives& post = *options_.post_forward_group;

@@ -61,8 +61,9 @@ struct FsdpOptions {
   // ranks. The group must be this rank's block of k consecutive ranks of the
   // shard group (ranks (r / k) * k ... + k-1 in it; HybridShardLayout(W, k)'s
   // shard group, comm/hybrid_groups.h), with 1 < k < W and k dividing W:
-  // checked at Wrap (sizes) and at the first forward (which ranks). Numbers
-  // are unchanged: the all-gathers copy values. Must outlive the model.
+  // checked at Wrap (sizes) and at the first forward or Unshard (which
+  // ranks, on every rank). Numbers are unchanged: the all-gathers copy
+  // values. Must outlive the model.
   // Null: free everything (reshard_after_forward=True).
   Collectives* post_forward_group = nullptr;
   // PyTorch's mixed_precision (policies/unit_options.h); a policy may

@@ -140,13 +140,12 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
   if (absl::Status valid = ValidateFsdpOptions(options); !valid.ok()) return on_rank(valid);
   if (const Collectives* post = options.post_forward_group; post != nullptr) {
     const int k = post->world_size();
-    if (k <= 1 || k >= group.world_size() || group.world_size() % k != 0 ||
-        post->rank() != group.rank() % k) {
+    // Sizes only, the same on every rank; which ranks is checked at the
+    // first forward, where every rank can learn of a wrong group.
+    if (k <= 1 || k >= group.world_size() || group.world_size() % k != 0) {
       return on_rank(absl::InvalidArgumentError(absl::StrCat(
-          "FsdpOptions::post_forward_group has ", k, " ranks (this rank is its rank ", post->rank(),
-          ") but must be this rank's block of k consecutive ranks of the ", group.world_size(),
-          "-rank shard group, with 1 < k < ", group.world_size(),
-          " and k dividing it (this rank would be its rank ", group.rank() % std::max(k, 1), ")")));
+          "FsdpOptions::post_forward_group has ", k, " ranks but must have k with 1 < k < ",
+          group.world_size(), " (the shard group's size) and k dividing it")));
     }
   }
   absl::StatusOr<WrapPlan> plan = PlanWrap(*root, group.world_size(), options, policy);
@@ -369,8 +368,18 @@ void FullyShardedModel::PostForward(FsdpUnit& unit, const std::vector<at::Tensor
   }
   if (!backward_follows) {
     if (unit.is_root_) {
+      // No backward comes to reshard what inner units kept for theirs (an
+      // inner output needed gradients, the root's does not): full
+      // parameters (SHARD_GRAD_OP) and post-forward pieces, which would
+      // outlive writes to their shards between steps.
       for (auto& u : units_) {
-        if (u->handle_) scheduler_->DiscardPrefetch(*u->handle_);
+        FlatParamHandle* h = u->handle_.get();
+        if (h == nullptr) continue;
+        scheduler_->DiscardPrefetch(*h);
+        if (h->training_state() == HandleTrainingState::kIdle &&
+            (h->is_unsharded() || h->holds_post_forward_shard())) {
+          scheduler_->Reshard(*h);
+        }
       }
       SetModelState(ModelTrainingState::kIdle);
     }
@@ -511,6 +520,8 @@ absl::Status FullyShardedModel::SetGradientDivideFactor(const torch::nn::Module&
 
 absl::StatusOr<UnshardHandle> FullyShardedModel::Unshard(const torch::nn::Module& module) {
   FSDP_ASSIGN_OR_RETURN(std::vector<FsdpUnit*> units, UnitsOf("Unshard", module, false));
+  // The cross-rank checks come before the first all-gather, as in forward.
+  if (!initialized_) LazyInit();
   FsdpUnit& unit = *units.front();
   if (backward_callback_queued_) {
     return absl::FailedPreconditionError(
@@ -640,6 +651,7 @@ void FullyShardedModel::FinishBackward() {
       backward_passes_ % options_.verify_collectives_every == 0) {
     group_.VerifyConsistency();
     if (options_.replicate_group != nullptr) options_.replicate_group->VerifyConsistency();
+    if (options_.post_forward_group != nullptr) options_.post_forward_group->VerifyConsistency();
   }
 }
 

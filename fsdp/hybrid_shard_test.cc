@@ -15,6 +15,7 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
+#include "fsdp/unit_forward.h"
 #include "fsdp/utilities.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -29,6 +30,7 @@ using ::fsdp::testing::BlockImpl;
 using ::fsdp::testing::Inputs;
 using ::fsdp::testing::kGlobalBatch;
 using ::fsdp::testing::Net;
+using ::fsdp::testing::NetImpl;
 using ::fsdp::testing::RunOnThreadRanks;
 using ::fsdp::testing::Targets;
 using ::testing::HasSubstr;
@@ -463,9 +465,9 @@ TEST(PostForwardGroup, BackwardGathersWithinTheGroupAndChangesNoNumber) {
 }
 
 // A post-forward group of the wrong size is refused at Wrap; one of the
-// right size and rank but other members ({0,3} and {2,1}) at the first
-// forward, on every rank, naming the ranks it holds.
-TEST(PostForwardGroup, AGroupOfOtherRanksIsRefusedByName) {
+// right size but other ranks ({0,1} and {3,2}: wrong on ranks 2 and 3 only)
+// at the first forward, on every rank, naming the ranks it holds.
+TEST(PostForwardGroup, AGroupOfOtherRanksIsRefusedOnEveryRank) {
   constexpr int kWorld = 4;
   auto store = c10::make_intrusive<c10d::HashStore>();
   absl::Status status = RunOnThreadRanks(kWorld, [&](Collectives& world) {
@@ -475,17 +477,15 @@ TEST(PostForwardGroup, AGroupOfOtherRanksIsRefusedByName) {
     auto refused =
         FullyShardedModel::Wrap(model.ptr(), world, whole, SelectModulesOfType<BlockImpl>());
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_THAT(refused.status().message(), HasSubstr("with 1 < k < 4"));
+    EXPECT_THAT(refused.status().message(), HasSubstr("1 < k < 4"));
     GlooOptions gloo;
     gloo.hostname = "127.0.0.1";
     gloo.timeout = std::chrono::seconds(60);
     const int r = world.rank();
-    const bool first_pair = r == 0 || r == 3;
-    auto crossed = GlooGroupConnector(store, gloo)(first_pair ? "crossed0" : "crossed1",
-                                                   r == 0 || r == 2 ? 0 : 1, 2);
-    ASSERT_TRUE(crossed.ok()) << crossed.status();
+    auto pair = GlooGroupConnector(store, gloo)(r < 2 ? "pair0" : "pair1", r < 2 ? r : 3 - r, 2);
+    ASSERT_TRUE(pair.ok()) << pair.status();
     FsdpOptions options;
-    options.post_forward_group = crossed->get();
+    options.post_forward_group = pair->get();
     auto wrapped =
         FullyShardedModel::Wrap(model.ptr(), world, options, SelectModulesOfType<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
@@ -493,9 +493,48 @@ TEST(PostForwardGroup, AGroupOfOtherRanksIsRefusedByName) {
       model->forward(Inputs(0, 0));
       ADD_FAILURE() << "a forward ran with a post-forward group of other ranks";
     } catch (const c10::Error& e) {
-      EXPECT_THAT(e.what(),
-                  HasSubstr(first_pair ? "holds shard-group ranks {" + std::string("0, 3}")
-                                       : "holds shard-group ranks {2, 1}"));
+      EXPECT_THAT(e.what(), HasSubstr("consecutive shard-group ranks on 2 rank(s)"));
+      EXPECT_THAT(e.what(), HasSubstr(r < 2 ? "holds shard-group ranks {0, 1}"
+                                            : "holds shard-group ranks {3, 2}"));
+    }
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+// A root whose output needs no gradient while its blocks' outputs do: no
+// backward comes, so the root's forward frees the pieces the blocks kept for
+// theirs.
+struct DetachingNetImpl : NetImpl {
+  at::Tensor forward(at::Tensor x) {
+    UnitForward unit(this);
+    x = unit.Input(x);
+    for (const auto& block : *blocks) x = block->as<BlockImpl>()->forward(x);
+    return unit.Return(head->forward(x).detach());
+  }
+};
+
+TEST(PostForwardGroup, AForwardWithoutBackwardKeepsNoPieces) {
+  constexpr int kWorld = 4;
+  const HybridShardLayout layout = HybridShardLayout::Create(kWorld, 2).value();
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  absl::Status status = RunOnThreadRanks(kWorld, [&](Collectives& world) {
+    GlooOptions gloo;
+    gloo.hostname = "127.0.0.1";
+    gloo.timeout = std::chrono::seconds(60);
+    auto groups = CreateHybridShardCollectives(world.rank(), layout, gloo.group_name,
+                                               GlooGroupConnector(store, gloo));
+    ASSERT_TRUE(groups.ok()) << groups.status();
+    auto model = std::make_shared<DetachingNetImpl>();
+    FsdpOptions options;
+    options.post_forward_group = groups->shard.get();
+    auto wrapped = FullyShardedModel::Wrap(model, world, options, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+    at::Tensor out = model->forward(Inputs(0, 0));
+    EXPECT_FALSE(out.requires_grad());
+    EXPECT_EQ((*wrapped)->training_state(), ModelTrainingState::kIdle);
+    EXPECT_EQ((*wrapped)->FullParamBytes(), 0);
+    for (const auto& unit : (*wrapped)->units()) {
+      EXPECT_FALSE(unit->handle()->holds_post_forward_shard()) << unit->fqn();
     }
   });
   EXPECT_TRUE(status.ok()) << status;

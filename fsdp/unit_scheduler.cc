@@ -24,7 +24,12 @@ void UnitScheduler::IssueUnshard(FlatParamHandle& handle, const std::string& pha
       handle.has_pending_unshard()) {
     return;
   }
-  if (snapshot) handle.SnapshotShard();  // On the compute stream, before the wait below.
+  if (snapshot) {
+    // On the compute stream, which the all-gather stream waits for below,
+    // whatever stream the caller is on.
+    c10::StreamGuard on_compute(streams_.compute());
+    handle.SnapshotShard();
+  }
   limiter_.BeforeAllGather();
   // The shard may have been written on the compute stream since its last
   // gather (the optimizer step, a state dict load): gather it after that.
@@ -147,7 +152,7 @@ void UnitScheduler::Move(FlatParamHandle& handle, HandleTrainingState from,
                          HandleTrainingState to) {
   if (to == HandleTrainingState::kSummonFullParams && handle.training_state() == from) {
     DiscardPrefetch(handle);
-    if (handle.holds_kept_full()) Reshard(handle);
+    if (handle.holds_kept_full() || handle.holds_post_forward_shard()) Reshard(handle);
   }
   handle.Transition(from, to);
   if (debug_log_) {

@@ -96,9 +96,9 @@ class UnitScheduler {
   // every reduction was waited for.
   void WaitForReductions();
   // Checks that the handle is in `from` and moves it to `to`. Entering
-  // kSummonFullParams first drops a pending all-gather and a kept full
-  // parameter: both are in the compute dtype, and the summon gathers in
-  // full precision.
+  // kSummonFullParams first drops a pending all-gather, a kept full
+  // parameter and post-forward pieces: all are in the compute dtype, and
+  // the summon gathers in full precision.
   void Move(FlatParamHandle& handle, HandleTrainingState from, HandleTrainingState to);
 
  private:

@@ -8,11 +8,13 @@ global mean loss of each step) and DIR/py_final.pt (the full parameters
 after the last step).
 
   python3 fsdp2_parity.py DIR STRATEGY PRECISION SHARD_GROUP_SIZE \
-      n_layer n_head n_embd block_size lr weight_decay
+      n_layer n_head n_embd block_size lr weight_decay [RESHARD_AFTER_FORWARD]
 
 STRATEGY: full_shard, shard_grad_op (reshard_after_forward=False) or
 hybrid_shard (a 2-D mesh: replicate x SHARD_GROUP_SIZE); PRECISION: fp32, or
 bf16 (MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)).
+RESHARD_AFTER_FORWARD, an int k > 0, replaces full_shard's True (reshard to
+groups of k ranks after forward).
 DIR holds init.pt (the initial state dict) and batches.pt ("tokens":
 [steps, global batch, block_size + 1]).
 """
@@ -46,6 +48,8 @@ def main():
     else:
         mesh = init_device_mesh("cpu", (world,))
     kwargs = dict(mesh=mesh, reshard_after_forward=strategy != "shard_grad_op")
+    if len(sys.argv) > 11 and int(sys.argv[11]) > 0:
+        kwargs["reshard_after_forward"] = int(sys.argv[11])
     if precision == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                    reduce_dtype=torch.float32)

@@ -3,7 +3,9 @@
 // batches with AdamW, by our FSDP over thread ranks and by FSDP2 in Python
 // ranks (models/fsdp2_parity.py, started by our launcher), at W = 2 and 3
 // for FULL_SHARD and SHARD_GRAD_OP, at W = 4 as HYBRID_SHARD (2 replicas of
-// 2-rank shard groups: FSDP2's 2-D mesh), and in bfloat16 mixed precision.
+// 2-rank shard groups: FSDP2's 2-D mesh), at W = 4 as FULL_SHARD
+// resharding to pairs after forward (FSDP2's reshard_after_forward=2, our
+// FsdpOptions::post_forward_group), and in bfloat16 mixed precision.
 // Every step's global mean loss and the final parameters must agree.
 //
 // Tolerances and why. Both sides run the same libtorch kernels on the same
@@ -82,6 +84,7 @@ struct ParityCase {
   int shard_group_size;  // world_size unless hybrid.
   ShardingStrategy strategy;
   bool bf16;
+  int post_forward_group_size = 0;  // FSDP2's reshard_after_forward as an int; 0: unset.
 };
 
 std::string StrategyFlag(ShardingStrategy strategy) {
@@ -145,7 +148,7 @@ Trajectory TrainWithFsdp2(const std::string& dir, const ParityCase& c) {
                  std::to_string(c.shard_group_size), std::to_string(config.n_layer),
                  std::to_string(config.n_head),      std::to_string(config.n_embd),
                  std::to_string(config.block_size),  std::to_string(kLr),
-                 std::to_string(kWeightDecay)};
+                 std::to_string(kWeightDecay),       std::to_string(c.post_forward_group_size)};
   Trajectory t;
   absl::StatusOr<fsdp::LaunchResult> launched = fsdp::LaunchLocalRanks(launch);
   EXPECT_TRUE(launched.ok()) << launched.status();
@@ -166,11 +169,13 @@ Trajectory TrainWithFsdp2(const std::string& dir, const ParityCase& c) {
 // Trains on this rank's rows of each step's batch; rank 0 returns the full
 // parameters.
 void TrainRank(fsdp::Collectives& world, fsdp::Collectives& shard, fsdp::Collectives* replicate,
-               const ParityCase& c, const at::Tensor& tokens, Trajectory& out) {
+               fsdp::Collectives* post_forward, const ParityCase& c, const at::Tensor& tokens,
+               Trajectory& out) {
   Gpt model(Config());
   fsdp::FsdpOptions options;
   options.strategy = c.strategy;
   options.replicate_group = replicate;
+  options.post_forward_group = post_forward;
   if (c.bf16) {
     options.mixed_precision.param_dtype = fsdp::DType::kBFloat16;
     options.mixed_precision.reduce_dtype = fsdp::DType::kFloat32;
@@ -200,13 +205,18 @@ void TrainRank(fsdp::Collectives& world, fsdp::Collectives& shard, fsdp::Collect
 
 Trajectory TrainWithOurs(const ParityCase& c, const at::Tensor& tokens) {
   Trajectory t;
-  if (c.strategy != ShardingStrategy::kHybridShard) {
+  if (c.strategy != ShardingStrategy::kHybridShard && c.post_forward_group_size == 0) {
     EXPECT_TRUE(RunOnThreadRanks(c.world_size, [&](fsdp::Collectives& world) {
-                  TrainRank(world, world, nullptr, c, tokens, t);
+                  TrainRank(world, world, nullptr, nullptr, c, tokens, t);
                 }).ok());
     return t;
   }
-  const auto layout = fsdp::HybridShardLayout::Create(c.world_size, c.shard_group_size).value();
+  // Hybrid: the shard and replicate groups. Resharding to smaller groups
+  // after forward: that layout's shard groups are the post-forward groups.
+  const bool hybrid = c.strategy == ShardingStrategy::kHybridShard;
+  const auto layout = fsdp::HybridShardLayout::Create(
+                          c.world_size, hybrid ? c.shard_group_size : c.post_forward_group_size)
+                          .value();
   auto store = c10::make_intrusive<c10d::HashStore>();
   EXPECT_TRUE(RunOnThreadRanks(c.world_size, [&](fsdp::Collectives& world) {
                 fsdp::GlooOptions gloo;
@@ -215,7 +225,11 @@ Trajectory TrainWithOurs(const ParityCase& c, const at::Tensor& tokens) {
                 auto groups = fsdp::CreateHybridShardCollectives(
                     world.rank(), layout, gloo.group_name, fsdp::GlooGroupConnector(store, gloo));
                 ASSERT_TRUE(groups.ok()) << groups.status();
-                TrainRank(world, *groups->shard, groups->replicate.get(), c, tokens, t);
+                if (hybrid) {
+                  TrainRank(world, *groups->shard, groups->replicate.get(), nullptr, c, tokens, t);
+                } else {
+                  TrainRank(world, world, nullptr, groups->shard.get(), c, tokens, t);
+                }
               }).ok());
   return t;
 }
@@ -278,6 +292,8 @@ INSTANTIATE_TEST_SUITE_P(
                       ParityCase{"ShardGradOp_W2", 2, 2, ShardingStrategy::kShardGradOp, false},
                       ParityCase{"ShardGradOp_W3", 3, 3, ShardingStrategy::kShardGradOp, false},
                       ParityCase{"HybridShard_W4_2x2", 4, 2, ShardingStrategy::kHybridShard, false},
+                      ParityCase{"FullShard_W4_ReshardAfterForward2", 4, 4,
+                                 ShardingStrategy::kFullShard, false, 2},
                       ParityCase{"FullShard_W2_bf16", 2, 2, ShardingStrategy::kFullShard, true},
                       ParityCase{"FullShard_W3_bf16", 3, 3, ShardingStrategy::kFullShard, true}),
     [](const ::testing::TestParamInfo<ParityCase>& info) { return info.param.name; });
