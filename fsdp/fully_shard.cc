@@ -275,6 +275,7 @@ void FullyShardedModel::ValidateKeptFullParams() {
 
 void FullyShardedModel::PreForward(FsdpUnit& unit) {
   if (!initialized_) LazyInit();
+  forward_ran_ = true;
   if (training_state_ == ModelTrainingState::kIdle) ValidateKeptFullParams();
   unit.forward_span_ = TraceSpan(options_.trace, "forward", UnitName(unit.fqn_));
   FlatParamHandle* handle = unit.handle_.get();
@@ -520,8 +521,15 @@ absl::Status FullyShardedModel::SetGradientDivideFactor(const torch::nn::Module&
 
 absl::StatusOr<UnshardHandle> FullyShardedModel::Unshard(const torch::nn::Module& module) {
   FSDP_ASSIGN_OR_RETURN(std::vector<FsdpUnit*> units, UnitsOf("Unshard", module, false));
-  // The cross-rank checks come before the first all-gather, as in forward.
-  if (!initialized_) LazyInit();
+  // The cross-rank checks come before the first all-gather, as in forward;
+  // they throw on every rank alike.
+  if (!initialized_) {
+    try {
+      LazyInit();
+    } catch (...) {
+      return StatusFromCurrentException();
+    }
+  }
   FsdpUnit& unit = *units.front();
   if (backward_callback_queued_) {
     return absl::FailedPreconditionError(
@@ -734,7 +742,7 @@ absl::Status FullyShardedModel::RegisterCommHook(std::shared_ptr<CommHook> hook)
     return absl::FailedPreconditionError(
         absl::StrCat(who, "hook '", comm_hook_->Name(), "' is already registered"));
   }
-  if (initialized_) {
+  if (forward_ran_) {
     return absl::FailedPreconditionError(
         who + "register the hook before the first forward, as PyTorch requires");
   }

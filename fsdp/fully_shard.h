@@ -175,7 +175,7 @@ class FullyShardedModel {
   // options, and their parameters are sharded over `group`, which must
   // outlive the model. Fails, leaving the model untouched, with PlanWrap's
   // errors or when a handle cannot flatten its parameters. Every rank must
-  // wrap the same plan (checked at the first forward).
+  // wrap the same plan (checked at the first forward or Unshard).
   static absl::StatusOr<std::unique_ptr<FullyShardedModel>> Wrap(
       std::shared_ptr<torch::nn::Module> root, Collectives& group,
       const FsdpOptions& options, const WrapPolicy& policy);
@@ -338,8 +338,9 @@ class FullyShardedModel {
   FullyShardedModel(std::shared_ptr<torch::nn::Module> root, Collectives& group,
                     const FsdpOptions& options);
 
-  // At the first forward: checks that every rank wrapped the same plan
-  // with the same options (one all-gather).
+  // At the first forward or Unshard: checks that every rank wrapped the
+  // same plan with the same options (one all-gather), and the post-forward
+  // group (CheckPostForwardGroup).
   void LazyInit();
   void PreForward(FsdpUnit& unit);
   // At the start of a step's forward: finishes pending Unshards and drops
@@ -386,7 +387,8 @@ class FullyShardedModel {
   std::vector<std::unique_ptr<FsdpUnit>> units_;
   WrapPlan plan_;
   std::unique_ptr<UnitScheduler> scheduler_;
-  bool initialized_ = false;
+  bool initialized_ = false;  // LazyInit ran (at the first forward or Unshard).
+  bool forward_ran_ = false;
   bool order_recorded_ = false;
   std::vector<int> pre_forward_order_;   // First iteration, unit indices.
   std::vector<int> post_forward_order_;  // First iteration, unit indices.

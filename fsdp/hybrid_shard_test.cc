@@ -516,28 +516,39 @@ struct DetachingNetImpl : NetImpl {
 TEST(PostForwardGroup, AForwardWithoutBackwardKeepsNoPieces) {
   constexpr int kWorld = 4;
   const HybridShardLayout layout = HybridShardLayout::Create(kWorld, 2).value();
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  absl::Status status = RunOnThreadRanks(kWorld, [&](Collectives& world) {
-    GlooOptions gloo;
-    gloo.hostname = "127.0.0.1";
-    gloo.timeout = std::chrono::seconds(60);
-    auto groups = CreateHybridShardCollectives(world.rank(), layout, gloo.group_name,
-                                               GlooGroupConnector(store, gloo));
-    ASSERT_TRUE(groups.ok()) << groups.status();
-    auto model = std::make_shared<DetachingNetImpl>();
-    FsdpOptions options;
-    options.post_forward_group = groups->shard.get();
-    auto wrapped = FullyShardedModel::Wrap(model, world, options, SelectModulesOfType<BlockImpl>());
-    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
-    at::Tensor out = model->forward(Inputs(0, 0));
-    EXPECT_FALSE(out.requires_grad());
-    EXPECT_EQ((*wrapped)->training_state(), ModelTrainingState::kIdle);
-    EXPECT_EQ((*wrapped)->FullParamBytes(), 0);
-    for (const auto& unit : (*wrapped)->units()) {
-      EXPECT_FALSE(unit->handle()->holds_post_forward_shard()) << unit->fqn();
-    }
-  });
-  EXPECT_TRUE(status.ok()) << status;
+  // Pieces under FULL_SHARD with a post-forward group; whole full
+  // parameters under SHARD_GRAD_OP.
+  for (const bool zero2 : {false, true}) {
+    SCOPED_TRACE(zero2 ? "SHARD_GRAD_OP" : "FULL_SHARD, post-forward group");
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    absl::Status status = RunOnThreadRanks(kWorld, [&](Collectives& world) {
+      GlooOptions gloo;
+      gloo.hostname = "127.0.0.1";
+      gloo.timeout = std::chrono::seconds(60);
+      auto groups = CreateHybridShardCollectives(world.rank(), layout, gloo.group_name,
+                                                 GlooGroupConnector(store, gloo));
+      ASSERT_TRUE(groups.ok()) << groups.status();
+      auto model = std::make_shared<DetachingNetImpl>();
+      FsdpOptions options;
+      if (zero2) {
+        options.strategy = ShardingStrategy::kShardGradOp;
+      } else {
+        options.post_forward_group = groups->shard.get();
+      }
+      auto wrapped =
+          FullyShardedModel::Wrap(model, world, options, SelectModulesOfType<BlockImpl>());
+      ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+      at::Tensor out = model->forward(Inputs(0, 0));
+      EXPECT_FALSE(out.requires_grad());
+      EXPECT_EQ((*wrapped)->training_state(), ModelTrainingState::kIdle);
+      EXPECT_EQ((*wrapped)->FullParamBytes(), 0);
+      for (const auto& unit : (*wrapped)->units()) {
+        EXPECT_FALSE(unit->handle()->holds_post_forward_shard()) << unit->fqn();
+        EXPECT_FALSE(unit->handle()->is_unsharded()) << unit->fqn();
+      }
+    });
+    EXPECT_TRUE(status.ok()) << status;
+  }
 }
 
 }  // namespace

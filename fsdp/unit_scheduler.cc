@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "c10/core/StreamGuard.h"
+#include "c10/core/impl/VirtualGuardImpl.h"
 #include "fsdp/trace.h"
 
 namespace fsdp {
@@ -26,7 +27,10 @@ void UnitScheduler::IssueUnshard(FlatParamHandle& handle, const std::string& pha
   }
   if (snapshot) {
     // On the compute stream, which the all-gather stream waits for below,
-    // whatever stream the caller is on.
+    // after what the caller's stream wrote to the shard so far.
+    const c10::Device device = streams_.compute().device();
+    RuntimeStreams::WaitStream(streams_.compute(),
+                               c10::impl::VirtualGuardImpl(device.type()).getStream(device));
     c10::StreamGuard on_compute(streams_.compute());
     handle.SnapshotShard();
   }

@@ -33,6 +33,8 @@ from gpt_interop import GPT  # noqa: E402
 
 
 def main():
+    if len(sys.argv) not in (11, 12):
+        sys.exit(__doc__)
     directory, strategy, precision = sys.argv[1:4]
     shard_group_size, n_layer, n_head, n_embd, block_size = map(int, sys.argv[4:9])
     lr, weight_decay = map(float, sys.argv[9:11])
@@ -48,8 +50,12 @@ def main():
     else:
         mesh = init_device_mesh("cpu", (world,))
     kwargs = dict(mesh=mesh, reshard_after_forward=strategy != "shard_grad_op")
-    if len(sys.argv) > 11 and int(sys.argv[11]) > 0:
-        kwargs["reshard_after_forward"] = int(sys.argv[11])
+    if len(sys.argv) == 12 and int(sys.argv[11]) > 0:
+        k = int(sys.argv[11])
+        # FSDP2 reads 1 as False (keep everything); only full_shard takes k.
+        if strategy != "full_shard" or not 1 < k < world:
+            sys.exit(f"RESHARD_AFTER_FORWARD={k} needs full_shard and 1 < k < {world}")
+        kwargs["reshard_after_forward"] = k
     if precision == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                    reduce_dtype=torch.float32)
