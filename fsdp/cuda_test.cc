@@ -5,13 +5,14 @@
 // statistics; full parameters are freed after backward; the rate limiter
 // bounds the full parameters in flight. And several ranks
 // (processes) sharing the GPU through staged collectives: the same model,
-// and exactly the collectives the same run on the host issues.
+// and exactly the collectives the same run on the host issues. And an
+// Unshard ahead of the forward seen stale after a queued shard update.
 //
 // Needs a GPU and a CUDA-enabled libtorch: built under --config=cuda (tag
 // manual, so //... never builds it) or by the CMake build against a pip
 // torch. Passed on one H200 with torch 2.11 on 2026-11-26
-// (models/gpu_verify_h200/README.md), before the rate limiter's test was
-// added; not yet run with torch 2.15 on a GPU.
+// (models/gpu_verify_h200/README.md), before the rate limiter's and the
+// Unshard test were added; not yet run with torch 2.15 on a GPU.
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -264,6 +265,42 @@ TEST(CudaFsdp, UnshardSeesShardUpdatesStillQueuedOnTheComputeStream) {
     for (const at::Tensor& p : model->parameters()) p.zero_();
     EXPECT_EQ(model->forward(x).abs().max().item<float>(), 0)
         << ShardingStrategyName(strategy);
+  }
+}
+
+// Unshard ahead of the forward on the device (FullyShardedModel::Unshard):
+// its copy of the shard is queued on the compute stream behind a long
+// kernel, and a shard update queued after it (as an optimizer step would
+// be) must not reach the gathered values; the step's first forward hook
+// then finds the kept copy stale and gathers the unit again, so the forward
+// computes with the update, as one that gathers it the ordinary way. Also with bf16 compute (the
+// gather sends a cast of the copy) and with offload (the copy is made on the host).
+TEST(CudaFsdp, AnUnshardAheadOfAQueuedShardUpdateIsGatheredAgain) {
+  for (int config = 0; config < 3; ++config) {
+    SCOPED_TRACE(config == 0 ? "float32" : config == 1 ? "bfloat16" : "offload");
+    Net model;  // Its root opens a forward scope: each forward ends IDLE.
+    model->to(kCuda);
+    auto group = CreateNcclCollectives(c10::make_intrusive<c10d::HashStore>(), 0, 1, 0).value();
+    FsdpOptions options;
+    if (config == 1) options.mixed_precision.param_dtype = DType::kBFloat16;
+    options.offload_params = config == 2;
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), *group, options, SelectModulesOfType<BlockImpl>())
+            .value();
+    at::NoGradGuard no_grad;
+    const at::Tensor x = Inputs(0, 0).to(kCuda);
+    ASSERT_GT(model->forward(x).abs().max().item<float>(), 0);
+    at::cuda::sleep(int64_t{1} << 31);  // About a second on the compute stream.
+    ASSERT_TRUE(wrapped->Unshard(*model->blocks[0]).ok());
+    // blocks.0's shard; on the host when offloaded.
+    for (const at::Tensor& p : model->blocks[0]->parameters()) p.zero_();
+    const at::Tensor after_unshard = model->forward(x).to(at::kCPU);
+    for (const auto& unit : wrapped->units()) {
+      if (unit->handle() != nullptr) EXPECT_FALSE(unit->handle()->holds_kept_full());
+    }
+    EXPECT_EQ(wrapped->FullParamBytes(), 0);
+    // A forward that gathers the updated shards the ordinary way.
+    EXPECT_TRUE(at::equal(after_unshard, model->forward(x).to(at::kCPU)));
   }
 }
 
