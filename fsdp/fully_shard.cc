@@ -1,6 +1,5 @@
 #include "fsdp/fully_shard.h"
 
-#include <algorithm>
 #include <optional>
 #include <utility>
 
