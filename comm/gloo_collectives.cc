@@ -1,5 +1,7 @@
 #include "comm/gloo_collectives.h"
 
+#include <signal.h>
+
 #include <algorithm>
 #include <cstring>
 #include <exception>
@@ -395,6 +397,27 @@ class GlooCollectives final : public Collectives {
 // the timeout and fail with a transport error that says neither.
 constexpr int kConnectAttempts = 3;
 
+// NOTE [Broken connections]. Gloo sends with writev(2), which cannot take
+// MSG_NOSIGNAL: a write to a peer that has closed its end (a rank that
+// failed, exited or lost its node) raises SIGPIPE, whose default action
+// kills this process before the error reaches the rank's report, so a
+// survivor dies silently instead of naming the lost rank. Python never
+// sees this: it ignores SIGPIPE at startup. A no-op handler rather than
+// SIG_IGN: an ignored disposition survives exec(2) into child processes, a
+// handler does not. A handler the program installed itself is left alone.
+// Checked at every group's creation; two racing creations install the same
+// handler.
+void SurviveBrokenConnections() {
+  struct sigaction current = {};
+  if (sigaction(SIGPIPE, nullptr, &current) != 0) return;
+  if ((current.sa_flags & SA_SIGINFO) != 0 || current.sa_handler != SIG_DFL) return;
+  struct sigaction survive = {};
+  survive.sa_handler = [](int) {};
+  survive.sa_flags = SA_RESTART;
+  sigemptyset(&survive.sa_mask);
+  sigaction(SIGPIPE, &survive, nullptr);
+}
+
 absl::Status CheckMembership(c10d::Store& store, int rank, int world_size,
                              const std::string& who) {
   const std::string mine = std::to_string(world_size);
@@ -440,6 +463,7 @@ absl::StatusOr<std::unique_ptr<Collectives>> CreateGlooCollectives(
   }
   const std::string who = absl::StrCat("rank ", rank, " of ", world_size, " of group '",
                                        options.group_name, "'");
+  SurviveBrokenConnections();
   try {
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
         absl::StrCat("fsdp/", options.group_name), std::move(store));

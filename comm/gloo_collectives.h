@@ -25,6 +25,10 @@
 // comm adapters (rendezvous.h, nccl_collectives.h), never above comm/.
 // Every rank of a group calls CreateGlooCollectives with the same store and
 // group name; creation blocks until all ranks have connected.
+// Creating a group installs a no-op SIGPIPE handler when SIGPIPE is at its
+// default action (terminate): a peer that closed its connection then fails
+// the collective with an error instead of killing this process. A handler
+// or SIG_IGN the program set is left alone (NOTE [Broken connections]).
 #ifndef FSDP_COMM_GLOO_COLLECTIVES_H_
 #define FSDP_COMM_GLOO_COLLECTIVES_H_
 

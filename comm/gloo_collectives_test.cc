@@ -1,6 +1,11 @@
 #include "comm/gloo_collectives.h"
 
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <memory>
 #include <stdexcept>
@@ -280,6 +285,69 @@ TEST(Collectives, RejectsBadGroupArguments) {
   both.interface = "lo";
   EXPECT_THAT(CreateGlooCollectives(store, 0, 1, both).status().message(),
               HasSubstr("at most one of interface and hostname"));
+}
+
+// Restores SIGPIPE's disposition when a test ends, whatever it set.
+class SigpipeDisposition {
+ public:
+  SigpipeDisposition() { sigaction(SIGPIPE, nullptr, &saved_); }
+  ~SigpipeDisposition() { sigaction(SIGPIPE, &saved_, nullptr); }
+  static void Set(void (*handler)(int)) {
+    struct sigaction action = {};
+    action.sa_handler = handler;
+    sigemptyset(&action.sa_mask);
+    ASSERT_EQ(sigaction(SIGPIPE, &action, nullptr), 0);
+  }
+  static void (*Current())(int) {
+    struct sigaction action = {};
+    sigaction(SIGPIPE, nullptr, &action);
+    return action.sa_handler;
+  }
+
+ private:
+  struct sigaction saved_ = {};
+};
+
+// Writes to a socket whose peer has closed its end; returns errno.
+int WriteToClosedPeer() {
+  int ends[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM, 0, ends) != 0) return -1;
+  close(ends[1]);
+  const char byte = 1;
+  const ssize_t written = write(ends[0], &byte, 1);
+  const int error = written < 0 ? errno : 0;
+  close(ends[0]);
+  return error;
+}
+
+// Gloo writes with writev(2), so a peer that went away raises SIGPIPE in
+// the sender (NOTE [Broken connections]). Once a group exists, that write
+// must fail with EPIPE and leave this process alive to report it; without
+// the handler this test dies of SIGPIPE.
+TEST(Collectives, AClosedPeerIsAnErrorNotAKilledProcess) {
+  SigpipeDisposition restore;
+  SigpipeDisposition::Set(SIG_DFL);
+  GlooOptions options;
+  options.hostname = "127.0.0.1";
+  auto group = CreateGlooCollectives(c10::make_intrusive<c10d::HashStore>(), 0, 1, options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  EXPECT_NE(SigpipeDisposition::Current(), SIG_DFL);
+  EXPECT_NE(SigpipeDisposition::Current(), SIG_IGN) << "SIG_IGN would pass to exec'd children";
+  EXPECT_EQ(WriteToClosedPeer(), EPIPE);
+}
+
+void ProgramsOwnSigpipeHandler(int) {}
+
+TEST(Collectives, ASigpipeDispositionTheProgramChoseIsKept) {
+  SigpipeDisposition restore;
+  GlooOptions options;
+  options.hostname = "127.0.0.1";
+  for (void (*chosen)(int) : {&ProgramsOwnSigpipeHandler, SIG_IGN}) {
+    SigpipeDisposition::Set(chosen);
+    auto group = CreateGlooCollectives(c10::make_intrusive<c10d::HashStore>(), 0, 1, options);
+    ASSERT_TRUE(group.ok()) << group.status();
+    EXPECT_EQ(SigpipeDisposition::Current(), chosen);
+  }
 }
 
 // Ranks that disagree on the world size are told so, by rank, instead of
