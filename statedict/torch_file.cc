@@ -1,9 +1,10 @@
 #include "statedict/torch_file.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
-#include <algorithm>
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -44,11 +45,27 @@ uint64_t Le(const std::string& b, size_t at, int bytes) {
   return v;
 }
 
-// The CRC-32 the zip central directory records for every entry, by name
-// without the archive's top directory ("data/0", "data.pkl"). libtorch's
-// reader does not check them for stored (uncompressed) records, which is
-// how torch.save stores everything, so a flipped byte would load silently.
-absl::StatusOr<std::unordered_map<std::string, uint32_t>> ZipCrcs(const std::string& path) {
+// What the zip central directory records for one entry.
+struct ZipEntry {
+  uint32_t crc = 0;
+  uint64_t compressed_size = 0;
+  uint64_t size = 0;  // Uncompressed.
+};
+
+// The central directory's entries, by name without the archive's top
+// directory ("data/0", "data.pkl"). The reader checks every record against
+// them before reading it: the CRC-32, which libtorch's reader does not
+// check for stored (uncompressed) records, how torch.save stores
+// everything, so a flipped byte would load silently; and the size, before
+// anything is allocated for it. An archive whose every CRC is 0 was written
+// with torch.serialization.set_crc32_options(False) and cannot be checked.
+struct ZipDirectory {
+  uint64_t file_size = 0;
+  bool has_crcs = false;
+  std::unordered_map<std::string, ZipEntry> entries;
+};
+
+absl::StatusOr<ZipDirectory> ReadZipDirectory(const std::string& path) {
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   const auto bad = [&](const std::string& what) {
     return absl::InvalidArgumentError(
@@ -104,20 +121,79 @@ absl::StatusOr<std::unordered_map<std::string, uint32_t>> ZipCrcs(const std::str
   in.seekg(static_cast<std::streamoff>(dir_offset));
   in.read(&dir[0], static_cast<std::streamsize>(dir_size));
   if (!in) return bad("cannot read the zip central directory");
-  std::unordered_map<std::string, uint32_t> crcs;
+  ZipDirectory directory;
+  directory.file_size = size;
   size_t at = 0;
   for (uint64_t e = 0; e < entries; ++e) {
     if (at + 46 > dir.size() || Le(dir, at, 4) != 0x02014b50) return bad("corrupt zip directory");
-    const uint32_t crc = static_cast<uint32_t>(Le(dir, at + 16, 4));
+    ZipEntry entry;
+    entry.crc = static_cast<uint32_t>(Le(dir, at + 16, 4));
+    entry.compressed_size = Le(dir, at + 20, 4);
+    entry.size = Le(dir, at + 24, 4);
     const size_t name_len = Le(dir, at + 28, 2), extra_len = Le(dir, at + 30, 2),
                  comment_len = Le(dir, at + 32, 2);
     if (at + 46 + name_len > dir.size()) return bad("corrupt zip directory");
+    if (at + 46 + name_len + extra_len > dir.size()) return bad("corrupt zip directory");
+    // Sizes of 4 GiB and more live in the zip64 extra field, in this order.
+    std::string extra = dir.substr(at + 46 + name_len, extra_len);
+    for (size_t e = 0; e + 4 <= extra.size();) {
+      const uint64_t tag = Le(extra, e, 2), len = Le(extra, e + 2, 2);
+      if (e + 4 + len > extra.size()) break;
+      if (tag == 0x0001) {
+        size_t field = e + 4;
+        if (entry.size == 0xffffffff && field + 8 <= e + 4 + len) {
+          entry.size = Le(extra, field, 8);
+          field += 8;
+        }
+        if (entry.compressed_size == 0xffffffff && field + 8 <= e + 4 + len) {
+          entry.compressed_size = Le(extra, field, 8);
+        }
+      }
+      e += 4 + len;
+    }
+    directory.has_crcs = directory.has_crcs || entry.crc != 0;
     std::string name = dir.substr(at + 46, name_len);
     const size_t slash = name.find('/');
-    crcs[slash == std::string::npos ? name : name.substr(slash + 1)] = crc;
+    directory.entries[slash == std::string::npos ? name : name.substr(slash + 1)] = entry;
     at += 46 + name_len + extra_len + comment_len;
   }
-  return crcs;
+  return directory;
+}
+
+// Checks a record's directory entry before anything is allocated for it:
+// it exists, holds `expected_size` bytes when that is known (>= 0), and
+// claims no more than the file could hold (deflate expands at most 1032x).
+absl::Status CheckRecordSize(const std::string& path, const ZipDirectory& directory,
+                             const std::string& record, int64_t expected_size) {
+  auto it = directory.entries.find(record);
+  if (it == directory.entries.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", path, "': the archive has no record '", record, "'"));
+  }
+  const ZipEntry& entry = it->second;
+  if (expected_size >= 0 && entry.size != static_cast<uint64_t>(expected_size)) {
+    return absl::InvalidArgumentError(absl::StrCat("'", path, "': record '", record, "' has ",
+                                                   entry.size, " bytes, expected ", expected_size));
+  }
+  if (entry.compressed_size > directory.file_size ||
+      entry.size > 1032 * entry.compressed_size + 1024) {
+    return absl::InvalidArgumentError(absl::StrCat("'", path, "': record '", record, "' claims ",
+                                                   entry.size, " bytes from ",
+                                                   entry.compressed_size, " stored in a file of ",
+                                                   directory.file_size, ": the file is corrupt"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckRecordCrc(const std::string& path, const ZipDirectory& directory,
+                            const std::string& record, const void* bytes, size_t n) {
+  if (!directory.has_crcs) return absl::OkStatus();
+  auto it = directory.entries.find(record);
+  if (it == directory.entries.end() || Crc32(bytes, n) != it->second.crc) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "'", path, "': record '", record, "' fails its CRC-32 check: the file is corrupt"));
+  }
+  return absl::OkStatus();
 }
 
 // A value of the pickle subset torch.save uses for state dicts.
@@ -156,28 +232,50 @@ const char* KindName(PyValue::Kind kind) {
   return "?";
 }
 
-bool StorageDtype(const std::string& storage_type, at::ScalarType* dtype) {
-  static const std::map<std::string, at::ScalarType> kTypes = {
-      {"torch.FloatStorage", at::kFloat},     {"torch.DoubleStorage", at::kDouble},
-      {"torch.HalfStorage", at::kHalf},       {"torch.BFloat16Storage", at::kBFloat16},
-      {"torch.LongStorage", at::kLong},       {"torch.IntStorage", at::kInt},
-      {"torch.ShortStorage", at::kShort},     {"torch.CharStorage", at::kChar},
-      {"torch.ByteStorage", at::kByte},       {"torch.BoolStorage", at::kBool},
+// The legacy Storage classes through which torch.save's format names a
+// storage's dtype (libtorch's pickler writes "torch.<Type>Storage").
+// Dtypes without one (float8, uint16/32/64) cannot be written in it.
+const std::map<std::string, at::ScalarType>& StorageClasses() {
+  static const auto* kTypes = new std::map<std::string, at::ScalarType>{
+      {"torch.FloatStorage", at::kFloat},
+      {"torch.DoubleStorage", at::kDouble},
+      {"torch.HalfStorage", at::kHalf},
+      {"torch.BFloat16Storage", at::kBFloat16},
+      {"torch.LongStorage", at::kLong},
+      {"torch.IntStorage", at::kInt},
+      {"torch.ShortStorage", at::kShort},
+      {"torch.CharStorage", at::kChar},
+      {"torch.ByteStorage", at::kByte},
+      {"torch.BoolStorage", at::kBool},
       {"torch.ComplexFloatStorage", at::kComplexFloat},
       {"torch.ComplexDoubleStorage", at::kComplexDouble},
   };
-  auto it = kTypes.find(storage_type);
-  if (it == kTypes.end()) return false;
+  return *kTypes;
+}
+
+bool StorageDtype(const std::string& storage_type, at::ScalarType* dtype) {
+  auto it = StorageClasses().find(storage_type);
+  if (it == StorageClasses().end()) return false;
   *dtype = it->second;
   return true;
+}
+
+bool HasStorageClass(at::ScalarType dtype) {
+  for (const auto& [name, type] : StorageClasses()) {
+    if (type == dtype) return true;
+  }
+  return false;
 }
 
 class Unpickler {
  public:
   Unpickler(std::string path, const char* data, size_t size,
-            caffe2::serialize::PyTorchStreamReader& archive,
-            const std::unordered_map<std::string, uint32_t>& crcs)
-      : path_(std::move(path)), data_(data), size_(size), archive_(archive), crcs_(crcs) {}
+            caffe2::serialize::PyTorchStreamReader& archive, const ZipDirectory& directory)
+      : path_(std::move(path)),
+        data_(data),
+        size_(size),
+        archive_(archive),
+        directory_(directory) {}
 
   absl::StatusOr<PyRef> Run() {
     while (true) {
@@ -287,24 +385,24 @@ class Unpickler {
     if (!StorageDtype(pid->items[1]->s, &dtype)) {
       return Error(absl::StrCat("unsupported storage type ", pid->items[1]->s));
     }
+    // Everything here comes from the file: check the count against the
+    // record's size before allocating for either.
     const int64_t numel = pid->items[4]->i;
+    const int64_t element_size = static_cast<int64_t>(c10::elementSize(dtype));
     const std::string record = "data/" + key;
-    if (numel < 0 || !archive_.hasRecord(record)) {
-      return Error(absl::StrCat("the archive has no record '", record, "' for a storage"));
+    if (numel < 0 || numel > std::numeric_limits<int64_t>::max() / element_size) {
+      return Error(absl::StrCat("storage '", record, "' claims ", numel, " elements"));
     }
+    FSDP_RETURN_IF_ERROR(CheckRecordSize(path_, directory_, record, numel * element_size));
     at::DataPtr bytes;
     size_t nbytes = 0;
     std::tie(bytes, nbytes) = archive_.getRecord(record);
-    at::Tensor storage = at::empty({numel}, at::TensorOptions().dtype(dtype));
-    if (nbytes != storage.nbytes()) {
+    if (nbytes != static_cast<size_t>(numel * element_size)) {
       return Error(absl::StrCat("storage record '", record, "' has ", nbytes, " bytes, expected ",
-                                storage.nbytes()));
+                                numel * element_size));
     }
-    auto crc = crcs_.find(record);
-    if (crc == crcs_.end() || Crc32(bytes.get(), nbytes) != crc->second) {
-      return Error(absl::StrCat("storage record '", record,
-                                "' fails its CRC-32 check: the file is corrupt"));
-    }
+    FSDP_RETURN_IF_ERROR(CheckRecordCrc(path_, directory_, record, bytes.get(), nbytes));
+    at::Tensor storage = at::empty({numel}, at::TensorOptions().dtype(dtype));
     if (nbytes > 0) std::memcpy(storage.data_ptr(), bytes.get(), nbytes);
     PyRef value = Make(PyValue::Kind::kTensor);
     value->tensor = storage;
@@ -526,7 +624,7 @@ class Unpickler {
   size_t size_;
   size_t pos_ = 0;
   caffe2::serialize::PyTorchStreamReader& archive_;
-  const std::unordered_map<std::string, uint32_t>& crcs_;
+  const ZipDirectory& directory_;
   std::vector<PyRef> stack_;
   std::vector<size_t> marks_;
   std::unordered_map<uint64_t, PyRef> memo_;
@@ -545,6 +643,12 @@ absl::Status SaveTorchStateDict(const std::string& path, const StateDict& state)
     if (!tensor.device().is_cpu()) {
       return absl::InvalidArgumentError(
           absl::StrCat("'", name, "' is on ", tensor.device().str(), "; offload it to CPU first"));
+    }
+    if (!HasStorageClass(tensor.scalar_type())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "'", name, "' has dtype ", c10::toString(tensor.scalar_type()),
+          ", which torch.save's format cannot name (it has no legacy Storage class); convert "
+          "it to a dtype that has one (e.g. bfloat16) before saving"));
     }
     if (dict.contains(name)) {
       return absl::InvalidArgumentError(absl::StrCat("'", name, "' appears twice"));
@@ -582,7 +686,7 @@ absl::Status SaveTorchStateDict(const std::string& path, const StateDict& state)
 }
 
 absl::StatusOr<StateDict> LoadTorchStateDict(const std::string& path, const std::string& entry) {
-  FSDP_ASSIGN_OR_RETURN(const auto crcs, ZipCrcs(path));
+  FSDP_ASSIGN_OR_RETURN(const ZipDirectory directory, ReadZipDirectory(path));
   std::unique_ptr<caffe2::serialize::PyTorchStreamReader> archive;
   at::DataPtr pickle;
   size_t pickle_size = 0;
@@ -592,12 +696,9 @@ absl::StatusOr<StateDict> LoadTorchStateDict(const std::string& path, const std:
       return absl::InvalidArgumentError(
           absl::StrCat("'", path, "' is not a torch.save file: the archive has no data.pkl"));
     }
+    FSDP_RETURN_IF_ERROR(CheckRecordSize(path, directory, "data.pkl", -1));
     std::tie(pickle, pickle_size) = archive->getRecord("data.pkl");
-    auto crc = crcs.find("data.pkl");
-    if (crc == crcs.end() || Crc32(pickle.get(), pickle_size) != crc->second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("'", path, "': data.pkl fails its CRC-32 check: the file is corrupt"));
-    }
+    FSDP_RETURN_IF_ERROR(CheckRecordCrc(path, directory, "data.pkl", pickle.get(), pickle_size));
   } catch (const std::exception& e) {
     std::string what = e.what();
     what = what.substr(0, what.find('\n'));
@@ -606,7 +707,8 @@ absl::StatusOr<StateDict> LoadTorchStateDict(const std::string& path, const std:
   }
   PyRef root;
   try {
-    Unpickler unpickler(path, static_cast<const char*>(pickle.get()), pickle_size, *archive, crcs);
+    Unpickler unpickler(path, static_cast<const char*>(pickle.get()), pickle_size, *archive,
+                        directory);
     FSDP_ASSIGN_OR_RETURN(root, unpickler.Run());
   } catch (const std::exception& e) {
     std::string what = e.what();

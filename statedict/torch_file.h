@@ -31,7 +31,8 @@ namespace fsdp {
 using StateDict = std::vector<std::pair<std::string, at::Tensor>>;
 
 // Writes `state` as a dict {name: tensor}, readable by torch.load. Tensors
-// must be on CPU (the caller offloads).
+// must be on CPU (the caller offloads) and of a dtype the format names with
+// a legacy Storage class: float8 and uint16/32/64 are refused by name.
 absl::Status SaveTorchStateDict(const std::string& path, const StateDict& state);
 
 // Reads the dict of tensors at `path` (written by torch.save or by
@@ -40,7 +41,12 @@ absl::Status SaveTorchStateDict(const std::string& path, const StateDict& state)
 // level itself. Tensors come back contiguous, on CPU, not requiring grad.
 // Fails, naming the file, on anything else: not a zip archive, a truncated
 // or corrupt archive, a pickle feature or global outside the subset, a
-// missing storage record, a non-tensor value in the selected dict.
+// missing storage record or one whose size is not what the pickle says
+// (checked before allocating), a non-tensor value in the selected dict.
+// Every record is checked against the CRC-32 the zip records for it, except
+// in files written with CRC-32s turned off
+// (torch.serialization.set_crc32_options(False): every CRC is 0), which
+// load unchecked.
 absl::StatusOr<StateDict> LoadTorchStateDict(const std::string& path,
                                              const std::string& entry = "");
 

@@ -56,6 +56,16 @@ def write_for_cpp(directory):
     torch.save({"p": param}, directory + "/parameter.pt")
 
 
+def write_without_crcs(path):
+    """torch.save with CRC-32s turned off: every zip record then records 0."""
+    if not hasattr(torch.serialization, "set_crc32_options"):
+        print("torch %s has no torch.serialization.set_crc32_options" % torch.__version__)
+        sys.exit(3)
+    torch.serialization.set_crc32_options(False)
+    torch.save({"w": torch.arange(1000, dtype=torch.float32).view(10, 100)}, path)
+
+
 if __name__ == "__main__":
     mode, path = sys.argv[1], sys.argv[2]
-    {"check_written_by_cpp": check_written_by_cpp, "write_for_cpp": write_for_cpp}[mode](path)
+    {"check_written_by_cpp": check_written_by_cpp, "write_for_cpp": write_for_cpp,
+     "write_without_crcs": write_without_crcs}[mode](path)

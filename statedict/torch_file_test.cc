@@ -1,8 +1,10 @@
 #include "statedict/torch_file.h"
 
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -11,6 +13,7 @@
 
 #include "ATen/ATen.h"
 #include "absl/strings/str_cat.h"
+#include "caffe2/serialize/inline_container.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "statedict/atomic_file.h"
@@ -28,10 +31,12 @@ std::string TempDir() {
   return dir != nullptr ? dir : "/tmp";
 }
 
+// The script's exit status (-1 if it did not exit).
 int RunPython(const std::string& mode, const std::string& path) {
   const std::string command = absl::StrCat("timeout 120 ", ::fsdp::testing::TorchPython(), " ",
                                            kScript, " ", mode, " '", path, "'");
-  return std::system(command.c_str());
+  const int status = std::system(command.c_str());
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
 std::string ReadFile(const std::string& path) {
@@ -173,6 +178,113 @@ TEST(TorchFile, FlippedStorageBytesAreDetected) {
   auto flipped = LoadTorchStateDict(dir + "/flipped.pt");
   ASSERT_FALSE(flipped.ok()) << "a flipped byte in a storage went unnoticed";
   EXPECT_THAT(flipped.status().message(), HasSubstr("flipped.pt"));
+}
+
+// Pickle opcodes for hand-made torch.save files.
+std::string PickleString(const std::string& s) {
+  std::string out = "X";
+  for (int k = 0; k < 4; ++k) out += static_cast<char>((s.size() >> (8 * k)) & 0xff);
+  return out + s;
+}
+std::string PickleLong(int64_t v) {  // LONG1 with 8 bytes.
+  std::string out = "\x8a\x08";
+  for (int k = 0; k < 8; ++k)
+    out += static_cast<char>((static_cast<uint64_t>(v) >> (8 * k)) & 0xff);
+  return out;
+}
+
+// A torch.save file {'x': float tensor of `numel` elements} whose storage
+// record holds `record_bytes` bytes, whatever `numel` claims.
+void WriteHandMadeFile(const std::string& path, int64_t numel, size_t record_bytes) {
+  const std::string pickle = std::string("\x80\x02}(") + PickleString("x") +
+                             "ctorch._utils\n_rebuild_tensor_v2\n((" + PickleString("storage") +
+                             "ctorch\nFloatStorage\n" + PickleString("0") + PickleString("cpu") +
+                             PickleLong(numel) + "tQ" + std::string("K\0", 2) + PickleLong(numel) +
+                             "\x85K\x01\x85" + "\x89" + "ccollections\nOrderedDict\n)RtRu.";
+  std::string bytes;
+  caffe2::serialize::PyTorchStreamWriter archive([&](const void* data, size_t n) -> size_t {
+    bytes.append(static_cast<const char*>(data), n);
+    return n;
+  });
+  archive.writeRecord("data.pkl", pickle.data(), pickle.size());
+  const std::string storage(record_bytes, '\0');
+  archive.writeRecord("data/0", storage.data(), storage.size());
+  archive.writeEndOfFile();
+  WriteFile(path, bytes);
+}
+
+TEST(TorchFile, HandMadeFilesLoad) {
+  // The builder itself is right: an honest file loads.
+  const std::string path = TempDir() + "/hand_made.pt";
+  WriteHandMadeFile(path, 4, 16);
+  auto loaded = LoadTorchStateDict(path);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_TRUE(at::equal((*loaded)[0].second, at::zeros({4})));
+}
+
+// The element count comes from the pickle; nothing is allocated for it
+// before the record is known to hold that many bytes.
+TEST(TorchFile, AStorageCountTheRecordDoesNotHoldIsRefusedBeforeAllocating) {
+  const std::string path = TempDir() + "/lying_count.pt";
+  WriteHandMadeFile(path, int64_t{1} << 60, 16);  // 4 EiB claimed, 16 bytes stored.
+  auto lying = LoadTorchStateDict(path);
+  ASSERT_FALSE(lying.ok());
+  EXPECT_THAT(lying.status().message(),
+              HasSubstr("record 'data/0' has 16 bytes, expected 4611686018427387904"));
+  WriteHandMadeFile(path, int64_t{1} << 62, 16);  // Bytes overflow int64.
+  auto overflowing = LoadTorchStateDict(path);
+  ASSERT_FALSE(overflowing.ok());
+  EXPECT_THAT(overflowing.status().message(),
+              HasSubstr("storage 'data/0' claims 4611686018427387904 elements"));
+  WriteHandMadeFile(path, -3, 16);
+  EXPECT_THAT(LoadTorchStateDict(path).status().message(), HasSubstr("claims -3 elements"));
+}
+
+// Sets every CRC-32 the zip records to 0, as torch.save does with
+// torch.serialization.set_crc32_options(False).
+std::string ZeroZipCrcs(std::string bytes) {
+  for (size_t at = 0; at + 20 <= bytes.size(); ++at) {
+    if (bytes.compare(at, 4, "PK\x03\x04") == 0) bytes.replace(at + 14, 4, 4, '\0');
+    if (bytes.compare(at, 4, "PK\x01\x02") == 0) bytes.replace(at + 16, 4, 4, '\0');
+  }
+  return bytes;
+}
+
+TEST(TorchFile, FilesWrittenWithoutCrcsLoad) {
+  const std::string path = TempDir() + "/ours_without_crcs.pt";
+  ASSERT_TRUE(SaveTorchStateDict(path, Sample()).ok());
+  WriteFile(path, ZeroZipCrcs(ReadFile(path)));
+  auto loaded = LoadTorchStateDict(path);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_TRUE(at::equal((*loaded)[0].second, Sample()[0].second));
+}
+
+TEST(TorchFile, FilesPythonWroteWithoutCrcsLoad) {
+  const std::string path = TempDir() + "/python_without_crcs.pt";
+  const int python = RunPython("write_without_crcs", path);
+  if (python == 3) GTEST_SKIP() << "this torch cannot write files without CRC-32s";
+  ASSERT_EQ(python, 0);
+  auto loaded = LoadTorchStateDict(path);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_TRUE(at::equal((*loaded)[0].second, at::arange(1000, at::kFloat).view({10, 100})));
+}
+
+// A dtype the format has no name for would make a file that neither
+// torch.load nor LoadTorchStateDict can read; it is refused by name.
+TEST(TorchFile, DtypesTheFormatCannotNameAreRefusedWhenSaving) {
+  std::vector<at::ScalarType> unnamed = {at::kComplexHalf};
+#ifdef AT_FORALL_FLOAT8_TYPES
+  unnamed.push_back(at::kFloat8_e4m3fn);
+  unnamed.push_back(at::kFloat8_e5m2);
+#endif
+  for (at::ScalarType dtype : unnamed) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const absl::Status status = SaveTorchStateDict(
+        TempDir() + "/unnamed_dtype.pt", {{"ok", at::ones({2})}, {"odd", at::zeros({2}, dtype)}});
+    EXPECT_THAT(status.message(), HasSubstr(absl::StrCat("'odd' has dtype ", c10::toString(dtype),
+                                                         ", which torch.save's format cannot "
+                                                         "name")));
+  }
 }
 
 TEST(TorchFile, SaveIsAtomicAndRefusesBadInput) {
