@@ -804,6 +804,24 @@ target_include_directories(statedict_load_check PUBLIC $<INSTALL_INTERFACE:inclu
 install(TARGETS statedict_load_check EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/statedict/load_check.h DESTINATION include/statedict)
 
+# //statedict:restricted_unpickler
+add_library(statedict_restricted_unpickler SHARED ${PROJECT_SOURCE_DIR}/statedict/restricted_unpickler.cc ${PROJECT_SOURCE_DIR}/statedict/restricted_unpickler.h)
+set_target_properties(statedict_restricted_unpickler PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/statedict)
+target_link_libraries(statedict_restricted_unpickler PUBLIC base_status third_party_absl_base third_party_absl_status fsdp_torch)
+target_include_directories(statedict_restricted_unpickler PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS statedict_restricted_unpickler EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/statedict/restricted_unpickler.h DESTINATION include/statedict)
+
+# //statedict:restricted_unpickler_test
+if(BUILD_TESTING)
+add_executable(statedict_restricted_unpickler_test ${PROJECT_SOURCE_DIR}/statedict/restricted_unpickler_test.cc)
+set_target_properties(statedict_restricted_unpickler_test PROPERTIES OUTPUT_NAME restricted_unpickler_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/statedict ENABLE_EXPORTS ON)
+target_link_libraries(statedict_restricted_unpickler_test PRIVATE statedict_restricted_unpickler third_party_absl_base third_party_absl_status third_party_gtest_main)
+add_test(NAME //statedict:restricted_unpickler_test COMMAND statedict_restricted_unpickler_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//statedict:restricted_unpickler_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/statedict_restricted_unpickler_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/statedict_restricted_unpickler_test")
+endif()
+
 # //statedict:sharded_checkpoint_test
 if(BUILD_TESTING)
 add_executable(statedict_sharded_checkpoint_test ${PROJECT_SOURCE_DIR}/statedict/sharded_checkpoint_test.cc)
@@ -835,7 +853,7 @@ endif()
 # //statedict:torch_file
 add_library(statedict_torch_file SHARED ${PROJECT_SOURCE_DIR}/statedict/torch_file.cc ${PROJECT_SOURCE_DIR}/statedict/torch_file.h)
 set_target_properties(statedict_torch_file PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/statedict)
-target_link_libraries(statedict_torch_file PUBLIC statedict_atomic_file statedict_crc32 base_status third_party_absl_base third_party_absl_status fsdp_torch)
+target_link_libraries(statedict_torch_file PUBLIC statedict_atomic_file statedict_crc32 statedict_restricted_unpickler base_status third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(statedict_torch_file PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS statedict_torch_file EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/statedict/torch_file.h DESTINATION include/statedict)

@@ -1,12 +1,18 @@
 #include "statedict/torch_file.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cctype>
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
-#include <fstream>
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -18,8 +24,10 @@
 #include "absl/strings/str_join.h"
 #include "base/status.h"
 #include "caffe2/serialize/inline_container.h"
+#include "caffe2/serialize/read_adapter_interface.h"
 #include "statedict/atomic_file.h"
 #include "statedict/crc32.h"
+#include "statedict/restricted_unpickler.h"
 #include "torch/csrc/jit/serialization/export.h"
 #include "torch/csrc/jit/serialization/pickler.h"
 
@@ -65,18 +73,84 @@ struct ZipDirectory {
   std::unordered_map<std::string, ZipEntry> entries;
 };
 
-absl::StatusOr<ZipDirectory> ReadZipDirectory(const std::string& path) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
+// Bytes [base, base + size) of an open file: a whole torch.save file, or
+// one embedded in another (Distributed Checkpoint's .distcp files).
+class ByteRange {
+ public:
+  static absl::StatusOr<std::shared_ptr<ByteRange>> Open(const std::string& path, uint64_t offset,
+                                                         std::optional<uint64_t> length) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      return absl::NotFoundError(absl::StrCat("cannot open '", path, "': ", std::strerror(errno)));
+    }
+    auto range = std::shared_ptr<ByteRange>(new ByteRange(fd));
+    struct stat st;
+    if (fstat(fd, &st) != 0) return absl::InternalError(absl::StrCat("cannot stat '", path, "'"));
+    const uint64_t file_size = static_cast<uint64_t>(st.st_size);
+    const uint64_t size = length.value_or(file_size - std::min(offset, file_size));
+    if (offset > file_size || size > file_size - offset) {
+      return absl::InvalidArgumentError(absl::StrCat("'", path, "' has ", file_size,
+                                                     " bytes, too few for bytes [", offset, ", ",
+                                                     offset + size, ")"));
+    }
+    range->base_ = offset;
+    range->size_ = size;
+    return range;
+  }
+  ~ByteRange() { ::close(fd_); }
+  ByteRange(const ByteRange&) = delete;
+  ByteRange& operator=(const ByteRange&) = delete;
+
+  uint64_t size() const { return size_; }
+  // Reads up to n bytes at pos (clipped to the range); returns how many.
+  size_t Read(uint64_t pos, void* out, size_t n) const {
+    if (pos >= size_) return 0;
+    n = static_cast<size_t>(std::min<uint64_t>(n, size_ - pos));
+    size_t done = 0;
+    while (done < n) {
+      const ssize_t got = ::pread(fd_, static_cast<char*>(out) + done, n - done,
+                                  static_cast<off_t>(base_ + pos + done));
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0) break;
+      done += static_cast<size_t>(got);
+    }
+    return done;
+  }
+  bool ReadExactly(uint64_t pos, std::string* out, size_t n) const {
+    out->assign(n, '\0');
+    return Read(pos, &(*out)[0], n) == n;
+  }
+
+ private:
+  explicit ByteRange(int fd) : fd_(fd) {}
+  int fd_;
+  uint64_t base_ = 0;
+  uint64_t size_ = 0;
+};
+
+// libtorch's archive reader over a ByteRange.
+class ByteRangeAdapter : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  explicit ByteRangeAdapter(std::shared_ptr<const ByteRange> range) : range_(std::move(range)) {}
+  size_t size() const override { return static_cast<size_t>(range_->size()); }
+  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/) const override {
+    return range_->Read(pos, buf, n);
+  }
+
+ private:
+  std::shared_ptr<const ByteRange> range_;
+};
+
+// `name` says what the range is in errors ("'x.pt'").
+absl::StatusOr<ZipDirectory> ReadZipDirectory(const ByteRange& in, const std::string& name) {
   const auto bad = [&](const std::string& what) {
     return absl::InvalidArgumentError(
-        absl::StrCat("cannot read '", path, "' as a torch.save archive: ", what));
+        absl::StrCat("cannot read ", name, " as a torch.save archive: ", what));
   };
-  if (!in) return bad("cannot open it");
-  const uint64_t size = static_cast<uint64_t>(in.tellg());
+  const uint64_t size = in.size();
   const uint64_t tail_size = std::min<uint64_t>(size, 65535 + 22 + 20);
-  std::string tail(tail_size, '\0');
-  in.seekg(static_cast<std::streamoff>(size - tail_size));
-  in.read(&tail[0], static_cast<std::streamsize>(tail_size));
+  std::string tail;
+  if (!in.ReadExactly(size - tail_size, &tail, tail_size)) return bad("cannot read its end");
   size_t eocd = std::string::npos;
   for (size_t at = tail_size >= 22 ? tail_size - 22 + 1 : 0; at-- > 0;) {
     if (Le(tail, at, 4) == 0x06054b50) {
@@ -90,15 +164,15 @@ absl::StatusOr<ZipDirectory> ReadZipDirectory(const std::string& path) {
     // by pickling this magic number (a LONG1 opcode with 10 bytes).
     static constexpr unsigned char kLegacyMagic[] = {0x80, 0x02, 0x8a, 0x0a, 0x6c, 0xfc, 0x9c,
                                                      0x46, 0xf9, 0x20, 0x6a, 0xa8, 0x50, 0x19};
-    std::string head(sizeof(kLegacyMagic), '\0');
-    in.clear();
-    in.seekg(0);
-    in.read(&head[0], static_cast<std::streamsize>(head.size()));
-    if (in && std::memcmp(head.data(), kLegacyMagic, sizeof(kLegacyMagic)) == 0) {
+    std::string head;
+    if (in.ReadExactly(0, &head, sizeof(kLegacyMagic)) &&
+        std::memcmp(head.data(), kLegacyMagic, sizeof(kLegacyMagic)) == 0) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "'", path, "' is in torch.save's legacy format (PyTorch before 1.6, or "
+          name,
+          " is in torch.save's legacy format (PyTorch before 1.6, or "
           "_use_new_zipfile_serialization=False), which is not supported: convert it in "
-          "Python with torch.save(torch.load('", path, "'), 'NEW.pt')"));
+          "Python with torch.save(torch.load(",
+          name, "), 'NEW.pt')"));
     }
     return bad("no zip end-of-central-directory record");
   }
@@ -108,19 +182,19 @@ absl::StatusOr<ZipDirectory> ReadZipDirectory(const std::string& path) {
   if ((entries == 0xffff || dir_offset == 0xffffffff) && eocd >= 20 &&
       Le(tail, eocd - 20, 4) == 0x07064b50) {  // Zip64 locator -> zip64 record.
     const uint64_t record = Le(tail, eocd - 20 + 8, 8);
-    std::string z(56, '\0');
-    in.seekg(static_cast<std::streamoff>(record));
-    in.read(&z[0], 56);
-    if (!in || Le(z, 0, 4) != 0x06064b50) return bad("broken zip64 end record");
+    std::string z;
+    if (!in.ReadExactly(record, &z, 56) || Le(z, 0, 4) != 0x06064b50) {
+      return bad("broken zip64 end record");
+    }
     entries = Le(z, 32, 8);
     dir_size = Le(z, 40, 8);
     dir_offset = Le(z, 48, 8);
   }
   if (dir_offset + dir_size > size) return bad("the zip central directory lies beyond the file");
-  std::string dir(dir_size, '\0');
-  in.seekg(static_cast<std::streamoff>(dir_offset));
-  in.read(&dir[0], static_cast<std::streamsize>(dir_size));
-  if (!in) return bad("cannot read the zip central directory");
+  std::string dir;
+  if (!in.ReadExactly(dir_offset, &dir, dir_size)) {
+    return bad("cannot read the zip central directory");
+  }
   ZipDirectory directory;
   directory.file_size = size;
   size_t at = 0;
@@ -163,73 +237,35 @@ absl::StatusOr<ZipDirectory> ReadZipDirectory(const std::string& path) {
 // Checks a record's directory entry before anything is allocated for it:
 // it exists, holds `expected_size` bytes when that is known (>= 0), and
 // claims no more than the file could hold (deflate expands at most 1032x).
-absl::Status CheckRecordSize(const std::string& path, const ZipDirectory& directory,
-                             const std::string& record, int64_t expected_size) {
+absl::Status CheckRecordSize(const ZipDirectory& directory, const std::string& record,
+                             int64_t expected_size) {
   auto it = directory.entries.find(record);
   if (it == directory.entries.end()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("'", path, "': the archive has no record '", record, "'"));
+    return absl::InvalidArgumentError(absl::StrCat("the archive has no record '", record, "'"));
   }
   const ZipEntry& entry = it->second;
   if (expected_size >= 0 && entry.size != static_cast<uint64_t>(expected_size)) {
-    return absl::InvalidArgumentError(absl::StrCat("'", path, "': record '", record, "' has ",
-                                                   entry.size, " bytes, expected ", expected_size));
+    return absl::InvalidArgumentError(
+        absl::StrCat("record '", record, "' has ", entry.size, " bytes, expected ", expected_size));
   }
   if (entry.compressed_size > directory.file_size ||
       entry.size > 1032 * entry.compressed_size + 1024) {
-    return absl::InvalidArgumentError(absl::StrCat("'", path, "': record '", record, "' claims ",
-                                                   entry.size, " bytes from ",
-                                                   entry.compressed_size, " stored in a file of ",
-                                                   directory.file_size, ": the file is corrupt"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "record '", record, "' claims ", entry.size, " bytes from ", entry.compressed_size,
+        " stored in a file of ", directory.file_size, ": the file is corrupt"));
   }
   return absl::OkStatus();
 }
 
-absl::Status CheckRecordCrc(const std::string& path, const ZipDirectory& directory,
-                            const std::string& record, const void* bytes, size_t n) {
+absl::Status CheckRecordCrc(const ZipDirectory& directory, const std::string& record,
+                            const void* bytes, size_t n) {
   if (!directory.has_crcs) return absl::OkStatus();
   auto it = directory.entries.find(record);
   if (it == directory.entries.end() || Crc32(bytes, n) != it->second.crc) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "'", path, "': record '", record, "' fails its CRC-32 check: the file is corrupt"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("record '", record, "' fails its CRC-32 check: the file is corrupt"));
   }
   return absl::OkStatus();
-}
-
-// A value of the pickle subset torch.save uses for state dicts.
-struct PyValue;
-using PyRef = std::shared_ptr<PyValue>;
-struct PyValue {
-  enum class Kind { kNone, kBool, kInt, kFloat, kString, kTuple, kList, kDict, kGlobal, kTensor };
-  Kind kind = Kind::kNone;
-  int64_t i = 0;  // Bool and int.
-  double f = 0;
-  std::string s;  // String; "module.name" for a global.
-  std::vector<PyRef> items;                      // Tuple, list.
-  std::vector<std::pair<PyRef, PyRef>> entries;  // Dict, in insertion order.
-  at::Tensor tensor;                             // Tensor, or a storage as a 1-D tensor.
-};
-
-PyRef Make(PyValue::Kind kind) {
-  auto v = std::make_shared<PyValue>();
-  v->kind = kind;
-  return v;
-}
-
-const char* KindName(PyValue::Kind kind) {
-  switch (kind) {
-    case PyValue::Kind::kNone: return "None";
-    case PyValue::Kind::kBool: return "bool";
-    case PyValue::Kind::kInt: return "int";
-    case PyValue::Kind::kFloat: return "float";
-    case PyValue::Kind::kString: return "str";
-    case PyValue::Kind::kTuple: return "tuple";
-    case PyValue::Kind::kList: return "list";
-    case PyValue::Kind::kDict: return "dict";
-    case PyValue::Kind::kGlobal: return "global";
-    case PyValue::Kind::kTensor: return "tensor";
-  }
-  return "?";
 }
 
 // The legacy Storage classes through which torch.save's format names a
@@ -260,6 +296,53 @@ bool StorageDtype(const std::string& storage_type, at::ScalarType* dtype) {
   return true;
 }
 
+}  // namespace
+
+absl::StatusOr<at::ScalarType> ScalarTypeFromPython(const std::string& name) {
+  static const auto* kNames = new std::map<std::string, at::ScalarType>{
+      {"torch.float32", at::kFloat},
+      {"torch.float", at::kFloat},
+      {"torch.float64", at::kDouble},
+      {"torch.double", at::kDouble},
+      {"torch.float16", at::kHalf},
+      {"torch.half", at::kHalf},
+      {"torch.bfloat16", at::kBFloat16},
+      {"torch.int64", at::kLong},
+      {"torch.long", at::kLong},
+      {"torch.int32", at::kInt},
+      {"torch.int", at::kInt},
+      {"torch.int16", at::kShort},
+      {"torch.short", at::kShort},
+      {"torch.int8", at::kChar},
+      {"torch.uint8", at::kByte},
+      {"torch.bool", at::kBool},
+      {"torch.complex64", at::kComplexFloat},
+      {"torch.cfloat", at::kComplexFloat},
+      {"torch.complex128", at::kComplexDouble},
+      {"torch.cdouble", at::kComplexDouble},
+      {"torch.complex32", at::kComplexHalf},
+      {"torch.chalf", at::kComplexHalf},
+  };
+  auto it = kNames->find(name);
+  if (it != kNames->end()) return it->second;
+  // The newer dtypes (float8_*, uint16/32/64) are named as libtorch names
+  // them, in lower case; which exist depends on the libtorch.
+  if (name.rfind("torch.", 0) == 0) {
+    for (int k = 0; k < static_cast<int>(at::ScalarType::NumOptions); ++k) {
+      const auto type = static_cast<at::ScalarType>(k);
+      std::string lower = c10::toString(type);
+      for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+      if ((lower.rfind("float8_", 0) == 0 || lower.rfind("uint", 0) == 0) &&
+          name == "torch." + lower) {
+        return type;
+      }
+    }
+  }
+  return absl::InvalidArgumentError(absl::StrCat(name, " is not a dtype this libtorch has"));
+}
+
+namespace {
+
 bool HasStorageClass(at::ScalarType dtype) {
   for (const auto& [name, type] : StorageClasses()) {
     if (type == dtype) return true;
@@ -267,108 +350,25 @@ bool HasStorageClass(at::ScalarType dtype) {
   return false;
 }
 
-class Unpickler {
+// The torch.save-specific part of reading data.pkl: storages from the
+// archive's records, tensors rebuilt over them, and the few constructors
+// a state dict needs. Nothing else the pickle calls is accepted.
+class TorchSaveHooks {
  public:
-  Unpickler(std::string path, const char* data, size_t size,
-            caffe2::serialize::PyTorchStreamReader& archive, const ZipDirectory& directory)
-      : path_(std::move(path)),
-        data_(data),
-        size_(size),
-        archive_(archive),
-        directory_(directory) {}
+  TorchSaveHooks(caffe2::serialize::PyTorchStreamReader& archive, const ZipDirectory& directory)
+      : archive_(archive), directory_(directory) {}
 
-  absl::StatusOr<PyRef> Run() {
-    while (true) {
-      uint8_t op = 0;
-      FSDP_RETURN_IF_ERROR(ReadByte(&op));
-      if (op == '.') break;  // STOP
-      FSDP_RETURN_IF_ERROR(Step(op));
-    }
-    if (stack_.size() != 1) return Error("the pickle does not end with one value");
-    return stack_.back();
+  UnpicklerHooks Hooks() {
+    UnpicklerHooks hooks;
+    hooks.call = [this](const std::string& global, std::vector<PyRef>& args, bool /*newobj*/) {
+      return Reduce(global, args);
+    };
+    hooks.persistent_load = [this](const PyRef& pid) { return PersistentLoad(pid); };
+    return hooks;
   }
 
  private:
-  absl::Status Error(const std::string& what) const {
-    return absl::InvalidArgumentError(
-        absl::StrCat("'", path_, "': ", what, " (at byte ", pos_, " of data.pkl)"));
-  }
-  absl::Status ReadByte(uint8_t* out) {
-    if (pos_ >= size_) return Error("data.pkl ends early");
-    *out = static_cast<uint8_t>(data_[pos_++]);
-    return absl::OkStatus();
-  }
-  absl::Status ReadBytes(size_t n, std::string* out) {
-    if (n > size_ - pos_) return Error("data.pkl ends early");
-    out->assign(data_ + pos_, n);
-    pos_ += n;
-    return absl::OkStatus();
-  }
-  absl::StatusOr<uint64_t> ReadUint(size_t n) {
-    std::string bytes;
-    FSDP_RETURN_IF_ERROR(ReadBytes(n, &bytes));
-    uint64_t v = 0;
-    for (size_t k = 0; k < n; ++k) v |= static_cast<uint64_t>(static_cast<uint8_t>(bytes[k])) << (8 * k);
-    return v;
-  }
-  absl::StatusOr<std::string> ReadLine() {
-    const size_t start = pos_;
-    while (pos_ < size_ && data_[pos_] != '\n') ++pos_;
-    if (pos_ >= size_) return Error("data.pkl ends inside a GLOBAL");
-    return std::string(data_ + start, pos_++ - start);
-  }
-  absl::StatusOr<PyRef> Pop() {
-    if (stack_.empty() || (!marks_.empty() && stack_.size() <= marks_.back())) {
-      return Error("pickle stack underflow");
-    }
-    PyRef v = stack_.back();
-    stack_.pop_back();
-    return v;
-  }
-  absl::StatusOr<std::vector<PyRef>> PopToMark() {
-    if (marks_.empty()) return Error("pickle MARK missing");
-    std::vector<PyRef> items(stack_.begin() + marks_.back(), stack_.end());
-    stack_.resize(marks_.back());
-    marks_.pop_back();
-    return items;
-  }
-  absl::StatusOr<PyRef> Top() {
-    if (stack_.empty()) return Error("pickle stack underflow");
-    return stack_.back();
-  }
-  void Push(PyRef v) { stack_.push_back(std::move(v)); }
-  PyRef Int(int64_t v) {
-    PyRef r = Make(PyValue::Kind::kInt);
-    r->i = v;
-    return r;
-  }
-  PyRef Str(std::string s, PyValue::Kind kind = PyValue::Kind::kString) {
-    PyRef r = Make(kind);
-    r->s = std::move(s);
-    return r;
-  }
-  PyRef Tuple(std::vector<PyRef> items) {
-    PyRef r = Make(PyValue::Kind::kTuple);
-    r->items = std::move(items);
-    return r;
-  }
-  absl::Status Memoize(uint64_t index) {
-    FSDP_ASSIGN_OR_RETURN(PyRef top, Top());
-    memo_[index] = top;
-    return absl::OkStatus();
-  }
-  absl::Status Recall(uint64_t index) {
-    auto it = memo_.find(index);
-    if (it == memo_.end()) return Error(absl::StrCat("memo ", index, " was never stored"));
-    Push(it->second);
-    return absl::OkStatus();
-  }
-  absl::Status SetItems(const PyRef& dict, const std::vector<PyRef>& kv) {
-    if (dict->kind != PyValue::Kind::kDict) return Error("SETITEM(S) on a non-dict");
-    if (kv.size() % 2 != 0) return Error("SETITEMS with an odd number of values");
-    for (size_t k = 0; k < kv.size(); k += 2) dict->entries.emplace_back(kv[k], kv[k + 1]);
-    return absl::OkStatus();
-  }
+  static absl::Status Error(const std::string& what) { return absl::InvalidArgumentError(what); }
 
   absl::StatusOr<PyRef> PersistentLoad(const PyRef& pid) {
     // ('storage', <storage type>, key, location, numel)
@@ -381,8 +381,12 @@ class Unpickler {
     const std::string& key = pid->items[2]->s;
     auto cached = storages_.find(key);
     if (cached != storages_.end()) return cached->second;
-    at::ScalarType dtype;
-    if (!StorageDtype(pid->items[1]->s, &dtype)) {
+    // torch.save names a dtype through its legacy Storage class, or, for
+    // dtypes without one, stores bytes (UntypedStorage) and names the dtype
+    // in _rebuild_tensor_v3.
+    at::ScalarType dtype = at::kByte;
+    if (pid->items[1]->s != "torch.storage.UntypedStorage" &&
+        !StorageDtype(pid->items[1]->s, &dtype)) {
       return Error(absl::StrCat("unsupported storage type ", pid->items[1]->s));
     }
     // Everything here comes from the file: check the count against the
@@ -393,7 +397,7 @@ class Unpickler {
     if (numel < 0 || numel > std::numeric_limits<int64_t>::max() / element_size) {
       return Error(absl::StrCat("storage '", record, "' claims ", numel, " elements"));
     }
-    FSDP_RETURN_IF_ERROR(CheckRecordSize(path_, directory_, record, numel * element_size));
+    FSDP_RETURN_IF_ERROR(CheckRecordSize(directory_, record, numel * element_size));
     at::DataPtr bytes;
     size_t nbytes = 0;
     std::tie(bytes, nbytes) = archive_.getRecord(record);
@@ -401,10 +405,10 @@ class Unpickler {
       return Error(absl::StrCat("storage record '", record, "' has ", nbytes, " bytes, expected ",
                                 numel * element_size));
     }
-    FSDP_RETURN_IF_ERROR(CheckRecordCrc(path_, directory_, record, bytes.get(), nbytes));
+    FSDP_RETURN_IF_ERROR(CheckRecordCrc(directory_, record, bytes.get(), nbytes));
     at::Tensor storage = at::empty({numel}, at::TensorOptions().dtype(dtype));
     if (nbytes > 0) std::memcpy(storage.data_ptr(), bytes.get(), nbytes);
-    PyRef value = Make(PyValue::Kind::kTensor);
+    PyRef value = MakePy(PyValue::Kind::kTensor);
     value->tensor = storage;
     storages_[key] = value;
     return value;
@@ -420,35 +424,49 @@ class Unpickler {
     return out;
   }
 
-  absl::StatusOr<PyRef> Reduce(const PyRef& callable, const PyRef& args) {
-    if (callable->kind != PyValue::Kind::kGlobal || args->kind != PyValue::Kind::kTuple) {
-      return Error("REDUCE of something that is not a global");
-    }
-    const std::string& name = callable->s;
-    const std::vector<PyRef>& a = args->items;
+  absl::StatusOr<PyRef> Reduce(const std::string& name, const std::vector<PyRef>& a) {
     if (name == "collections.OrderedDict") {
       if (!a.empty()) return Error("OrderedDict with constructor arguments");
-      return Make(PyValue::Kind::kDict);
+      return MakePy(PyValue::Kind::kDict);
     }
-    if (name == "torch._utils._rebuild_tensor_v2" || name == "torch._utils._rebuild_tensor") {
-      if (a.size() < 4 || a[0]->kind != PyValue::Kind::kTensor || a[1]->kind != PyValue::Kind::kInt) {
+    if (name == "torch._utils._rebuild_tensor_v2" || name == "torch._utils._rebuild_tensor" ||
+        name == "torch._utils._rebuild_tensor_v3") {
+      // (storage, offset, size, stride, ...); v3 adds the dtype at 6 and
+      // its storage holds bytes.
+      const bool v3 = name == "torch._utils._rebuild_tensor_v3";
+      if (a.size() < (v3 ? 7u : 4u) || a[0]->kind != PyValue::Kind::kTensor ||
+          a[1]->kind != PyValue::Kind::kInt) {
         return Error(absl::StrCat("bad arguments to ", name));
+      }
+      at::Tensor storage = a[0]->tensor;
+      if (v3) {
+        if (a[6]->kind != PyValue::Kind::kGlobal || storage.scalar_type() != at::kByte) {
+          return Error(absl::StrCat("bad arguments to ", name));
+        }
+        FSDP_ASSIGN_OR_RETURN(at::ScalarType dtype, ScalarTypeFromPython(a[6]->s));
+        const int64_t element_size = static_cast<int64_t>(c10::elementSize(dtype));
+        if (storage.numel() % element_size != 0) {
+          return Error(absl::StrCat("a storage of ", storage.numel(), " bytes holds no whole ",
+                                    a[6]->s, " elements"));
+        }
+        storage = storage.view(dtype);
       }
       FSDP_ASSIGN_OR_RETURN(std::vector<int64_t> sizes, IntTuple(a[2], "tensor size"));
       FSDP_ASSIGN_OR_RETURN(std::vector<int64_t> strides, IntTuple(a[3], "tensor stride"));
       if (sizes.size() != strides.size()) return Error("tensor size and stride differ in rank");
-      const at::Tensor& storage = a[0]->tensor;
       int64_t last = a[1]->i;  // The furthest element the view reaches.
-      bool empty = false;
+      bool empty = false, overflow = false;
       for (size_t d = 0; d < sizes.size(); ++d) {
         if (sizes[d] < 0 || strides[d] < 0) return Error("negative tensor size or stride");
         if (sizes[d] == 0) empty = true;
-        last += (sizes[d] - 1) * strides[d];
+        int64_t reach = 0;
+        overflow = overflow || __builtin_mul_overflow(sizes[d] - 1, strides[d], &reach) ||
+                   __builtin_add_overflow(last, reach, &last);
       }
-      if (a[1]->i < 0 || (!empty && last >= storage.numel())) {
+      if (a[1]->i < 0 || (!empty && (overflow || last >= storage.numel()))) {
         return Error("a tensor reaches beyond its storage");
       }
-      PyRef value = Make(PyValue::Kind::kTensor);
+      PyRef value = MakePy(PyValue::Kind::kTensor);
       value->tensor = empty ? at::empty(sizes, storage.options())
                             : storage.as_strided(sizes, strides, a[1]->i).contiguous();
       return value;
@@ -468,166 +486,8 @@ class Unpickler {
                               ", which a state dict file never needs; refusing to load it"));
   }
 
-  absl::Status Step(uint8_t op) {
-    switch (op) {
-      case 0x80: {  // PROTO
-        FSDP_ASSIGN_OR_RETURN(uint64_t version, ReadUint(1));
-        if (version > 5) return Error(absl::StrCat("pickle protocol ", version));
-        return absl::OkStatus();
-      }
-      case 0x95: {  // FRAME
-        FSDP_ASSIGN_OR_RETURN(uint64_t ignored, ReadUint(8));
-        (void)ignored;
-        return absl::OkStatus();
-      }
-      case '}': Push(Make(PyValue::Kind::kDict)); return absl::OkStatus();
-      case ']': Push(Make(PyValue::Kind::kList)); return absl::OkStatus();
-      case ')': Push(Tuple({})); return absl::OkStatus();
-      case 'N': Push(Make(PyValue::Kind::kNone)); return absl::OkStatus();
-      case 0x88:
-      case 0x89: {  // NEWTRUE, NEWFALSE
-        PyRef b = Make(PyValue::Kind::kBool);
-        b->i = op == 0x88;
-        Push(b);
-        return absl::OkStatus();
-      }
-      case '(': marks_.push_back(stack_.size()); return absl::OkStatus();
-      case 'K': { FSDP_ASSIGN_OR_RETURN(uint64_t v, ReadUint(1)); Push(Int(static_cast<int64_t>(v))); return absl::OkStatus(); }
-      case 'M': { FSDP_ASSIGN_OR_RETURN(uint64_t v, ReadUint(2)); Push(Int(static_cast<int64_t>(v))); return absl::OkStatus(); }
-      case 'J': {
-        FSDP_ASSIGN_OR_RETURN(uint64_t v, ReadUint(4));
-        Push(Int(static_cast<int32_t>(static_cast<uint32_t>(v))));
-        return absl::OkStatus();
-      }
-      case 0x8a: {  // LONG1: little-endian two's complement of n bytes.
-        FSDP_ASSIGN_OR_RETURN(uint64_t n, ReadUint(1));
-        if (n > 8) return Error("an integer wider than 64 bits");
-        FSDP_ASSIGN_OR_RETURN(uint64_t v, ReadUint(n));
-        if (n > 0 && n < 8 && (v >> (8 * n - 1)) & 1) v |= ~uint64_t{0} << (8 * n);
-        Push(Int(static_cast<int64_t>(v)));
-        return absl::OkStatus();
-      }
-      case 'G': {  // BINFLOAT, big-endian.
-        FSDP_ASSIGN_OR_RETURN(uint64_t le, ReadUint(8));
-        uint64_t be = 0;
-        for (int k = 0; k < 8; ++k) be |= ((le >> (8 * k)) & 0xff) << (8 * (7 - k));
-        PyRef f = Make(PyValue::Kind::kFloat);
-        std::memcpy(&f->f, &be, 8);
-        Push(f);
-        return absl::OkStatus();
-      }
-      case 'X':     // BINUNICODE
-      case 'T':     // BINSTRING
-      case 0x8c:    // SHORT_BINUNICODE
-      case 'U':     // SHORT_BINSTRING
-      case 'C':     // SHORT_BINBYTES
-      case 'B': {   // BINBYTES
-        const size_t width = (op == 'X' || op == 'T' || op == 'B') ? 4 : 1;
-        FSDP_ASSIGN_OR_RETURN(uint64_t n, ReadUint(width));
-        std::string s;
-        FSDP_RETURN_IF_ERROR(ReadBytes(n, &s));
-        Push(Str(std::move(s)));
-        return absl::OkStatus();
-      }
-      case 'q': { FSDP_ASSIGN_OR_RETURN(uint64_t i, ReadUint(1)); return Memoize(i); }
-      case 'r': { FSDP_ASSIGN_OR_RETURN(uint64_t i, ReadUint(4)); return Memoize(i); }
-      case 0x94: return Memoize(memo_.size());  // MEMOIZE
-      case 'h': { FSDP_ASSIGN_OR_RETURN(uint64_t i, ReadUint(1)); return Recall(i); }
-      case 'j': { FSDP_ASSIGN_OR_RETURN(uint64_t i, ReadUint(4)); return Recall(i); }
-      case 'c': {  // GLOBAL
-        FSDP_ASSIGN_OR_RETURN(std::string module, ReadLine());
-        FSDP_ASSIGN_OR_RETURN(std::string name, ReadLine());
-        Push(Str(module + "." + name, PyValue::Kind::kGlobal));
-        return absl::OkStatus();
-      }
-      case 0x93: {  // STACK_GLOBAL
-        FSDP_ASSIGN_OR_RETURN(PyRef name, Pop());
-        FSDP_ASSIGN_OR_RETURN(PyRef module, Pop());
-        if (name->kind != PyValue::Kind::kString || module->kind != PyValue::Kind::kString) {
-          return Error("STACK_GLOBAL of non-strings");
-        }
-        Push(Str(module->s + "." + name->s, PyValue::Kind::kGlobal));
-        return absl::OkStatus();
-      }
-      case 't': { FSDP_ASSIGN_OR_RETURN(std::vector<PyRef> items, PopToMark()); Push(Tuple(std::move(items))); return absl::OkStatus(); }
-      case 0x85:
-      case 0x86:
-      case 0x87: {  // TUPLE1..3
-        std::vector<PyRef> items(op - 0x84);
-        for (size_t k = items.size(); k > 0; --k) {
-          FSDP_ASSIGN_OR_RETURN(items[k - 1], Pop());
-        }
-        Push(Tuple(std::move(items)));
-        return absl::OkStatus();
-      }
-      case 'Q': {  // BINPERSID
-        FSDP_ASSIGN_OR_RETURN(PyRef pid, Pop());
-        FSDP_ASSIGN_OR_RETURN(PyRef storage, PersistentLoad(pid));
-        Push(storage);
-        return absl::OkStatus();
-      }
-      case 'R': {  // REDUCE
-        FSDP_ASSIGN_OR_RETURN(PyRef args, Pop());
-        FSDP_ASSIGN_OR_RETURN(PyRef callable, Pop());
-        FSDP_ASSIGN_OR_RETURN(PyRef result, Reduce(callable, args));
-        Push(result);
-        return absl::OkStatus();
-      }
-      case 0x81: {  // NEWOBJ
-        FSDP_ASSIGN_OR_RETURN(PyRef args, Pop());
-        FSDP_ASSIGN_OR_RETURN(PyRef cls, Pop());
-        FSDP_ASSIGN_OR_RETURN(PyRef result, Reduce(cls, args));
-        Push(result);
-        return absl::OkStatus();
-      }
-      case 'b': {  // BUILD: an OrderedDict's _metadata, a tensor's state: not needed.
-        FSDP_ASSIGN_OR_RETURN(PyRef state, Pop());
-        (void)state;
-        FSDP_ASSIGN_OR_RETURN(PyRef target, Top());
-        if (target->kind != PyValue::Kind::kDict && target->kind != PyValue::Kind::kTensor) {
-          return Error(absl::StrCat("BUILD on a ", KindName(target->kind)));
-        }
-        return absl::OkStatus();
-      }
-      case 's': {  // SETITEM
-        FSDP_ASSIGN_OR_RETURN(PyRef value, Pop());
-        FSDP_ASSIGN_OR_RETURN(PyRef key, Pop());
-        FSDP_ASSIGN_OR_RETURN(PyRef dict, Top());
-        return SetItems(dict, {key, value});
-      }
-      case 'u': {  // SETITEMS
-        FSDP_ASSIGN_OR_RETURN(std::vector<PyRef> kv, PopToMark());
-        FSDP_ASSIGN_OR_RETURN(PyRef dict, Top());
-        return SetItems(dict, kv);
-      }
-      case 'a': {  // APPEND
-        FSDP_ASSIGN_OR_RETURN(PyRef value, Pop());
-        FSDP_ASSIGN_OR_RETURN(PyRef list, Top());
-        if (list->kind != PyValue::Kind::kList) return Error("APPEND to a non-list");
-        list->items.push_back(value);
-        return absl::OkStatus();
-      }
-      case 'e': {  // APPENDS
-        FSDP_ASSIGN_OR_RETURN(std::vector<PyRef> values, PopToMark());
-        FSDP_ASSIGN_OR_RETURN(PyRef list, Top());
-        if (list->kind != PyValue::Kind::kList) return Error("APPENDS to a non-list");
-        list->items.insert(list->items.end(), values.begin(), values.end());
-        return absl::OkStatus();
-      }
-      default:
-        return Error(absl::StrCat("unsupported pickle opcode 0x", absl::Hex(op)));
-    }
-  }
-
-  const std::string path_;
-  const char* data_;
-  size_t size_;
-  size_t pos_ = 0;
   caffe2::serialize::PyTorchStreamReader& archive_;
   const ZipDirectory& directory_;
-  std::vector<PyRef> stack_;
-  std::vector<size_t> marks_;
-  std::unordered_map<uint64_t, PyRef> memo_;
   std::unordered_map<std::string, PyRef> storages_;
 };
 
@@ -685,36 +545,51 @@ absl::Status SaveTorchStateDict(const std::string& path, const StateDict& state)
   }
 }
 
-absl::StatusOr<StateDict> LoadTorchStateDict(const std::string& path, const std::string& entry) {
-  FSDP_ASSIGN_OR_RETURN(const ZipDirectory directory, ReadZipDirectory(path));
+absl::StatusOr<PyRef> ReadTorchSaveObject(const std::string& path, uint64_t offset,
+                                          std::optional<uint64_t> length) {
+  const std::string name =
+      length.has_value() || offset != 0
+          ? absl::StrCat("bytes [", offset, ", ", offset + length.value_or(0), ") of '", path, "'")
+          : absl::StrCat("'", path, "'");
+  FSDP_ASSIGN_OR_RETURN(std::shared_ptr<ByteRange> range, ByteRange::Open(path, offset, length));
+  FSDP_ASSIGN_OR_RETURN(const ZipDirectory directory, ReadZipDirectory(*range, name));
+  const auto named = [&name](const absl::Status& status) {
+    return absl::Status(status.code(), absl::StrCat(name, ": ", status.message()));
+  };
   std::unique_ptr<caffe2::serialize::PyTorchStreamReader> archive;
   at::DataPtr pickle;
   size_t pickle_size = 0;
   try {
-    archive = std::make_unique<caffe2::serialize::PyTorchStreamReader>(path);
+    archive = std::make_unique<caffe2::serialize::PyTorchStreamReader>(
+        std::make_shared<ByteRangeAdapter>(range));
     if (!archive->hasRecord("data.pkl")) {
       return absl::InvalidArgumentError(
-          absl::StrCat("'", path, "' is not a torch.save file: the archive has no data.pkl"));
+          absl::StrCat(name, " is not a torch.save file: the archive has no data.pkl"));
     }
-    FSDP_RETURN_IF_ERROR(CheckRecordSize(path, directory, "data.pkl", -1));
+    absl::Status size_ok = CheckRecordSize(directory, "data.pkl", -1);
+    if (!size_ok.ok()) return named(size_ok);
     std::tie(pickle, pickle_size) = archive->getRecord("data.pkl");
-    FSDP_RETURN_IF_ERROR(CheckRecordCrc(path, directory, "data.pkl", pickle.get(), pickle_size));
+    absl::Status crc_ok = CheckRecordCrc(directory, "data.pkl", pickle.get(), pickle_size);
+    if (!crc_ok.ok()) return named(crc_ok);
   } catch (const std::exception& e) {
     std::string what = e.what();
     what = what.substr(0, what.find('\n'));
     return absl::InvalidArgumentError(
-        absl::StrCat("cannot read '", path, "' as a torch.save archive: ", what));
+        absl::StrCat("cannot read ", name, " as a torch.save archive: ", what));
   }
-  PyRef root;
   try {
-    Unpickler unpickler(path, static_cast<const char*>(pickle.get()), pickle_size, *archive,
-                        directory);
-    FSDP_ASSIGN_OR_RETURN(root, unpickler.Run());
+    TorchSaveHooks hooks(*archive, directory);
+    return Unpickle(static_cast<const char*>(pickle.get()), pickle_size,
+                    absl::StrCat(name, ": data.pkl"), hooks.Hooks());
   } catch (const std::exception& e) {
     std::string what = e.what();
     what = what.substr(0, what.find('\n'));
-    return absl::InvalidArgumentError(absl::StrCat("cannot read '", path, "': ", what));
+    return absl::InvalidArgumentError(absl::StrCat("cannot read ", name, ": ", what));
   }
+}
+
+absl::StatusOr<StateDict> LoadTorchStateDict(const std::string& path, const std::string& entry) {
+  FSDP_ASSIGN_OR_RETURN(PyRef root, ReadTorchSaveObject(path));
   if (root->kind != PyValue::Kind::kDict) {
     return absl::InvalidArgumentError(
         absl::StrCat("'", path, "' holds a ", KindName(root->kind), ", not a dict"));

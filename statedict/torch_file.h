@@ -8,14 +8,15 @@
 // Writing uses libtorch's own pickler and archive writer, streaming into an
 // atomically committed file (statedict/atomic_file.h). Reading cannot use
 // libtorch 1.13's unpickler, which rejects what Python's pickler writes for
-// a state dict (an OrderedDict with a _metadata attribute, SETITEMS); this
-// file has its own reader for the subset torch.save produces for tensors in
-// (nested) dicts, lists and tuples. It never executes anything: a pickle
-// that names any global but the few tensor and container constructors below
-// is an error naming it.
+// a state dict (an OrderedDict with a _metadata attribute, SETITEMS); it
+// reads with statedict/restricted_unpickler.h, which never executes
+// anything: a pickle that calls any global but the few tensor and container
+// constructors torch.save uses is an error naming it.
 #ifndef FSDP_STATEDICT_TORCH_FILE_H_
 #define FSDP_STATEDICT_TORCH_FILE_H_
 
+#include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,6 +24,8 @@
 #include "ATen/core/Tensor.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "c10/core/ScalarType.h"
+#include "statedict/restricted_unpickler.h"
 
 namespace fsdp {
 
@@ -49,6 +52,19 @@ absl::Status SaveTorchStateDict(const std::string& path, const StateDict& state)
 // load unchecked.
 absl::StatusOr<StateDict> LoadTorchStateDict(const std::string& path,
                                              const std::string& entry = "");
+
+// For readers of formats built on torch.save (Distributed Checkpoint
+// stores one archive per tensor chunk inside its .distcp files):
+
+// Reads the torch.save archive at bytes [offset, offset + length) of `path`
+// (to the end of the file without a length) with LoadTorchStateDict's
+// checks, and returns the pickled object with its tensors.
+absl::StatusOr<PyRef> ReadTorchSaveObject(const std::string& path, uint64_t offset = 0,
+                                          std::optional<uint64_t> length = std::nullopt);
+
+// The dtype a Python name stands for ("torch.float32", "torch.bfloat16",
+// "torch.float8_e4m3fn"), or an error naming it.
+absl::StatusOr<at::ScalarType> ScalarTypeFromPython(const std::string& name);
 
 }  // namespace fsdp
 

@@ -65,7 +65,18 @@ def write_without_crcs(path):
     torch.save({"w": torch.arange(1000, dtype=torch.float32).view(10, 100)}, path)
 
 
+def write_new_dtypes(path):
+    """Dtypes without a legacy Storage class: torch.save writes their bytes
+    as an UntypedStorage and names the dtype (_rebuild_tensor_v3)."""
+    if not hasattr(torch, "float8_e4m3fn"):
+        print("torch %s has no float8 dtypes" % torch.__version__)
+        sys.exit(3)
+    torch.save({"f8": torch.tensor([0.5, -2.0, 448.0]).to(torch.float8_e4m3fn),
+                "u16": torch.tensor([1, 65535], dtype=torch.uint16),
+                "f32": torch.tensor([1.5, 2.5])}, path)
+
+
 if __name__ == "__main__":
     mode, path = sys.argv[1], sys.argv[2]
     {"check_written_by_cpp": check_written_by_cpp, "write_for_cpp": write_for_cpp,
-     "write_without_crcs": write_without_crcs}[mode](path)
+     "write_without_crcs": write_without_crcs, "write_new_dtypes": write_new_dtypes}[mode](path)

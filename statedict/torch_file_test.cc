@@ -269,6 +269,25 @@ TEST(TorchFile, FilesPythonWroteWithoutCrcsLoad) {
   EXPECT_TRUE(at::equal((*loaded)[0].second, at::arange(1000, at::kFloat).view({10, 100})));
 }
 
+TEST(TorchFile, WeReadDtypesPythonWritesWithoutAStorageClass) {
+#ifndef AT_FORALL_FLOAT8_TYPES
+  GTEST_SKIP() << "this libtorch has no float8 dtypes";
+#else
+  const std::string path = TempDir() + "/new_dtypes.pt";
+  const int python = RunPython("write_new_dtypes", path);
+  if (python == 3) GTEST_SKIP() << "this torch has no float8 dtypes";
+  ASSERT_EQ(python, 0);
+  auto loaded = LoadTorchStateDict(path);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_EQ(loaded->size(), 3u);
+  EXPECT_EQ((*loaded)[0].second.scalar_type(), at::kFloat8_e4m3fn);
+  EXPECT_TRUE(at::equal((*loaded)[0].second.to(at::kFloat), at::tensor({0.5f, -2.0f, 448.0f})));
+  EXPECT_EQ((*loaded)[1].second.scalar_type(), at::kUInt16);
+  EXPECT_TRUE(at::equal((*loaded)[1].second.to(at::kInt), at::tensor({1, 65535})));
+  EXPECT_TRUE(at::equal((*loaded)[2].second, at::tensor({1.5f, 2.5f})));
+#endif
+}
+
 // A dtype the format has no name for would make a file that neither
 // torch.load nor LoadTorchStateDict can read; it is refused by name.
 TEST(TorchFile, DtypesTheFormatCannotNameAreRefusedWhenSaving) {
