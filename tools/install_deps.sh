@@ -55,11 +55,15 @@ fi
 # PyPI's torch: a CUDA build (it runs on CPU too) whose wheel holds libtorch
 # with headers, CMake config, libtorch_cuda and c10_cuda, and pulls in the
 # CUDA libraries (nvidia-nccl among them) as pip packages beside it.
+# NumPy beside it: multi-rank torch.distributed.checkpoint.save moves its
+# plans with gather_object, which needs it (the DCP interop tests).
 source "$(dirname "$0")/torch_venv.sh"
 if ! "$FSDP_TORCH_VENV/bin/python" -c \
-    "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$FSDP_TORCH_VERSION')" \
+    "import sys, numpy, torch; sys.exit(torch.__version__.split('+')[0] != '$FSDP_TORCH_VERSION')" \
     2>/dev/null; then
-  echo "install_deps: installing torch==$FSDP_TORCH_VERSION from PyPI into $FSDP_TORCH_VENV" >&2
+  echo "install_deps: installing torch==$FSDP_TORCH_VERSION and numpy==$FSDP_NUMPY_VERSION" \
+       "from PyPI into $FSDP_TORCH_VENV" >&2
   /usr/bin/python3 -m venv "$FSDP_TORCH_VENV"
-  "$FSDP_TORCH_VENV/bin/pip" install -q --disable-pip-version-check "torch==$FSDP_TORCH_VERSION"
+  "$FSDP_TORCH_VENV/bin/pip" install -q --disable-pip-version-check \
+    "torch==$FSDP_TORCH_VERSION" "numpy==$FSDP_NUMPY_VERSION"
 fi

@@ -2,4 +2,5 @@
 # the venv), tools/torch_python and tools/test_torch2.sh;
 # testing/torch_python.cc repeats the default path.
 FSDP_TORCH_VERSION=2.15.0
+FSDP_NUMPY_VERSION=2.4.6
 FSDP_TORCH_VENV=${FSDP_TORCH_VENV:-$HOME/.cache/fsdp_cpp/torch-$FSDP_TORCH_VERSION-venv}

@@ -1,0 +1,476 @@
+#include "statedict/dcp.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <set>
+#include <utility>
+
+#include "ATen/ATen.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/status.h"
+#include "statedict/restricted_unpickler.h"
+
+namespace fsdp {
+namespace {
+
+constexpr char kMetadataModule[] = "torch.distributed.checkpoint.metadata.";
+
+// The classes DCP pickles into .metadata (dataclasses: NEWOBJ, then BUILD
+// with their fields).
+bool IsMetadataClass(const std::string& global) {
+  static const auto* kClasses = new std::set<std::string>{
+      absl::StrCat(kMetadataModule, "Metadata"),
+      absl::StrCat(kMetadataModule, "TensorStorageMetadata"),
+      absl::StrCat(kMetadataModule, "BytesStorageMetadata"),
+      absl::StrCat(kMetadataModule, "ChunkStorageMetadata"),
+      absl::StrCat(kMetadataModule, "TensorProperties"),
+      absl::StrCat(kMetadataModule, "MetadataIndex"),
+      absl::StrCat(kMetadataModule, "StorageMeta"),
+      "torch.distributed.checkpoint.filesystem._StorageInfo",
+  };
+  return kClasses->count(global) > 0;
+}
+
+// Globals DCP's metadata names as values or calls, besides its classes and
+// dtypes: a tensor property's layout and memory format, torch.Size, the
+// checkpoint's path.
+bool IsMetadataHelper(const std::string& global) {
+  static const auto* kHelpers = new std::set<std::string>{
+      absl::StrCat(kMetadataModule, "_MEM_FORMAT_ENCODING"),
+      "builtins.getattr",  // Only as getattr(_MEM_FORMAT_ENCODING, name).
+      "torch.Size",
+      "torch.serialization._get_layout",
+      "torch.strided",
+      "torch.sparse_coo",
+      "torch.contiguous_format",
+      "torch.channels_last",
+      "torch.channels_last_3d",
+      "torch.preserve_format",
+      "pathlib.Path",
+      "pathlib.PosixPath",
+      "pathlib.WindowsPath",
+      "collections.OrderedDict",
+  };
+  return kHelpers->count(global) > 0;
+}
+
+absl::Status AllowGlobal(const std::string& global) {
+  if (IsMetadataClass(global) || IsMetadataHelper(global)) return absl::OkStatus();
+  if (global.rfind("torch.", 0) == 0 && ScalarTypeFromPython(global).ok()) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("the metadata names ", global,
+                   ", which DCP's metadata never holds; refusing it (nothing in the file ran)"));
+}
+
+bool AllStrings(const std::vector<PyRef>& values) {
+  for (const PyRef& v : values) {
+    if (v->kind != PyValue::Kind::kString) return false;
+  }
+  return true;
+}
+
+absl::StatusOr<PyRef> Call(const std::string& global, std::vector<PyRef>& args, bool newobj) {
+  const auto bad_arguments = [&global] {
+    return absl::InvalidArgumentError(absl::StrCat("unexpected arguments to ", global));
+  };
+  if (IsMetadataClass(global)) {
+    if (!newobj || !args.empty()) return bad_arguments();
+    PyRef object = MakePy(PyValue::Kind::kObject);
+    object->s = global;
+    return object;
+  }
+  if (global == "torch.Size") {
+    if (args.size() != 1 || args[0]->kind != PyValue::Kind::kTuple) return bad_arguments();
+    return args[0];
+  }
+  if (global == "torch.serialization._get_layout") {  // ("torch.strided",) -> the layout
+    if (args.size() != 1 || !AllStrings(args)) return bad_arguments();
+    return args[0];
+  }
+  if (global == "builtins.getattr") {  // getattr(_MEM_FORMAT_ENCODING, "TORCH_...")
+    if (args.size() != 2 || args[0]->kind != PyValue::Kind::kGlobal ||
+        args[0]->s != absl::StrCat(kMetadataModule, "_MEM_FORMAT_ENCODING") ||
+        args[1]->kind != PyValue::Kind::kString) {
+      return absl::InvalidArgumentError(
+          "the metadata calls builtins.getattr on something other than DCP's memory formats");
+    }
+    return args[1];
+  }
+  if (global.rfind("pathlib.", 0) == 0) {  // The checkpoint's path, for information only.
+    if (!AllStrings(args)) return bad_arguments();
+    std::vector<std::string> parts;
+    for (const PyRef& a : args) parts.push_back(a->s);
+    return MakePyString(absl::StrJoin(parts, "/"));
+  }
+  if (global == "collections.OrderedDict") {
+    if (!args.empty()) return bad_arguments();
+    return MakePy(PyValue::Kind::kDict);
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("the metadata calls ", global, ", which DCP's metadata never does"));
+}
+
+// The checks below report through this: "DCP checkpoint 'dir': ...".
+class MetadataParser {
+ public:
+  explicit MetadataParser(std::string dir) : dir_(std::move(dir)) {}
+
+  absl::Status Error(const std::string& what) const {
+    return absl::InvalidArgumentError(absl::StrCat("DCP checkpoint '", dir_, "': ", what));
+  }
+
+  absl::StatusOr<std::vector<int64_t>> Ints(const PyRef& v, const std::string& what) const {
+    if (v == nullptr || (v->kind != PyValue::Kind::kTuple && v->kind != PyValue::Kind::kList)) {
+      return Error(absl::StrCat(what, " is not a sequence of ints"));
+    }
+    std::vector<int64_t> out;
+    for (const PyRef& item : v->items) {
+      if (item->kind != PyValue::Kind::kInt) {
+        return Error(absl::StrCat(what, " holds a ", KindName(item->kind)));
+      }
+      out.push_back(item->i);
+    }
+    return out;
+  }
+
+  absl::StatusOr<int64_t> NonNegative(const PyRef& v, const std::string& what) const {
+    if (v == nullptr || v->kind != PyValue::Kind::kInt || v->i < 0) {
+      return Error(absl::StrCat(what, " is not a non-negative int"));
+    }
+    return v->i;
+  }
+
+  static bool IsObject(const PyRef& v, const char* cls) {
+    return v != nullptr && v->kind == PyValue::Kind::kObject && v->s == cls;
+  }
+  static bool IsMetadataObject(const PyRef& v, const char* name) {
+    return v != nullptr && v->kind == PyValue::Kind::kObject &&
+           v->s == absl::StrCat(kMetadataModule, name);
+  }
+
+  absl::StatusOr<DcpStorageLocation> Location(const PyRef& info, const std::string& fqn) const {
+    if (!IsObject(info, "torch.distributed.checkpoint.filesystem._StorageInfo")) {
+      return Error(absl::StrCat("the storage entry of '", fqn, "' is not a _StorageInfo"));
+    }
+    DcpStorageLocation location;
+    PyRef path = info->Get("relative_path");
+    if (path == nullptr || path->kind != PyValue::Kind::kString || path->s.empty() ||
+        path->s.find('/') != std::string::npos || path->s.find('\0') != std::string::npos ||
+        path->s == "." || path->s == "..") {
+      return Error(absl::StrCat("the data file of '", fqn,
+                                "' is not a file name inside the checkpoint directory"));
+    }
+    location.relative_path = path->s;
+    FSDP_ASSIGN_OR_RETURN(int64_t offset,
+                          NonNegative(info->Get("offset"), absl::StrCat("'", fqn, "''s offset")));
+    FSDP_ASSIGN_OR_RETURN(int64_t length,
+                          NonNegative(info->Get("length"), absl::StrCat("'", fqn, "''s length")));
+    location.offset = static_cast<uint64_t>(offset);
+    location.length = static_cast<uint64_t>(length);
+    PyRef transforms = info->Get("transform_descriptors");
+    if (transforms != nullptr && transforms->kind != PyValue::Kind::kNone &&
+        !transforms->items.empty()) {
+      std::vector<std::string> names;
+      for (const PyRef& t : transforms->items) {
+        names.push_back(t->kind == PyValue::Kind::kString ? t->s : KindName(t->kind));
+      }
+      return Error(absl::StrCat("'", fqn, "' is stored through transforms [",
+                                absl::StrJoin(names, ", "),
+                                "] (a DCP extension such as compression), which this reader "
+                                "does not support"));
+    }
+    return location;
+  }
+
+  // storage_data: MetadataIndex(fqn, offset) -> _StorageInfo.
+  absl::Status ReadStorage(const PyRef& storage_data) {
+    if (storage_data == nullptr || storage_data->kind != PyValue::Kind::kDict) {
+      return Error("the metadata has no storage_data dict");
+    }
+    for (const auto& [index, info] : storage_data->entries) {
+      if (!IsMetadataObject(index, "MetadataIndex")) {
+        return Error("a storage_data key is not a MetadataIndex");
+      }
+      PyRef fqn = index->Get("fqn");
+      if (fqn == nullptr || fqn->kind != PyValue::Kind::kString) {
+        return Error("a MetadataIndex has no fqn");
+      }
+      std::vector<int64_t> offsets;
+      PyRef offset = index->Get("offset");
+      if (offset != nullptr && offset->kind != PyValue::Kind::kNone) {
+        FSDP_ASSIGN_OR_RETURN(offsets, Ints(offset, absl::StrCat("'", fqn->s, "''s index offset")));
+      }
+      FSDP_ASSIGN_OR_RETURN(DcpStorageLocation location, Location(info, fqn->s));
+      if (!locations_.emplace(std::make_pair(fqn->s, offsets), location).second) {
+        return Error(absl::StrCat("'", fqn->s, "' has two storage entries at offsets [",
+                                  absl::StrJoin(offsets, ", "), "]"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<DcpStorageLocation> Find(const std::string& fqn,
+                                          const std::vector<int64_t>& offsets) const {
+    auto it = locations_.find({fqn, offsets});
+    if (it == locations_.end()) {
+      return Error(absl::StrCat("'", fqn, "' has no storage entry for its chunk at [",
+                                absl::StrJoin(offsets, ", "), "]"));
+    }
+    return it->second;
+  }
+
+  absl::StatusOr<at::ScalarType> Dtype(const PyRef& properties, const std::string& fqn) const {
+    if (!IsMetadataObject(properties, "TensorProperties") || properties->state == nullptr) {
+      return Error(absl::StrCat("'", fqn, "' has no TensorProperties"));
+    }
+    // Its state is a tuple starting with the dtype (TensorProperties'
+    // __getstate__), or a plain dataclass's field dict.
+    PyRef dtype = properties->state->kind == PyValue::Kind::kTuple
+                      ? (properties->state->items.empty() ? nullptr : properties->state->items[0])
+                      : properties->Get("dtype");
+    if (dtype == nullptr || dtype->kind != PyValue::Kind::kGlobal) {
+      return Error(absl::StrCat("'", fqn, "' has no dtype"));
+    }
+    absl::StatusOr<at::ScalarType> type = ScalarTypeFromPython(dtype->s);
+    if (!type.ok()) return Error(absl::StrCat("'", fqn, "': ", type.status().message()));
+    return *type;
+  }
+
+  // Chunks inside the tensor, covering it exactly once.
+  absl::Status CheckChunks(const DcpTensorEntry& t) const {
+    int64_t numel = 1;
+    for (int64_t s : t.size) {
+      if (s < 0 || __builtin_mul_overflow(numel, s, &numel)) {
+        return Error(absl::StrCat("'", t.fqn, "' has size [", absl::StrJoin(t.size, ", "), "]"));
+      }
+    }
+    int64_t covered = 0;
+    for (const DcpChunk& c : t.chunks) {
+      if (c.offsets.size() != t.size.size() || c.sizes.size() != t.size.size()) {
+        return Error(absl::StrCat("a chunk of '", t.fqn, "' has ", c.sizes.size(),
+                                  " dimensions, the tensor ", t.size.size()));
+      }
+      int64_t chunk_numel = 1;
+      for (size_t d = 0; d < t.size.size(); ++d) {
+        if (c.offsets[d] < 0 || c.sizes[d] < 0 || c.offsets[d] > t.size[d] ||
+            c.sizes[d] > t.size[d] - c.offsets[d]) {
+          return Error(absl::StrCat("a chunk of '", t.fqn, "' at [", absl::StrJoin(c.offsets, ", "),
+                                    "] of size [", absl::StrJoin(c.sizes, ", "),
+                                    "] lies outside its size [", absl::StrJoin(t.size, ", "), "]"));
+        }
+        chunk_numel *= c.sizes[d];  // Bounded by numel, which did not overflow.
+      }
+      if (__builtin_add_overflow(covered, chunk_numel, &covered)) {
+        return Error(absl::StrCat("the chunks of '", t.fqn, "' hold more than its elements"));
+      }
+    }
+    for (size_t i = 0; i < t.chunks.size(); ++i) {
+      for (size_t j = i + 1; j < t.chunks.size(); ++j) {
+        bool overlap = true;
+        int64_t shared = 1;
+        for (size_t d = 0; d < t.size.size(); ++d) {
+          const int64_t lo = std::max(t.chunks[i].offsets[d], t.chunks[j].offsets[d]);
+          const int64_t hi = std::min(t.chunks[i].offsets[d] + t.chunks[i].sizes[d],
+                                      t.chunks[j].offsets[d] + t.chunks[j].sizes[d]);
+          overlap = overlap && hi > lo;
+          shared *= std::max<int64_t>(hi - lo, 0);
+        }
+        if (overlap && shared > 0) {
+          return Error(absl::StrCat("two chunks of '", t.fqn, "' overlap (at [",
+                                    absl::StrJoin(t.chunks[i].offsets, ", "), "] and [",
+                                    absl::StrJoin(t.chunks[j].offsets, ", "), "])"));
+        }
+      }
+    }
+    if (covered != numel) {
+      return Error(absl::StrCat("the chunks of '", t.fqn, "' hold ", covered, " of its ", numel,
+                                " elements"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<DcpMetadata> Parse(const PyRef& root) {
+    if (!IsMetadataObject(root, "Metadata")) {
+      return Error(absl::StrCat(".metadata holds a ", KindName(root->kind),
+                                root->kind == PyValue::Kind::kObject ? " " + root->s : "",
+                                ", not DCP's Metadata"));
+    }
+    FSDP_RETURN_IF_ERROR(ReadStorage(root->Get("storage_data")));
+    DcpMetadata metadata;
+    PyRef version = root->Get("version");
+    if (version != nullptr && version->kind == PyValue::Kind::kString)
+      metadata.version = version->s;
+    PyRef entries = root->Get("state_dict_metadata");
+    if (entries == nullptr || entries->kind != PyValue::Kind::kDict) {
+      return Error("the metadata has no state_dict_metadata dict");
+    }
+    for (const auto& [key, entry] : entries->entries) {
+      if (key->kind != PyValue::Kind::kString) return Error("a state dict key is not a string");
+      const std::string& fqn = key->s;
+      if (IsMetadataObject(entry, "BytesStorageMetadata")) {
+        FSDP_ASSIGN_OR_RETURN(DcpStorageLocation location, Find(fqn, {}));
+        metadata.bytes.push_back({fqn, location});
+        continue;
+      }
+      if (!IsMetadataObject(entry, "TensorStorageMetadata")) {
+        return Error(absl::StrCat("'", fqn, "' is neither a tensor nor a bytes entry"));
+      }
+      DcpTensorEntry tensor;
+      tensor.fqn = fqn;
+      FSDP_ASSIGN_OR_RETURN(tensor.dtype, Dtype(entry->Get("properties"), fqn));
+      FSDP_ASSIGN_OR_RETURN(tensor.size,
+                            Ints(entry->Get("size"), absl::StrCat("'", fqn, "''s size")));
+      PyRef chunks = entry->Get("chunks");
+      if (chunks == nullptr || chunks->kind != PyValue::Kind::kList) {
+        return Error(absl::StrCat("'", fqn, "' has no chunk list"));
+      }
+      for (const PyRef& c : chunks->items) {
+        if (!IsMetadataObject(c, "ChunkStorageMetadata")) {
+          return Error(absl::StrCat("a chunk of '", fqn, "' is not a ChunkStorageMetadata"));
+        }
+        DcpChunk chunk;
+        FSDP_ASSIGN_OR_RETURN(chunk.offsets,
+                              Ints(c->Get("offsets"), absl::StrCat("'", fqn, "''s chunk offsets")));
+        FSDP_ASSIGN_OR_RETURN(chunk.sizes,
+                              Ints(c->Get("sizes"), absl::StrCat("'", fqn, "''s chunk sizes")));
+        FSDP_ASSIGN_OR_RETURN(chunk.location, Find(fqn, chunk.offsets));
+        tensor.chunks.push_back(std::move(chunk));
+      }
+      FSDP_RETURN_IF_ERROR(CheckChunks(tensor));
+      metadata.tensors.push_back(std::move(tensor));
+    }
+    return metadata;
+  }
+
+ private:
+  const std::string dir_;
+  std::map<std::pair<std::string, std::vector<int64_t>>, DcpStorageLocation> locations_;
+};
+
+// One chunk's tensor, checked against what the metadata says of it.
+absl::StatusOr<at::Tensor> ReadChunk(const std::string& dir, const DcpTensorEntry& tensor,
+                                     const DcpChunk& chunk) {
+  const std::string path = absl::StrCat(dir, "/", chunk.location.relative_path);
+  FSDP_ASSIGN_OR_RETURN(PyRef value,
+                        ReadTorchSaveObject(path, chunk.location.offset, chunk.location.length));
+  const auto error = [&](const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "DCP checkpoint '", dir, "': the chunk of '", tensor.fqn, "' at [",
+        absl::StrJoin(chunk.offsets, ", "), "] in ", chunk.location.relative_path, " ", what));
+  };
+  if (value->kind != PyValue::Kind::kTensor) {
+    return error(absl::StrCat("holds a ", KindName(value->kind), ", not a tensor"));
+  }
+  const at::Tensor& t = value->tensor;
+  if (t.sizes().vec() != chunk.sizes) {
+    return error(absl::StrCat("has size [", absl::StrJoin(t.sizes(), ", "),
+                              "], the metadata says [", absl::StrJoin(chunk.sizes, ", "), "]"));
+  }
+  if (t.scalar_type() != tensor.dtype) {
+    return error(absl::StrCat("is ", c10::toString(t.scalar_type()), ", the metadata says ",
+                              c10::toString(tensor.dtype)));
+  }
+  return t;
+}
+
+// `out` holds elements [offsets, offsets + out.sizes()) of the tensor; the
+// part of `chunk` that falls inside is copied into it. Returns false when
+// the two do not meet.
+absl::StatusOr<bool> CopyOverlap(const std::string& dir, const DcpTensorEntry& tensor,
+                                 const DcpChunk& chunk, const std::vector<int64_t>& offsets,
+                                 at::Tensor& out) {
+  std::vector<int64_t> lo(offsets.size()), hi(offsets.size());
+  for (size_t d = 0; d < offsets.size(); ++d) {
+    lo[d] = std::max(offsets[d], chunk.offsets[d]);
+    hi[d] =
+        std::min(offsets[d] + out.size(static_cast<int64_t>(d)), chunk.offsets[d] + chunk.sizes[d]);
+    if (hi[d] <= lo[d]) return false;
+  }
+  FSDP_ASSIGN_OR_RETURN(at::Tensor stored, ReadChunk(dir, tensor, chunk));
+  at::Tensor source = stored, target = out;
+  for (size_t d = 0; d < offsets.size(); ++d) {
+    const int64_t dim = static_cast<int64_t>(d);
+    source = source.narrow(dim, lo[d] - chunk.offsets[d], hi[d] - lo[d]);
+    target = target.narrow(dim, lo[d] - offsets[d], hi[d] - lo[d]);
+  }
+  target.copy_(source);
+  return true;
+}
+
+}  // namespace
+
+bool IsDcpDirectory(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode) &&
+         stat((path + "/.metadata").c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+absl::StatusOr<DcpMetadata> ReadDcpMetadata(const std::string& dir) {
+  const std::string path = dir + "/.metadata";
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::NotFoundError(absl::StrCat("'", dir, "' is not a DCP checkpoint: no .metadata"));
+  }
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  UnpicklerHooks hooks;
+  hooks.allow_global = AllowGlobal;
+  hooks.call = Call;
+  FSDP_ASSIGN_OR_RETURN(PyRef root,
+                        Unpickle(bytes.data(), bytes.size(),
+                                 absl::StrCat("DCP checkpoint '", dir, "': .metadata"), hooks));
+  return MetadataParser(dir).Parse(root);
+}
+
+absl::StatusOr<at::Tensor> LoadDcpTensorRegion(const std::string& dir, const DcpTensorEntry& tensor,
+                                               const std::vector<int64_t>& offsets,
+                                               const std::vector<int64_t>& sizes) {
+  if (offsets.size() != tensor.size.size() || sizes.size() != tensor.size.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a region of '", tensor.fqn, "' needs ", tensor.size.size(), " dimensions"));
+  }
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (offsets[d] < 0 || sizes[d] < 0 || offsets[d] > tensor.size[d] ||
+        sizes[d] > tensor.size[d] - offsets[d]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "region [", absl::StrJoin(offsets, ", "), "] + [", absl::StrJoin(sizes, ", "),
+          "] lies outside '", tensor.fqn, "' of size [", absl::StrJoin(tensor.size, ", "), "]"));
+    }
+  }
+  at::Tensor out = at::empty(sizes, at::TensorOptions().dtype(tensor.dtype));
+  if (out.numel() == 0) return out;
+  for (const DcpChunk& chunk : tensor.chunks) {
+    FSDP_ASSIGN_OR_RETURN(bool copied, CopyOverlap(dir, tensor, chunk, offsets, out));
+    (void)copied;
+  }
+  return out;  // The metadata's chunks cover the tensor (checked when read).
+}
+
+absl::StatusOr<StateDict> LoadDcpStateDict(const std::string& dir, const std::string& prefix) {
+  FSDP_ASSIGN_OR_RETURN(DcpMetadata metadata, ReadDcpMetadata(dir));
+  StateDict state;
+  for (const DcpTensorEntry& tensor : metadata.tensors) {
+    if (tensor.fqn.rfind(prefix, 0) != 0) continue;
+    FSDP_ASSIGN_OR_RETURN(
+        at::Tensor full,
+        LoadDcpTensorRegion(dir, tensor, std::vector<int64_t>(tensor.size.size(), 0), tensor.size));
+    state.emplace_back(tensor.fqn.substr(prefix.size()), std::move(full));
+  }
+  if (state.empty() && !prefix.empty()) {
+    std::vector<std::string> names;
+    for (const DcpTensorEntry& tensor : metadata.tensors) names.push_back(tensor.fqn);
+    if (names.size() > 5) names.resize(5);
+    return absl::NotFoundError(
+        absl::StrCat("DCP checkpoint '", dir, "' has no tensor under '", prefix,
+                     "' (its tensors start: ", absl::StrJoin(names, ", "), ")"));
+  }
+  return state;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,93 @@
+// Reading PyTorch Distributed Checkpoint (DCP) directories without Python:
+// what torch.distributed.checkpoint.save writes (FSDP2's get_state_dict at
+// any world size, or a plain state dict), for loading into our models.
+//
+// A DCP directory holds `.metadata`, a pickle of DCP's metadata classes
+// (every tensor's dtype, size and chunks, and where each chunk's bytes
+// are), and data files (`__<rank>_<n>.distcp`) in which every chunk is a
+// torch.save archive of one tensor at a byte range, and every non-tensor
+// value a torch.save archive of that value.
+//
+// The metadata is read with statedict/restricted_unpickler.h against an
+// allow-list of the globals DCP writes (its metadata dataclasses, torch.Size,
+// dtypes, layouts, memory formats, pathlib paths); a pickle that names any
+// other global is refused, naming it, before anything is built from it, and
+// nothing in it ever runs. Everything the metadata claims is checked before
+// data is read: chunks lie inside their tensor and cover it exactly once,
+// every chunk has a storage entry, data file names stay inside the
+// directory, and each chunk read back has the size and dtype the metadata
+// gives it.
+//
+// Loads are all-or-nothing: an error leaves nothing half-read for the
+// caller. Thread-compatible.
+#ifndef FSDP_STATEDICT_DCP_H_
+#define FSDP_STATEDICT_DCP_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "c10/core/ScalarType.h"
+#include "statedict/torch_file.h"
+
+namespace fsdp {
+
+// Where a stored item's bytes are: a torch.save archive at
+// [offset, offset + length) of `relative_path` in the checkpoint directory.
+struct DcpStorageLocation {
+  std::string relative_path;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+
+// One stored piece of a tensor: elements [offsets, offsets + sizes).
+struct DcpChunk {
+  std::vector<int64_t> offsets;
+  std::vector<int64_t> sizes;
+  DcpStorageLocation location;
+};
+
+struct DcpTensorEntry {
+  std::string fqn;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> size;
+  std::vector<DcpChunk> chunks;
+};
+
+// A non-tensor value (an optimizer step count, a param group's learning
+// rate), stored as a torch.save archive of that value.
+struct DcpBytesEntry {
+  std::string fqn;
+  DcpStorageLocation location;
+};
+
+struct DcpMetadata {
+  std::vector<DcpTensorEntry> tensors;  // In the order of the file.
+  std::vector<DcpBytesEntry> bytes;
+  std::string version;  // DCP's metadata version ("1.0.0"); "" if absent.
+};
+
+// Whether `path` is a DCP directory (a directory holding `.metadata`).
+bool IsDcpDirectory(const std::string& path);
+
+// Reads and checks `dir`/.metadata. Errors name the directory and, for a
+// refused global, the global.
+absl::StatusOr<DcpMetadata> ReadDcpMetadata(const std::string& dir);
+
+// The full tensors of `dir`, in the metadata's order, contiguous on CPU.
+// Non-tensor entries are left out (see DcpMetadata::bytes). `prefix`, when
+// not empty, keeps only the entries under it and strips it ("model." for a
+// checkpoint of {"model": ..., "optim": ...}).
+absl::StatusOr<StateDict> LoadDcpStateDict(const std::string& dir, const std::string& prefix = "");
+
+// Elements [offsets, offsets + sizes) of one tensor, read from only the
+// chunks that overlap them (a sharded load's own part).
+absl::StatusOr<at::Tensor> LoadDcpTensorRegion(const std::string& dir, const DcpTensorEntry& tensor,
+                                               const std::vector<int64_t>& offsets,
+                                               const std::vector<int64_t>& sizes);
+
+}  // namespace fsdp
+
+#endif  // FSDP_STATEDICT_DCP_H_
