@@ -5,6 +5,9 @@ them; prints each step's loss and fails if it differs from the run's
 --metrics_jsonl. Used by train_gpt_test; usable by hand:
 
   /usr/bin/python3 models/replay_gpt.py init OUT.pt --n_layer=2 ...
+  models/replay_gpt.py init_dcp OUT_DIR ...   (the same, as a DCP checkpoint
+                                               {"model": state dict}; exits 3
+                                               without torch.distributed.checkpoint)
   /usr/bin/python3 models/replay_gpt.py replay INIT.pt BATCHES.pt METRICS.jsonl ...
 """
 import argparse
@@ -29,6 +32,20 @@ def init(args):
     torch.manual_seed(args.seed)
     model = GPT(config_of(args))
     torch.save(model.state_dict(), args.paths[0])
+
+
+def init_dcp(args):
+    """init's state dict as PyTorch's Distributed Checkpoint, under "model"
+    as an FSDP2 job saves {"model": ..., "optim": ...}."""
+    try:
+        import torch.distributed.checkpoint as dcp
+        dcp.save  # noqa: B018
+    except (ImportError, AttributeError):
+        print("torch %s cannot write DCP checkpoints" % torch.__version__)
+        return 3
+    torch.manual_seed(args.seed)
+    model = GPT(config_of(args))
+    dcp.save({"model": model.state_dict()}, checkpoint_id=args.paths[0], no_dist=True)
 
 
 def replay(args):
@@ -62,7 +79,7 @@ def replay(args):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["init", "replay"])
+    parser.add_argument("mode", choices=["init", "init_dcp", "replay"])
     parser.add_argument("paths", nargs="+")
     for name, default in [("block_size", 32), ("n_layer", 2), ("n_head", 4), ("n_embd", 64),
                           ("seed", 5)]:
@@ -71,4 +88,4 @@ if __name__ == "__main__":
                           ("weight_decay", 0.01), ("grad_clip", 1.0), ("tolerance", 1e-4)]:
         parser.add_argument("--" + name, type=float, default=default)
     args = parser.parse_args()
-    sys.exit(init(args) or 0 if args.mode == "init" else replay(args))
+    sys.exit({"init": init, "init_dcp": init_dcp, "replay": replay}[args.mode](args) or 0)

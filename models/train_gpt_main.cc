@@ -62,6 +62,7 @@
 #include "optim/run_checkpoints.h"
 #include "optim/training_checkpoint.h"
 #include "policies/registry.h"
+#include "statedict/dcp.h"
 #include "statedict/state_dict.h"
 #include "statedict/torch_file.h"
 #ifdef FSDP_WITH_NCCL
@@ -144,14 +145,17 @@ ABSL_FLAG(std::string, policy_plugin, "",
           "before building --wrap_policy.");
 ABSL_FLAG(std::string, init_state_dict, "",
           "Start from this state dict: a torch.save file (e.g. torch.save(model.state_dict()) "
-          "of a PyTorch GPT with nanoGPT's layout) or one written by --export_state_dict.");
+          "of a PyTorch GPT with nanoGPT's layout) or one written by --export_state_dict, or a "
+          "PyTorch Distributed Checkpoint directory (torch.distributed.checkpoint.save, e.g. of "
+          "an FSDP2 model's get_model_state_dict, at any world size).");
 ABSL_FLAG(std::vector<std::string>, init_state_dict_ignore, {},
           "Comma-separated globs (fnmatch) of --init_state_dict entries to drop when this model "
           "has no such entry, e.g. '*.attn.bias' for the causal-mask buffers that nanoGPT "
           "checkpoints from torch < 2 carry. An entry the model has is never dropped.");
 ABSL_FLAG(std::string, init_state_dict_key, "",
           "Take the state dict from this key of the file's top-level dict (nanoGPT's ckpt.pt: "
-          "'model').");
+          "'model'); for a Distributed Checkpoint, the entries under 'KEY.' (a checkpoint of "
+          "{'model': ..., 'optim': ...}: 'model').");
 ABSL_FLAG(std::string, export_state_dict, "",
           "Write the final FULL state dict here (rank 0), readable by Python's torch.load.");
 ABSL_FLAG(std::string, checkpoint_dir, "",
@@ -644,9 +648,13 @@ void LoadInitialState(fsdp::FullyShardedModel& fsdp_model, const std::set<std::s
                       bool print) {
   const std::string path = absl::GetFlag(FLAGS_init_state_dict);
   const std::vector<std::string> ignore = absl::GetFlag(FLAGS_init_state_dict_ignore);
-  // Every rank reads the file and keeps its own shards.
+  // Every rank reads the file (every chunk of a DCP checkpoint) and keeps
+  // its own shards.
+  const std::string key = absl::GetFlag(FLAGS_init_state_dict_key);
   const fsdp::StateDict state = fsdp::ValueOrThrow(
-      fsdp::LoadTorchStateDict(path, absl::GetFlag(FLAGS_init_state_dict_key)));
+      fsdp::IsDcpDirectory(path)
+          ? fsdp::LoadDcpStateDict(path, key.empty() ? "" : absl::StrCat(key, "."))
+          : fsdp::LoadTorchStateDict(path, key));
   fsdp::StateDict kept;
   std::vector<std::string> dropped;
   bool unexpected = false;

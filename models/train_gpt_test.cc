@@ -75,6 +75,43 @@ TEST(TrainGpt, ReplaysItsRecordedBatchesInPyTorchAndAtAnotherWorldSize) {
   EXPECT_GT(std::abs(want[0] - want[7]), 0.1);
 }
 
+// A PyTorch Distributed Checkpoint of the same weights as a torch.save
+// file starts the same run: the same losses, at W = 2 where each rank keeps
+// its own shards of every chunk it read.
+TEST(TrainGpt, StartsFromADistributedCheckpointAsFromTorchSave) {
+  const std::string dir = TempDir("init_dcp");
+  const std::string python = ::fsdp::testing::TorchPython();
+  const int dcp_status = std::system(
+      absl::StrCat("timeout 120 ", python, " models/replay_gpt.py init_dcp ", dir, "/dcp").c_str());
+  if (WIFEXITED(dcp_status) && WEXITSTATUS(dcp_status) == 3) {
+    GTEST_SKIP() << "this torch cannot write DCP checkpoints";
+  }
+  ASSERT_EQ(dcp_status, 0);
+  ASSERT_EQ(std::system(
+                absl::StrCat("timeout 120 ", python, " models/replay_gpt.py init ", dir, "/init.pt")
+                    .c_str()),
+            0);
+  const std::string common =
+      " --steps=4 --log_every=2 --print_plan=false --world_size=2 --batch_size=4 --metrics_jsonl=";
+  const CommandResult from_file = RunCommand(
+      absl::StrCat(kTrainGpt, common, dir, "/file.jsonl --init_state_dict=", dir, "/init.pt"));
+  ASSERT_EQ(from_file.exit_code, 0) << from_file.output;
+  const CommandResult from_dcp =
+      RunCommand(absl::StrCat(kTrainGpt, common, dir, "/dcp.jsonl --init_state_dict=", dir,
+                              "/dcp --init_state_dict_key=model"));
+  ASSERT_EQ(from_dcp.exit_code, 0) << from_dcp.output;
+  EXPECT_THAT(from_dcp.output, HasSubstr("initialized from " + dir + "/dcp"));
+  const std::vector<double> want = LossesOf(dir + "/file.jsonl");
+  ASSERT_EQ(want.size(), 4u);
+  EXPECT_EQ(LossesOf(dir + "/dcp.jsonl"), want);
+  // Without the key, the entries are named "model.*", which the GPT lacks.
+  const CommandResult no_key = RunCommand(
+      absl::StrCat(kTrainGpt, common, dir, "/no_key.jsonl --init_state_dict=", dir, "/dcp"));
+  EXPECT_NE(no_key.exit_code, 0);
+  EXPECT_THAT(no_key.output, HasSubstr("--init_state_dict=" + dir + "/dcp: "));
+  EXPECT_THAT(no_key.output, HasSubstr("model.transformer.wte.weight"));
+}
+
 // CPU offload changes where shards, gradients and optimizer state live, not
 // what is computed: the same losses, to the last printed digit, with and
 // without it (here with mixed precision and gradient clipping, the job's

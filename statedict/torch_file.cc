@@ -81,7 +81,9 @@ class ByteRange {
                                                          std::optional<uint64_t> length) {
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
-      return absl::NotFoundError(absl::StrCat("cannot open '", path, "': ", std::strerror(errno)));
+      return absl::NotFoundError(absl::StrCat("cannot read '", path,
+                                              "' as a torch.save archive: cannot open it (",
+                                              std::strerror(errno), ")"));
     }
     auto range = std::shared_ptr<ByteRange>(new ByteRange(fd));
     struct stat st;
