@@ -567,7 +567,7 @@ install(FILES ${PROJECT_SOURCE_DIR}/models/output_paths.h DESTINATION include/mo
 # //models:train_gpt
 add_executable(models_train_gpt ${PROJECT_SOURCE_DIR}/models/train_gpt_main.cc)
 set_target_properties(models_train_gpt PROPERTIES OUTPUT_NAME train_gpt RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
-target_link_libraries(models_train_gpt PRIVATE models_gpt models_output_paths optim_flat_shard_optimizers optim_run_checkpoints base_status comm_collectives comm_launch_environment comm_local_launcher comm_rendezvous comm_staged_collectives fsdp_activation_checkpointing fsdp_fully_shard fsdp_trace optim_training_checkpoint policies_builtin_policies policies_registry statedict_state_dict statedict_torch_file third_party_absl_flags fsdp_torch)
+target_link_libraries(models_train_gpt PRIVATE models_gpt models_output_paths optim_flat_shard_optimizers optim_run_checkpoints base_status comm_collectives comm_launch_environment comm_local_launcher comm_rendezvous comm_staged_collectives fsdp_activation_checkpointing fsdp_fully_shard fsdp_trace optim_training_checkpoint policies_builtin_policies policies_registry statedict_dcp statedict_state_dict statedict_torch_file third_party_absl_flags fsdp_torch)
 
 # //models:train_gpt_bad_input_test
 if(BUILD_TESTING)
@@ -764,6 +764,63 @@ target_link_libraries(policies_wrap_policy_test PRIVATE policies_wrap_policy thi
 add_test(NAME //policies:wrap_policy_test COMMAND policies_wrap_policy_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//policies:wrap_policy_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/policies_wrap_policy_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/policies_wrap_policy_test")
+endif()
+
+# //statedict/fuzz:dcp_metadata_fuzz_regression_test
+if(BUILD_TESTING)
+add_executable(statedict_fuzz_dcp_metadata_fuzz_regression_test ${PROJECT_SOURCE_DIR}/statedict/fuzz/dcp_metadata_fuzzer.cc)
+set_target_properties(statedict_fuzz_dcp_metadata_fuzz_regression_test PROPERTIES OUTPUT_NAME dcp_metadata_fuzz_regression_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/statedict/fuzz ENABLE_EXPORTS ON)
+target_link_libraries(statedict_fuzz_dcp_metadata_fuzz_regression_test PRIVATE statedict_fuzz_fuzz_replay_main statedict_dcp statedict_restricted_unpickler statedict_torch_file)
+configure_file(${PROJECT_SOURCE_DIR}/statedict/fuzz/corpus/dcp_metadata/bad_escape.metadata "${CMAKE_BINARY_DIR}/statedict/fuzz/corpus/dcp_metadata/bad_escape.metadata" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/statedict/fuzz/corpus/dcp_metadata/bad_missing.metadata "${CMAKE_BINARY_DIR}/statedict/fuzz/corpus/dcp_metadata/bad_missing.metadata" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/statedict/fuzz/corpus/dcp_metadata/bad_outside.metadata "${CMAKE_BINARY_DIR}/statedict/fuzz/corpus/dcp_metadata/bad_outside.metadata" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/statedict/fuzz/corpus/dcp_metadata/bad_overlap.metadata "${CMAKE_BINARY_DIR}/statedict/fuzz/corpus/dcp_metadata/bad_overlap.metadata" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/statedict/fuzz/corpus/dcp_metadata/bad_transformed.metadata "${CMAKE_BINARY_DIR}/statedict/fuzz/corpus/dcp_metadata/bad_transformed.metadata" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/statedict/fuzz/corpus/dcp_metadata/fsdp2_w2_ckpt.metadata "${CMAKE_BINARY_DIR}/statedict/fuzz/corpus/dcp_metadata/fsdp2_w2_ckpt.metadata" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/statedict/fuzz/corpus/dcp_metadata/plain_ckpt.metadata "${CMAKE_BINARY_DIR}/statedict/fuzz/corpus/dcp_metadata/plain_ckpt.metadata" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/statedict/testdata/dcp/plain/ckpt/__0_0.distcp "${CMAKE_BINARY_DIR}/statedict/testdata/dcp/plain/ckpt/__0_0.distcp" COPYONLY)
+add_test(NAME //statedict/fuzz:dcp_metadata_fuzz_regression_test COMMAND statedict_fuzz_dcp_metadata_fuzz_regression_test "statedict/fuzz/corpus/dcp_metadata" WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//statedict/fuzz:dcp_metadata_fuzz_regression_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/statedict_fuzz_dcp_metadata_fuzz_regression_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/statedict_fuzz_dcp_metadata_fuzz_regression_test")
+endif()
+
+# //statedict/fuzz:fuzz_replay_main
+if(BUILD_TESTING)
+add_library(statedict_fuzz_fuzz_replay_main SHARED ${PROJECT_SOURCE_DIR}/statedict/fuzz/fuzz_replay_main.cc)
+set_target_properties(statedict_fuzz_fuzz_replay_main PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/statedict/fuzz)
+endif()
+
+# //statedict/fuzz:restricted_unpickler_fuzz_regression_test
+if(BUILD_TESTING)
+add_executable(statedict_fuzz_restricted_unpickler_fuzz_regression_test ${PROJECT_SOURCE_DIR}/statedict/fuzz/restricted_unpickler_fuzzer.cc)
+set_target_properties(statedict_fuzz_restricted_unpickler_fuzz_regression_test PROPERTIES OUTPUT_NAME restricted_unpickler_fuzz_regression_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/statedict/fuzz ENABLE_EXPORTS ON)
+target_link_libraries(statedict_fuzz_restricted_unpickler_fuzz_regression_test PRIVATE statedict_fuzz_fuzz_replay_main statedict_dcp statedict_restricted_unpickler statedict_torch_file)
+configure_file(${PROJECT_SOURCE_DIR}/statedict/fuzz/corpus/restricted_unpickler/bad_escape.metadata "${CMAKE_BINARY_DIR}/statedict/fuzz/corpus/restricted_unpickler/bad_escape.metadata" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/statedict/fuzz/corpus/restricted_unpickler/bad_missing.metadata "${CMAKE_BINARY_DIR}/statedict/fuzz/corpus/restricted_unpickler/bad_missing.metadata" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/statedict/fuzz/corpus/restricted_unpickler/bad_outside.metadata "${CMAKE_BINARY_DIR}/statedict/fuzz/corpus/restricted_unpickler/bad_outside.metadata" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/statedict/fuzz/corpus/restricted_unpickler/bad_overlap.metadata "${CMAKE_BINARY_DIR}/statedict/fuzz/corpus/restricted_unpickler/bad_overlap.metadata" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/statedict/fuzz/corpus/restricted_unpickler/bad_transformed.metadata "${CMAKE_BINARY_DIR}/statedict/fuzz/corpus/restricted_unpickler/bad_transformed.metadata" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/statedict/fuzz/corpus/restricted_unpickler/fsdp2_expected.pt.data.pkl "${CMAKE_BINARY_DIR}/statedict/fuzz/corpus/restricted_unpickler/fsdp2_expected.pt.data.pkl" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/statedict/fuzz/corpus/restricted_unpickler/fsdp2_w2_ckpt.metadata "${CMAKE_BINARY_DIR}/statedict/fuzz/corpus/restricted_unpickler/fsdp2_w2_ckpt.metadata" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/statedict/fuzz/corpus/restricted_unpickler/plain_ckpt.metadata "${CMAKE_BINARY_DIR}/statedict/fuzz/corpus/restricted_unpickler/plain_ckpt.metadata" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/statedict/fuzz/corpus/restricted_unpickler/plain_expected.pt.data.pkl "${CMAKE_BINARY_DIR}/statedict/fuzz/corpus/restricted_unpickler/plain_expected.pt.data.pkl" COPYONLY)
+add_test(NAME //statedict/fuzz:restricted_unpickler_fuzz_regression_test COMMAND statedict_fuzz_restricted_unpickler_fuzz_regression_test "statedict/fuzz/corpus/restricted_unpickler" WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//statedict/fuzz:restricted_unpickler_fuzz_regression_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/statedict_fuzz_restricted_unpickler_fuzz_regression_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/statedict_fuzz_restricted_unpickler_fuzz_regression_test")
+endif()
+
+# //statedict/fuzz:torch_file_fuzz_regression_test
+if(BUILD_TESTING)
+add_executable(statedict_fuzz_torch_file_fuzz_regression_test ${PROJECT_SOURCE_DIR}/statedict/fuzz/torch_file_fuzzer.cc)
+set_target_properties(statedict_fuzz_torch_file_fuzz_regression_test PROPERTIES OUTPUT_NAME torch_file_fuzz_regression_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/statedict/fuzz ENABLE_EXPORTS ON)
+target_link_libraries(statedict_fuzz_torch_file_fuzz_regression_test PRIVATE statedict_fuzz_fuzz_replay_main statedict_dcp statedict_restricted_unpickler statedict_torch_file)
+configure_file(${PROJECT_SOURCE_DIR}/statedict/fuzz/corpus/torch_file/fsdp2_expected.pt "${CMAKE_BINARY_DIR}/statedict/fuzz/corpus/torch_file/fsdp2_expected.pt" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/statedict/fuzz/corpus/torch_file/new_dtypes.pt "${CMAKE_BINARY_DIR}/statedict/fuzz/corpus/torch_file/new_dtypes.pt" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/statedict/fuzz/corpus/torch_file/plain_expected.pt "${CMAKE_BINARY_DIR}/statedict/fuzz/corpus/torch_file/plain_expected.pt" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/statedict/fuzz/corpus/torch_file/without_crcs.pt "${CMAKE_BINARY_DIR}/statedict/fuzz/corpus/torch_file/without_crcs.pt" COPYONLY)
+add_test(NAME //statedict/fuzz:torch_file_fuzz_regression_test COMMAND statedict_fuzz_torch_file_fuzz_regression_test "statedict/fuzz/corpus/torch_file" WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//statedict/fuzz:torch_file_fuzz_regression_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/statedict_fuzz_torch_file_fuzz_regression_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/statedict_fuzz_torch_file_fuzz_regression_test")
 endif()
 
 # //statedict:atomic_file

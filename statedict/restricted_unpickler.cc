@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
@@ -167,7 +168,25 @@ class Unpickler {
     return stack_.back();
   }
   void Push(PyRef v) { stack_.push_back(std::move(v)); }
+  // NOTE [No recursive values]. Values are shared_ptrs, so a value that
+  // contains itself (Python's l.append(l), rebuilt through the memo) would
+  // never be freed: a pickle could leak memory at will (the fuzzer's first
+  // finding). No file we read holds one, and a cycle can only close by
+  // changing a value after it was placed inside another, so that is
+  // refused: every value placed in a container, a tuple, an object's state
+  // or a hook's arguments is marked, and marked values are never changed.
+  // The set holds its values, so no address in it is reused while reading.
+  void Contain(const PyRef& v) { contained_.insert(v); }
+  absl::Status CheckChangeable(const PyRef& target, const char* op) const {
+    if (contained_.count(target) > 0) {
+      return Error(absl::StrCat(op, " changes a ", KindName(target->kind),
+                                " already placed inside another value (a recursive structure, "
+                                "which these files never hold)"));
+    }
+    return absl::OkStatus();
+  }
   PyRef Tuple(std::vector<PyRef> items) {
+    for (const PyRef& item : items) Contain(item);
     PyRef r = MakePy(PyValue::Kind::kTuple);
     r->items = std::move(items);
     return r;
@@ -201,6 +220,7 @@ class Unpickler {
                                 " with a ", KindName(args->kind), ", not of a global"));
     }
     if (!hooks_.call) return Error(absl::StrCat("the pickle calls ", callable->s));
+    for (const PyRef& arg : args->items) Contain(arg);
     absl::StatusOr<PyRef> result = hooks_.call(callable->s, args->items, newobj);
     if (!result.ok()) return Placed(result.status());
     Push(*std::move(result));
@@ -210,6 +230,11 @@ class Unpickler {
     FSDP_ASSIGN_OR_RETURN(PyRef dict, Top());
     if (dict->kind != PyValue::Kind::kDict) return Error("SETITEM(S) on a non-dict");
     if (kv.size() % 2 != 0) return Error("SETITEMS with an odd number of values");
+    FSDP_RETURN_IF_ERROR(CheckChangeable(dict, "SETITEM(S)"));
+    for (const PyRef& v : kv) {
+      if (v == dict) return Error("SETITEM(S) puts a dict inside itself");
+      Contain(v);
+    }
     for (size_t k = 0; k < kv.size(); k += 2) dict->entries.emplace_back(kv[k], kv[k + 1]);
     return absl::OkStatus();
   }
@@ -217,6 +242,11 @@ class Unpickler {
     FSDP_ASSIGN_OR_RETURN(PyRef target, Top());
     if (target->kind != kind) {
       return Error(absl::StrCat(op, " to a ", KindName(target->kind)));
+    }
+    FSDP_RETURN_IF_ERROR(CheckChangeable(target, op));
+    for (const PyRef& v : values) {
+      if (v == target) return Error(absl::StrCat(op, " puts a value inside itself"));
+      Contain(v);
     }
     for (PyRef& v : values) target->items.push_back(std::move(v));
     return absl::OkStatus();
@@ -371,6 +401,7 @@ class Unpickler {
       }
       case 0x91: {  // FROZENSET
         FSDP_ASSIGN_OR_RETURN(std::vector<PyRef> items, PopToMark());
+        for (const PyRef& item : items) Contain(item);
         PyRef set = MakePy(PyValue::Kind::kSet);
         set->items = std::move(items);
         Push(std::move(set));
@@ -379,6 +410,7 @@ class Unpickler {
       case 'Q': {  // BINPERSID
         FSDP_ASSIGN_OR_RETURN(PyRef pid, Pop());
         if (!hooks_.persistent_load) return Error("a persistent id, which this file never needs");
+        Contain(pid);
         absl::StatusOr<PyRef> value = hooks_.persistent_load(pid);
         if (!value.ok()) return Placed(value.status());
         Push(*std::move(value));
@@ -399,6 +431,10 @@ class Unpickler {
         FSDP_ASSIGN_OR_RETURN(PyRef state, Pop());
         FSDP_ASSIGN_OR_RETURN(PyRef target, Top());
         if (target->kind == PyValue::Kind::kObject) {
+          FSDP_RETURN_IF_ERROR(CheckChangeable(target, "BUILD"));
+          if (target->state != nullptr) return Error("BUILD of an object that has its state");
+          if (state == target) return Error("BUILD puts an object inside itself");
+          Contain(state);
           target->state = std::move(state);
           return absl::OkStatus();
         }
@@ -442,6 +478,7 @@ class Unpickler {
   std::vector<PyRef> stack_;
   std::vector<size_t> marks_;
   std::unordered_map<uint64_t, PyRef> memo_;
+  std::unordered_set<PyRef> contained_;
 };
 
 }  // namespace

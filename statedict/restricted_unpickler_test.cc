@@ -71,6 +71,32 @@ TEST(RestrictedUnpickler, MalformedPicklesAreErrors) {
   EXPECT_THAT(Read("i__main__\nX\n.").status().message(), HasSubstr("unsupported pickle opcode"));
 }
 
+// l = []; l.append(l) and its indirect forms would never be freed
+// (shared ownership): refused, as no file we read holds one.
+TEST(RestrictedUnpickler, RecursiveValuesAreRefused) {
+  // ] MEMOIZE h0 a: append the list to itself.
+  EXPECT_THAT(Read("]\x94h\x00"
+                   "a."s)
+                  .status()
+                  .message(),
+              HasSubstr("inside itself"));
+  // A = [], B = [A], then B appended to A.
+  EXPECT_THAT(Read("]\x94]\x94h\x00"
+                   "ah\x00"
+                   "h\x01"
+                   "a0."s)
+                  .status()
+                  .message(),
+              HasSubstr("already placed inside another value"));
+  // A list changed after it went into a tuple.
+  EXPECT_THAT(Read("]\x94\x85h\x00"
+                   "K\x01"
+                   "a0."s)
+                  .status()
+                  .message(),
+              HasSubstr("already placed inside another value"));
+}
+
 // A million nested lists: freeing them must not recurse a million deep.
 TEST(RestrictedUnpickler, DeepNestingIsFreedWithoutRecursion) {
   constexpr int kDepth = 1000000;

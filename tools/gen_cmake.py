@@ -212,7 +212,7 @@ def generate(rules):
             timeout = TEST_TIMEOUTS[attrs.get("size", "medium")]
             lines += [
                 "add_test(NAME %s COMMAND %s WORKING_DIRECTORY ${CMAKE_BINARY_DIR})"
-                % (label, target),
+                % (label, " ".join([target] + ['"%s"' % a for a in attrs.get("args", [])])),
                 'set_tests_properties(%s PROPERTIES TIMEOUT %d ENVIRONMENT '
                 '"TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/%s")' % (label, timeout, target),
                 'file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/%s")' % target,
