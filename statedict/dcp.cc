@@ -54,6 +54,8 @@ bool IsMetadataHelper(const std::string& global) {
       "pathlib.Path",
       "pathlib.PosixPath",
       "pathlib.WindowsPath",
+      "pathlib._local.PosixPath",  // Python 3.13's name for it.
+      "pathlib._local.WindowsPath",
       "collections.OrderedDict",
   };
   return kHelpers->count(global) > 0;
@@ -76,7 +78,7 @@ bool AllStrings(const std::vector<PyRef>& values) {
   return true;
 }
 
-absl::StatusOr<PyRef> Call(const std::string& global, std::vector<PyRef>& args, bool newobj) {
+absl::StatusOr<PyRef> Call(const std::string& global, const std::vector<PyRef>& args, bool newobj) {
   const auto bad_arguments = [&global] {
     return absl::InvalidArgumentError(absl::StrCat("unexpected arguments to ", global));
   };
@@ -92,6 +94,15 @@ absl::StatusOr<PyRef> Call(const std::string& global, std::vector<PyRef>& args, 
   }
   if (global == "torch.serialization._get_layout") {  // ("torch.strided",) -> the layout
     if (args.size() != 1 || !AllStrings(args)) return bad_arguments();
+    return args[0];
+  }
+  if (global == absl::StrCat(kMetadataModule, "_MEM_FORMAT_ENCODING")) {
+    // An enum member by value, as Python 3.12 and later pickle them:
+    // _MEM_FORMAT_ENCODING(0..2).
+    if (args.size() != 1 || args[0]->kind != PyValue::Kind::kInt || args[0]->i < 0 ||
+        args[0]->i > 2) {
+      return bad_arguments();
+    }
     return args[0];
   }
   if (global == "builtins.getattr") {  // getattr(_MEM_FORMAT_ENCODING, "TORCH_...")
@@ -267,25 +278,42 @@ class MetadataParser {
         }
         chunk_numel *= c.sizes[d];  // Bounded by numel, which did not overflow.
       }
+      // Its archive stores the chunk's elements uncompressed: a chunk larger
+      // than its bytes is a lie, refused before anything is allocated for it.
+      if (static_cast<uint64_t>(chunk_numel) >
+          c.location.length / static_cast<uint64_t>(c10::elementSize(t.dtype))) {
+        return Error(absl::StrCat("a chunk of '", t.fqn, "' at [", absl::StrJoin(c.offsets, ", "),
+                                  "] claims ", chunk_numel, " elements from ", c.location.length,
+                                  " bytes"));
+      }
       if (__builtin_add_overflow(covered, chunk_numel, &covered)) {
         return Error(absl::StrCat("the chunks of '", t.fqn, "' hold more than its elements"));
       }
     }
-    for (size_t i = 0; i < t.chunks.size(); ++i) {
-      for (size_t j = i + 1; j < t.chunks.size(); ++j) {
+    // Disjointness, by a sweep along dim 0: only chunks whose rows meet
+    // are compared (FSDP2's Shard(0) chunks never do), so a checkpoint of
+    // many ranks is not checked in quadratic time.
+    std::vector<size_t> order(t.chunks.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    const auto begin = [&](size_t i) { return t.size.empty() ? 0 : t.chunks[i].offsets[0]; };
+    const auto end = [&](size_t i) {
+      return t.size.empty() ? 1 : t.chunks[i].offsets[0] + t.chunks[i].sizes[0];
+    };
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return begin(a) < begin(b); });
+    for (size_t x = 0; x < order.size(); ++x) {
+      const DcpChunk& a = t.chunks[order[x]];
+      for (size_t y = x + 1; y < order.size() && begin(order[y]) < end(order[x]); ++y) {
+        const DcpChunk& b = t.chunks[order[y]];
         bool overlap = true;
-        int64_t shared = 1;
         for (size_t d = 0; d < t.size.size(); ++d) {
-          const int64_t lo = std::max(t.chunks[i].offsets[d], t.chunks[j].offsets[d]);
-          const int64_t hi = std::min(t.chunks[i].offsets[d] + t.chunks[i].sizes[d],
-                                      t.chunks[j].offsets[d] + t.chunks[j].sizes[d]);
+          const int64_t lo = std::max(a.offsets[d], b.offsets[d]);
+          const int64_t hi = std::min(a.offsets[d] + a.sizes[d], b.offsets[d] + b.sizes[d]);
           overlap = overlap && hi > lo;
-          shared *= std::max<int64_t>(hi - lo, 0);
         }
-        if (overlap && shared > 0) {
+        if (overlap) {
           return Error(absl::StrCat("two chunks of '", t.fqn, "' overlap (at [",
-                                    absl::StrJoin(t.chunks[i].offsets, ", "), "] and [",
-                                    absl::StrJoin(t.chunks[j].offsets, ", "), "])"));
+                                    absl::StrJoin(a.offsets, ", "), "] and [",
+                                    absl::StrJoin(b.offsets, ", "), "])"));
         }
       }
     }
@@ -443,13 +471,26 @@ absl::StatusOr<at::Tensor> LoadDcpTensorRegion(const std::string& dir, const Dcp
           "] lies outside '", tensor.fqn, "' of size [", absl::StrJoin(tensor.size, ", "), "]"));
     }
   }
-  at::Tensor out = at::empty(sizes, at::TensorOptions().dtype(tensor.dtype));
-  if (out.numel() == 0) return out;
   for (const DcpChunk& chunk : tensor.chunks) {
-    FSDP_ASSIGN_OR_RETURN(bool copied, CopyOverlap(dir, tensor, chunk, offsets, out));
-    (void)copied;
+    if (chunk.offsets.size() != tensor.size.size() || chunk.sizes.size() != tensor.size.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("a chunk of '", tensor.fqn, "' has ",
+                                                     chunk.sizes.size(), " dimensions, not ",
+                                                     tensor.size.size()));
+    }
   }
-  return out;  // The metadata's chunks cover the tensor (checked when read).
+  try {
+    at::Tensor out = at::empty(sizes, at::TensorOptions().dtype(tensor.dtype));
+    if (out.numel() == 0) return out;
+    for (const DcpChunk& chunk : tensor.chunks) {
+      FSDP_ASSIGN_OR_RETURN(bool copied, CopyOverlap(dir, tensor, chunk, offsets, out));
+      (void)copied;
+    }
+    return out;  // The metadata's chunks cover the tensor (checked when read).
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    return absl::InternalError(absl::StrCat("DCP checkpoint '", dir, "': reading '", tensor.fqn,
+                                            "': ", what.substr(0, what.find('\n'))));
+  }
 }
 
 absl::StatusOr<StateDict> LoadDcpStateDict(const std::string& dir, const std::string& prefix) {

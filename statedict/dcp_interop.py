@@ -11,7 +11,9 @@ C++ side reads.
   write_bad DIR        DIR/<case>/ copies of a plain checkpoint whose
                        .metadata lies (chunks outside the tensor, chunks
                        that overlap, a data file outside the directory, a
-                       missing storage entry, a compressed chunk)
+                       missing storage entry, a compressed chunk), and
+                       DIR/newer_python/, whose honest .metadata is pickled
+                       as Python 3.12 and 3.13 do
 
 Exits 3 when this torch has no torch.distributed.checkpoint (Debian's 1.13).
 """
@@ -112,6 +114,37 @@ def write_bad(directory):
         shutil.copytree(os.path.join(source, "ckpt"), out)
         with open(os.path.join(out, ".metadata"), "wb") as f:
             pickle.dump(metadata, f)
+
+    # Not a lie: the same metadata as newer Pythons pickle it (3.12: enum
+    # members by value; 3.13: pathlib's classes in pathlib._local).
+    import enum
+    import io
+    import pathlib
+    import types
+
+    local = types.ModuleType("pathlib._local")
+
+    def PosixPath(*parts):  # noqa: N802 (the class's name)
+        return pathlib.PurePosixPath(*parts)
+
+    PosixPath.__module__, PosixPath.__qualname__ = "pathlib._local", "PosixPath"
+    local.PosixPath = PosixPath
+    sys.modules["pathlib._local"] = local
+
+    class NewerPickler(pickle.Pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, enum.Enum):
+                return type(obj), (obj.value,)
+            if isinstance(obj, pathlib.PurePath):
+                return PosixPath, tuple(obj.parts)
+            return NotImplemented
+
+    out = os.path.join(directory, "newer_python")
+    shutil.copytree(os.path.join(source, "ckpt"), out)
+    buffer = io.BytesIO()
+    NewerPickler(buffer).dump(good)
+    with open(os.path.join(out, ".metadata"), "wb") as f:
+        f.write(buffer.getvalue())
 
     m = copy.deepcopy(good)
     chunk = m.state_dict_metadata["layer.weight"].chunks[0]

@@ -115,6 +115,16 @@ TEST(Dcp, ReadsAPlainCheckpointPythonWrote) {
   ExpectPlainCheckpoint(absl::StrCat(kFixtures, "/plain"));
 }
 
+// Python 3.12 pickles enum members by value and 3.13 names pathlib's
+// classes pathlib._local.*: the same checkpoint, pickled that way.
+TEST(Dcp, ReadsMetadataPickledAsNewerPythonsDo) {
+  auto loaded = LoadDcpStateDict(absl::StrCat(kFixtures, "/newer_python"));
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  auto expected = LoadTorchStateDict(absl::StrCat(kFixtures, "/plain/expected.pt"));
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  ExpectSameState(*loaded, *expected);
+}
+
 TEST(Dcp, ReadsAnFsdp2CheckpointWrittenAtW2) {
   ExpectFsdp2Checkpoint(absl::StrCat(kFixtures, "/fsdp2_w2"));
 }

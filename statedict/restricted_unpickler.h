@@ -82,7 +82,7 @@ struct UnpicklerHooks {
   std::function<absl::Status(const std::string& global)> allow_global;
   // REDUCE (callable(*args)) and NEWOBJ (cls.__new__(cls, *args)) of a
   // global: the value it stands for, or an error naming it.
-  std::function<absl::StatusOr<PyRef>(const std::string& global, std::vector<PyRef>& args,
+  std::function<absl::StatusOr<PyRef>(const std::string& global, const std::vector<PyRef>& args,
                                       bool newobj)>
       call;
   // BINPERSID's persistent id to a value (torch.save's storages). Null:

@@ -50,7 +50,8 @@ TEST(RestrictedUnpickler, AGlobalOutsideTheAllowListIsRefusedWhereItIsNamed) {
     return global == "torch.Size" ? absl::OkStatus()
                                   : absl::InvalidArgumentError(absl::StrCat(global, " refused"));
   };
-  hooks.call = [&called](const std::string&, std::vector<PyRef>&, bool) -> absl::StatusOr<PyRef> {
+  hooks.call = [&called](const std::string&, const std::vector<PyRef>&,
+                         bool) -> absl::StatusOr<PyRef> {
     called = true;
     return MakePy(PyValue::Kind::kNone);
   };

@@ -69,6 +69,7 @@ struct ZipEntry {
 // with torch.serialization.set_crc32_options(False) and cannot be checked.
 struct ZipDirectory {
   uint64_t file_size = 0;
+  std::string prefix;  // The archive's top directory, with its '/'.
   bool has_crcs = false;
   std::unordered_map<std::string, ZipEntry> entries;
 };
@@ -79,7 +80,9 @@ class ByteRange {
  public:
   static absl::StatusOr<std::shared_ptr<ByteRange>> Open(const std::string& path, uint64_t offset,
                                                          std::optional<uint64_t> length) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    // Non-blocking, so that a FIFO planted where a file should be cannot
+    // block the open; only regular files are read.
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) {
       return absl::NotFoundError(absl::StrCat("cannot read '", path,
                                               "' as a torch.save archive: cannot open it (",
@@ -88,6 +91,10 @@ class ByteRange {
     auto range = std::shared_ptr<ByteRange>(new ByteRange(fd));
     struct stat st;
     if (fstat(fd, &st) != 0) return absl::InternalError(absl::StrCat("cannot stat '", path, "'"));
+    if (!S_ISREG(st.st_mode)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot read '", path, "' as a torch.save archive: not a regular file"));
+    }
     const uint64_t file_size = static_cast<uint64_t>(st.st_size);
     const uint64_t size = length.value_or(file_size - std::min(offset, file_size));
     if (offset > file_size || size > file_size - offset) {
@@ -192,7 +199,9 @@ absl::StatusOr<ZipDirectory> ReadZipDirectory(const ByteRange& in, const std::st
     dir_size = Le(z, 40, 8);
     dir_offset = Le(z, 48, 8);
   }
-  if (dir_offset + dir_size > size) return bad("the zip central directory lies beyond the file");
+  if (dir_offset > size || dir_size > size - dir_offset) {
+    return bad("the zip central directory lies beyond the file");
+  }
   std::string dir;
   if (!in.ReadExactly(dir_offset, &dir, dir_size)) {
     return bad("cannot read the zip central directory");
@@ -206,31 +215,59 @@ absl::StatusOr<ZipDirectory> ReadZipDirectory(const ByteRange& in, const std::st
     entry.crc = static_cast<uint32_t>(Le(dir, at + 16, 4));
     entry.compressed_size = Le(dir, at + 20, 4);
     entry.size = Le(dir, at + 24, 4);
+    uint64_t local_header = Le(dir, at + 42, 4);
     const size_t name_len = Le(dir, at + 28, 2), extra_len = Le(dir, at + 30, 2),
                  comment_len = Le(dir, at + 32, 2);
     if (at + 46 + name_len > dir.size()) return bad("corrupt zip directory");
     if (at + 46 + name_len + extra_len > dir.size()) return bad("corrupt zip directory");
     // Sizes of 4 GiB and more live in the zip64 extra field, in this order.
     std::string extra = dir.substr(at + 46 + name_len, extra_len);
-    for (size_t e = 0; e + 4 <= extra.size();) {
-      const uint64_t tag = Le(extra, e, 2), len = Le(extra, e + 2, 2);
-      if (e + 4 + len > extra.size()) break;
+    for (size_t x = 0; x + 4 <= extra.size();) {
+      const uint64_t tag = Le(extra, x, 2), len = Le(extra, x + 2, 2);
+      if (x + 4 + len > extra.size()) break;
       if (tag == 0x0001) {
-        size_t field = e + 4;
-        if (entry.size == 0xffffffff && field + 8 <= e + 4 + len) {
+        size_t field = x + 4;
+        if (entry.size == 0xffffffff && field + 8 <= x + 4 + len) {
           entry.size = Le(extra, field, 8);
           field += 8;
         }
-        if (entry.compressed_size == 0xffffffff && field + 8 <= e + 4 + len) {
+        if (entry.compressed_size == 0xffffffff && field + 8 <= x + 4 + len) {
           entry.compressed_size = Le(extra, field, 8);
+          field += 8;
+        }
+        if (local_header == 0xffffffff && field + 8 <= x + 4 + len) {
+          local_header = Le(extra, field, 8);
         }
       }
-      e += 4 + len;
+      x += 4 + len;
     }
     directory.has_crcs = directory.has_crcs || entry.crc != 0;
-    std::string name = dir.substr(at + 46, name_len);
-    const size_t slash = name.find('/');
-    directory.entries[slash == std::string::npos ? name : name.substr(slash + 1)] = entry;
+    // libtorch's reader names records by the first entry's top directory;
+    // an entry elsewhere, or a name twice, would be checked against one
+    // entry while another is read.
+    const std::string entry_name = dir.substr(at + 46, name_len);
+    const size_t slash = entry_name.find('/');
+    if (slash == std::string::npos) {
+      return bad(absl::StrCat("entry '", entry_name, "' is in no directory"));
+    }
+    if (e == 0) directory.prefix = entry_name.substr(0, slash + 1);
+    if (entry_name.compare(0, directory.prefix.size(), directory.prefix) != 0) {
+      return bad(absl::StrCat("entry '", entry_name, "' is outside the archive's directory '",
+                              directory.prefix, "'"));
+    }
+    if (!directory.entries.emplace(entry_name.substr(slash + 1), entry).second) {
+      return bad(absl::StrCat("entry '", entry_name, "' appears twice"));
+    }
+    // Each entry's local header must agree with the directory. libtorch
+    // 1.13's reader throws from its constructor when one does not, and
+    // then leaks its zip state (the fuzzer's finding), so this is checked
+    // before the reader exists.
+    std::string local;
+    if (!in.ReadExactly(local_header, &local, 30 + name_len) || Le(local, 0, 4) != 0x04034b50 ||
+        Le(local, 26, 2) != name_len || local.compare(30, name_len, entry_name) != 0) {
+      return bad(absl::StrCat("the local header of entry '", entry_name,
+                              "' does not match the zip directory"));
+    }
     at += 46 + name_len + extra_len + comment_len;
   }
   return directory;
@@ -362,9 +399,8 @@ class TorchSaveHooks {
 
   UnpicklerHooks Hooks() {
     UnpicklerHooks hooks;
-    hooks.call = [this](const std::string& global, std::vector<PyRef>& args, bool /*newobj*/) {
-      return Reduce(global, args);
-    };
+    hooks.call = [this](const std::string& global, const std::vector<PyRef>& args,
+                        bool /*newobj*/) { return Reduce(global, args); };
     hooks.persistent_load = [this](const PyRef& pid) { return PersistentLoad(pid); };
     return hooks;
   }
@@ -468,6 +504,19 @@ class TorchSaveHooks {
       if (a[1]->i < 0 || (!empty && (overflow || last >= storage.numel()))) {
         return Error("a tensor reaches beyond its storage");
       }
+      // A view with zero strides (an expanded tensor) may hold more
+      // elements than its storage; materializing one is bounded, so that a
+      // few bytes cannot claim terabytes.
+      int64_t numel = 1;
+      for (int64_t size : sizes) {
+        if (__builtin_mul_overflow(numel, size, &numel)) return Error("a tensor's size overflows");
+      }
+      constexpr int64_t kMaxExpandedBytes = int64_t{1} << 30;
+      const int64_t element_size = static_cast<int64_t>(storage.element_size());
+      if (numel > storage.numel() && numel > kMaxExpandedBytes / element_size) {
+        return Error(absl::StrCat("a tensor of ", numel, " elements over a storage of ",
+                                  storage.numel(), " would expand beyond 1 GiB"));
+      }
       PyRef value = MakePy(PyValue::Kind::kTensor);
       value->tensor = empty ? at::empty(sizes, storage.options())
                             : storage.as_strided(sizes, strides, a[1]->i).contiguous();
@@ -549,12 +598,19 @@ absl::Status SaveTorchStateDict(const std::string& path, const StateDict& state)
 
 absl::StatusOr<PyRef> ReadTorchSaveObject(const std::string& path, uint64_t offset,
                                           std::optional<uint64_t> length) {
-  const std::string name =
-      length.has_value() || offset != 0
-          ? absl::StrCat("bytes [", offset, ", ", offset + length.value_or(0), ") of '", path, "'")
-          : absl::StrCat("'", path, "'");
+  const std::string name = length.has_value() ? absl::StrCat("bytes [", offset, ", ",
+                                                             offset + *length, ") of '", path, "'")
+                           : offset != 0 ? absl::StrCat("bytes [", offset, ", end) of '", path, "'")
+                                         : absl::StrCat("'", path, "'");
   FSDP_ASSIGN_OR_RETURN(std::shared_ptr<ByteRange> range, ByteRange::Open(path, offset, length));
-  FSDP_ASSIGN_OR_RETURN(const ZipDirectory directory, ReadZipDirectory(*range, name));
+  absl::StatusOr<ZipDirectory> read_directory;
+  try {
+    read_directory = ReadZipDirectory(*range, name);
+  } catch (const std::exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot read ", name, " as a torch.save archive: ", e.what()));
+  }
+  FSDP_ASSIGN_OR_RETURN(const ZipDirectory directory, std::move(read_directory));
   const auto named = [&name](const absl::Status& status) {
     return absl::Status(status.code(), absl::StrCat(name, ": ", status.message()));
   };
@@ -570,6 +626,12 @@ absl::StatusOr<PyRef> ReadTorchSaveObject(const std::string& path, uint64_t offs
     }
     absl::Status size_ok = CheckRecordSize(directory, "data.pkl", -1);
     if (!size_ok.ok()) return named(size_ok);
+    // torch.save stores the pickle uncompressed; a larger one is a pickle
+    // bomb (each opcode byte can cost a value of ~160 bytes).
+    if (directory.entries.at("data.pkl").size > range->size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": data.pkl claims more bytes than the file holds"));
+    }
     std::tie(pickle, pickle_size) = archive->getRecord("data.pkl");
     absl::Status crc_ok = CheckRecordCrc(directory, "data.pkl", pickle.get(), pickle_size);
     if (!crc_ok.ok()) return named(crc_ok);

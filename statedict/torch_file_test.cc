@@ -195,12 +195,16 @@ std::string PickleLong(int64_t v) {  // LONG1 with 8 bytes.
 
 // A torch.save file {'x': float tensor of `numel` elements} whose storage
 // record holds `record_bytes` bytes, whatever `numel` claims.
-void WriteHandMadeFile(const std::string& path, int64_t numel, size_t record_bytes) {
-  const std::string pickle = std::string("\x80\x02}(") + PickleString("x") +
-                             "ctorch._utils\n_rebuild_tensor_v2\n((" + PickleString("storage") +
-                             "ctorch\nFloatStorage\n" + PickleString("0") + PickleString("cpu") +
-                             PickleLong(numel) + "tQ" + std::string("K\0", 2) + PickleLong(numel) +
-                             "\x85K\x01\x85" + "\x89" + "ccollections\nOrderedDict\n)RtRu.";
+// `view_numel` and `stride` shape the 1-D tensor over it (default: all of
+// it, contiguous).
+void WriteHandMadeFile(const std::string& path, int64_t numel, size_t record_bytes,
+                       int64_t view_numel = -1, int64_t stride = 1) {
+  const std::string pickle =
+      std::string("\x80\x02}(") + PickleString("x") + "ctorch._utils\n_rebuild_tensor_v2\n((" +
+      PickleString("storage") + "ctorch\nFloatStorage\n" + PickleString("0") + PickleString("cpu") +
+      PickleLong(numel) + "tQ" + std::string("K\0", 2) +
+      PickleLong(view_numel < 0 ? numel : view_numel) + "\x85" + PickleLong(stride) + "\x85" +
+      "\x89" + "ccollections\nOrderedDict\n)RtRu.";
   std::string bytes;
   caffe2::serialize::PyTorchStreamWriter archive([&](const void* data, size_t n) -> size_t {
     bytes.append(static_cast<const char*>(data), n);
@@ -238,6 +242,21 @@ TEST(TorchFile, AStorageCountTheRecordDoesNotHoldIsRefusedBeforeAllocating) {
               HasSubstr("storage 'data/0' claims 4611686018427387904 elements"));
   WriteHandMadeFile(path, -3, 16);
   EXPECT_THAT(LoadTorchStateDict(path).status().message(), HasSubstr("claims -3 elements"));
+}
+
+// An expanded view (stride 0) may hold more elements than its storage, as
+// torch.save keeps it; materializing it is bounded, so 4 bytes cannot
+// claim 8 GiB.
+TEST(TorchFile, AnExpandedViewIsBounded) {
+  const std::string path = TempDir() + "/expanded.pt";
+  WriteHandMadeFile(path, 1, 4, /*view_numel=*/1000, /*stride=*/0);
+  auto small = LoadTorchStateDict(path);
+  ASSERT_TRUE(small.ok()) << small.status();
+  EXPECT_TRUE(at::equal((*small)[0].second, at::zeros({1000})));
+  WriteHandMadeFile(path, 1, 4, /*view_numel=*/int64_t{1} << 31, /*stride=*/0);
+  EXPECT_THAT(LoadTorchStateDict(path).status().message(),
+              HasSubstr("a tensor of 2147483648 elements over a storage of 1 would expand beyond "
+                        "1 GiB"));
 }
 
 // Sets every CRC-32 the zip records to 0, as torch.save does with

@@ -1,7 +1,8 @@
 // libFuzzer target: any bytes as a DCP checkpoint's .metadata, beside the
 // data file of the plain fixture (statedict/testdata/dcp/plain), through
 // ReadDcpMetadata and LoadDcpStateDict. tools/fuzz.sh runs it;
-// //statedict/fuzz:fuzz_regression_test replays its corpus.
+// //statedict/fuzz:dcp_metadata_fuzz_regression_test replays its
+// corpus.
 #include <unistd.h>
 
 #include <cstddef>

@@ -1,7 +1,7 @@
 // libFuzzer target: any bytes through the restricted unpickler, with hooks
 // that accept every global and call (the most permissive caller), so every
 // opcode path is reachable. tools/fuzz.sh runs it; //statedict/fuzz:
-// fuzz_regression_test replays its corpus.
+// restricted_unpickler_fuzz_regression_test replays its corpus.
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -11,7 +11,7 @@
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   fsdp::UnpicklerHooks hooks;
   hooks.allow_global = [](const std::string&) { return absl::OkStatus(); };
-  hooks.call = [](const std::string& global, std::vector<fsdp::PyRef>& args,
+  hooks.call = [](const std::string& global, const std::vector<fsdp::PyRef>& args,
                   bool) -> absl::StatusOr<fsdp::PyRef> {
     fsdp::PyRef object = fsdp::MakePy(fsdp::PyValue::Kind::kObject);
     object->s = global;

@@ -1,7 +1,8 @@
 // libFuzzer target: any bytes as a torch.save file through
 // LoadTorchStateDict (zip directory, libtorch's archive reader, the
 // pickle, storages and tensor views). tools/fuzz.sh runs it;
-// //statedict/fuzz:fuzz_regression_test replays its corpus.
+// //statedict/fuzz:torch_file_fuzz_regression_test replays its
+// corpus.
 #include <unistd.h>
 
 #include <cstddef>
