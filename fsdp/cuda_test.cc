@@ -10,9 +10,8 @@
 //
 // Needs a GPU and a CUDA-enabled libtorch: built under --config=cuda (tag
 // manual, so //... never builds it) or by the CMake build against a pip
-// torch. Passed on one H200 with torch 2.11 on 2026-11-26
-// (models/gpu_verify_h200/README.md), before the rate limiter's and the
-// Unshard test were added; not yet run with torch 2.15 on a GPU.
+// torch. Every case passed on one H100 with torch 2.11 on 2026-11-26
+// (models/gpu_verify_h100/README.md); not yet run with torch 2.15 on a GPU.
 #include <cstdio>
 #include <map>
 #include <memory>

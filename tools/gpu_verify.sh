@@ -2,7 +2,8 @@
 # The GPU path's checks, on a machine with a CUDA GPU and a pip-installed
 # CUDA torch (README, "GPU builds"): builds the CUDA targets with CMake
 # against that torch, runs //fsdp:cuda_test (world size 1 over NCCL, and 2
-# and 3 ranks sharing the GPU through staged collectives), trains the main
+# and 3 ranks sharing the GPU through staged collectives; the single-process
+# cases again under compute-sanitizer's memcheck where installed), trains the main
 # job on the GPU (one rank over NCCL, with the flat-shard optimizer's exact
 # and fused kernels; two ranks sharing the GPU, staged),
 # runs the training-step benchmark on both sides (ours, models/cuda_step_benchmark.cc;
@@ -115,6 +116,26 @@ if ((cuda_built)); then
   # Each run has a time limit (exit 124 when it hits it), so that one hang
   # leaves the later stages their time.
   stage cuda_test "$out/cuda_test.log" timeout -k 10 240 "$build/fsdp/cuda_test"
+  # compute-sanitizer's memcheck over the single-process cases, with the
+  # caching allocator off so that every allocation is its own cudaMalloc and
+  # an access outside one is reported. It cannot see a missing
+  # record_stream: cudaFree waits for the device, and with caching on a freed
+  # block stays inside a live allocation (RateLimiterBoundsTheFullParametersInFlight
+  # checks those frees instead). Left out: the cases that read the caching
+  # allocator's statistics (0 with caching off) and the multi-process one.
+  # API errors are not reported: NCCL probes for kernels built for other
+  # GPUs and handles the cudaErrorNoKernelImageForDevice it gets.
+  memcheck_cases='CudaFsdp.FullShard*:CudaFsdp.Bf16*:CudaFsdp.OffloadedShards*'
+  memcheck_cases+=':CudaFsdp.DeviceIdMoves*:CudaFsdp.ProcessGroup*:CudaFsdp.UnshardSees*'
+  memcheck_cases+=':CudaFsdp.AnUnshard*'
+  if command -v compute-sanitizer >/dev/null; then
+    stage cuda_test_memcheck "$out/cuda_test.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+      timeout -k 10 150 compute-sanitizer --tool memcheck --leak-check no \
+      --report-api-errors no --error-exitcode 9 "$build/fsdp/cuda_test" \
+      --gtest_filter="$memcheck_cases"
+  else
+    note "cuda_test_memcheck: skipped (no compute-sanitizer on the PATH)"
+  fi
   # Fused attention's dropout, recomputed by a checkpointed region on the GPU.
   ((ac_built)) &&
     stage activation_checkpointing_cuda "$out/cuda_test.log" \
