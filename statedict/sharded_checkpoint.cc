@@ -46,6 +46,9 @@ constexpr char kManifestMagic[8] = {'F', 'S', 'D', 'P', 'M', 'N', 'F', '1'};
 constexpr size_t kManifestHeaderBytes = 12;
 constexpr int64_t kHeaderBytes = 32;
 constexpr int64_t kChunkBytes = 1 << 20;
+// The largest chunk a manifest may record; bounds the arithmetic on chunk
+// indices (and what one read may ask for).
+constexpr int64_t kMaxChunkBytes = int64_t{1} << 30;
 
 std::string ShardFileName(int rank, int world, uint64_t id) {
   return absl::StrFormat("shard-%d-of-%d-%016x.bin", rank, world, id);
@@ -166,8 +169,18 @@ absl::StatusOr<checkpoint::CheckpointManifest> ReadManifest(const std::string& d
     return absl::DataLossError(absl::StrCat("the manifest '", path, "' is corrupt: it is not a ",
                                             kFormat, " manifest"));
   }
-  if (manifest.chunk_bytes() <= 0 || manifest.world_size() <= 0) {
+  if (manifest.chunk_bytes() <= 0 || manifest.chunk_bytes() > kMaxChunkBytes ||
+      manifest.world_size() <= 0) {
     return absl::DataLossError(absl::StrCat("the manifest '", path, "' is corrupt"));
+  }
+  for (const auto& f : manifest.files()) {
+    // A file of the checkpoint directory, by name: never a path elsewhere.
+    if (f.name().empty() || f.name().find('/') != std::string::npos ||
+        f.name().find('\0') != std::string::npos || f.name() == "." || f.name() == "..") {
+      return absl::DataLossError(
+          absl::StrCat("the manifest '", path, "' is corrupt: the shard file of rank ", f.rank(),
+                       " is not a file name inside the checkpoint directory"));
+    }
   }
   return manifest;
 }
@@ -182,18 +195,24 @@ class ShardReader {
       const std::string& dir, const checkpoint::ShardFile& file, uint64_t id, int world) {
     auto reader = std::unique_ptr<ShardReader>(new ShardReader());
     reader->path_ = dir + "/" + file.name();
-    reader->fd_ = open(reader->path_.c_str(), O_RDONLY | O_CLOEXEC);
+    // O_NONBLOCK: a FIFO in the file's place must not block the open.
+    reader->fd_ = open(reader->path_.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (reader->fd_ < 0) {
       return absl::NotFoundError(absl::StrCat("shard file '", reader->path_,
                                               "' cannot be opened: ", std::strerror(errno)));
     }
     struct stat st;
-    if (fstat(reader->fd_, &st) != 0 || st.st_size != file.size_bytes()) {
+    if (fstat(reader->fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
+      return absl::DataLossError(
+          absl::StrCat("shard file '", reader->path_, "' is not a regular file"));
+    }
+    if (st.st_size != file.size_bytes()) {
       return absl::DataLossError(absl::StrCat("shard file '", reader->path_, "' has ",
                                               static_cast<int64_t>(st.st_size),
                                               " bytes, the manifest records ", file.size_bytes(),
                                               " (truncated or replaced)"));
     }
+    reader->size_ = st.st_size;
     std::string header(kHeaderBytes, '\0');
     FSDP_RETURN_IF_ERROR(reader->Read(0, kHeaderBytes, &header[0]));
     if (header != Header(id, file.rank(), world)) {
@@ -219,11 +238,13 @@ class ShardReader {
     return absl::OkStatus();
   }
   const std::string& path() const { return path_; }
+  int64_t size() const { return size_; }
   int64_t bytes_read() const { return bytes_read_; }
 
  private:
   ShardReader() = default;
   std::string path_;
+  int64_t size_ = 0;
   int fd_ = -1;
   int64_t bytes_read_ = 0;
 };
@@ -257,7 +278,8 @@ absl::StatusOr<std::vector<const checkpoint::TensorEntry*>> MatchManifest(
         !check.DtypeMatches(subject, e.dtype(), c10::toString(t.dtype))) {
       continue;
     }
-    // The pieces must tile [0, numel).
+    // The pieces must tile [0, numel) (checked without overflow: a piece
+    // may claim any length).
     int64_t numel = 1;
     for (int64_t d : t.shape) numel *= d;
     std::vector<std::pair<int64_t, int64_t>> spans;
@@ -266,7 +288,8 @@ absl::StatusOr<std::vector<const checkpoint::TensorEntry*>> MatchManifest(
     int64_t covered = 0;
     bool tiles = true;
     for (const auto& [offset, length] : spans) {
-      tiles = tiles && offset == covered && length > 0;
+      tiles = offset == covered && length > 0 && length <= numel - covered;
+      if (!tiles) break;
       covered = offset + length;
     }
     if (!tiles || covered != numel) {
@@ -324,8 +347,16 @@ absl::Status ReadLocalState(const std::string& dir, const checkpoint::Checkpoint
       const int64_t lo = std::max(t.lo, p.offset()), hi = std::min(t.hi, p.offset() + p.numel());
       if (lo >= hi) continue;
       FSDP_ASSIGN_OR_RETURN(ShardReader * reader, reader_for(p.rank()));
-      // The whole chunks that hold [lo, hi) of this piece, each verified.
+      // The piece must lie in its file, after the header (which also bounds
+      // the arithmetic below).
       const int64_t piece_bytes = p.numel() * item;
+      if (p.file_offset() < kHeaderBytes || piece_bytes > reader->size() - p.file_offset()) {
+        return absl::DataLossError(
+            absl::StrCat("the manifest places rank ", p.rank(), "'s piece of '", t.fqn, "' (",
+                         piece_bytes, " bytes at ", p.file_offset(), ") outside its shard file '",
+                         reader->path(), "' (", reader->size(), " bytes)"));
+      }
+      // The whole chunks that hold [lo, hi) of this piece, each verified.
       const int64_t first = (lo - p.offset()) * item / chunk;
       const int64_t last = ((hi - p.offset()) * item + chunk - 1) / chunk;
       if (last > p.chunk_crc32_size()) {
