@@ -9,6 +9,13 @@ them; prints each step's loss and fails if it differs from the run's
                                                {"model": state dict}; exits 3
                                                without torch.distributed.checkpoint)
   /usr/bin/python3 models/replay_gpt.py replay INIT.pt BATCHES.pt METRICS.jsonl ...
+
+replay's --save_after=N --save_prefix=P writes, after step N, P_model.pt and
+P_optim.pt (model.state_dict() and the optimizer's state_dict()) and
+P_batches.pt (the batches of the later steps, as --record_batches writes
+them); --check_optim=PATH compares an optimizer state train_gpt exported
+(--export_optim_state_dict_keys=index) with the replay's at the end, and
+loads it into a torch.optim.AdamW.
 """
 import argparse
 import json
@@ -73,8 +80,56 @@ def replay(args):
         worst = max(worst, abs(loss.item() - expected[step]))
         print("step %d: PyTorch loss %.6f, train_gpt loss %.6f" % (step + 1, loss.item(),
                                                                    expected[step]))
+        if step + 1 == args.save_after:
+            torch.save(model.state_dict(), args.save_prefix + "_model.pt")
+            torch.save(optimizer.state_dict(), args.save_prefix + "_optim.pt")
+            torch.save({"tokens": tokens[step + 1:].clone(), "first_step": torch.tensor(1)},
+                       args.save_prefix + "_batches.pt")
     print("largest loss difference %.3g" % worst)
+    if args.check_optim and not check_optim(args.check_optim, model, optimizer):
+        return 1
     return 0 if worst <= args.tolerance else 1
+
+
+def check_optim(path, model, optimizer):
+    """Whether train_gpt's exported optimizer state is the replay's, up to
+    the runs' float differences, and what torch.optim.AdamW loads."""
+    # torch 1.13's weights_only reader lacks BINFLOAT, which every float of
+    # a pickle uses: it refuses its own optimizers' state dicts too.
+    ours = torch.load(path, weights_only=int(torch.__version__.split(".")[0]) >= 2)
+    mine = optimizer.state_dict()
+    ok = sorted(ours["state"]) == sorted(mine["state"])
+    ok = ok and [g["params"] for g in ours["param_groups"]] == [
+        g["params"] for g in mine["param_groups"]]
+    worst = 0.0
+    for index, state in mine["state"].items():
+        if sorted(ours["state"].get(index, {})) != sorted(state):
+            print("check_optim: state %s has keys %s in the export, %s here"
+                  % (index, sorted(ours["state"].get(index, {})), sorted(state)))
+            return False
+        for key, value in state.items():
+            theirs = ours["state"].get(index, {}).get(key)
+            if key == "step":
+                ok = ok and theirs is not None and float(theirs) == float(value)
+                continue
+            if theirs is None or theirs.shape != value.shape:
+                print("check_optim: state %s %s missing or of another shape" % (index, key))
+                return False
+            scale = value.abs().max().item()
+            worst = max(worst, (theirs - value).abs().max().item() / max(scale, 1e-12))
+    for key in ("lr", "betas", "eps", "weight_decay"):
+        exported, replayed = ours["param_groups"][0][key], mine["param_groups"][0][key]
+        if key == "betas":
+            exported, replayed = tuple(exported), tuple(replayed)
+        if exported != replayed:
+            print("check_optim: %s is %s in the export, %s here" % (key, exported, replayed))
+            ok = False
+    fresh = torch.optim.AdamW(model.parameters(), lr=0.5)
+    fresh.load_state_dict(ours)
+    ok = ok and fresh.param_groups[0]["lr"] == mine["param_groups"][0]["lr"]
+    print("check_optim: keys, steps and options %s; largest state difference %.3g of its scale"
+          % ("equal" if ok else "DIFFER", worst))
+    return ok and worst <= 1e-3
 
 
 if __name__ == "__main__":
@@ -82,10 +137,12 @@ if __name__ == "__main__":
     parser.add_argument("mode", choices=["init", "init_dcp", "replay"])
     parser.add_argument("paths", nargs="+")
     for name, default in [("block_size", 32), ("n_layer", 2), ("n_head", 4), ("n_embd", 64),
-                          ("seed", 5)]:
+                          ("seed", 5), ("save_after", 0)]:
         parser.add_argument("--" + name, type=int, default=default)
     for name, default in [("lr", 3e-3), ("beta1", 0.9), ("beta2", 0.99), ("eps", 1e-8),
                           ("weight_decay", 0.01), ("grad_clip", 1.0), ("tolerance", 1e-4)]:
         parser.add_argument("--" + name, type=float, default=default)
+    parser.add_argument("--save_prefix", default="")
+    parser.add_argument("--check_optim", default="")
     args = parser.parse_args()
     sys.exit({"init": init, "init_dcp": init_dcp, "replay": replay}[args.mode](args) or 0)

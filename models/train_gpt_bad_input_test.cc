@@ -75,6 +75,8 @@ TEST(TrainGpt, BadFlagsAreRefusedNamingTheProblem) {
       {"--eps=0", 2, "--eps=0: must be > 0 and finite"},
       {"--grad_clip=-1", 2, "--grad_clip=-1: must be >= 0 and finite (0: off)"},
       {"--optimizer=adam", 2, "--optimizer=adam: expected adamw or sgd"},
+      {"--export_optim_state_dict_keys=name", 2,
+       "--export_optim_state_dict_keys=name: expected fqn or index"},
       {"--optimizer_kernel=foreach", 2,
        "--optimizer_kernel=foreach: expected flat_exact, flat_fused or per_parameter"},
       {"--on_nonfinite=ignore", 2, "--on_nonfinite=ignore: expected stop or skip"},
@@ -114,6 +116,9 @@ TEST(TrainGpt, BadFlagsAreRefusedNamingTheProblem) {
        "--trace_dir=" + dir + "/file/traces: cannot create '" + dir + "/file': Not a directory"},
       {"--metrics_jsonl=" + dir + "/file/m.jsonl", 2,
        "--metrics_jsonl=" + dir + "/file/m.jsonl: cannot create '" + dir +
+           "/file': Not a directory"},
+      {"--export_optim_state_dict=" + dir + "/file/o.pt", 2,
+       "--export_optim_state_dict=" + dir + "/file/o.pt: cannot create '" + dir +
            "/file': Not a directory"},
       {"--record_batches=" + dir + "/file/b.pt", 2,
        "--record_batches=" + dir + "/file/b.pt: cannot create '" + dir + "/file': Not a directory"},
@@ -374,6 +379,14 @@ TEST(TrainGpt, InitialStateDictProblemsNameTheFileAndTheWayOut) {
   EXPECT_EQ(missing.exit_code, 1) << missing.output;
   EXPECT_THAT(missing.output, HasSubstr("cannot read '" + dir + "/missing.pt' as a torch.save "
                                         "archive: cannot open it"));
+
+  // --init_optim_state_dict: a model's state dict given as the optimizer's
+  // is named as such, with the flag and the file.
+  const CommandResult model_as_optim =
+      RunCommand(absl::StrCat(job, " --init_optim_state_dict=", dir, "/init.pt"));
+  EXPECT_EQ(model_as_optim.exit_code, 1) << model_as_optim.output;
+  EXPECT_THAT(model_as_optim.output, HasSubstr("--init_optim_state_dict=" + dir + "/init.pt: '" +
+                                               dir + "/init.pt': not an optimizer's state dict"));
 }
 
 }  // namespace

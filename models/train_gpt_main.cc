@@ -59,7 +59,9 @@
 #include "models/gpt.h"
 #include "models/output_paths.h"
 #include "optim/flat_shard_optimizers.h"
+#include "optim/optim_state.h"
 #include "optim/run_checkpoints.h"
+#include "optim/torch_optim_file.h"
 #include "optim/training_checkpoint.h"
 #include "policies/registry.h"
 #include "statedict/dcp.h"
@@ -158,6 +160,24 @@ ABSL_FLAG(std::string, init_state_dict_key, "",
           "{'model': ..., 'optim': ...}: 'model').");
 ABSL_FLAG(std::string, export_state_dict, "",
           "Write the final FULL state dict here (rank 0), readable by Python's torch.load.");
+ABSL_FLAG(std::string, init_optim_state_dict, "",
+          "Start the optimizer from this state: a torch.save file of a PyTorch optimizer's "
+          "state_dict() (keyed by parameter index: like this job's, one group over the GPT's "
+          "parameters in the model's order; nanoGPT's two groups, with and without weight "
+          "decay, are refused) or of FSDP's FULL optim_state_dict or "
+          "get_optimizer_state_dict(full_state_dict=True) (keyed by FQN), e.g. from "
+          "--export_optim_state_dict. Hyper-parameters given on the command line replace the "
+          "file's.");
+ABSL_FLAG(std::string, init_optim_state_dict_key, "",
+          "Take the optimizer state from this key of the file's top-level dict (e.g. "
+          "'optimizer' of {'model': ..., 'optimizer': ...}).");
+ABSL_FLAG(std::string, export_optim_state_dict, "",
+          "Write the final FULL optimizer state here (rank 0), readable by Python's torch.load, "
+          "keyed as --export_optim_state_dict_keys says.");
+ABSL_FLAG(std::string, export_optim_state_dict_keys, "fqn",
+          "fqn: FSDP's FULL optim_state_dict layout (for set_optimizer_state_dict or "
+          "optim_state_dict_to_load); index: torch.optim.Optimizer.state_dict()'s (for "
+          "load_state_dict of an unwrapped model's optimizer).");
 ABSL_FLAG(std::string, checkpoint_dir, "",
           "Save SHARDED training checkpoints (model and optimizer state) here, one subdirectory "
           "step-NNNNNNNN per checkpoint, labelled with the run's id (optim/run_checkpoints.h). "
@@ -469,6 +489,10 @@ std::vector<std::string> FlagProblems(fsdp::ShardingStrategy strategy, int world
     const bool ok = std::isfinite(v) && (r.min_inclusive ? v >= r.min : v > r.min) && v < r.below;
     if (!ok) problems.push_back(absl::StrFormat("--%s=%g: must be %s", r.flag, v, r.range));
   }
+  if (const std::string k = absl::GetFlag(FLAGS_export_optim_state_dict_keys);
+      k != "fqn" && k != "index") {
+    problems.push_back("--export_optim_state_dict_keys=" + k + ": expected fqn or index");
+  }
   if (const std::string o = absl::GetFlag(FLAGS_optimizer); o != "adamw" && o != "sgd") {
     problems.push_back("--optimizer=" + o + ": expected adamw or sgd");
   }
@@ -531,6 +555,7 @@ absl::Status PrepareOutputs() {
   for (const auto& [flag, file] :
        {std::pair<const char*, std::string>{"--export_state_dict",
                                             absl::GetFlag(FLAGS_export_state_dict)},
+        {"--export_optim_state_dict", absl::GetFlag(FLAGS_export_optim_state_dict)},
         {"--record_batches", absl::GetFlag(FLAGS_record_batches)},
         {"--metrics_jsonl", absl::GetFlag(FLAGS_metrics_jsonl)}}) {
     if (!file.empty()) FSDP_RETURN_IF_ERROR(fsdp::PrepareOutputFile(flag, file));
@@ -904,6 +929,33 @@ class TrainingRun {
       }
     }
     optimizer_ = MakeOptimizer(fsdp::UniqueParameters(*model_));
+    if (!absl::GetFlag(FLAGS_init_optim_state_dict).empty()) LoadInitialOptimizerState();
+  }
+
+  // --init_optim_state_dict into the optimizer. Errors name the file.
+  void LoadInitialOptimizerState() {
+    const std::string path = absl::GetFlag(FLAGS_init_optim_state_dict);
+    // An index-keyed file names the optimizer's parameters by position.
+    std::vector<std::string> fqn_of_index;
+    std::set<const void*> seen;
+    for (const auto& item : model_->named_parameters()) {
+      if (seen.insert(item.value().unsafeGetTensorImpl()).second)
+        fqn_of_index.push_back(item.key());
+    }
+    absl::StatusOr<fsdp::OptimStateDict> state = fsdp::LoadTorchOptimStateDict(
+        path, absl::GetFlag(FLAGS_init_optim_state_dict_key), fqn_of_index);
+    absl::Status loaded = state.ok()
+                              ? fsdp::LoadFullOptimStateDict(*fsdp_model_, *optimizer_, *state)
+                              : state.status();
+    if (!loaded.ok()) {
+      throw std::runtime_error(
+          absl::StrCat("--init_optim_state_dict=", path, ": ", loaded.message()));
+    }
+    const std::string hyperparameters = ApplyGivenHyperparameters(*optimizer_);
+    if (print_) {
+      std::printf("optimizer state from %s; optimizer: %s\n", path.c_str(),
+                  hyperparameters.c_str());
+    }
   }
 
   // Rank 0's run id is the one its manifests record; every rank uses it.
@@ -1112,16 +1164,29 @@ class TrainingRun {
     std::printf("checkpoint %s\n", path.c_str());
   }
 
-  // --export_state_dict, --trace_dir and --record_batches.
+  // --export_state_dict, --export_optim_state_dict, --trace_dir and
+  // --record_batches.
   void WriteOutputs() {
+    fsdp::FullStateDictOptions on_rank0;
+    on_rank0.rank0_only = true;
     if (const std::string out = absl::GetFlag(FLAGS_export_state_dict); !out.empty()) {
-      fsdp::FullStateDictOptions on_rank0;
-      on_rank0.rank0_only = true;
       const fsdp::StateDict state =
           fsdp::ValueOrThrow(fsdp::FullStateDict(*fsdp_model_, on_rank0));
       if (rank_ == 0) {
         fsdp::ThrowIfError(fsdp::SaveTorchStateDict(out, state));
         std::printf("wrote the FULL state dict to %s\n", out.c_str());
+      }
+    }
+    if (const std::string out = absl::GetFlag(FLAGS_export_optim_state_dict); !out.empty()) {
+      const fsdp::OptimStateDict state =
+          fsdp::ValueOrThrow(fsdp::FullOptimStateDict(*fsdp_model_, *optimizer_, on_rank0));
+      if (rank_ == 0) {
+        const bool by_index = absl::GetFlag(FLAGS_export_optim_state_dict_keys) == "index";
+        fsdp::ThrowIfError(
+            fsdp::SaveTorchOptimStateDict(out, state,
+                                          by_index ? fsdp::OptimStateKeys::kParameterIndex
+                                                   : fsdp::OptimStateKeys::kParameterFqn));
+        std::printf("wrote the FULL optimizer state to %s\n", out.c_str());
       }
     }
     if (const std::string dir = absl::GetFlag(FLAGS_trace_dir); !dir.empty()) {

@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -16,6 +17,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -110,6 +112,62 @@ TEST(TrainGpt, StartsFromADistributedCheckpointAsFromTorchSave) {
   EXPECT_NE(no_key.exit_code, 0);
   EXPECT_THAT(no_key.output, HasSubstr("--init_state_dict=" + dir + "/dcp: "));
   EXPECT_THAT(no_key.output, HasSubstr("model.transformer.wte.weight"));
+}
+
+// Optimizer state both ways between PyTorch and the job, in torch.save's
+// format keyed by parameter index (torch.optim.AdamW's state_dict()): the
+// job's export after 8 steps at W = 2 is PyTorch's replayed state, and
+// loads into torch.optim.AdamW; PyTorch's model and optimizer after step 4
+// start the job at W = 1 on the remaining batches with the original run's
+// losses, which starting without the optimizer state does not give.
+TEST(TrainGpt, OptimizerStateMovesBetweenPyTorchAndTheJob) {
+  const std::string dir = TempDir("optim_state");
+  const std::string python = ::fsdp::testing::TorchPython();
+  ASSERT_EQ(std::system(
+                absl::StrCat("timeout 120 ", python, " models/replay_gpt.py init ", dir, "/init.pt")
+                    .c_str()),
+            0);
+  const std::string common = " --log_every=4 --print_plan=false --metrics_jsonl=";
+  const CommandResult original = RunCommand(absl::StrCat(
+      kTrainGpt, common, dir, "/original.jsonl --steps=8 --world_size=2 --batch_size=4",
+      " --init_state_dict=", dir, "/init.pt --record_batches=", dir,
+      "/batches.pt --export_optim_state_dict=", dir,
+      "/ours_optim.pt --export_optim_state_dict_keys=index"));
+  ASSERT_EQ(original.exit_code, 0) << original.output;
+  EXPECT_THAT(original.output, HasSubstr("wrote the FULL optimizer state to " + dir));
+
+  const CommandResult replay = RunCommand(absl::StrCat(
+      "timeout 300 ", python, " models/replay_gpt.py replay ", dir, "/init.pt ", dir,
+      "/batches.pt ", dir, "/original.jsonl --tolerance=1e-4 --save_after=4 --save_prefix=", dir,
+      "/py4 --check_optim=", dir, "/ours_optim.pt"));
+  EXPECT_EQ(replay.exit_code, 0) << replay.output;
+  EXPECT_THAT(replay.output, HasSubstr("check_optim: keys, steps and options equal"));
+  std::printf("%s", replay.output.c_str());
+
+  const std::string continued = absl::StrCat(
+      kTrainGpt, common, dir, "/%s.jsonl --steps=4 --world_size=1 --batch_size=8",
+      " --init_state_dict=", dir, "/py4_model.pt --replay_batches=", dir, "/py4_batches.pt");
+  const CommandResult with_state =
+      RunCommand(absl::StrCat(absl::StrReplaceAll(continued, {{"%s", "with_state"}}),
+                              " --init_optim_state_dict=", dir, "/py4_optim.pt"));
+  ASSERT_EQ(with_state.exit_code, 0) << with_state.output;
+  EXPECT_THAT(with_state.output, HasSubstr("optimizer state from " + dir + "/py4_optim.pt"));
+  const CommandResult without_state =
+      RunCommand(absl::StrReplaceAll(continued, {{"%s", "without_state"}}));
+  ASSERT_EQ(without_state.exit_code, 0) << without_state.output;
+
+  const std::vector<double> want = LossesOf(dir + "/original.jsonl");
+  const std::vector<double> got = LossesOf(dir + "/with_state.jsonl");
+  const std::vector<double> fresh = LossesOf(dir + "/without_state.jsonl");
+  ASSERT_EQ(want.size(), 8u);
+  ASSERT_EQ(got.size(), 4u);
+  ASSERT_EQ(fresh.size(), 4u);
+  double fresh_gap = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_NEAR(got[i], want[4 + i], 1e-4) << "step " << 5 + i;
+    fresh_gap = std::max(fresh_gap, std::abs(fresh[i] - want[4 + i]));
+  }
+  EXPECT_GT(fresh_gap, 1e-3) << "a fresh optimizer would pass too: the check cannot fail";
 }
 
 // CPU offload changes where shards, gradients and optimizer state live, not

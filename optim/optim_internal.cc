@@ -88,10 +88,37 @@ std::map<std::string, c10::IValue> OptionsOf(const torch::optim::OptimizerOption
   return out;
 }
 
+namespace {
+
+// `value` as the type `like` has where they differ only in int, float and
+// bool: Python writes weight_decay=0 as an int, and libtorch reads a
+// double.
+c10::IValue AsTypeOf(const c10::IValue& value, const c10::IValue& like) {
+  if (like.isDouble() && value.isInt()) return c10::IValue(static_cast<double>(value.toInt()));
+  if (like.isBool() && value.isInt()) return c10::IValue(value.toInt() != 0);
+  if (like.isTuple() && value.isTuple() &&
+      like.toTupleRef().elements().size() == value.toTupleRef().elements().size()) {
+    std::vector<c10::IValue> items;
+    for (size_t i = 0; i < like.toTupleRef().elements().size(); ++i) {
+      items.push_back(AsTypeOf(value.toTupleRef().elements()[i], like.toTupleRef().elements()[i]));
+    }
+    return c10::IValue(c10::ivalue::Tuple::create(std::move(items)));
+  }
+  return value;
+}
+
+}  // namespace
+
 void WriteOptions(torch::optim::OptimizerOptions& options,
                   const std::map<std::string, c10::IValue>& values) {
+  const std::map<std::string, c10::IValue> current = OptionsOf(options);
+  std::map<std::string, c10::IValue> typed;
+  for (const auto& [key, value] : values) {
+    auto it = current.find(key);
+    typed[key] = it == current.end() ? value : AsTypeOf(value, it->second);
+  }
   RawState raw;
-  AddValues(values, raw);
+  AddValues(typed, raw);
   torch::serialize::InputArchive in = ArchiveOf(raw);
   options.serialize(in);
 }

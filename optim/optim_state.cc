@@ -2,10 +2,13 @@
 
 #include <algorithm>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
+#include <string>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include "ATen/ATen.h"
 #include "absl/strings/str_cat.h"
@@ -15,6 +18,8 @@
 #include "optim/optim_internal.h"
 #include "statedict/load_check.h"
 #include "torch/csrc/jit/serialization/pickle.h"
+#include "torch/optim/adam.h"
+#include "torch/optim/adamw.h"
 
 namespace fsdp {
 namespace {
@@ -29,6 +34,16 @@ using optim_internal::PrimeMissingState;
 using optim_internal::ReadParamState;
 using optim_internal::WriteOptions;
 using optim_internal::WriteParamState;
+
+// PyTorch's group option that tells Adam from AdamW (torch.optim.AdamW is
+// Adam with it set): written with the options of either, checked on load.
+constexpr char kDecoupledWeightDecay[] = "decoupled_weight_decay";
+
+std::optional<bool> DecoupledWeightDecayOf(const torch::optim::Optimizer& optimizer) {
+  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer) != nullptr) return true;
+  if (dynamic_cast<const torch::optim::Adam*>(&optimizer) != nullptr) return false;
+  return std::nullopt;
+}
 
 // --- Gathering ---------------------------------------------------------------
 
@@ -121,12 +136,57 @@ absl::StatusOr<OptimStateDict> GatherOptimState(const torch::nn::Module& root,
     ParamGroupState group;
     for (const ParamPlace* place : groups[g]) group.params.push_back(place->fqn);
     group.options = OptionsOf(optimizer.param_groups()[g].options());
+    if (std::optional<bool> decoupled = DecoupledWeightDecayOf(optimizer)) {
+      group.options[kDecoupledWeightDecay] = *decoupled;
+    }
     out.param_groups.push_back(std::move(group));
   }
   return out;
 }
 
 // --- Loading -------------------------------------------------------------------
+
+// Whether group `g` of `optimizer` can take `options`: every option it has
+// is there, of a type it reads (tried on a copy), and Adam's and AdamW's
+// weight decay is not mixed up.
+void CheckGroupOptions(torch::optim::Optimizer& optimizer, size_t g,
+                       const std::map<std::string, c10::IValue>& options, LoadCheck& check) {
+  const torch::optim::OptimizerOptions& current = optimizer.param_groups()[g].options();
+  std::vector<std::string> missing;
+  for (const auto& [key, value] : OptionsOf(current)) {
+    if (options.count(key) == 0) missing.push_back(key);
+  }
+  if (!missing.empty()) {
+    check.Problem(absl::StrCat("parameter group ", g, " of the state has no ",
+                               absl::StrJoin(missing, ", "),
+                               ", which this optimizer has: is it another optimizer's state?"));
+    return;
+  }
+  if (auto it = options.find(kDecoupledWeightDecay); it != options.end() && it->second.isBool()) {
+    const std::optional<bool> mine = DecoupledWeightDecayOf(optimizer);
+    auto decay = options.find("weight_decay");
+    bool decays = false;
+    if (decay != options.end()) {
+      decays = decay->second.isDouble() ? decay->second.toDouble() != 0
+               : decay->second.isInt()  ? decay->second.toInt() != 0
+                                        : true;
+    }
+    if (mine.has_value() && *mine != it->second.toBool() && decays) {
+      check.Problem(absl::StrCat(
+          "parameter group ", g, " of the state is ", it->second.toBool() ? "AdamW's" : "Adam's",
+          " (decoupled_weight_decay=", it->second.toBool() ? "True" : "False",
+          "), this optimizer is ", *mine ? "AdamW" : "Adam",
+          ": its weight decay would apply differently"));
+    }
+  }
+  try {
+    std::unique_ptr<torch::optim::OptimizerOptions> copy = current.clone();
+    WriteOptions(*copy, options);
+  } catch (const std::exception& e) {
+    check.Problem(
+        absl::StrCat("parameter group ", g, "'s options do not fit this optimizer: ", e.what()));
+  }
+}
 
 absl::Status Load(const torch::nn::Module& root, const FullyShardedModel* model,
                   torch::optim::Optimizer& optimizer, const OptimStateDict& dict,
@@ -150,6 +210,7 @@ absl::Status Load(const torch::nn::Module& root, const FullyShardedModel* model,
             "parameter group ", g, " holds [", absl::StrJoin(dict.param_groups[g].params, ", "),
             "] in the state but [", absl::StrJoin(mine, ", "), "] in the optimizer"));
       }
+      CheckGroupOptions(optimizer, g, dict.param_groups[g].options, check);
     }
   }
   for (const auto& [fqn, state] : dict.state) {
@@ -167,6 +228,11 @@ absl::Status Load(const torch::nn::Module& root, const FullyShardedModel* model,
   FSDP_RETURN_IF_ERROR(
       check.ToStatus(absl::StrCat(who, ": cannot load the optimizer state (nothing was changed)")));
 
+  // Options first: state is made (PrimeMissingState) by a step under them
+  // (libtorch's SGD keeps no momentum buffer while its momentum is 0).
+  for (size_t g = 0; g < groups.size(); ++g) {
+    WriteOptions(optimizer.param_groups()[g].options(), dict.param_groups[g].options);
+  }
   std::vector<const ParamPlace*> wanted;
   for (const auto& [fqn, state] : dict.state) wanted.push_back(by_fqn.at(fqn));
   PrimeMissingState(optimizer, groups, wanted);
@@ -182,9 +248,6 @@ absl::Status Load(const torch::nn::Module& root, const FullyShardedModel* model,
     }
     local.values = state.values;
     WriteParamState(optimizer, *place, local);
-  }
-  for (size_t g = 0; g < groups.size(); ++g) {
-    WriteOptions(optimizer.param_groups()[g].options(), dict.param_groups[g].options);
   }
   return absl::OkStatus();
 }

@@ -48,8 +48,12 @@ struct ParamOptimState {
 };
 
 struct ParamGroupState {
-  std::vector<std::string> params;             // FQNs, in the group's order.
-  std::map<std::string, c10::IValue> options;  // lr, betas, weight_decay, ...
+  std::vector<std::string> params;  // FQNs, in the group's order.
+  // lr, betas, weight_decay, ...: the optimizer's own (all of them when
+  // gathered; a load needs every one the optimizer has), and for Adam and
+  // AdamW PyTorch's decoupled_weight_decay (false, true), which a load
+  // checks against the optimizer's class where weight decay is on.
+  std::map<std::string, c10::IValue> options;
 };
 
 struct OptimStateDict {

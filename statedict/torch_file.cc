@@ -544,41 +544,105 @@ class TorchSaveHooks {
 
 }  // namespace
 
-absl::Status SaveTorchStateDict(const std::string& path, const StateDict& state) {
-  c10::Dict<std::string, at::Tensor> dict;
-  std::unordered_map<const void*, at::Tensor> compacted;  // Tied tensors stay tied.
-  for (const auto& [name, tensor] : state) {
+namespace {
+
+// `value` with every tensor checked and compacted, lists made generic (the
+// pickler writes a typed list through a torch.jit global that Python's
+// weights_only loader refuses) and dicts and tuples rebuilt around them.
+// `where` names the value in errors ("'state'.'w'.'exp_avg'").
+absl::StatusOr<c10::IValue> PrepareForPickle(
+    const c10::IValue& value, const std::string& where,
+    std::unordered_map<const void*, at::Tensor>& compacted) {
+  if (value.isTensor()) {
+    const at::Tensor& tensor = value.toTensor();
     if (!tensor.defined()) {
-      return absl::InvalidArgumentError(absl::StrCat("'", name, "' is an undefined tensor"));
+      return absl::InvalidArgumentError(absl::StrCat(where, " is an undefined tensor"));
     }
     if (!tensor.device().is_cpu()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("'", name, "' is on ", tensor.device().str(), "; offload it to CPU first"));
+          absl::StrCat(where, " is on ", tensor.device().str(), "; offload it to CPU first"));
     }
     if (!HasStorageClass(tensor.scalar_type())) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "'", name, "' has dtype ", c10::toString(tensor.scalar_type()),
+          where, " has dtype ", c10::toString(tensor.scalar_type()),
           ", which torch.save's format cannot name (it has no legacy Storage class); convert "
           "it to a dtype that has one (e.g. bfloat16) before saving"));
     }
+    auto it = compacted.find(tensor.unsafeGetTensorImpl());
+    if (it == compacted.end()) {  // Tied tensors stay tied.
+      it = compacted.emplace(tensor.unsafeGetTensorImpl(), Compact(tensor.detach())).first;
+    }
+    return c10::IValue(it->second);
+  }
+  if (value.isList()) {
+    c10::impl::GenericList list(c10::AnyType::get());
+    const c10::List<c10::IValue> items = value.toList();
+    for (size_t i = 0; i < items.size(); ++i) {
+      FSDP_ASSIGN_OR_RETURN(
+          c10::IValue item,
+          PrepareForPickle(items.get(i), absl::StrCat(where, "[", i, "]"), compacted));
+      list.push_back(std::move(item));
+    }
+    return c10::IValue(list);
+  }
+  if (value.isTuple()) {
+    std::vector<c10::IValue> items;
+    for (const c10::IValue& item : value.toTupleRef().elements()) {
+      FSDP_ASSIGN_OR_RETURN(
+          c10::IValue prepared,
+          PrepareForPickle(item, absl::StrCat(where, "[", items.size(), "]"), compacted));
+      items.push_back(std::move(prepared));
+    }
+    return c10::IValue(c10::ivalue::Tuple::create(std::move(items)));
+  }
+  if (value.isGenericDict()) {
+    const c10::Dict<c10::IValue, c10::IValue> dict = value.toGenericDict();
+    c10::impl::GenericDict out(dict.keyType(), c10::AnyType::get());
+    for (const auto& entry : dict) {
+      const std::string key = entry.key().isString()
+                                  ? absl::StrCat("'", entry.key().toStringRef(), "'")
+                              : entry.key().isInt() ? absl::StrCat(entry.key().toInt())
+                                                    : std::string("?");
+      FSDP_ASSIGN_OR_RETURN(
+          c10::IValue prepared,
+          PrepareForPickle(entry.value(), where.empty() ? key : absl::StrCat(where, ".", key),
+                           compacted));
+      out.insert(entry.key(), std::move(prepared));
+    }
+    return c10::IValue(out);
+  }
+  if (value.isNone() || value.isBool() || value.isInt() || value.isDouble() || value.isString()) {
+    return value;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(where, " is a ", value.tagKind(), ", which this writer does not pickle"));
+}
+
+}  // namespace
+
+absl::Status SaveTorchStateDict(const std::string& path, const StateDict& state) {
+  c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
+  for (const auto& [name, tensor] : state) {
     if (dict.contains(name)) {
       return absl::InvalidArgumentError(absl::StrCat("'", name, "' appears twice"));
     }
-    auto it = compacted.find(tensor.unsafeGetTensorImpl());
-    if (it == compacted.end()) {
-      it = compacted.emplace(tensor.unsafeGetTensorImpl(), Compact(tensor.detach())).first;
-    }
-    dict.insert(name, it->second);
+    dict.insert(name, tensor);
   }
+  return SaveTorchObject(path, dict);
+}
+
+absl::Status SaveTorchObject(const std::string& path, const c10::IValue& object) {
+  std::unordered_map<const void*, at::Tensor> compacted;
+  FSDP_ASSIGN_OR_RETURN(const c10::IValue prepared, PrepareForPickle(object, "", compacted));
   try {
     std::vector<char> pickle;
-    // Without type tags: a plain dict, as Python's torch.save writes.
+    // Without type tags: plain dicts and lists, as Python's torch.save writes.
     torch::jit::Pickler pickler(
         [&](const char* bytes, size_t n) { pickle.insert(pickle.end(), bytes, bytes + n); },
         /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
         /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
     pickler.protocol();
-    pickler.pushIValue(dict);
+    pickler.pushIValue(prepared);
     pickler.stop();
     FSDP_ASSIGN_OR_RETURN(AtomicFileWriter file, AtomicFileWriter::Open(path));
     absl::Status write_status;

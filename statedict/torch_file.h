@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "ATen/core/Tensor.h"
+#include "ATen/core/ivalue.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "c10/core/ScalarType.h"
@@ -37,6 +38,13 @@ using StateDict = std::vector<std::pair<std::string, at::Tensor>>;
 // must be on CPU (the caller offloads) and of a dtype the format names with
 // a legacy Storage class: float8 and uint16/32/64 are refused by name.
 absl::Status SaveTorchStateDict(const std::string& path, const StateDict& state);
+
+// Writes any value made of dicts (string or int keys), lists, tuples,
+// strings, ints, floats, bools, None and tensors (as SaveTorchStateDict's)
+// as torch.save would write the same Python value: what torch.load reads,
+// with weights_only too. Other values (objects, typed containers of other
+// kinds) are an error naming where they are.
+absl::Status SaveTorchObject(const std::string& path, const c10::IValue& object);
 
 // Reads the dict of tensors at `path` (written by torch.save or by
 // SaveTorchStateDict). `entry` selects a nested dict of tensors inside the

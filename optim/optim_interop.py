@@ -1,0 +1,106 @@
+"""PyTorch's side of //optim:torch_optim_file_test.
+
+    optim_interop.py KEYING DIR
+
+DIR holds what the C++ test wrote after 3 steps of fsdp::testing::Net with
+AdamW: model.pt (the model's state dict), optim.pt (the optimizer's, keyed
+as KEYING says) and data.pt (inputs x<step> and targets y<step>). This
+script builds the same model in PyTorch, loads both, and:
+  - index: into a plain model and torch.optim.AdamW (Optimizer.load_state_dict);
+  - fqn: into a model under FSDP2 (fully_shard, one Gloo rank) through
+    torch.distributed.checkpoint.state_dict.set_optimizer_state_dict with
+    full_state_dict=True.
+Both optimizers are built with a learning rate and weight decay the loaded
+groups must replace. It trains steps 3-5, writes its model and optimizer
+state (model_py.pt, optim_py.pt; the fqn case through
+get_optimizer_state_dict), trains steps 6-8, and writes the losses and the
+final parameters to result.pt. Exit 3: this torch has no FSDP2.
+"""
+import os
+import sys
+
+import torch
+
+
+class Block(torch.nn.Module):
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.fc = torch.nn.Linear(n_in, n_out)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+class Net(torch.nn.Module):
+    """fsdp::testing::Net (fsdp/test_models.h)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Block(7, 13), Block(13, 11), Block(11, 9)])
+        self.head = torch.nn.Linear(9, 5)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def main():
+    keying, directory = sys.argv[1], sys.argv[2]
+    path = lambda name: os.path.join(directory, name)
+    data = torch.load(path("data.pt"))
+    model = Net()
+    model.load_state_dict(torch.load(path("model.pt")))
+    if keying == "fqn":
+        try:
+            import torch.distributed as dist
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                set_optimizer_state_dict)
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:
+            return 3
+        dist.init_process_group("gloo", init_method="file://" + path("rendezvous"), rank=0,
+                                world_size=1)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=0.0)
+    full = None
+    if keying == "fqn":
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        set_optimizer_state_dict(model, optimizer, torch.load(path("optim.pt")), options=full)
+    else:
+        optimizer.load_state_dict(torch.load(path("optim.pt")))
+    assert optimizer.param_groups[0]["lr"] == 0.01, optimizer.param_groups[0]
+    assert optimizer.param_groups[0]["weight_decay"] == 0.1, optimizer.param_groups[0]
+
+    losses = []
+
+    def train(steps):
+        for step in steps:
+            loss = torch.nn.functional.mse_loss(model(data["x%d" % step]), data["y%d" % step])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+
+    train(range(3, 6))
+    if keying == "fqn":
+        torch.save(get_model_state_dict(model, options=full), path("model_py.pt"))
+        torch.save(get_optimizer_state_dict(model, optimizer, options=full), path("optim_py.pt"))
+    else:
+        torch.save(model.state_dict(), path("model_py.pt"))
+        torch.save(optimizer.state_dict(), path("optim_py.pt"))
+    train(range(6, 9))
+    final = get_model_state_dict(model, options=full) if keying == "fqn" else model.state_dict()
+    result = {k: v.detach().clone() for k, v in final.items()}
+    result["losses"] = torch.tensor(losses, dtype=torch.float32)
+    torch.save(result, path("result.pt"))
+    if keying == "fqn":
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

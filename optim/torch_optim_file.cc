@@ -1,0 +1,345 @@
+#include "optim/torch_optim_file.h"
+
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ATen/core/Dict.h"
+#include "ATen/core/List.h"
+#include "ATen/core/ivalue.h"
+#include "ATen/ops/scalar_tensor.h"
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+#include "statedict/restricted_unpickler.h"
+#include "statedict/torch_file.h"
+
+namespace fsdp {
+namespace {
+
+// PyTorch keeps a step count as a 0-d float32 tensor (exact up to 2^24
+// steps); libtorch's optimizers as an integer.
+constexpr const char kStep[] = "step";
+
+// Group keys that say how PyTorch's optimizer kernel works, not what the
+// state is: the optimizer on the reading side has its own.
+const std::set<std::string>& ImplementationKeys() {
+  static const auto* keys = new std::set<std::string>{"foreach", "fused", "capturable"};
+  return *keys;
+}
+// Group keys libtorch's optimizers do not have and that change the update
+// when set: refused unless false.
+const std::set<std::string>& UnsupportedKeys() {
+  static const auto* keys = new std::set<std::string>{"maximize", "differentiable"};
+  return *keys;
+}
+
+absl::Status Invalid(const std::string& what, const std::string& message) {
+  return absl::InvalidArgumentError(absl::StrCat(what, ": ", message));
+}
+
+// A real number held in a one-element tensor (PyTorch allows lr as a
+// tensor, and keeps step counts as tensors).
+std::optional<double> RealOf(const at::Tensor& t) {
+  if (t.numel() != 1 || t.is_complex() || !t.device().is_cpu()) return std::nullopt;
+  return t.to(at::kDouble).item<double>();
+}
+
+// A group option or a non-tensor state value, from the pickle: a scalar,
+// or a flat tuple or list of them (betas).
+absl::StatusOr<c10::IValue> ToIValue(const PyValue& v, const std::string& what, bool nested) {
+  switch (v.kind) {
+    case PyValue::Kind::kBool:
+      return c10::IValue(v.i != 0);
+    case PyValue::Kind::kInt:
+      return c10::IValue(v.i);
+    case PyValue::Kind::kFloat:
+      return c10::IValue(v.f);
+    case PyValue::Kind::kString:
+      return c10::IValue(v.s);
+    case PyValue::Kind::kTensor:
+      if (std::optional<double> real = RealOf(v.tensor)) return c10::IValue(*real);
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " is a tensor of ", v.tensor.numel(), " elements of ",
+                       c10::toString(v.tensor.scalar_type()), ", not one real number"));
+    case PyValue::Kind::kTuple:
+    case PyValue::Kind::kList: {  // betas; a list after some conversions.
+      if (nested) break;
+      std::vector<c10::IValue> items;
+      for (const PyRef& item : v.items) {
+        FSDP_ASSIGN_OR_RETURN(c10::IValue converted, ToIValue(*item, what, /*nested=*/true));
+        items.push_back(std::move(converted));
+      }
+      return c10::IValue(c10::ivalue::Tuple::create(std::move(items)));
+    }
+    default:
+      break;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(what, " holds a ", KindName(v.kind),
+                                                 nested ? " inside a tuple or list" : "",
+                                                 ", which no libtorch optimizer takes"));
+}
+
+// The dict's entries by string key, refusing other keys and a key given
+// twice (Python would keep the last; a file that says two things is
+// refused).
+absl::StatusOr<std::vector<std::pair<std::string, PyRef>>> StringKeyed(const PyValue& dict,
+                                                                       const std::string& what,
+                                                                       const std::string& where) {
+  std::vector<std::pair<std::string, PyRef>> out;
+  std::set<std::string> seen;
+  for (const auto& [key, value] : dict.entries) {
+    if (key->kind != PyValue::Kind::kString) {
+      return Invalid(what, absl::StrCat(where, " has a ", KindName(key->kind), " key"));
+    }
+    if (!seen.insert(key->s).second) {
+      return Invalid(what, absl::StrCat(where, " has the key '", key->s, "' twice"));
+    }
+    out.emplace_back(key->s, value);
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::Status SaveTorchOptimStateDict(const std::string& path, const OptimStateDict& state,
+                                     OptimStateKeys keys) {
+  const bool by_index = keys == OptimStateKeys::kParameterIndex;
+  std::map<std::string, int64_t> index_of;
+  for (const ParamGroupState& group : state.param_groups) {
+    for (const std::string& fqn : group.params) {
+      const int64_t next = static_cast<int64_t>(index_of.size());
+      if (!index_of.emplace(fqn, next).second) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("'", fqn, "' is listed twice in the parameter groups"));
+      }
+    }
+  }
+  const auto key_of = [&](const std::string& fqn) {
+    return by_index ? c10::IValue(index_of.at(fqn)) : c10::IValue(fqn);
+  };
+  c10::impl::GenericDict states(
+      by_index ? c10::TypePtr(c10::IntType::get()) : c10::TypePtr(c10::StringType::get()),
+      c10::AnyType::get());
+  for (const auto& [fqn, param] : state.state) {
+    if (index_of.count(fqn) == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("state for '", fqn, "', which no parameter group lists"));
+    }
+    c10::impl::GenericDict entry(c10::StringType::get(), c10::AnyType::get());
+    for (const auto& [key, value] : param.values) {
+      entry.insert(key, key == kStep && value.isInt()
+                            ? c10::IValue(at::scalar_tensor(static_cast<double>(value.toInt()),
+                                                            at::TensorOptions().dtype(at::kFloat)))
+                            : value);
+    }
+    for (const auto& [key, tensor] : param.tensors) entry.insert(key, tensor);
+    states.insert(key_of(fqn), entry);
+  }
+  c10::impl::GenericList groups(c10::AnyType::get());
+  for (const ParamGroupState& group : state.param_groups) {
+    c10::impl::GenericDict options(c10::StringType::get(), c10::AnyType::get());
+    for (const auto& [key, value] : group.options) options.insert(key, value);
+    c10::impl::GenericList params(c10::AnyType::get());
+    for (const std::string& fqn : group.params) params.push_back(key_of(fqn));
+    options.insert("params", params);
+    groups.push_back(options);
+  }
+  c10::impl::GenericDict root(c10::StringType::get(), c10::AnyType::get());
+  root.insert("state", states);
+  root.insert("param_groups", groups);
+  return SaveTorchObject(path, root);
+}
+
+absl::StatusOr<OptimStateDict> LoadTorchOptimStateDict(
+    const std::string& path, const std::string& entry,
+    const std::vector<std::string>& fqn_of_index) {
+  const std::string what = entry.empty() ? absl::StrCat("'", path, "'")
+                                         : absl::StrCat("'", path, "' entry '", entry, "'");
+  FSDP_ASSIGN_OR_RETURN(const PyRef root, ReadTorchSaveObject(path));
+  PyRef dict = root;
+  if (!entry.empty()) {
+    if (root->kind != PyValue::Kind::kDict) {
+      return Invalid(
+          absl::StrCat("'", path, "'"),
+          absl::StrCat("a ", KindName(root->kind), ", which has no entry '", entry, "'"));
+    }
+    FSDP_ASSIGN_OR_RETURN(const auto entries, StringKeyed(*root, "'" + path + "'", "the file"));
+    dict = nullptr;
+    for (const auto& [name, value] : entries) {
+      if (name == entry) dict = value;
+    }
+    if (dict == nullptr) {
+      return Invalid(absl::StrCat("'", path, "'"), absl::StrCat("no entry '", entry, "'"));
+    }
+  }
+  if (dict->kind != PyValue::Kind::kDict) {
+    return Invalid(what,
+                   absl::StrCat("a ", KindName(dict->kind), ", not an optimizer's state dict"));
+  }
+  PyRef states, groups;
+  FSDP_ASSIGN_OR_RETURN(const auto top, StringKeyed(*dict, what, "the state dict"));
+  for (const auto& [name, value] : top) {
+    if (name == "state") states = value;
+    if (name == "param_groups") groups = value;
+  }
+  if (states == nullptr || states->kind != PyValue::Kind::kDict || groups == nullptr ||
+      groups->kind != PyValue::Kind::kList) {
+    return Invalid(what,
+                   "not an optimizer's state dict (a dict 'state' and a list 'param_groups')");
+  }
+
+  // Keys are all indices or all FQNs, in the groups and in the state. An
+  // index is an id whose meaning is its position in the groups' "params"
+  // lists, taken together (as Optimizer.load_state_dict maps them).
+  enum class Keying { kUnknown, kIndex, kFqn } keying = Keying::kUnknown;
+  std::map<int64_t, size_t> position_of_id;
+  const auto check_keying = [&](const PyValue& key, const std::string& where) -> absl::Status {
+    const Keying this_key = key.kind == PyValue::Kind::kInt      ? Keying::kIndex
+                            : key.kind == PyValue::Kind::kString ? Keying::kFqn
+                                                                 : Keying::kUnknown;
+    if (this_key == Keying::kUnknown) {
+      return Invalid(what, absl::StrCat(where, " is a ", KindName(key.kind),
+                                        ", neither a parameter index nor an FQN"));
+    }
+    if (keying != Keying::kUnknown && this_key != keying) {
+      return Invalid(what, absl::StrCat(where, " mixes parameter indices and FQNs"));
+    }
+    keying = this_key;
+    if (this_key == Keying::kIndex && fqn_of_index.empty()) {
+      return Invalid(what,
+                     "keyed by parameter index (Optimizer.state_dict()): give the FQN of "
+                     "each index");
+    }
+    return absl::OkStatus();
+  };
+
+  OptimStateDict out;
+  size_t listed = 0;
+  for (size_t g = 0; g < groups->items.size(); ++g) {
+    const PyValue& group = *groups->items[g];
+    const std::string where = absl::StrCat("param_groups[", g, "]");
+    if (group.kind != PyValue::Kind::kDict) {
+      return Invalid(what, absl::StrCat(where, " is a ", KindName(group.kind), ", not a dict"));
+    }
+    FSDP_ASSIGN_OR_RETURN(const auto options, StringKeyed(group, what, where));
+    ParamGroupState state;
+    bool has_params = false;
+    PyRef param_names;
+    for (const auto& [name, value] : options) {
+      const std::string option = absl::StrCat(where, "['", name, "']");
+      if (name == "params") {
+        if (value->kind != PyValue::Kind::kList) {
+          return Invalid(what,
+                         absl::StrCat(option, " is a ", KindName(value->kind), ", not a list"));
+        }
+        for (const PyRef& param : value->items) {
+          FSDP_RETURN_IF_ERROR(check_keying(*param, option));
+          if (keying == Keying::kFqn) {
+            state.params.push_back(param->s);
+          } else {
+            if (listed >= fqn_of_index.size()) {
+              return Invalid(what, absl::StrCat("the parameter groups list more parameters than "
+                                                "the ",
+                                                fqn_of_index.size(), " FQNs given"));
+            }
+            if (!position_of_id.emplace(param->i, listed).second) {
+              return Invalid(what,
+                             absl::StrCat(option, " lists parameter ", param->i, " a second time"));
+            }
+            state.params.push_back(fqn_of_index[listed]);
+          }
+          ++listed;
+        }
+        has_params = true;
+      } else if (name == "param_names") {
+        param_names = value;
+      } else if (ImplementationKeys().count(name) != 0 || value->kind == PyValue::Kind::kNone) {
+        continue;
+      } else if (UnsupportedKeys().count(name) != 0) {
+        if (value->kind == PyValue::Kind::kBool && value->i == 0) continue;
+        return Invalid(what, absl::StrCat(option, " is set, and libtorch's optimizers have no '",
+                                          name, "': they would step differently"));
+      } else {
+        FSDP_ASSIGN_OR_RETURN(state.options[name],
+                              ToIValue(*value, absl::StrCat(what, ": ", option), false));
+      }
+    }
+    if (!has_params) return Invalid(what, absl::StrCat(where, " has no 'params'"));
+    // PyTorch >= 2.5 names the parameters of an optimizer built over
+    // named_parameters(): a check that index i means the same parameter.
+    if (keying == Keying::kIndex && param_names != nullptr) {
+      if (param_names->kind != PyValue::Kind::kList ||
+          param_names->items.size() != state.params.size()) {
+        return Invalid(what, absl::StrCat(where, "['param_names'] does not name each of its ",
+                                          state.params.size(), " parameters"));
+      }
+      for (size_t i = 0; i < state.params.size(); ++i) {
+        const PyValue& name = *param_names->items[i];
+        if (name.kind != PyValue::Kind::kString || name.s != state.params[i]) {
+          return Invalid(what, absl::StrCat(where, "['params'][", i, "] is named '",
+                                            name.kind == PyValue::Kind::kString ? name.s : "?",
+                                            "' in the file but is '", state.params[i],
+                                            "' here: the names differ"));
+        }
+      }
+    }
+    out.param_groups.push_back(std::move(state));
+  }
+  if (keying == Keying::kIndex && listed != fqn_of_index.size()) {
+    return Invalid(what, absl::StrCat("the parameter groups list ", listed, " parameters, but ",
+                                      fqn_of_index.size(), " FQNs were given"));
+  }
+
+  std::set<std::string> seen;
+  for (const auto& [key, value] : states->entries) {
+    FSDP_RETURN_IF_ERROR(check_keying(*key, "a key of 'state'"));
+    std::string fqn;
+    if (keying == Keying::kFqn) {
+      fqn = key->s;
+    } else {
+      auto it = position_of_id.find(key->i);
+      if (it == position_of_id.end()) {
+        return Invalid(
+            what, absl::StrCat("state for parameter ", key->i, ", which no parameter group lists"));
+      }
+      fqn = fqn_of_index[it->second];
+    }
+    const std::string where = absl::StrCat("state['", fqn, "']");
+    if (!seen.insert(fqn).second) return Invalid(what, absl::StrCat(where, " appears twice"));
+    if (value->kind != PyValue::Kind::kDict) {
+      return Invalid(what, absl::StrCat(where, " is a ", KindName(value->kind), ", not a dict"));
+    }
+    FSDP_ASSIGN_OR_RETURN(const auto items, StringKeyed(*value, what, where));
+    ParamOptimState param;
+    for (const auto& [name, item] : items) {
+      const std::string at = absl::StrCat(where, "['", name, "']");
+      if (name == kStep) {
+        std::optional<double> step = item->kind == PyValue::Kind::kTensor ? RealOf(item->tensor)
+                                     : item->kind == PyValue::Kind::kInt
+                                         ? std::optional<double>(static_cast<double>(item->i))
+                                     : item->kind == PyValue::Kind::kFloat
+                                         ? std::optional<double>(item->f)
+                                         : std::nullopt;
+        if (!step.has_value() || !(*step >= 0) || *step != std::floor(*step) || *step > 9.0e15) {
+          return Invalid(what, absl::StrCat(at, " is not a step count"));
+        }
+        param.values[name] = c10::IValue(static_cast<int64_t>(*step));
+      } else if (item->kind == PyValue::Kind::kTensor) {
+        // Shaped like the parameter (a 0-d parameter's too); Load checks.
+        param.tensors[name] = item->tensor;
+      } else if (item->kind != PyValue::Kind::kNone) {
+        FSDP_ASSIGN_OR_RETURN(param.values[name],
+                              ToIValue(*item, absl::StrCat(what, ": ", at), false));
+      }
+    }
+    out.state.emplace_back(fqn, std::move(param));
+  }
+  return out;
+}
+
+}  // namespace fsdp
