@@ -11,9 +11,9 @@ them; prints each step's loss and fails if it differs from the run's
   /usr/bin/python3 models/replay_gpt.py replay INIT.pt BATCHES.pt METRICS.jsonl ...
 
 replay's --save_after=N --save_prefix=P writes, after step N, P_model.pt and
-P_optim.pt (model.state_dict() and the optimizer's state_dict()) and
+P_optim.pt (model.state_dict() and the optimizer's state_dict()),
 P_batches.pt (the batches of the later steps, as --record_batches writes
-them); --check_optim=PATH compares an optimizer state train_gpt exported
+them) and, with torch 2.x, P_dcp (both as a Distributed Checkpoint); --check_optim=PATH compares an optimizer state train_gpt exported
 (--export_optim_state_dict_keys=index) with the replay's at the end, and
 loads it into a torch.optim.AdamW.
 """
@@ -85,10 +85,28 @@ def replay(args):
             torch.save(optimizer.state_dict(), args.save_prefix + "_optim.pt")
             torch.save({"tokens": tokens[step + 1:].clone(), "first_step": torch.tensor(1)},
                        args.save_prefix + "_batches.pt")
+            save_dcp(model, optimizer, args.save_prefix + "_dcp")
     print("largest loss difference %.3g" % worst)
     if args.check_optim and not check_optim(args.check_optim, model, optimizer):
         return 1
     return 0 if worst <= args.tolerance else 1
+
+
+def save_dcp(model, optimizer, directory):
+    """Model and optimizer as a Distributed Checkpoint laid out as an FSDP2
+    job saves them ({"model": ..., "optim": get_optimizer_state_dict}), where
+    this torch can (2.x)."""
+    try:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    except ImportError:
+        return
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming ... a single process": it is.
+        dcp.save({"model": model.state_dict(),
+                  "optim": get_optimizer_state_dict(model, optimizer)},
+                 checkpoint_id=directory, no_dist=True)
 
 
 def check_optim(path, model, optimizer):

@@ -166,11 +166,14 @@ ABSL_FLAG(std::string, init_optim_state_dict, "",
           "parameters in the model's order; nanoGPT's two groups, with and without weight "
           "decay, are refused) or of FSDP's FULL optim_state_dict or "
           "get_optimizer_state_dict(full_state_dict=True) (keyed by FQN), e.g. from "
-          "--export_optim_state_dict. Hyper-parameters given on the command line replace the "
-          "file's.");
+          "--export_optim_state_dict; or a PyTorch Distributed Checkpoint directory holding "
+          "an optimizer's state (e.g. an FSDP2 job's dcp.save of {'model': ..., 'optim': ...} "
+          "from get_state_dict, at any world size). Hyper-parameters given on the command line "
+          "replace the file's.");
 ABSL_FLAG(std::string, init_optim_state_dict_key, "",
           "Take the optimizer state from this key of the file's top-level dict (e.g. "
-          "'optimizer' of {'model': ..., 'optimizer': ...}).");
+          "'optimizer' of {'model': ..., 'optimizer': ...}; 'optim' of an FSDP2 job's "
+          "Distributed Checkpoint).");
 ABSL_FLAG(std::string, export_optim_state_dict, "",
           "Write the final FULL optimizer state here (rank 0), readable by Python's torch.load, "
           "keyed as --export_optim_state_dict_keys says.");
@@ -942,8 +945,10 @@ class TrainingRun {
       if (seen.insert(item.value().unsafeGetTensorImpl()).second)
         fqn_of_index.push_back(item.key());
     }
-    absl::StatusOr<fsdp::OptimStateDict> state = fsdp::LoadTorchOptimStateDict(
-        path, absl::GetFlag(FLAGS_init_optim_state_dict_key), fqn_of_index);
+    const std::string key = absl::GetFlag(FLAGS_init_optim_state_dict_key);
+    absl::StatusOr<fsdp::OptimStateDict> state =
+        fsdp::IsDcpDirectory(path) ? fsdp::LoadDcpOptimStateDict(path, key, fqn_of_index)
+                                   : fsdp::LoadTorchOptimStateDict(path, key, fqn_of_index);
     absl::Status loaded = state.ok()
                               ? fsdp::LoadFullOptimStateDict(*fsdp_model_, *optimizer_, *state)
                               : state.status();

@@ -2,6 +2,7 @@
 // batches (in PyTorch and at another world size), and the launcher stops the
 // job and names the rank when one dies or when it is interrupted.
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include <algorithm>
@@ -119,7 +120,9 @@ TEST(TrainGpt, StartsFromADistributedCheckpointAsFromTorchSave) {
 // job's export after 8 steps at W = 2 is PyTorch's replayed state, and
 // loads into torch.optim.AdamW; PyTorch's model and optimizer after step 4
 // start the job at W = 1 on the remaining batches with the original run's
-// losses, which starting without the optimizer state does not give.
+// losses, which starting without the optimizer state does not give; and
+// with torch 2.x the same state as a Distributed Checkpoint starts it at
+// W = 2.
 TEST(TrainGpt, OptimizerStateMovesBetweenPyTorchAndTheJob) {
   const std::string dir = TempDir("optim_state");
   const std::string python = ::fsdp::testing::TorchPython();
@@ -168,6 +171,25 @@ TEST(TrainGpt, OptimizerStateMovesBetweenPyTorchAndTheJob) {
     fresh_gap = std::max(fresh_gap, std::abs(fresh[i] - want[4 + i]));
   }
   EXPECT_GT(fresh_gap, 1e-3) << "a fresh optimizer would pass too: the check cannot fail";
+
+  // The same state as a Distributed Checkpoint ({"model", "optim"}, as an
+  // FSDP2 job saves it; torch 2.x writes one).
+  struct stat dcp_dir;
+  if (stat((dir + "/py4_dcp").c_str(), &dcp_dir) != 0) {
+    std::printf("no Distributed Checkpoint: this torch cannot write one\n");
+    return;
+  }
+  const CommandResult from_dcp = RunCommand(absl::StrCat(
+      kTrainGpt, common, dir, "/from_dcp.jsonl --steps=4 --world_size=2 --batch_size=4",
+      " --init_state_dict=", dir, "/py4_dcp --init_state_dict_key=model --replay_batches=", dir,
+      "/py4_batches.pt --init_optim_state_dict=", dir,
+      "/py4_dcp --init_optim_state_dict_key=optim"));
+  ASSERT_EQ(from_dcp.exit_code, 0) << from_dcp.output;
+  const std::vector<double> dcp_losses = LossesOf(dir + "/from_dcp.jsonl");
+  ASSERT_EQ(dcp_losses.size(), 4u);
+  for (size_t i = 0; i < dcp_losses.size(); ++i) {
+    EXPECT_NEAR(dcp_losses[i], want[4 + i], 1e-4) << "from the DCP checkpoint, step " << 5 + i;
+  }
 }
 
 // CPU offload changes where shards, gradients and optimizer state live, not

@@ -1,6 +1,7 @@
 """PyTorch's side of //optim:torch_optim_file_test.
 
     optim_interop.py KEYING DIR
+    optim_interop.py dcp_fsdp2 DIR     (each rank, started by our launcher)
 
 DIR holds what the C++ test wrote after 3 steps of fsdp::testing::Net with
 AdamW: model.pt (the model's state dict), optim.pt (the optimizer's, keyed
@@ -15,6 +16,12 @@ groups must replace. It trains steps 3-5, writes its model and optimizer
 state (model_py.pt, optim_py.pt; the fqn case through
 get_optimizer_state_dict), trains steps 6-8, and writes the losses and the
 final parameters to result.pt. Exit 3: this torch has no FSDP2.
+
+dcp_fsdp2: one of two FSDP2 ranks (Gloo) from model.pt's weights, each on
+its half of every global batch: trains steps 0-2, saves model and
+optimizer as a Distributed Checkpoint ({"model": ..., "optim": ...} from
+get_state_dict, the layout of PyTorch's FSDP2 recipes) in DIR/ckpt, trains
+steps 3-5; rank 0 writes the global losses of steps 3-5 to result.pt.
 """
 import os
 import sys
@@ -45,7 +52,49 @@ class Net(torch.nn.Module):
         return self.head(x)
 
 
+def dcp_fsdp2(directory):
+    try:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        return 3
+    path = lambda name: os.path.join(directory, name)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = torch.load(path("data.pt"))
+    model = Net()
+    model.load_state_dict(torch.load(path("model.pt")))
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    losses = []
+    for step in range(6):
+        if step == 3:
+            model_state, optim_state = get_state_dict(model, optimizer)
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path("ckpt"))
+        x, y = data["x%d" % step], data["y%d" % step]
+        rows = x.size(0) // world
+        loss = torch.nn.functional.mse_loss(model(x[rank * rows:(rank + 1) * rows]),
+                                            y[rank * rows:(rank + 1) * rows])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    if rank == 0:
+        torch.save({"losses": torch.tensor(losses[3:], dtype=torch.float32)}, path("result.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
 def main():
+    if sys.argv[1] == "dcp_fsdp2":
+        return dcp_fsdp2(sys.argv[2])
     keying, directory = sys.argv[1], sys.argv[2]
     path = lambda name: os.path.join(directory, name)
     data = torch.load(path("data.pt"))

@@ -15,6 +15,7 @@
 #include "ATen/ops/scalar_tensor.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "statedict/dcp.h"
 #include "statedict/restricted_unpickler.h"
 #include "statedict/torch_file.h"
 
@@ -104,85 +105,12 @@ absl::StatusOr<std::vector<std::pair<std::string, PyRef>>> StringKeyed(const PyV
   return out;
 }
 
-}  // namespace
-
-absl::Status SaveTorchOptimStateDict(const std::string& path, const OptimStateDict& state,
-                                     OptimStateKeys keys) {
-  const bool by_index = keys == OptimStateKeys::kParameterIndex;
-  std::map<std::string, int64_t> index_of;
-  for (const ParamGroupState& group : state.param_groups) {
-    for (const std::string& fqn : group.params) {
-      const int64_t next = static_cast<int64_t>(index_of.size());
-      if (!index_of.emplace(fqn, next).second) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("'", fqn, "' is listed twice in the parameter groups"));
-      }
-    }
-  }
-  const auto key_of = [&](const std::string& fqn) {
-    return by_index ? c10::IValue(index_of.at(fqn)) : c10::IValue(fqn);
-  };
-  c10::impl::GenericDict states(
-      by_index ? c10::TypePtr(c10::IntType::get()) : c10::TypePtr(c10::StringType::get()),
-      c10::AnyType::get());
-  for (const auto& [fqn, param] : state.state) {
-    if (index_of.count(fqn) == 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("state for '", fqn, "', which no parameter group lists"));
-    }
-    c10::impl::GenericDict entry(c10::StringType::get(), c10::AnyType::get());
-    for (const auto& [key, value] : param.values) {
-      entry.insert(key, key == kStep && value.isInt()
-                            ? c10::IValue(at::scalar_tensor(static_cast<double>(value.toInt()),
-                                                            at::TensorOptions().dtype(at::kFloat)))
-                            : value);
-    }
-    for (const auto& [key, tensor] : param.tensors) entry.insert(key, tensor);
-    states.insert(key_of(fqn), entry);
-  }
-  c10::impl::GenericList groups(c10::AnyType::get());
-  for (const ParamGroupState& group : state.param_groups) {
-    c10::impl::GenericDict options(c10::StringType::get(), c10::AnyType::get());
-    for (const auto& [key, value] : group.options) options.insert(key, value);
-    c10::impl::GenericList params(c10::AnyType::get());
-    for (const std::string& fqn : group.params) params.push_back(key_of(fqn));
-    options.insert("params", params);
-    groups.push_back(options);
-  }
-  c10::impl::GenericDict root(c10::StringType::get(), c10::AnyType::get());
-  root.insert("state", states);
-  root.insert("param_groups", groups);
-  return SaveTorchObject(path, root);
-}
-
-absl::StatusOr<OptimStateDict> LoadTorchOptimStateDict(
-    const std::string& path, const std::string& entry,
-    const std::vector<std::string>& fqn_of_index) {
-  const std::string what = entry.empty() ? absl::StrCat("'", path, "'")
-                                         : absl::StrCat("'", path, "' entry '", entry, "'");
-  FSDP_ASSIGN_OR_RETURN(const PyRef root, ReadTorchSaveObject(path));
-  PyRef dict = root;
-  if (!entry.empty()) {
-    if (root->kind != PyValue::Kind::kDict) {
-      return Invalid(
-          absl::StrCat("'", path, "'"),
-          absl::StrCat("a ", KindName(root->kind), ", which has no entry '", entry, "'"));
-    }
-    FSDP_ASSIGN_OR_RETURN(const auto entries, StringKeyed(*root, "'" + path + "'", "the file"));
-    dict = nullptr;
-    for (const auto& [name, value] : entries) {
-      if (name == entry) dict = value;
-    }
-    if (dict == nullptr) {
-      return Invalid(absl::StrCat("'", path, "'"), absl::StrCat("no entry '", entry, "'"));
-    }
-  }
-  if (dict->kind != PyValue::Kind::kDict) {
-    return Invalid(what,
-                   absl::StrCat("a ", KindName(dict->kind), ", not an optimizer's state dict"));
-  }
+// The optimizer's state dict `dict` ({"state": ..., "param_groups": ...},
+// as PyTorch writes it), read as an OptimStateDict. `what` names it.
+absl::StatusOr<OptimStateDict> OptimStateDictOf(const PyValue& dict, const std::string& what,
+                                                const std::vector<std::string>& fqn_of_index) {
   PyRef states, groups;
-  FSDP_ASSIGN_OR_RETURN(const auto top, StringKeyed(*dict, what, "the state dict"));
+  FSDP_ASSIGN_OR_RETURN(const auto top, StringKeyed(dict, what, "the state dict"));
   for (const auto& [name, value] : top) {
     if (name == "state") states = value;
     if (name == "param_groups") groups = value;
@@ -340,6 +268,184 @@ absl::StatusOr<OptimStateDict> LoadTorchOptimStateDict(
     out.state.emplace_back(fqn, std::move(param));
   }
   return out;
+}
+
+}  // namespace
+
+absl::Status SaveTorchOptimStateDict(const std::string& path, const OptimStateDict& state,
+                                     OptimStateKeys keys) {
+  const bool by_index = keys == OptimStateKeys::kParameterIndex;
+  std::map<std::string, int64_t> index_of;
+  for (const ParamGroupState& group : state.param_groups) {
+    for (const std::string& fqn : group.params) {
+      const int64_t next = static_cast<int64_t>(index_of.size());
+      if (!index_of.emplace(fqn, next).second) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("'", fqn, "' is listed twice in the parameter groups"));
+      }
+    }
+  }
+  const auto key_of = [&](const std::string& fqn) {
+    return by_index ? c10::IValue(index_of.at(fqn)) : c10::IValue(fqn);
+  };
+  c10::impl::GenericDict states(
+      by_index ? c10::TypePtr(c10::IntType::get()) : c10::TypePtr(c10::StringType::get()),
+      c10::AnyType::get());
+  for (const auto& [fqn, param] : state.state) {
+    if (index_of.count(fqn) == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("state for '", fqn, "', which no parameter group lists"));
+    }
+    c10::impl::GenericDict entry(c10::StringType::get(), c10::AnyType::get());
+    for (const auto& [key, value] : param.values) {
+      entry.insert(key, key == kStep && value.isInt()
+                            ? c10::IValue(at::scalar_tensor(static_cast<double>(value.toInt()),
+                                                            at::TensorOptions().dtype(at::kFloat)))
+                            : value);
+    }
+    for (const auto& [key, tensor] : param.tensors) entry.insert(key, tensor);
+    states.insert(key_of(fqn), entry);
+  }
+  c10::impl::GenericList groups(c10::AnyType::get());
+  for (const ParamGroupState& group : state.param_groups) {
+    c10::impl::GenericDict options(c10::StringType::get(), c10::AnyType::get());
+    for (const auto& [key, value] : group.options) options.insert(key, value);
+    c10::impl::GenericList params(c10::AnyType::get());
+    for (const std::string& fqn : group.params) params.push_back(key_of(fqn));
+    options.insert("params", params);
+    groups.push_back(options);
+  }
+  c10::impl::GenericDict root(c10::StringType::get(), c10::AnyType::get());
+  root.insert("state", states);
+  root.insert("param_groups", groups);
+  return SaveTorchObject(path, root);
+}
+
+absl::StatusOr<OptimStateDict> LoadTorchOptimStateDict(
+    const std::string& path, const std::string& entry,
+    const std::vector<std::string>& fqn_of_index) {
+  const std::string what = entry.empty() ? absl::StrCat("'", path, "'")
+                                         : absl::StrCat("'", path, "' entry '", entry, "'");
+  FSDP_ASSIGN_OR_RETURN(const PyRef root, ReadTorchSaveObject(path));
+  PyRef dict = root;
+  if (!entry.empty()) {
+    if (root->kind != PyValue::Kind::kDict) {
+      return Invalid(
+          absl::StrCat("'", path, "'"),
+          absl::StrCat("a ", KindName(root->kind), ", which has no entry '", entry, "'"));
+    }
+    FSDP_ASSIGN_OR_RETURN(const auto entries, StringKeyed(*root, "'" + path + "'", "the file"));
+    dict = nullptr;
+    for (const auto& [name, value] : entries) {
+      if (name == entry) dict = value;
+    }
+    if (dict == nullptr) {
+      return Invalid(absl::StrCat("'", path, "'"), absl::StrCat("no entry '", entry, "'"));
+    }
+  }
+  if (dict->kind != PyValue::Kind::kDict) {
+    return Invalid(what,
+                   absl::StrCat("a ", KindName(dict->kind), ", not an optimizer's state dict"));
+  }
+  return OptimStateDictOf(*dict, what, fqn_of_index);
+}
+
+absl::StatusOr<OptimStateDict> LoadDcpOptimStateDict(const std::string& dir, const std::string& key,
+                                                     const std::vector<std::string>& fqn_of_index) {
+  const std::string what = key.empty()
+                               ? absl::StrCat("DCP checkpoint '", dir, "'")
+                               : absl::StrCat("DCP checkpoint '", dir, "' entry '", key, "'");
+  FSDP_ASSIGN_OR_RETURN(const DcpMetadata metadata, ReadDcpMetadata(dir));
+  // Path parts before the optimizer's own: (key) or none.
+  const size_t skip = key.empty() ? 0 : 1;
+  const auto under_key = [&](const std::string& stored) -> const std::vector<DcpPathPart>* {
+    auto it = metadata.planner_data.find(stored);
+    if (it == metadata.planner_data.end()) return nullptr;
+    const std::vector<DcpPathPart>& path = it->second;
+    if (skip == 1 && (path.empty() || path[0].is_index || path[0].key != key)) return nullptr;
+    if (skip == 0 && (path.empty() || path[0].is_index ||
+                      (path[0].key != "state" && path[0].key != "param_groups"))) {
+      return nullptr;
+    }
+    return &path;
+  };
+  if (metadata.planner_data.empty()) {
+    return Invalid(what,
+                   "the checkpoint records no planner_data (dcp.save flattens nested "
+                   "state dicts and records their paths there): cannot find the "
+                   "optimizer's state in it");
+  }
+  // The optimizer's state dict rebuilt from the stored values' paths:
+  // (key, "state", fqn, name) and (key, "param_groups", i, option).
+  std::map<std::string, PyRef> states;                     // By the state dict's key, printed.
+  std::vector<std::pair<std::string, PyRef>> state_order;  // And as stored: FQN or index.
+  std::map<int64_t, PyRef> groups;
+  const auto place = [&](const std::string& stored, PyRef value) -> absl::Status {
+    const std::vector<DcpPathPart>& full = *under_key(stored);
+    const std::vector<DcpPathPart> path(full.begin() + skip, full.end());
+    const bool state =
+        path.size() == 3 && !path[0].is_index && path[0].key == "state" && !path[2].is_index;
+    const bool group = path.size() == 3 && !path[0].is_index && path[0].key == "param_groups" &&
+                       path[1].is_index && !path[2].is_index;
+    if (!state && !group) {
+      return Invalid(what, absl::StrCat("'", stored,
+                                        "' is stored at a path an optimizer's state "
+                                        "dict does not have"));
+    }
+    if (group && (path[1].index < 0 || path[1].index > 1000000)) {
+      return Invalid(what, absl::StrCat("'", stored, "' names parameter group ", path[1].index));
+    }
+    PyRef parent;
+    if (state) {
+      const std::string param = path[1].is_index ? absl::StrCat(path[1].index) : path[1].key;
+      PyRef& entry = states[param];
+      if (entry == nullptr) {
+        entry = MakePy(PyValue::Kind::kDict);
+        state_order.emplace_back(
+            param, path[1].is_index ? MakePyInt(path[1].index) : MakePyString(path[1].key));
+      }
+      parent = entry;
+    } else {
+      PyRef& entry = groups[path[1].index];
+      if (entry == nullptr) entry = MakePy(PyValue::Kind::kDict);
+      parent = entry;
+    }
+    parent->entries.emplace_back(MakePyString(path[2].key), std::move(value));
+    return absl::OkStatus();
+  };
+  for (const DcpTensorEntry& tensor : metadata.tensors) {
+    if (under_key(tensor.fqn) == nullptr) continue;  // Not the optimizer's: read nothing of it.
+    FSDP_ASSIGN_OR_RETURN(
+        at::Tensor full,
+        LoadDcpTensorRegion(dir, tensor, std::vector<int64_t>(tensor.size.size(), 0), tensor.size));
+    PyRef value = MakePy(PyValue::Kind::kTensor);
+    value->tensor = std::move(full);
+    FSDP_RETURN_IF_ERROR(place(tensor.fqn, std::move(value)));
+  }
+  for (const DcpBytesEntry& bytes : metadata.bytes) {
+    if (under_key(bytes.fqn) == nullptr) continue;
+    FSDP_ASSIGN_OR_RETURN(PyRef value, ReadDcpBytes(dir, bytes));
+    FSDP_RETURN_IF_ERROR(place(bytes.fqn, std::move(value)));
+  }
+  if (states.empty() && groups.empty()) {
+    return Invalid(what, "no optimizer state is stored under it");
+  }
+  PyRef dict = MakePy(PyValue::Kind::kDict);
+  PyRef state_dict = MakePy(PyValue::Kind::kDict);
+  for (const auto& [param, stored_key] : state_order) {
+    state_dict->entries.emplace_back(stored_key, states.at(param));
+  }
+  PyRef group_list = MakePy(PyValue::Kind::kList);
+  int64_t expected = 0;
+  for (const auto& [index, group] : groups) {
+    if (index != expected++) {
+      return Invalid(what, absl::StrCat("parameter group ", expected - 1, " is missing"));
+    }
+    group_list->items.push_back(group);
+  }
+  dict->entries.emplace_back(MakePyString("state"), state_dict);
+  dict->entries.emplace_back(MakePyString("param_groups"), group_list);
+  return OptimStateDictOf(*dict, what, fqn_of_index);
 }
 
 }  // namespace fsdp

@@ -1,5 +1,6 @@
 // FULL optimizer state dicts (optim/optim_state.h) in the file format of
-// Python's torch.save, laid out as PyTorch lays out an optimizer's state:
+// Python's torch.save, and read from PyTorch Distributed Checkpoints; laid
+// out as PyTorch lays out an optimizer's state:
 //
 //   {"state": {key: {"step": tensor(3.), "exp_avg": ..., ...}, ...},
 //    "param_groups": [{"lr": ..., "betas": (...), ..., "params": [key, ...]}]}
@@ -65,6 +66,20 @@ absl::Status SaveTorchOptimStateDict(const std::string& path, const OptimStateDi
 // takes.
 absl::StatusOr<OptimStateDict> LoadTorchOptimStateDict(
     const std::string& path, const std::string& entry = "",
+    const std::vector<std::string>& fqn_of_index = {});
+
+// Reads the optimizer state that a PyTorch Distributed Checkpoint in `dir`
+// holds under `key` (dcp.save of {"model": ..., "optim": osd} with osd from
+// get_state_dict or get_optimizer_state_dict: key "optim"; "" when osd was
+// saved alone), written at any
+// world size: every stored value whose recorded path is (key, "state",
+// fqn, name) or (key, "param_groups", i, option), each tensor whole.
+// Then as LoadTorchOptimStateDict, whose checks apply (`fqn_of_index` for
+// a state keyed by index). Fails, naming the directory and the key, on a
+// checkpoint without the paths (planner_data), nothing under `key`, a value
+// at another path under it, or a missing group.
+absl::StatusOr<OptimStateDict> LoadDcpOptimStateDict(
+    const std::string& dir, const std::string& key,
     const std::vector<std::string>& fqn_of_index = {});
 
 }  // namespace fsdp

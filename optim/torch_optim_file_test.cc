@@ -6,6 +6,7 @@
 // PyTorch's FSDP2 into FSDP at W = 3.
 #include "optim/torch_optim_file.h"
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <memory>
@@ -15,11 +16,13 @@
 #include "ATen/ATen.h"
 #include "absl/strings/str_cat.h"
 #include "comm/collectives.h"
+#include "comm/local_launcher.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
 #include "gtest/gtest.h"
 #include "optim/optim_state.h"
+#include "statedict/dcp.h"
 #include "statedict/state_dict.h"
 #include "statedict/torch_file.h"
 #include "testing/multi_rank.h"
@@ -74,7 +77,7 @@ float Step(Net& model, torch::optim::Optimizer& optimizer, int step, Collectives
 
 void WriteData(const std::string& dir) {
   StateDict data;
-  for (int step = 3; step < 9; ++step) {
+  for (int step = 0; step < 9; ++step) {
     data.emplace_back(absl::StrCat("x", step), Inputs(step, 0));
     data.emplace_back(absl::StrCat("y", step), Targets(step, 0));
   }
@@ -246,6 +249,63 @@ TEST(TorchOptimFile, FsdpStateMovesToPyTorchFsdp2AndBack) {
     if (comm.rank() == 0) ExpectParamsNear(*final_state, *result);
   });
   ASSERT_TRUE(second.ok()) << second;
+}
+
+// A Distributed Checkpoint of model and optimizer that PyTorch's FSDP2
+// wrote at W = 2 (get_state_dict, dcp.save) after 3 steps continues here at
+// W = 3 with the losses FSDP2 continued with.
+TEST(TorchOptimFile, Fsdp2DistributedCheckpointContinuesAtAnotherWorldSize) {
+  const std::string dir = TempDir() + "/dcp";
+  ASSERT_EQ(std::system(absl::StrCat("rm -rf ", dir, " && mkdir -p ", dir).c_str()), 0);
+  WriteData(dir);
+  Net init;
+  ASSERT_TRUE(SaveTorchStateDict(dir + "/model.pt", ModuleStateDict(*init)).ok());
+  LocalLaunchOptions launch;
+  launch.world_size = 2;
+  launch.program = ::fsdp::testing::TorchPython();
+  launch.args = {::fsdp::testing::ScriptPath(kScript), "dcp_fsdp2", dir};
+  launch.log_dir = dir;
+  launch.timeout = std::chrono::minutes(3);
+  absl::StatusOr<LaunchResult> launched = LaunchLocalRanks(launch);
+  ASSERT_TRUE(launched.ok()) << launched.status();
+  if (!launched->ok() && launched->ranks[0].ending == RankOutcome::Ending::kExited &&
+      launched->ranks[0].code == 3) {
+    GTEST_SKIP() << "this torch has no FSDP2 or Distributed Checkpoint";
+  }
+  ASSERT_TRUE(launched->ok()) << launched->Summary();
+  auto result = LoadTorchStateDict(dir + "/result.pt");
+  ASSERT_TRUE(result.ok()) << result.status();
+  const at::Tensor python_losses = result->back().second;
+
+  const std::string checkpoint = dir + "/ckpt";
+  auto model_state = LoadDcpStateDict(checkpoint, "model.");
+  ASSERT_TRUE(model_state.ok()) << model_state.status();
+  auto optim_state = LoadDcpOptimStateDict(checkpoint, "optim");
+  ASSERT_TRUE(optim_state.ok()) << optim_state.status();
+  ASSERT_EQ(optim_state->state.size(), 8u);
+  EXPECT_EQ(optim_state->state[0].second.values.at("step").toInt(), 3);
+  absl::Status continued = RunOnThreadRanks(3, [&](Collectives& comm) {
+    Net model;
+    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+    auto optimizer = MakeWrongAdamW(model->parameters());
+    ASSERT_TRUE(LoadFullStateDict(**wrapped, *model_state).ok());
+    absl::Status loaded = LoadFullOptimStateDict(**wrapped, *optimizer, *optim_state);
+    ASSERT_TRUE(loaded.ok()) << loaded;
+    std::vector<float> losses;
+    for (int step = 3; step < 6; ++step) losses.push_back(Step(model, *optimizer, step, &comm));
+    ExpectLossesNear(losses, python_losses, 0, "continuing FSDP2's checkpoint at W = 3");
+  });
+  ASSERT_TRUE(continued.ok()) << continued;
+
+  // Without the optimizer's state the losses are others: the check can fail.
+  Net fresh;
+  auto fresh_optimizer = MakeAdamW(fresh->parameters());
+  ASSERT_TRUE(LoadModuleStateDict(*fresh, *model_state).ok());
+  EXPECT_GT(
+      std::abs(Step(fresh, *fresh_optimizer, 3, nullptr) - python_losses[0].item<float>()) +
+          std::abs(Step(fresh, *fresh_optimizer, 4, nullptr) - python_losses[1].item<float>()),
+      1e-4);
 }
 
 // A file written by hand through SaveTorchObject.

@@ -335,6 +335,7 @@ class MetadataParser {
     PyRef version = root->Get("version");
     if (version != nullptr && version->kind == PyValue::Kind::kString)
       metadata.version = version->s;
+    FSDP_RETURN_IF_ERROR(ReadPlannerData(root->Get("planner_data"), metadata));
     PyRef entries = root->Get("state_dict_metadata");
     if (entries == nullptr || entries->kind != PyValue::Kind::kDict) {
       return Error("the metadata has no state_dict_metadata dict");
@@ -375,6 +376,38 @@ class MetadataParser {
       metadata.tensors.push_back(std::move(tensor));
     }
     return metadata;
+  }
+
+  // planner_data: {stored name: (key or index, ...)}, or None.
+  absl::Status ReadPlannerData(const PyRef& planner_data, DcpMetadata& metadata) {
+    if (planner_data == nullptr || planner_data->kind == PyValue::Kind::kNone) {
+      return absl::OkStatus();
+    }
+    if (planner_data->kind != PyValue::Kind::kDict) {
+      return Error(
+          absl::StrCat("planner_data is a ", KindName(planner_data->kind), ", not a dict"));
+    }
+    for (const auto& [key, path] : planner_data->entries) {
+      if (key->kind != PyValue::Kind::kString ||
+          (path->kind != PyValue::Kind::kTuple && path->kind != PyValue::Kind::kList)) {
+        return Error("a planner_data entry is not a name and a path");
+      }
+      std::vector<DcpPathPart> parts;
+      for (const PyRef& part : path->items) {
+        if (part->kind == PyValue::Kind::kString) {
+          parts.push_back({false, part->s, 0});
+        } else if (part->kind == PyValue::Kind::kInt) {
+          parts.push_back({true, "", part->i});
+        } else {
+          return Error(absl::StrCat("the path of '", key->s, "' in planner_data holds a ",
+                                    KindName(part->kind)));
+        }
+      }
+      if (!metadata.planner_data.emplace(key->s, std::move(parts)).second) {
+        return Error(absl::StrCat("planner_data names '", key->s, "' twice"));
+      }
+    }
+    return absl::OkStatus();
   }
 
  private:
@@ -454,6 +487,11 @@ absl::StatusOr<DcpMetadata> ReadDcpMetadata(const std::string& dir) {
                         Unpickle(bytes.data(), bytes.size(),
                                  absl::StrCat("DCP checkpoint '", dir, "': .metadata"), hooks));
   return MetadataParser(dir).Parse(root);
+}
+
+absl::StatusOr<PyRef> ReadDcpBytes(const std::string& dir, const DcpBytesEntry& entry) {
+  return ReadTorchSaveObject(absl::StrCat(dir, "/", entry.location.relative_path),
+                             entry.location.offset, entry.location.length);
 }
 
 absl::StatusOr<at::Tensor> LoadDcpTensorRegion(const std::string& dir, const DcpTensorEntry& tensor,

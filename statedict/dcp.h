@@ -24,6 +24,7 @@
 #define FSDP_STATEDICT_DCP_H_
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -63,10 +64,22 @@ struct DcpBytesEntry {
   DcpStorageLocation location;
 };
 
+// One step of the path from a saved state dict's root to a value: a dict
+// key or a list index.
+struct DcpPathPart {
+  bool is_index = false;
+  std::string key;    // When !is_index.
+  int64_t index = 0;  // When is_index.
+};
 struct DcpMetadata {
   std::vector<DcpTensorEntry> tensors;  // In the order of the file.
   std::vector<DcpBytesEntry> bytes;
   std::string version;  // DCP's metadata version ("1.0.0"); "" if absent.
+  // dcp.save flattens nested state dicts ({"optim": {"state": {fqn: ...}}}
+  // is stored as "optim.state.<fqn>.exp_avg"); this is each stored name's
+  // path in the original, where FQNs keep their dots. Empty when the
+  // checkpoint was not flattened.
+  std::map<std::string, std::vector<DcpPathPart>> planner_data;
 };
 
 // Whether `path` is a DCP directory (a directory holding `.metadata`).
@@ -82,6 +95,9 @@ absl::StatusOr<DcpMetadata> ReadDcpMetadata(const std::string& dir);
 // checkpoint of {"model": ..., "optim": ...}).
 absl::StatusOr<StateDict> LoadDcpStateDict(const std::string& dir, const std::string& prefix = "");
 
+// The value a bytes entry holds (a torch.save archive of a Python value),
+// read with LoadTorchStateDict's checks.
+absl::StatusOr<PyRef> ReadDcpBytes(const std::string& dir, const DcpBytesEntry& entry);
 // Elements [offsets, offsets + sizes) of one tensor, read from only the
 // chunks that overlap them (a sharded load's own part).
 absl::StatusOr<at::Tensor> LoadDcpTensorRegion(const std::string& dir, const DcpTensorEntry& tensor,
