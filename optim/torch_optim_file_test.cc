@@ -284,6 +284,18 @@ TEST(TorchOptimFile, Fsdp2DistributedCheckpointContinuesAtAnotherWorldSize) {
   ASSERT_TRUE(optim_state.ok()) << optim_state.status();
   ASSERT_EQ(optim_state->state.size(), 8u);
   EXPECT_EQ(optim_state->state[0].second.values.at("step").toInt(), 3);
+  auto model_as_optim = LoadDcpOptimStateDict(checkpoint, "model");
+  ASSERT_FALSE(model_as_optim.ok());
+  EXPECT_NE(model_as_optim.status().message().find(
+                "entry 'model': 'model.blocks.0.fc.weight' is stored at a path an optimizer's "
+                "state dict does not have"),
+            std::string::npos)
+      << model_as_optim.status();
+  auto no_such_key = LoadDcpOptimStateDict(checkpoint, "optimizer");
+  ASSERT_FALSE(no_such_key.ok());
+  EXPECT_NE(no_such_key.status().message().find("no optimizer state is stored under it"),
+            std::string::npos)
+      << no_such_key.status();
   absl::Status continued = RunOnThreadRanks(3, [&](Collectives& comm) {
     Net model;
     auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
