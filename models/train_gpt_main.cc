@@ -942,8 +942,9 @@ class TrainingRun {
     std::vector<std::string> fqn_of_index;
     std::set<const void*> seen;
     for (const auto& item : model_->named_parameters()) {
-      if (seen.insert(item.value().unsafeGetTensorImpl()).second)
+      if (seen.insert(item.value().unsafeGetTensorImpl()).second) {
         fqn_of_index.push_back(item.key());
+      }
     }
     const std::string key = absl::GetFlag(FLAGS_init_optim_state_dict_key);
     absl::StatusOr<fsdp::OptimStateDict> state =
