@@ -2422,7 +2422,7 @@ install(FILES ${PROJECT_SOURCE_DIR}/statedict/crc32.h DESTINATION include/stated
 # //statedict:dcp
 add_library(statedict_dcp SHARED ${PROJECT_SOURCE_DIR}/statedict/dcp.cc ${PROJECT_SOURCE_DIR}/statedict/dcp.h)
 set_target_properties(statedict_dcp PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/statedict)
-target_link_libraries(statedict_dcp PUBLIC statedict_restricted_unpickler statedict_torch_file base_status third_party_absl_base third_party_absl_status fsdp_torch)
+target_link_libraries(statedict_dcp PUBLIC statedict_atomic_file statedict_restricted_unpickler statedict_torch_file base_status third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(statedict_dcp PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS statedict_dcp EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/statedict/dcp.h DESTINATION include/statedict)

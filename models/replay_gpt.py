@@ -15,7 +15,8 @@ P_optim.pt (model.state_dict() and the optimizer's state_dict()),
 P_batches.pt (the batches of the later steps, as --record_batches writes
 them) and, with torch 2.x, P_dcp (both as a Distributed Checkpoint); --check_optim=PATH compares an optimizer state train_gpt exported
 (--export_optim_state_dict_keys=index) with the replay's at the end, and
-loads it into a torch.optim.AdamW.
+loads it into a torch.optim.AdamW; --check_dcp=DIR loads train_gpt's
+--export_dcp as an FSDP2 job does and compares it likewise.
 """
 import argparse
 import json
@@ -89,6 +90,8 @@ def replay(args):
     print("largest loss difference %.3g" % worst)
     if args.check_optim and not check_optim(args.check_optim, model, optimizer):
         return 1
+    if args.check_dcp and not check_dcp(args.check_dcp, model, optimizer):
+        return 1
     return 0 if worst <= args.tolerance else 1
 
 
@@ -107,6 +110,49 @@ def save_dcp(model, optimizer, directory):
         dcp.save({"model": model.state_dict(),
                   "optim": get_optimizer_state_dict(model, optimizer)},
                  checkpoint_id=directory, no_dist=True)
+
+
+def check_dcp(directory, model, optimizer):
+    """Whether train_gpt's --export_dcp loads, as an FSDP2 job loads its
+    checkpoints, into the replay's model and optimizer state."""
+    try:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                             set_optimizer_state_dict)
+    except ImportError:
+        print("check_dcp: this torch cannot read Distributed Checkpoints")
+        return True
+    import copy
+    import warnings
+    fresh_model = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in fresh_model.parameters():
+            p.zero_()  # What dcp.load must overwrite.
+    fresh = torch.optim.AdamW(fresh_model.parameters(), lr=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming ... a single process": it is.
+        state = {"model": fresh_model.state_dict(),
+                 "optim": get_optimizer_state_dict(fresh_model, fresh)}
+        dcp.load(state, checkpoint_id=directory, no_dist=True)
+    fresh_model.load_state_dict(state["model"])
+    set_optimizer_state_dict(fresh_model, fresh, state["optim"])
+    # Parameters absolutely: AdamW moves a near-zero one by a part of lr
+    # either way on gradients that differ in the last bits (the job ran at
+    # W = 2); a checkpoint not loaded leaves them 0.
+    param_gap = max((p - q).abs().max().item()
+                    for p, q in zip(model.parameters(), fresh_model.parameters()))
+    worst = 0.0
+    for p, q in zip(model.parameters(), fresh_model.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            mine, loaded = optimizer.state[p][key], fresh.state[q][key]
+            worst = max(worst, (mine - loaded).abs().max().item() /
+                        max(mine.abs().max().item(), 1e-12))
+    steps = {float(fresh.state[q]["step"]) for q in fresh_model.parameters()}
+    ok = steps == {float(optimizer.state[p]["step"]) for p in model.parameters()}
+    ok = ok and fresh.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+    print("check_dcp: steps and lr %s; parameters within %.3g, optimizer state within %.3g "
+          "of its scale" % ("equal" if ok else "DIFFER", param_gap, worst))
+    return ok and param_gap <= 1e-3 and worst <= 1e-3
 
 
 def check_optim(path, model, optimizer):
@@ -162,5 +208,6 @@ if __name__ == "__main__":
         parser.add_argument("--" + name, type=float, default=default)
     parser.add_argument("--save_prefix", default="")
     parser.add_argument("--check_optim", default="")
+    parser.add_argument("--check_dcp", default="")
     args = parser.parse_args()
     sys.exit({"init": init, "init_dcp": init_dcp, "replay": replay}[args.mode](args) or 0)

@@ -117,6 +117,8 @@ TEST(TrainGpt, BadFlagsAreRefusedNamingTheProblem) {
       {"--metrics_jsonl=" + dir + "/file/m.jsonl", 2,
        "--metrics_jsonl=" + dir + "/file/m.jsonl: cannot create '" + dir +
            "/file': Not a directory"},
+      {"--export_dcp=" + dir + "/file/ckpt", 2,
+       "--export_dcp=" + dir + "/file/ckpt: cannot create '" + dir + "/file': Not a directory"},
       {"--export_optim_state_dict=" + dir + "/file/o.pt", 2,
        "--export_optim_state_dict=" + dir + "/file/o.pt: cannot create '" + dir +
            "/file': Not a directory"},

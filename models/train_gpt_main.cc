@@ -181,6 +181,11 @@ ABSL_FLAG(std::string, export_optim_state_dict_keys, "fqn",
           "fqn: FSDP's FULL optim_state_dict layout (for set_optimizer_state_dict or "
           "optim_state_dict_to_load); index: torch.optim.Optimizer.state_dict()'s (for "
           "load_state_dict of an unwrapped model's optimizer).");
+ABSL_FLAG(std::string, export_dcp, "",
+          "Write the final model and optimizer state here as a PyTorch Distributed Checkpoint "
+          "(rank 0 writes it whole), laid out as an FSDP2 job's dcp.save of "
+          "{'model': ..., 'optim': ...}: dcp.load into get_state_dict's dicts reads it at any "
+          "world size.");
 ABSL_FLAG(std::string, checkpoint_dir, "",
           "Save SHARDED training checkpoints (model and optimizer state) here, one subdirectory "
           "step-NNNNNNNN per checkpoint, labelled with the run's id (optim/run_checkpoints.h). "
@@ -550,9 +555,10 @@ std::vector<std::string> FlagProblems(fsdp::ShardingStrategy strategy, int world
 
 // Creates and test-writes every output path, so that a bad one fails now.
 absl::Status PrepareOutputs() {
-  for (const auto& [flag, dir] :
-       {std::pair<const char*, std::string>{"--checkpoint_dir", absl::GetFlag(FLAGS_checkpoint_dir)},
-        {"--trace_dir", absl::GetFlag(FLAGS_trace_dir)}}) {
+  for (const auto& [flag, dir] : {std::pair<const char*, std::string>{
+                                      "--checkpoint_dir", absl::GetFlag(FLAGS_checkpoint_dir)},
+                                  {"--export_dcp", absl::GetFlag(FLAGS_export_dcp)},
+                                  {"--trace_dir", absl::GetFlag(FLAGS_trace_dir)}}) {
     if (!dir.empty()) FSDP_RETURN_IF_ERROR(fsdp::PrepareOutputDirectory(flag, dir));
   }
   for (const auto& [flag, file] :
@@ -1170,8 +1176,8 @@ class TrainingRun {
     std::printf("checkpoint %s\n", path.c_str());
   }
 
-  // --export_state_dict, --export_optim_state_dict, --trace_dir and
-  // --record_batches.
+  // --export_state_dict, --export_optim_state_dict, --export_dcp,
+  // --trace_dir and --record_batches.
   void WriteOutputs() {
     fsdp::FullStateDictOptions on_rank0;
     on_rank0.rank0_only = true;
@@ -1193,6 +1199,15 @@ class TrainingRun {
                                           by_index ? fsdp::OptimStateKeys::kParameterIndex
                                                    : fsdp::OptimStateKeys::kParameterFqn));
         std::printf("wrote the FULL optimizer state to %s\n", out.c_str());
+      }
+    }
+    if (const std::string dir = absl::GetFlag(FLAGS_export_dcp); !dir.empty()) {
+      const fsdp::StateDict model = fsdp::ValueOrThrow(fsdp::FullStateDict(*fsdp_model_, on_rank0));
+      const fsdp::OptimStateDict optim =
+          fsdp::ValueOrThrow(fsdp::FullOptimStateDict(*fsdp_model_, *optimizer_, on_rank0));
+      if (rank_ == 0) {
+        fsdp::ThrowIfError(fsdp::SaveDcpModelAndOptimizer(dir, model, optim));
+        std::printf("wrote model and optimizer as a Distributed Checkpoint to %s\n", dir.c_str());
       }
     }
     if (const std::string dir = absl::GetFlag(FLAGS_trace_dir); !dir.empty()) {

@@ -135,16 +135,18 @@ TEST(TrainGpt, OptimizerStateMovesBetweenPyTorchAndTheJob) {
       kTrainGpt, common, dir, "/original.jsonl --steps=8 --world_size=2 --batch_size=4",
       " --init_state_dict=", dir, "/init.pt --record_batches=", dir,
       "/batches.pt --export_optim_state_dict=", dir,
-      "/ours_optim.pt --export_optim_state_dict_keys=index"));
+      "/ours_optim.pt --export_optim_state_dict_keys=index --export_dcp=", dir, "/ours_dcp"));
   ASSERT_EQ(original.exit_code, 0) << original.output;
   EXPECT_THAT(original.output, HasSubstr("wrote the FULL optimizer state to " + dir));
 
   const CommandResult replay = RunCommand(absl::StrCat(
       "timeout 300 ", python, " models/replay_gpt.py replay ", dir, "/init.pt ", dir,
       "/batches.pt ", dir, "/original.jsonl --tolerance=1e-4 --save_after=4 --save_prefix=", dir,
-      "/py4 --check_optim=", dir, "/ours_optim.pt"));
+      "/py4 --check_optim=", dir, "/ours_optim.pt --check_dcp=", dir, "/ours_dcp"));
   EXPECT_EQ(replay.exit_code, 0) << replay.output;
   EXPECT_THAT(replay.output, HasSubstr("check_optim: keys, steps and options equal"));
+  EXPECT_THAT(replay.output, ::testing::AnyOf(HasSubstr("check_dcp: steps and lr equal"),
+                                              HasSubstr("cannot read Distributed Checkpoints")));
   std::printf("%s", replay.output.c_str());
 
   const std::string continued = absl::StrCat(

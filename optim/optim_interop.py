@@ -1,7 +1,8 @@
 """PyTorch's side of //optim:torch_optim_file_test.
 
     optim_interop.py KEYING DIR
-    optim_interop.py dcp_fsdp2 DIR     (each rank, started by our launcher)
+    optim_interop.py dcp_fsdp2 DIR       (each rank, started by our launcher)
+    optim_interop.py load_dcp_fsdp2 DIR  (likewise)
 
 DIR holds what the C++ test wrote after 3 steps of fsdp::testing::Net with
 AdamW: model.pt (the model's state dict), optim.pt (the optimizer's, keyed
@@ -92,9 +93,59 @@ def dcp_fsdp2(directory):
     return 0
 
 
+def load_dcp_fsdp2(directory):
+    """One of two FSDP2 ranks: restores model and optimizer from the
+    Distributed Checkpoint in DIR/ours (written by the C++ test after step
+    2) as an FSDP2 job does, trains steps 3-5; rank 0 writes their global
+    losses to result_load.pt."""
+    try:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        return 3
+    path = lambda name: os.path.join(directory, name)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = torch.load(path("data.pt"))
+    model = Net()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=0.0)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path("ours"))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    assert optimizer.param_groups[0]["lr"] == 0.01, optimizer.param_groups[0]
+    assert optimizer.param_groups[0]["weight_decay"] == 0.1, optimizer.param_groups[0]
+    losses = []
+    for step in range(3, 6):
+        x, y = data["x%d" % step], data["y%d" % step]
+        rows = x.size(0) // world
+        loss = torch.nn.functional.mse_loss(model(x[rank * rows:(rank + 1) * rows]),
+                                            y[rank * rows:(rank + 1) * rows])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    if rank == 0:
+        torch.save({"losses": torch.tensor(losses, dtype=torch.float32)},
+                   path("result_load.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
 def main():
     if sys.argv[1] == "dcp_fsdp2":
         return dcp_fsdp2(sys.argv[2])
+    if sys.argv[1] == "load_dcp_fsdp2":
+        return load_dcp_fsdp2(sys.argv[2])
     keying, directory = sys.argv[1], sys.argv[2]
     path = lambda name: os.path.join(directory, name)
     data = torch.load(path("data.pt"))

@@ -321,6 +321,46 @@ absl::Status SaveTorchOptimStateDict(const std::string& path, const OptimStateDi
   return SaveTorchObject(path, root);
 }
 
+absl::Status SaveDcpModelAndOptimizer(const std::string& dir, const StateDict& model,
+                                      const OptimStateDict& optim, const std::string& model_key,
+                                      const std::string& optim_key) {
+  const auto key = [](const std::string& k) { return DcpPathPart{false, k, 0}; };
+  std::vector<DcpItem> items;
+  for (const auto& [fqn, tensor] : model) items.push_back({{key(model_key), key(fqn)}, tensor});
+  for (const auto& [fqn, param] : optim.state) {
+    for (const auto& [name, value] : param.values) {
+      items.push_back({{key(optim_key), key("state"), key(fqn), key(name)},
+                       name == kStep && value.isInt()
+                           ? c10::IValue(at::scalar_tensor(static_cast<double>(value.toInt()),
+                                                           at::TensorOptions().dtype(at::kFloat)))
+                           : value});
+    }
+    for (const auto& [name, tensor] : param.tensors) {
+      items.push_back({{key(optim_key), key("state"), key(fqn), key(name)}, tensor});
+    }
+  }
+  for (size_t g = 0; g < optim.param_groups.size(); ++g) {
+    const ParamGroupState& group = optim.param_groups[g];
+    std::map<std::string, c10::IValue> options = group.options;
+    for (const auto& [name, value] :
+         std::vector<std::pair<std::string, c10::IValue>>{{"maximize", false},
+                                                          {"foreach", c10::IValue()},
+                                                          {"capturable", false},
+                                                          {"differentiable", false},
+                                                          {"fused", c10::IValue()}}) {
+      options.emplace(name, value);
+    }
+    c10::impl::GenericList params(c10::AnyType::get());
+    for (const std::string& fqn : group.params) params.push_back(fqn);
+    options["params"] = params;
+    const DcpPathPart index{true, "", static_cast<int64_t>(g)};
+    for (const auto& [name, value] : options) {
+      items.push_back({{key(optim_key), key("param_groups"), index, key(name)}, value});
+    }
+  }
+  return SaveDcpCheckpoint(dir, items);
+}
+
 absl::StatusOr<OptimStateDict> LoadTorchOptimStateDict(
     const std::string& path, const std::string& entry,
     const std::vector<std::string>& fqn_of_index) {

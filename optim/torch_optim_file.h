@@ -38,6 +38,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "optim/optim_state.h"
+#include "statedict/torch_file.h"
 
 namespace fsdp {
 
@@ -81,6 +82,20 @@ absl::StatusOr<OptimStateDict> LoadTorchOptimStateDict(
 absl::StatusOr<OptimStateDict> LoadDcpOptimStateDict(
     const std::string& dir, const std::string& key,
     const std::vector<std::string>& fqn_of_index = {});
+
+// Writes a model's FULL state dict and its optimizer's FULL state as a
+// Distributed Checkpoint in `dir` laid out as an FSDP2 job's dcp.save of
+// {model_key: get_model_state_dict, optim_key: get_optimizer_state_dict}
+// (statedict/dcp.h's SaveDcpCheckpoint: every tensor whole, atomic), so
+// that PyTorch's dcp.load into get_state_dict's dicts, then
+// set_state_dict, restores both at any world size. Step counts are written
+// as float32 tensors and every group carries PyTorch's own options
+// (maximize, foreach, capturable, differentiable, fused) at their defaults,
+// which dcp.load expects to find. Tensors must be on CPU.
+absl::Status SaveDcpModelAndOptimizer(const std::string& dir, const StateDict& model,
+                                      const OptimStateDict& optim,
+                                      const std::string& model_key = "model",
+                                      const std::string& optim_key = "optim");
 
 }  // namespace fsdp
 

@@ -320,6 +320,72 @@ TEST(TorchOptimFile, Fsdp2DistributedCheckpointContinuesAtAnotherWorldSize) {
       1e-4);
 }
 
+// The reverse: our FSDP at W = 3 writes model and optimizer after 3 steps
+// as a Distributed Checkpoint; PyTorch's FSDP2 at W = 2 restores both the
+// way its jobs do (dcp.load into get_state_dict's dicts, set_state_dict)
+// and continues with our losses. Our readers read back what was written.
+TEST(TorchOptimFile, OurDistributedCheckpointContinuesInFsdp2AtAnotherWorldSize) {
+  const std::string dir = TempDir() + "/dcp_ours";
+  ASSERT_EQ(std::system(absl::StrCat("rm -rf ", dir, " && mkdir -p ", dir).c_str()), 0);
+  WriteData(dir);
+  std::vector<float> ours;
+  StateDict saved_model;
+  OptimStateDict saved_optim;
+  absl::Status trained = RunOnThreadRanks(3, [&](Collectives& comm) {
+    Net model;
+    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+    auto optimizer = MakeAdamW(model->parameters());
+    for (int step = 0; step < 3; ++step) Step(model, *optimizer, step, &comm);
+    auto model_state = FullStateDict(**wrapped, {.rank0_only = true});
+    ASSERT_TRUE(model_state.ok()) << model_state.status();
+    auto optim_state = FullOptimStateDict(**wrapped, *optimizer, {.rank0_only = true});
+    ASSERT_TRUE(optim_state.ok()) << optim_state.status();
+    if (comm.rank() == 0) {
+      absl::Status saved = SaveDcpModelAndOptimizer(dir + "/ours", *model_state, *optim_state);
+      ASSERT_TRUE(saved.ok()) << saved;
+      saved_model = *model_state;
+      saved_optim = *optim_state;
+    }
+    for (int step = 3; step < 6; ++step) {
+      const float loss = Step(model, *optimizer, step, &comm);
+      if (comm.rank() == 0) ours.push_back(loss);
+    }
+  });
+  ASSERT_TRUE(trained.ok()) << trained;
+
+  auto model_back = LoadDcpStateDict(dir + "/ours", "model.");
+  ASSERT_TRUE(model_back.ok()) << model_back.status();
+  ASSERT_EQ(model_back->size(), saved_model.size());
+  for (size_t i = 0; i < saved_model.size(); ++i) {
+    EXPECT_EQ((*model_back)[i].first, saved_model[i].first);
+    EXPECT_TRUE(at::equal((*model_back)[i].second, saved_model[i].second)) << saved_model[i].first;
+  }
+  auto optim_back = LoadDcpOptimStateDict(dir + "/ours", "optim");
+  ASSERT_TRUE(optim_back.ok()) << optim_back.status();
+  ASSERT_EQ(optim_back->state.size(), saved_optim.state.size());
+  EXPECT_EQ(optim_back->state[0].second.values.at("step").toInt(), 3);
+  EXPECT_TRUE(at::equal(optim_back->state[0].second.tensors.at("exp_avg"),
+                        saved_optim.state[0].second.tensors.at("exp_avg")));
+
+  LocalLaunchOptions launch;
+  launch.world_size = 2;
+  launch.program = ::fsdp::testing::TorchPython();
+  launch.args = {::fsdp::testing::ScriptPath(kScript), "load_dcp_fsdp2", dir};
+  launch.log_dir = dir;
+  launch.timeout = std::chrono::minutes(3);
+  absl::StatusOr<LaunchResult> launched = LaunchLocalRanks(launch);
+  ASSERT_TRUE(launched.ok()) << launched.status();
+  if (!launched->ok() && launched->ranks[0].ending == RankOutcome::Ending::kExited &&
+      launched->ranks[0].code == 3) {
+    GTEST_SKIP() << "this torch has no FSDP2 or Distributed Checkpoint";
+  }
+  ASSERT_TRUE(launched->ok()) << launched->Summary();
+  auto result = LoadTorchStateDict(dir + "/result_load.pt");
+  ASSERT_TRUE(result.ok()) << result.status();
+  ExpectLossesNear(ours, result->back().second, 0, "FSDP2 at W = 2 continuing from our checkpoint");
+}
+
 // A file written by hand through SaveTorchObject.
 std::string WriteObject(const std::string& name, const c10::IValue& object) {
   const std::string path = TempDir() + "/" + name;

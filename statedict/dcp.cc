@@ -1,18 +1,27 @@
 #include "statedict/dcp.h"
 
+#include <dirent.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <map>
 #include <set>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "ATen/ATen.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
+#include "statedict/atomic_file.h"
 #include "statedict/restricted_unpickler.h"
 
 namespace fsdp {
@@ -487,6 +496,297 @@ absl::StatusOr<DcpMetadata> ReadDcpMetadata(const std::string& dir) {
                         Unpickle(bytes.data(), bytes.size(),
                                  absl::StrCat("DCP checkpoint '", dir, "': .metadata"), hooks));
   return MetadataParser(dir).Parse(root);
+}
+
+// --- Writing -------------------------------------------------------------------
+
+namespace {
+
+// The pickle opcodes (protocol 2) that .metadata needs, as Python's pickler
+// writes DCP's dataclasses: NEWOBJ of the class, then BUILD with its state.
+class PickleWriter {
+ public:
+  PickleWriter() { out_ += "\x80\x02"; }
+  void Global(const std::string& module, const std::string& name) {
+    out_ += 'c';
+    out_ += module + "\n" + name + "\n";
+  }
+  void Str(const std::string& s) {
+    out_ += 'X';
+    Le(s.size(), 4);
+    out_ += s;
+  }
+  void Int(int64_t v) {
+    if (v >= std::numeric_limits<int32_t>::min() && v <= std::numeric_limits<int32_t>::max()) {
+      out_ += 'J';
+      Le(static_cast<uint32_t>(static_cast<int32_t>(v)), 4);
+    } else {
+      out_ += "\x8a\x08";  // LONG1 of 8 bytes, two's complement.
+      Le(static_cast<uint64_t>(v), 8);
+    }
+  }
+  void Bool(bool b) { out_ += b ? '\x88' : '\x89'; }
+  void None() { out_ += 'N'; }
+  void Mark() { out_ += '('; }
+  void Tuple() { out_ += 't'; }  // Of the values since the mark.
+  void Tuple1() { out_ += '\x85'; }
+  void EmptyTuple() { out_ += ')'; }
+  void EmptyDict() { out_ += '}'; }
+  void SetItems() { out_ += 'u'; }
+  void EmptyList() { out_ += ']'; }
+  void Appends() { out_ += 'e'; }
+  void Append() { out_ += 'a'; }
+  void NewObj() { out_ += '\x81'; }
+  void Build() { out_ += 'b'; }
+  void Reduce() { out_ += 'R'; }
+  std::string Finish() {
+    out_ += '.';
+    return std::move(out_);
+  }
+
+  // An instance of a DCP dataclass with no constructor arguments; BUILD
+  // follows once its state is pushed.
+  void Object(const std::string& module, const std::string& name) {
+    Global(module, name);
+    EmptyTuple();
+    NewObj();
+  }
+  void Size(const std::vector<int64_t>& dims) {
+    Global("torch", "Size");  // torch.Size((d0, d1, ...)), as Python reduces it.
+    Mark();
+    for (int64_t d : dims) Int(d);
+    Tuple();
+    Tuple1();
+    Reduce();
+  }
+
+ private:
+  void Le(uint64_t v, int bytes) {
+    for (int i = 0; i < bytes; ++i) out_ += static_cast<char>((v >> (8 * i)) & 0xff);
+  }
+  std::string out_;
+};
+
+constexpr char kMetadataPackage[] = "torch.distributed.checkpoint.metadata";
+
+absl::StatusOr<std::string> PythonDtypeName(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat:
+      return std::string("float32");
+    case at::kDouble:
+      return std::string("float64");
+    case at::kHalf:
+      return std::string("float16");
+    case at::kBFloat16:
+      return std::string("bfloat16");
+    case at::kLong:
+      return std::string("int64");
+    case at::kInt:
+      return std::string("int32");
+    case at::kShort:
+      return std::string("int16");
+    case at::kChar:
+      return std::string("int8");
+    case at::kByte:
+      return std::string("uint8");
+    case at::kBool:
+      return std::string("bool");
+    case at::kComplexFloat:
+      return std::string("complex64");
+    case at::kComplexDouble:
+      return std::string("complex128");
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "dtype ", c10::toString(type), " is not written to Distributed Checkpoints here"));
+  }
+}
+
+std::string StoredName(const std::vector<DcpPathPart>& path) {
+  std::vector<std::string> parts;
+  for (const DcpPathPart& part : path) {
+    parts.push_back(part.is_index ? absl::StrCat(part.index) : part.key);
+  }
+  return absl::StrJoin(parts, ".");
+}
+
+struct WrittenItem {
+  std::string name;
+  const DcpItem* item;
+  uint64_t offset = 0, length = 0;
+};
+
+std::string MetadataPickle(const std::vector<WrittenItem>& written, const std::string& data_file,
+                           const std::vector<std::string>& dtypes) {
+  PickleWriter p;
+  p.Object(kMetadataPackage, "Metadata");
+  p.EmptyDict();
+  p.Mark();
+  p.Str("state_dict_metadata");
+  p.EmptyDict();
+  p.Mark();
+  for (size_t i = 0; i < written.size(); ++i) {
+    p.Str(written[i].name);
+    const c10::IValue& value = written[i].item->value;
+    if (!value.isTensor()) {
+      p.Object(kMetadataPackage, "BytesStorageMetadata");
+      continue;
+    }
+    const std::vector<int64_t> size = value.toTensor().sizes().vec();
+    p.Object(kMetadataPackage, "TensorStorageMetadata");
+    p.EmptyDict();
+    p.Mark();
+    p.Str("properties");
+    p.Object(kMetadataPackage, "TensorProperties");
+    p.Mark();  // (dtype, layout, requires_grad, memory format, pin_memory)
+    p.Global("torch", dtypes[i]);
+    p.Global("torch.serialization", "_get_layout");
+    p.Str("torch.strided");
+    p.Tuple1();
+    p.Reduce();
+    p.Bool(false);
+    p.Global(kMetadataPackage, "_MEM_FORMAT_ENCODING");
+    p.Int(0);  // TORCH_CONTIGUOUS_FORMAT.
+    p.Tuple1();
+    p.Reduce();
+    p.Bool(false);
+    p.Tuple();
+    p.Build();
+    p.Str("size");
+    p.Size(size);
+    p.Str("chunks");
+    p.EmptyList();
+    p.Object(kMetadataPackage, "ChunkStorageMetadata");
+    p.EmptyDict();
+    p.Mark();
+    p.Str("offsets");
+    p.Size(std::vector<int64_t>(size.size(), 0));
+    p.Str("sizes");
+    p.Size(size);
+    p.SetItems();
+    p.Build();
+    p.Append();  // chunks: a list of one.
+    p.SetItems();
+    p.Build();
+  }
+  p.SetItems();
+  p.Str("planner_data");
+  p.EmptyDict();
+  p.Mark();
+  for (const WrittenItem& w : written) {
+    p.Str(w.name);
+    p.Mark();
+    for (const DcpPathPart& part : w.item->path) {
+      if (part.is_index) {
+        p.Int(part.index);
+      } else {
+        p.Str(part.key);
+      }
+    }
+    p.Tuple();
+  }
+  p.SetItems();
+  p.Str("storage_data");
+  p.EmptyDict();
+  p.Mark();
+  for (const WrittenItem& w : written) {
+    p.Object(kMetadataPackage, "MetadataIndex");
+    p.EmptyDict();
+    p.Mark();
+    p.Str("fqn");
+    p.Str(w.name);
+    p.Str("offset");
+    if (w.item->value.isTensor()) {
+      p.Size(std::vector<int64_t>(w.item->value.toTensor().dim(), 0));
+    } else {
+      p.None();
+    }
+    p.Str("index");
+    if (w.item->value.isTensor()) {
+      p.Int(0);
+    } else {
+      p.None();
+    }
+    p.SetItems();
+    p.Build();
+    p.Object("torch.distributed.checkpoint.filesystem", "_StorageInfo");
+    p.EmptyDict();
+    p.Mark();
+    p.Str("relative_path");
+    p.Str(data_file);
+    p.Str("offset");
+    p.Int(static_cast<int64_t>(w.offset));
+    p.Str("length");
+    p.Int(static_cast<int64_t>(w.length));
+    p.Str("transform_descriptors");
+    p.None();
+    p.SetItems();
+    p.Build();
+  }
+  p.SetItems();
+  p.Str("storage_meta");
+  p.None();
+  p.Str("version");
+  p.Str("1.0.0");
+  p.SetItems();
+  p.Build();
+  return p.Finish();
+}
+
+}  // namespace
+
+absl::Status SaveDcpCheckpoint(const std::string& dir, const std::vector<DcpItem>& items) {
+  if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot create '", dir, "': ", std::strerror(errno)));
+  }
+  std::vector<WrittenItem> written;
+  std::vector<std::string> dtypes;
+  std::set<std::string> names;
+  for (const DcpItem& item : items) {
+    const std::string name = StoredName(item.path);
+    if (item.path.empty() || !names.insert(name).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("'", name, "' is written twice (or has no path)"));
+    }
+    std::string dtype;
+    if (item.value.isTensor()) {
+      FSDP_ASSIGN_OR_RETURN(dtype, PythonDtypeName(item.value.toTensor().scalar_type()));
+    }
+    dtypes.push_back(dtype);
+    written.push_back({name, &item});
+  }
+  // A new data file name each time: the checkpoint there stays whole until
+  // the new .metadata lands.
+  const std::string data_file =
+      absl::StrCat("__0_", std::chrono::system_clock::now().time_since_epoch().count(), ".distcp");
+  {
+    FSDP_ASSIGN_OR_RETURN(AtomicFileWriter data, AtomicFileWriter::Open(dir + "/" + data_file));
+    uint64_t offset = 0;
+    for (WrittenItem& w : written) {
+      FSDP_ASSIGN_OR_RETURN(const std::string bytes, TorchSaveBytes(w.item->value));
+      if (!bytes.empty()) FSDP_RETURN_IF_ERROR(data.Write(bytes.data(), bytes.size()));
+      w.offset = offset;
+      w.length = bytes.size();
+      offset += bytes.size();
+    }
+    FSDP_RETURN_IF_ERROR(data.Commit());
+  }
+  const std::string pickle = MetadataPickle(written, data_file, dtypes);
+  FSDP_ASSIGN_OR_RETURN(AtomicFileWriter metadata, AtomicFileWriter::Open(dir + "/.metadata"));
+  FSDP_RETURN_IF_ERROR(metadata.Write(pickle.data(), pickle.size()));
+  FSDP_RETURN_IF_ERROR(metadata.Commit());
+  // The replaced checkpoint's data files.
+  if (DIR* d = opendir(dir.c_str())) {
+    while (const dirent* e = readdir(d)) {
+      const std::string name = e->d_name;
+      if (name != data_file && name.size() > 7 && name.rfind("__", 0) == 0 &&
+          name.compare(name.size() - 7, 7, ".distcp") == 0) {
+        unlink((dir + "/" + name).c_str());
+      }
+    }
+    closedir(d);
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<PyRef> ReadDcpBytes(const std::string& dir, const DcpBytesEntry& entry) {

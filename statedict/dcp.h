@@ -1,6 +1,7 @@
-// Reading PyTorch Distributed Checkpoint (DCP) directories without Python:
+// PyTorch Distributed Checkpoint (DCP) directories without Python: reading
 // what torch.distributed.checkpoint.save writes (FSDP2's get_state_dict at
-// any world size, or a plain state dict), for loading into our models.
+// any world size, or a plain state dict), for loading into our models, and
+// writing what its load reads (SaveDcpCheckpoint).
 //
 // A DCP directory holds `.metadata`, a pickle of DCP's metadata classes
 // (every tensor's dtype, size and chunks, and where each chunk's bytes
@@ -28,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "ATen/core/ivalue.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "c10/core/ScalarType.h"
@@ -98,6 +100,22 @@ absl::StatusOr<StateDict> LoadDcpStateDict(const std::string& dir, const std::st
 // The value a bytes entry holds (a torch.save archive of a Python value),
 // read with LoadTorchStateDict's checks.
 absl::StatusOr<PyRef> ReadDcpBytes(const std::string& dir, const DcpBytesEntry& entry);
+// One value to write: where it sits in the nested state dict ({"model":
+// {fqn: tensor}} -> ("model", fqn)) and the value, a tensor on CPU or a
+// plain value SaveTorchObject writes (statedict/torch_file.h).
+struct DcpItem {
+  std::vector<DcpPathPart> path;
+  c10::IValue value;
+};
+// Writes `items` as a Distributed Checkpoint in `dir` (created if absent),
+// as dcp.save of the nested state dict from one rank writes it: each
+// tensor whole as one chunk and every other value as a bytes entry, in one
+// data file, stored under its path joined by "." with the paths in the
+// metadata's planner_data, so that PyTorch's dcp.load reads it at any world
+// size (each rank the part of each chunk it needs). Atomic: the data file
+// has a new name and .metadata replaces the old one last; a checkpoint that
+// was there stays whole until then, and its data files are removed after.
+absl::Status SaveDcpCheckpoint(const std::string& dir, const std::vector<DcpItem>& items);
 // Elements [offsets, offsets + sizes) of one tensor, read from only the
 // chunks that overlap them (a sharded load's own part).
 absl::StatusOr<at::Tensor> LoadDcpTensorRegion(const std::string& dir, const DcpTensorEntry& tensor,

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -631,7 +632,11 @@ absl::Status SaveTorchStateDict(const std::string& path, const StateDict& state)
   return SaveTorchObject(path, dict);
 }
 
-absl::Status SaveTorchObject(const std::string& path, const c10::IValue& object) {
+namespace {
+
+// `object` as torch.save's bytes, handed to `write` piece by piece.
+absl::Status WriteTorchObject(const c10::IValue& object,
+                              const std::function<absl::Status(const void*, size_t)>& write) {
   std::unordered_map<const void*, at::Tensor> compacted;
   FSDP_ASSIGN_OR_RETURN(const c10::IValue prepared, PrepareForPickle(object, "", compacted));
   try {
@@ -644,20 +649,36 @@ absl::Status SaveTorchObject(const std::string& path, const c10::IValue& object)
     pickler.protocol();
     pickler.pushIValue(prepared);
     pickler.stop();
-    FSDP_ASSIGN_OR_RETURN(AtomicFileWriter file, AtomicFileWriter::Open(path));
     absl::Status write_status;
     caffe2::serialize::PyTorchStreamWriter archive([&](const void* bytes, size_t n) -> size_t {
-      if (write_status.ok()) write_status = file.Write(bytes, n);
+      if (write_status.ok()) write_status = write(bytes, n);
       return n;
     });
     torch::jit::writeArchiveAndTensors("data", pickle.data(), pickle.size(), pickler.tensorData(),
                                        archive);
     if (!archive.finalized()) archive.writeEndOfFile();
-    FSDP_RETURN_IF_ERROR(write_status);
-    return file.Commit();
+    return write_status;
   } catch (...) {
     return StatusFromCurrentException();
   }
+}
+
+}  // namespace
+
+absl::Status SaveTorchObject(const std::string& path, const c10::IValue& object) {
+  FSDP_ASSIGN_OR_RETURN(AtomicFileWriter file, AtomicFileWriter::Open(path));
+  FSDP_RETURN_IF_ERROR(
+      WriteTorchObject(object, [&](const void* bytes, size_t n) { return file.Write(bytes, n); }));
+  return file.Commit();
+}
+
+absl::StatusOr<std::string> TorchSaveBytes(const c10::IValue& object) {
+  std::string out;
+  FSDP_RETURN_IF_ERROR(WriteTorchObject(object, [&](const void* bytes, size_t n) {
+    out.append(static_cast<const char*>(bytes), n);
+    return absl::OkStatus();
+  }));
+  return out;
 }
 
 absl::StatusOr<PyRef> ReadTorchSaveObject(const std::string& path, uint64_t offset,

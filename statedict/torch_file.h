@@ -45,6 +45,9 @@ absl::Status SaveTorchStateDict(const std::string& path, const StateDict& state)
 // with weights_only too. Other values (objects, typed containers of other
 // kinds) are an error naming where they are.
 absl::Status SaveTorchObject(const std::string& path, const c10::IValue& object);
+// The bytes SaveTorchObject would write (Distributed Checkpoint stores one
+// such archive per value inside its data files).
+absl::StatusOr<std::string> TorchSaveBytes(const c10::IValue& object);
 
 // Reads the dict of tensors at `path` (written by torch.save or by
 // SaveTorchStateDict). `entry` selects a nested dict of tensors inside the
