@@ -13,10 +13,13 @@ them; prints each step's loss and fails if it differs from the run's
 replay's --save_after=N --save_prefix=P writes, after step N, P_model.pt and
 P_optim.pt (model.state_dict() and the optimizer's state_dict()),
 P_batches.pt (the batches of the later steps, as --record_batches writes
-them) and, with torch 2.x, P_dcp (both as a Distributed Checkpoint); --check_optim=PATH compares an optimizer state train_gpt exported
+them) and, with torch 2.x, P_dcp (both as a Distributed Checkpoint);
+--check_optim=PATH compares an optimizer state train_gpt exported
 (--export_optim_state_dict_keys=index) with the replay's at the end, and
 loads it into a torch.optim.AdamW; --check_dcp=DIR loads train_gpt's
 --export_dcp as an FSDP2 job does and compares it likewise.
+--weight_decay_groups=nanogpt groups the parameters as nanoGPT does (and
+train_gpt's flag of that name).
 """
 import argparse
 import json
@@ -66,7 +69,16 @@ def replay(args):
     if len(expected) != tokens.size(0):
         print("replay: %d recorded batches but %d metric lines" % (tokens.size(0), len(expected)))
         return 1
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
+    if args.weight_decay_groups == "nanogpt":
+        # nanoGPT's configure_optimizers: matrices and embeddings decay,
+        # biases and LayerNorm do not.
+        named = dict(model.named_parameters())
+        groups = [{"params": [p for p in named.values() if p.dim() >= 2],
+                   "weight_decay": args.weight_decay},
+                  {"params": [p for p in named.values() if p.dim() < 2], "weight_decay": 0.0}]
+    else:
+        groups = model.parameters()
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2),
                                   eps=args.eps, weight_decay=args.weight_decay)
     worst = 0.0
     for step in range(tokens.size(0)):
@@ -206,6 +218,7 @@ if __name__ == "__main__":
     for name, default in [("lr", 3e-3), ("beta1", 0.9), ("beta2", 0.99), ("eps", 1e-8),
                           ("weight_decay", 0.01), ("grad_clip", 1.0), ("tolerance", 1e-4)]:
         parser.add_argument("--" + name, type=float, default=default)
+    parser.add_argument("--weight_decay_groups", choices=["one", "nanogpt"], default="one")
     parser.add_argument("--save_prefix", default="")
     parser.add_argument("--check_optim", default="")
     parser.add_argument("--check_dcp", default="")

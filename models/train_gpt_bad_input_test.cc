@@ -80,6 +80,8 @@ TEST(TrainGpt, BadFlagsAreRefusedNamingTheProblem) {
       {"--optimizer_kernel=foreach", 2,
        "--optimizer_kernel=foreach: expected flat_exact, flat_fused or per_parameter"},
       {"--on_nonfinite=ignore", 2, "--on_nonfinite=ignore: expected stop or skip"},
+      {"--weight_decay_groups=two", 2, "--weight_decay_groups=two: expected one or nanogpt"},
+      {"--checkpoint_format=zip", 2, "--checkpoint_format=zip: expected sharded or dcp"},
       {"--sharding_strategy=ful_shard", 2, "unknown sharding strategy 'ful_shard' (valid: "},
       {"--param_dtype=int8", 2, "unknown dtype 'int8' (valid: float32/fp32"},
       {"--backward_prefetch=sideways", 2,

@@ -10,8 +10,8 @@
 // world_size * batch_size sequences and trains on its slice, so the run
 // matches single-process training on the global batch.
 #include <fnmatch.h>
-#include <sys/stat.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -24,6 +24,7 @@
 #include <functional>
 #include <iterator>
 #include <limits>
+#include <map>
 #include <memory>
 #include <optional>
 #include <random>
@@ -58,6 +59,7 @@
 #include "fsdp/utilities.h"
 #include "models/gpt.h"
 #include "models/output_paths.h"
+#include "optim/dcp_checkpoint.h"
 #include "optim/flat_shard_optimizers.h"
 #include "optim/optim_state.h"
 #include "optim/run_checkpoints.h"
@@ -65,6 +67,7 @@
 #include "optim/training_checkpoint.h"
 #include "policies/registry.h"
 #include "statedict/dcp.h"
+#include "statedict/dcp_sharded.h"
 #include "statedict/state_dict.h"
 #include "statedict/torch_file.h"
 #ifdef FSDP_WITH_NCCL
@@ -118,6 +121,10 @@ ABSL_FLAG(std::optional<double>, weight_decay, std::nullopt,
 ABSL_FLAG(std::optional<double>, beta1, std::nullopt, "AdamW beta1; SGD momentum (default 0.9).");
 ABSL_FLAG(std::optional<double>, beta2, std::nullopt, "AdamW beta2 (default 0.99).");
 ABSL_FLAG(std::optional<double>, eps, std::nullopt, "AdamW epsilon (default 1e-8).");
+ABSL_FLAG(std::string, weight_decay_groups, "one",
+          "one: every parameter in one group, decayed by --weight_decay; nanogpt: nanoGPT's two "
+          "groups, the parameters of two or more dimensions (matmul weights, embeddings) "
+          "decayed by --weight_decay, then the others (biases, LayerNorm) with no decay.");
 ABSL_FLAG(double, grad_clip, 1.0,
           "Clip the global gradient norm to this (across all ranks and units); 0: off.");
 ABSL_FLAG(std::string, metrics_jsonl, "",
@@ -149,11 +156,13 @@ ABSL_FLAG(std::string, init_state_dict, "",
           "Start from this state dict: a torch.save file (e.g. torch.save(model.state_dict()) "
           "of a PyTorch GPT with nanoGPT's layout) or one written by --export_state_dict, or a "
           "PyTorch Distributed Checkpoint directory (torch.distributed.checkpoint.save, e.g. of "
-          "an FSDP2 model's get_model_state_dict, at any world size).");
+          "an FSDP2 model's get_model_state_dict, at any world size), of which every rank reads "
+          "only the chunks that hold its shards.");
 ABSL_FLAG(std::vector<std::string>, init_state_dict_ignore, {},
           "Comma-separated globs (fnmatch) of --init_state_dict entries to drop when this model "
           "has no such entry, e.g. '*.attn.bias' for the causal-mask buffers that nanoGPT "
-          "checkpoints from torch < 2 carry. An entry the model has is never dropped.");
+          "checkpoints from torch < 2 carry. An entry the model has is never dropped. (A "
+          "Distributed Checkpoint's entries the model lacks are never read.)");
 ABSL_FLAG(std::string, init_state_dict_key, "",
           "Take the state dict from this key of the file's top-level dict (nanoGPT's ckpt.pt: "
           "'model'); for a Distributed Checkpoint, the entries under 'KEY.' (a checkpoint of "
@@ -162,9 +171,9 @@ ABSL_FLAG(std::string, export_state_dict, "",
           "Write the final FULL state dict here (rank 0), readable by Python's torch.load.");
 ABSL_FLAG(std::string, init_optim_state_dict, "",
           "Start the optimizer from this state: a torch.save file of a PyTorch optimizer's "
-          "state_dict() (keyed by parameter index: like this job's, one group over the GPT's "
-          "parameters in the model's order; nanoGPT's two groups, with and without weight "
-          "decay, are refused) or of FSDP's FULL optim_state_dict or "
+          "state_dict() (keyed by parameter index: its groups must be this job's, one over the "
+          "GPT's parameters in the model's order, or nanoGPT's two with "
+          "--weight_decay_groups=nanogpt) or of FSDP's FULL optim_state_dict or "
           "get_optimizer_state_dict(full_state_dict=True) (keyed by FQN), e.g. from "
           "--export_optim_state_dict; or a PyTorch Distributed Checkpoint directory holding "
           "an optimizer's state (e.g. an FSDP2 job's dcp.save of {'model': ..., 'optim': ...} "
@@ -183,7 +192,7 @@ ABSL_FLAG(std::string, export_optim_state_dict_keys, "fqn",
           "load_state_dict of an unwrapped model's optimizer).");
 ABSL_FLAG(std::string, export_dcp, "",
           "Write the final model and optimizer state here as a PyTorch Distributed Checkpoint "
-          "(rank 0 writes it whole), laid out as an FSDP2 job's dcp.save of "
+          "(every rank writes its own shards), laid out as an FSDP2 job's dcp.save of "
           "{'model': ..., 'optim': ...}: dcp.load into get_state_dict's dicts reads it at any "
           "world size.");
 ABSL_FLAG(std::string, checkpoint_dir, "",
@@ -191,6 +200,11 @@ ABSL_FLAG(std::string, checkpoint_dir, "",
           "step-NNNNNNNN per checkpoint, labelled with the run's id (optim/run_checkpoints.h). "
           "A new run refuses a directory holding other checkpoints (see --resume and "
           "--overwrite_checkpoints).");
+ABSL_FLAG(std::string, checkpoint_format, "sharded",
+          "How --checkpoint_dir's checkpoints are written: 'sharded' (this project's SHARDED "
+          "format, with CRCs) or 'dcp' (PyTorch Distributed Checkpoints of {'model', 'optim', "
+          "'train_state'}, which an FSDP2 job loads with dcp.load). --resume reads either, and "
+          "a step-N directory an FSDP2 job wrote with dcp.save of {'model', 'optim'} too.");
 ABSL_FLAG(int, checkpoint_every, 100, "Steps between checkpoints (with --checkpoint_dir).");
 ABSL_FLAG(int, keep_checkpoints, 2,
           "How many of this run's newest checkpoints clean-up keeps; it never removes another "
@@ -529,6 +543,14 @@ std::vector<std::string> FlagProblems(fsdp::ShardingStrategy strategy, int world
     }
   }
   const bool has_dir = !absl::GetFlag(FLAGS_checkpoint_dir).empty();
+  if (const std::string groups = absl::GetFlag(FLAGS_weight_decay_groups);
+      groups != "one" && groups != "nanogpt") {
+    problems.push_back("--weight_decay_groups=" + groups + ": expected one or nanogpt");
+  }
+  if (const std::string format = absl::GetFlag(FLAGS_checkpoint_format);
+      format != "sharded" && format != "dcp") {
+    problems.push_back("--checkpoint_format=" + format + ": expected sharded or dcp");
+  }
   if (absl::GetFlag(FLAGS_resume) && !has_dir) {
     problems.push_back("--resume: needs --checkpoint_dir");
   }
@@ -605,51 +627,83 @@ struct Hyperparameter {
   std::function<void(double)> set;
 };
 
-std::vector<Hyperparameter> HyperparametersOf(torch::optim::OptimizerOptions& options) {
-  if (auto* o = dynamic_cast<torch::optim::AdamWOptions*>(&options)) {
-    return {{"lr", absl::GetFlag(FLAGS_lr), 3e-3, o->lr(), [o](double v) { o->lr(v); }},
-            {"weight_decay", absl::GetFlag(FLAGS_weight_decay), 0.01, o->weight_decay(),
-             [o](double v) { o->weight_decay(v); }},
-            {"beta1", absl::GetFlag(FLAGS_beta1), 0.9, std::get<0>(o->betas()),
-             [o](double v) { o->betas(std::make_tuple(v, std::get<1>(o->betas()))); }},
-            {"beta2", absl::GetFlag(FLAGS_beta2), 0.99, std::get<1>(o->betas()),
-             [o](double v) { o->betas(std::make_tuple(std::get<0>(o->betas()), v)); }},
-            {"eps", absl::GetFlag(FLAGS_eps), 1e-8, o->eps(), [o](double v) { o->eps(v); }}};
-  }
-  auto* o = dynamic_cast<torch::optim::SGDOptions*>(&options);
-  TORCH_CHECK(o != nullptr, "train_gpt: an optimizer of neither AdamW nor SGD");
-  return {{"lr", absl::GetFlag(FLAGS_lr), 3e-3, o->lr(), [o](double v) { o->lr(v); }},
-          {"weight_decay", absl::GetFlag(FLAGS_weight_decay), 0.01, o->weight_decay(),
-           [o](double v) { o->weight_decay(v); }},
-          {"beta1", absl::GetFlag(FLAGS_beta1), 0.9, o->momentum(),
-           [o](double v) { o->momentum(v); }}};
+// Whether parameter group `g` is decayed: all are, but nanoGPT's second.
+bool GroupDecays(size_t g) {
+  return !(absl::GetFlag(FLAGS_weight_decay_groups) == "nanogpt" && g == 1);
 }
 
-// The optimizer the flags ask for, each hyper-parameter not given at its
-// default.
-std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(std::vector<at::Tensor> params) {
+// The hyper-parameters of group `g` (a group without decay has no weight
+// decay to set: it stays 0).
+std::vector<Hyperparameter> HyperparametersOf(torch::optim::OptimizerOptions& options, size_t g) {
+  std::vector<Hyperparameter> all;
+  if (auto* o = dynamic_cast<torch::optim::AdamWOptions*>(&options)) {
+    all = {{"lr", absl::GetFlag(FLAGS_lr), 3e-3, o->lr(), [o](double v) { o->lr(v); }},
+           {"weight_decay", absl::GetFlag(FLAGS_weight_decay), 0.01, o->weight_decay(),
+            [o](double v) { o->weight_decay(v); }},
+           {"beta1", absl::GetFlag(FLAGS_beta1), 0.9, std::get<0>(o->betas()),
+            [o](double v) { o->betas(std::make_tuple(v, std::get<1>(o->betas()))); }},
+           {"beta2", absl::GetFlag(FLAGS_beta2), 0.99, std::get<1>(o->betas()),
+            [o](double v) { o->betas(std::make_tuple(std::get<0>(o->betas()), v)); }},
+           {"eps", absl::GetFlag(FLAGS_eps), 1e-8, o->eps(), [o](double v) { o->eps(v); }}};
+  } else {
+    auto* sgd = dynamic_cast<torch::optim::SGDOptions*>(&options);
+    TORCH_CHECK(sgd != nullptr, "train_gpt: an optimizer of neither AdamW nor SGD");
+    all = {{"lr", absl::GetFlag(FLAGS_lr), 3e-3, sgd->lr(), [sgd](double v) { sgd->lr(v); }},
+           {"weight_decay", absl::GetFlag(FLAGS_weight_decay), 0.01, sgd->weight_decay(),
+            [sgd](double v) { sgd->weight_decay(v); }},
+           {"beta1", absl::GetFlag(FLAGS_beta1), 0.9, sgd->momentum(),
+            [sgd](double v) { sgd->momentum(v); }}};
+  }
+  if (!GroupDecays(g)) {
+    all.erase(std::remove_if(
+                  all.begin(), all.end(),
+                  [](const Hyperparameter& h) { return std::string(h.name) == "weight_decay"; }),
+              all.end());
+  }
+  return all;
+}
+
+// The optimizer the flags ask for over `groups` of parameters, each
+// hyper-parameter not given at its default (a group without decay at 0).
+std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(
+    const std::vector<std::vector<at::Tensor>>& groups) {
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   const std::string kernel = absl::GetFlag(FLAGS_optimizer_kernel);
   const fsdp::FlatShardKernel flat_kernel =
       kernel == "flat_fused" ? fsdp::FlatShardKernel::kFused : fsdp::FlatShardKernel::kExact;
   if (absl::GetFlag(FLAGS_optimizer) == "sgd") {
     const auto options = torch::optim::SGDOptions(3e-3);
+    std::vector<torch::optim::OptimizerParamGroup> param_groups;
+    for (const auto& params : groups) {
+      param_groups.emplace_back(params, std::make_unique<torch::optim::SGDOptions>(options));
+    }
     if (kernel == "per_parameter") {
-      optimizer = std::make_unique<torch::optim::SGD>(std::move(params), options);
+      optimizer = std::make_unique<torch::optim::SGD>(std::move(param_groups), options);
     } else {
-      optimizer = std::make_unique<fsdp::FlatShardSGD>(std::move(params), options, flat_kernel);
+      optimizer =
+          std::make_unique<fsdp::FlatShardSGD>(std::move(param_groups), options, flat_kernel);
     }
   } else {
     const auto options = torch::optim::AdamWOptions(3e-3);
+    std::vector<torch::optim::OptimizerParamGroup> param_groups;
+    for (const auto& params : groups) {
+      param_groups.emplace_back(params, std::make_unique<torch::optim::AdamWOptions>(options));
+    }
     if (kernel == "per_parameter") {
-      optimizer = std::make_unique<torch::optim::AdamW>(std::move(params), options);
+      optimizer = std::make_unique<torch::optim::AdamW>(std::move(param_groups), options);
     } else {
-      optimizer = std::make_unique<fsdp::FlatShardAdamW>(std::move(params), options, flat_kernel);
+      optimizer =
+          std::make_unique<fsdp::FlatShardAdamW>(std::move(param_groups), options, flat_kernel);
     }
   }
-  for (auto& group : optimizer->param_groups()) {
-    for (const Hyperparameter& h : HyperparametersOf(group.options())) {
+  for (size_t g = 0; g < optimizer->param_groups().size(); ++g) {
+    auto& options = optimizer->param_groups()[g].options();
+    for (const Hyperparameter& h : HyperparametersOf(options, g)) {
       h.set(h.flag.value_or(h.fresh_default));
+    }
+    if (!GroupDecays(g)) {
+      if (auto* o = dynamic_cast<torch::optim::AdamWOptions*>(&options)) o->weight_decay(0);
+      if (auto* o = dynamic_cast<torch::optim::SGDOptions*>(&options)) o->weight_decay(0);
     }
   }
   return optimizer;
@@ -661,7 +715,7 @@ std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(std::vector<at::Tensor> p
 std::string ApplyGivenHyperparameters(torch::optim::Optimizer& optimizer) {
   std::vector<std::string> described;
   for (size_t g = 0; g < optimizer.param_groups().size(); ++g) {
-    for (const Hyperparameter& h : HyperparametersOf(optimizer.param_groups()[g].options())) {
+    for (const Hyperparameter& h : HyperparametersOf(optimizer.param_groups()[g].options(), g)) {
       if (h.flag.has_value() && *h.flag != h.current) {
         h.set(*h.flag);
         if (g == 0) {
@@ -682,13 +736,23 @@ void LoadInitialState(fsdp::FullyShardedModel& fsdp_model, const std::set<std::s
                       bool print) {
   const std::string path = absl::GetFlag(FLAGS_init_state_dict);
   const std::vector<std::string> ignore = absl::GetFlag(FLAGS_init_state_dict_ignore);
-  // Every rank reads the file (every chunk of a DCP checkpoint) and keeps
-  // its own shards.
   const std::string key = absl::GetFlag(FLAGS_init_state_dict_key);
-  const fsdp::StateDict state = fsdp::ValueOrThrow(
-      fsdp::IsDcpDirectory(path)
-          ? fsdp::LoadDcpStateDict(path, key.empty() ? "" : absl::StrCat(key, "."))
-          : fsdp::LoadTorchStateDict(path, key));
+  if (fsdp::IsDcpDirectory(path)) {
+    // Every rank reads only the chunks that hold its own shards; entries
+    // the model does not have are not read, as in dcp.load.
+    fsdp::ShardedLoadStats stats;
+    if (absl::Status loaded = fsdp::LoadShardedDcpModel(fsdp_model, path, key, &stats);
+        !loaded.ok()) {
+      throw std::runtime_error(absl::StrCat("--init_state_dict=", path, ": ", loaded.message()));
+    }
+    if (print) {
+      std::printf("initialized from %s (rank 0 read %.2f MiB for its %.2f MiB of shards)\n",
+                  path.c_str(), stats.bytes_read / 1048576.0, stats.bytes_needed / 1048576.0);
+    }
+    return;
+  }
+  // Every rank reads the file and keeps its own shards.
+  const fsdp::StateDict state = fsdp::ValueOrThrow(fsdp::LoadTorchStateDict(path, key));
   fsdp::StateDict kept;
   std::vector<std::string> dropped;
   bool unexpected = false;
@@ -916,6 +980,12 @@ class TrainingRun {
     report_.unsharded_param_bytes -= model_->lm_head->weight.nbytes();
     std::set<std::string> model_keys;
     for (const auto& [name, tensor] : fsdp::ModuleStateDict(*model_)) model_keys.insert(name);
+    // Wrapping makes the parameters 1-D views of flat shards: nanoGPT's
+    // grouping goes by their dimensions before.
+    std::set<std::string> matrices;
+    for (const auto& item : model_->named_parameters()) {
+      if (item.value().dim() >= 2) matrices.insert(item.key());
+    }
     fsdp_model_ = fsdp::ValueOrThrow(
         fsdp::FullyShardedModel::Wrap(model_.ptr(), fsdp_group_, options, policy));
     if (absl::GetFlag(FLAGS_activation_checkpointing)) {
@@ -937,31 +1007,59 @@ class TrainingRun {
         report_.shard_param_bytes += unit->handle()->local_shard().nbytes();
       }
     }
-    optimizer_ = MakeOptimizer(fsdp::UniqueParameters(*model_));
+    std::vector<std::vector<at::Tensor>> groups(1);
+    if (absl::GetFlag(FLAGS_weight_decay_groups) == "nanogpt") {
+      groups.resize(2);
+      std::set<const void*> seen;
+      for (const auto& item : model_->named_parameters()) {
+        if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;  // Tied.
+        groups[matrices.count(item.key()) != 0 ? 0 : 1].push_back(item.value());
+      }
+    } else {
+      groups[0] = fsdp::UniqueParameters(*model_);
+    }
+    optimizer_ = MakeOptimizer(groups);
     if (!absl::GetFlag(FLAGS_init_optim_state_dict).empty()) LoadInitialOptimizerState();
   }
 
   // --init_optim_state_dict into the optimizer. Errors name the file.
   void LoadInitialOptimizerState() {
     const std::string path = absl::GetFlag(FLAGS_init_optim_state_dict);
-    // An index-keyed file names the optimizer's parameters by position.
-    std::vector<std::string> fqn_of_index;
-    std::set<const void*> seen;
+    // An index-keyed file names the optimizer's parameters by position
+    // across its groups.
+    std::map<const void*, std::string> fqn_of;
     for (const auto& item : model_->named_parameters()) {
-      if (seen.insert(item.value().unsafeGetTensorImpl()).second) {
-        fqn_of_index.push_back(item.key());
+      fqn_of.emplace(item.value().unsafeGetTensorImpl(), item.key());  // A tied one's first.
+    }
+    std::vector<std::string> fqn_of_index;
+    for (const auto& group : optimizer_->param_groups()) {
+      for (const at::Tensor& param : group.params()) {
+        fqn_of_index.push_back(fqn_of.at(param.unsafeGetTensorImpl()));
       }
     }
     const std::string key = absl::GetFlag(FLAGS_init_optim_state_dict_key);
-    absl::StatusOr<fsdp::OptimStateDict> state =
-        fsdp::IsDcpDirectory(path) ? fsdp::LoadDcpOptimStateDict(path, key, fqn_of_index)
-                                   : fsdp::LoadTorchOptimStateDict(path, key, fqn_of_index);
-    absl::Status loaded = state.ok()
-                              ? fsdp::LoadFullOptimStateDict(*fsdp_model_, *optimizer_, *state)
-                              : state.status();
+    absl::Status loaded;
+    if (fsdp::IsDcpDirectory(path)) {
+      // Every rank reads only its own part of the elementwise state.
+      absl::StatusOr<std::map<std::string, fsdp::ParamShardPlace>> places =
+          fsdp::OptimizerShardPlaces(*fsdp_model_, *optimizer_);
+      absl::StatusOr<fsdp::OptimStateDict> state =
+          places.ok() ? fsdp::LoadDcpOptimStateDictPart(path, key, *places, fqn_of_index)
+                      : places.status();
+      loaded = state.ok() ? fsdp::LoadShardedOptimStateDict(*fsdp_model_, *optimizer_, *state)
+                          : state.status();
+    } else {
+      absl::StatusOr<fsdp::OptimStateDict> state =
+          fsdp::LoadTorchOptimStateDict(path, key, fqn_of_index);
+      loaded = state.ok() ? fsdp::LoadFullOptimStateDict(*fsdp_model_, *optimizer_, *state)
+                          : state.status();
+    }
     if (!loaded.ok()) {
-      throw std::runtime_error(
-          absl::StrCat("--init_optim_state_dict=", path, ": ", loaded.message()));
+      const bool groups_differ =
+          absl::StrContains(loaded.message(), "parameter groups, the optimizer");
+      throw std::runtime_error(absl::StrCat(
+          "--init_optim_state_dict=", path, ": ", loaded.message(),
+          groups_differ ? " (nanoGPT's optimizer has two: --weight_decay_groups=nanogpt)" : ""));
     }
     const std::string hyperparameters = ApplyGivenHyperparameters(*optimizer_);
     if (print_) {
@@ -999,7 +1097,10 @@ class TrainingRun {
     }
     if (!checkpoints_->resume_from().has_value()) return;
     const fsdp::StepCheckpoint& from = *checkpoints_->resume_from();
-    fsdp::ThrowIfError(fsdp::LoadTrainingCheckpoint(*fsdp_model_, *optimizer_, from.path));
+    fsdp::ThrowIfError(
+        from.format == fsdp::StepCheckpoint::Format::kDcp
+            ? fsdp::LoadShardedDcpModelAndOptimizer(*fsdp_model_, *optimizer_, from.path)
+            : fsdp::LoadTrainingCheckpoint(*fsdp_model_, *optimizer_, from.path));
     const std::string hyperparameters = ApplyGivenHyperparameters(*optimizer_);
     first_step_ = static_cast<int>(from.step) + 1;
     batches_->Skip(from.step);
@@ -1166,8 +1267,23 @@ class TrainingRun {
   void SaveCheckpoint(int step) {
     const std::string path = checkpoints_->PathOf(step);
     fsdp::ThrowIfError(fsdp::PrepareOutputDirectory("--checkpoint_dir", path));
-    fsdp::ThrowIfError(fsdp::SaveTrainingCheckpoint(*fsdp_model_, *optimizer_, path,
-                                                    checkpoints_->MetadataOf(step)));
+    const bool dcp = absl::GetFlag(FLAGS_checkpoint_format) == "dcp";
+    // A step directory an overwritten run left in the other format: its
+    // marker goes first, so that the two never mix (rank 0 writes the
+    // save's own marker, last).
+    if (rank_ == 0) unlink((path + (dcp ? "/manifest.pb" : "/.metadata")).c_str());
+    if (dcp) {
+      const auto at = [](const std::string& key) {
+        return std::vector<fsdp::DcpPathPart>{{false, fsdp::kDcpTrainStateKey, 0}, {false, key, 0}};
+      };
+      fsdp::ThrowIfError(fsdp::SaveShardedDcpModelAndOptimizer(
+          *fsdp_model_, *optimizer_, path, {},
+          {{at(fsdp::kStepMetadataKey), c10::IValue(static_cast<int64_t>(step))},
+           {at(fsdp::kRunIdMetadataKey), c10::IValue(checkpoints_->run_id())}}));
+    } else {
+      fsdp::ThrowIfError(fsdp::SaveTrainingCheckpoint(*fsdp_model_, *optimizer_, path,
+                                                      checkpoints_->MetadataOf(step)));
+    }
     if (rank_ != 0) return;
     const fsdp::RunCheckpoints::Retired retired = checkpoints_->RetireOlderThan(step);
     for (const std::string& problem : retired.problems) {
@@ -1202,11 +1318,8 @@ class TrainingRun {
       }
     }
     if (const std::string dir = absl::GetFlag(FLAGS_export_dcp); !dir.empty()) {
-      const fsdp::StateDict model = fsdp::ValueOrThrow(fsdp::FullStateDict(*fsdp_model_, on_rank0));
-      const fsdp::OptimStateDict optim =
-          fsdp::ValueOrThrow(fsdp::FullOptimStateDict(*fsdp_model_, *optimizer_, on_rank0));
-      if (rank_ == 0) {
-        fsdp::ThrowIfError(fsdp::SaveDcpModelAndOptimizer(dir, model, optim));
+      fsdp::ThrowIfError(fsdp::SaveShardedDcpModelAndOptimizer(*fsdp_model_, *optimizer_, dir));
+      if (print_) {
         std::printf("wrote model and optimizer as a Distributed Checkpoint to %s\n", dir.c_str());
       }
     }

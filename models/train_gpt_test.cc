@@ -122,7 +122,7 @@ TEST(TrainGpt, StartsFromADistributedCheckpointAsFromTorchSave) {
 // start the job at W = 1 on the remaining batches with the original run's
 // losses, which starting without the optimizer state does not give; and
 // with torch 2.x the same state as a Distributed Checkpoint starts it at
-// W = 2.
+// W = 2, as initial state and as a training checkpoint to --resume.
 TEST(TrainGpt, OptimizerStateMovesBetweenPyTorchAndTheJob) {
   const std::string dir = TempDir("optim_state");
   const std::string python = ::fsdp::testing::TorchPython();
@@ -192,6 +192,78 @@ TEST(TrainGpt, OptimizerStateMovesBetweenPyTorchAndTheJob) {
   for (size_t i = 0; i < dcp_losses.size(); ++i) {
     EXPECT_NEAR(dcp_losses[i], want[4 + i], 1e-4) << "from the DCP checkpoint, step " << 5 + i;
   }
+
+  // The same checkpoint as a training checkpoint: step-00000004 of a
+  // checkpoint directory, where an FSDP2 job's loop would save it.
+  // --resume takes the step from it and draws the original run's batches
+  // from step 5 on, with the original losses; the job's own checkpoints
+  // are then Distributed Checkpoints too, recording their step.
+  const std::string checkpoints = dir + "/checkpoints";
+  ASSERT_EQ(std::system(absl::StrCat("rm -rf ", checkpoints, " && mkdir -p ", checkpoints,
+                                     " && cp -r ", dir, "/py4_dcp ", checkpoints, "/step-00000004")
+                            .c_str()),
+            0);
+  const CommandResult resumed = RunCommand(absl::StrCat(
+      kTrainGpt, common, dir, "/resumed.jsonl --steps=8 --world_size=2 --batch_size=4",
+      " --checkpoint_dir=", checkpoints, " --resume --checkpoint_format=dcp --checkpoint_every=2"));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_THAT(resumed.output,
+              HasSubstr("resumed from " + checkpoints + "/step-00000004 (step 4 of run <no id>)"));
+  EXPECT_THAT(resumed.output, HasSubstr("checkpoint " + checkpoints + "/step-00000008"));
+  const std::vector<double> resumed_losses = LossesOf(dir + "/resumed.jsonl");
+  ASSERT_EQ(resumed_losses.size(), 4u);
+  for (size_t i = 0; i < resumed_losses.size(); ++i) {
+    EXPECT_NEAR(resumed_losses[i], want[4 + i], 1e-4) << "resumed from PyTorch's, step " << 5 + i;
+  }
+  struct stat written;
+  EXPECT_EQ(stat((checkpoints + "/step-00000008/.metadata").c_str(), &written), 0);
+}
+
+// nanoGPT's two parameter groups (matrices and embeddings decayed, biases
+// and LayerNorm not): the job with --weight_decay_groups=nanogpt trains as
+// PyTorch's AdamW over those groups does, and PyTorch's two-group state
+// (torch.optim.AdamW.state_dict(), keyed by index across the groups) after
+// step 3 continues the job with the original losses; the job with one
+// group refuses it, naming the difference.
+TEST(TrainGpt, NanoGptsTwoParameterGroupsMoveBetweenPyTorchAndTheJob) {
+  const std::string dir = TempDir("nanogpt_groups");
+  const std::string python = ::fsdp::testing::TorchPython();
+  ASSERT_EQ(std::system(
+                absl::StrCat("timeout 120 ", python, " models/replay_gpt.py init ", dir, "/init.pt")
+                    .c_str()),
+            0);
+  const std::string common =
+      " --log_every=3 --print_plan=false --weight_decay=0.1 --metrics_jsonl=";
+  const CommandResult original = RunCommand(absl::StrCat(
+      kTrainGpt, common, dir, "/original.jsonl --steps=6 --world_size=2 --batch_size=4",
+      " --weight_decay_groups=nanogpt --init_state_dict=", dir, "/init.pt --record_batches=", dir,
+      "/batches.pt"));
+  ASSERT_EQ(original.exit_code, 0) << original.output;
+  const CommandResult replay = RunCommand(
+      absl::StrCat("timeout 300 ", python, " models/replay_gpt.py replay ", dir, "/init.pt ", dir,
+                   "/batches.pt ", dir, "/original.jsonl --tolerance=1e-4 --weight_decay=0.1",
+                   " --weight_decay_groups=nanogpt --save_after=3 --save_prefix=", dir, "/py3"));
+  ASSERT_EQ(replay.exit_code, 0) << replay.output;
+
+  const std::string continued = absl::StrCat(
+      kTrainGpt, common, dir, "/continued.jsonl --steps=3 --world_size=1 --batch_size=8",
+      " --init_state_dict=", dir, "/py3_model.pt --replay_batches=", dir,
+      "/py3_batches.pt --init_optim_state_dict=", dir, "/py3_optim.pt");
+  const CommandResult two_groups =
+      RunCommand(absl::StrCat(continued, " --weight_decay_groups=nanogpt"));
+  ASSERT_EQ(two_groups.exit_code, 0) << two_groups.output;
+  const std::vector<double> want = LossesOf(dir + "/original.jsonl");
+  const std::vector<double> got = LossesOf(dir + "/continued.jsonl");
+  ASSERT_EQ(want.size(), 6u);
+  ASSERT_EQ(got.size(), 3u);
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_NEAR(got[i], want[3 + i], 1e-4) << "step " << 4 + i;
+  }
+  const CommandResult one_group = RunCommand(continued);
+  EXPECT_NE(one_group.exit_code, 0);
+  EXPECT_THAT(one_group.output, HasSubstr("the state has 2 parameter groups, the optimizer 1 "
+                                          "(nanoGPT's optimizer has two: "
+                                          "--weight_decay_groups=nanogpt)"));
 }
 
 // CPU offload changes where shards, gradients and optimizer state live, not

@@ -188,9 +188,14 @@ void CheckGroupOptions(torch::optim::Optimizer& optimizer, size_t g,
   }
 }
 
+// How a dict's elementwise tensors are laid out: the parameters' full
+// shapes, or this rank's parts of them (SHARDED: 1-D, elements [lo, hi)
+// of the flattened parameter; a full-shaped one is taken as whole).
+enum class Layout { kFull, kRankParts };
+
 absl::Status Load(const torch::nn::Module& root, const FullyShardedModel* model,
                   torch::optim::Optimizer& optimizer, const OptimStateDict& dict,
-                  const std::string& who) {
+                  const std::string& who, Layout layout = Layout::kFull, bool apply = true) {
   const Places places = PlacesOf(root, model);
   FSDP_ASSIGN_OR_RETURN(auto groups, GroupsOf(optimizer, places));
   std::unordered_map<std::string, const ParamPlace*> by_fqn;
@@ -199,8 +204,12 @@ absl::Status Load(const torch::nn::Module& root, const FullyShardedModel* model,
   }
   LoadCheck check;
   if (dict.param_groups.size() != groups.size()) {
+    // Nothing else is comparable: an index-keyed state's FQNs came from
+    // the optimizer's groups.
     check.Problem(absl::StrCat("the state has ", dict.param_groups.size(),
                                " parameter groups, the optimizer ", groups.size()));
+    return check.ToStatus(
+        absl::StrCat(who, ": cannot load the optimizer state (nothing was changed)"));
   } else {
     for (size_t g = 0; g < groups.size(); ++g) {
       std::vector<std::string> mine;
@@ -220,13 +229,21 @@ absl::Status Load(const torch::nn::Module& root, const FullyShardedModel* model,
                                  ", which is not a parameter of the optimizer"));
       continue;
     }
+    const ParamPlace& place = *it->second;
     for (const auto& [key, t] : state.tensors) {
-      check.ShapeMatches(absl::StrCat(LoadCheck::Quoted(fqn), " state ", LoadCheck::Quoted(key)),
-                         t.sizes(), it->second->full_shape);
+      const std::string subject =
+          absl::StrCat(LoadCheck::Quoted(fqn), " state ", LoadCheck::Quoted(key));
+      if (layout == Layout::kFull || t.sizes().vec() == place.full_shape) {
+        check.ShapeMatches(subject, t.sizes(), place.full_shape);
+      } else {
+        check.ShapeMatches(absl::StrCat(subject, " (this rank's part)"), t.sizes(),
+                           {place.hi - place.lo});
+      }
     }
   }
   FSDP_RETURN_IF_ERROR(
       check.ToStatus(absl::StrCat(who, ": cannot load the optimizer state (nothing was changed)")));
+  if (!apply) return absl::OkStatus();
 
   // Options first: state is made (PrimeMissingState) by a step under them
   // (libtorch's SGD keeps no momentum buffer while its momentum is 0).
@@ -241,10 +258,12 @@ absl::Status Load(const torch::nn::Module& root, const FullyShardedModel* model,
     const ParamPlace* place = by_fqn.at(fqn);
     ParamState local;
     for (const auto& [key, t] : state.tensors) {
-      local.elementwise[key] = t.reshape({-1})
-                                   .narrow(0, place->lo, place->hi - place->lo)
-                                   .clone()
-                                   .to(place->param.device());
+      // A part, or a whole tensor to take this rank's part of (the two
+      // agree where they cannot be told apart: the part is all of it).
+      const bool whole = layout == Layout::kFull || t.sizes().vec() == place->full_shape;
+      const at::Tensor part =
+          whole ? t.reshape({-1}).narrow(0, place->lo, place->hi - place->lo) : t;
+      local.elementwise[key] = part.clone().to(place->param.device());
     }
     local.values = state.values;
     WriteParamState(optimizer, *place, local);
@@ -276,6 +295,74 @@ absl::Status LoadFullOptimStateDict(FullyShardedModel& model, torch::optim::Opti
   try {
     return Load(model.units().front()->module(), &model, optimizer, state,
                 absl::StrCat("rank ", model.group().rank(), " of ", model.group().world_size()));
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+}
+
+absl::StatusOr<std::map<std::string, ParamShardPlace>> OptimizerShardPlaces(
+    const FullyShardedModel& model, torch::optim::Optimizer& optimizer) {
+  const Places places = PlacesOf(model.units().front()->module(), &model);
+  std::map<std::string, ParamShardPlace> out;
+  FSDP_ASSIGN_OR_RETURN(auto groups, GroupsOf(optimizer, places));
+  for (const auto& group : groups) {
+    for (const ParamPlace* place : group) {
+      out[place->fqn] = ParamShardPlace{place->full_shape, place->sharded, place->lo, place->hi};
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<OptimStateDict> ShardedOptimStateDict(FullyShardedModel& model,
+                                                     torch::optim::Optimizer& optimizer) {
+  FSDP_RETURN_IF_ERROR(model.RequireIdle("ShardedOptimStateDict"));
+  try {
+    const Places places = PlacesOf(model.units().front()->module(), &model);
+    FSDP_ASSIGN_OR_RETURN(auto groups, GroupsOf(optimizer, places));
+    OptimStateDict out;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      ParamGroupState group;
+      for (const ParamPlace* place : groups[g]) {
+        group.params.push_back(place->fqn);
+        std::optional<ParamState> local = ReadParamState(optimizer, *place);
+        if (!local.has_value()) continue;
+        ParamOptimState state;
+        state.values = local->values;
+        for (const auto& [key, t] : local->elementwise) state.tensors[key] = t.reshape({-1});
+        out.state.emplace_back(place->fqn, std::move(state));
+      }
+      group.options = OptionsOf(optimizer.param_groups()[g].options());
+      if (std::optional<bool> decoupled = DecoupledWeightDecayOf(optimizer)) {
+        group.options[kDecoupledWeightDecay] = *decoupled;
+      }
+      out.param_groups.push_back(std::move(group));
+    }
+    return out;
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+}
+
+absl::Status CheckShardedOptimStateDict(FullyShardedModel& model,
+                                        torch::optim::Optimizer& optimizer,
+                                        const OptimStateDict& state) {
+  FSDP_RETURN_IF_ERROR(model.RequireIdle("checking a SHARDED optimizer state dict"));
+  try {
+    return Load(model.units().front()->module(), &model, optimizer, state,
+                absl::StrCat("rank ", model.group().rank(), " of ", model.group().world_size()),
+                Layout::kRankParts, /*apply=*/false);
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+}
+
+absl::Status LoadShardedOptimStateDict(FullyShardedModel& model, torch::optim::Optimizer& optimizer,
+                                       const OptimStateDict& state) {
+  FSDP_RETURN_IF_ERROR(model.RequireIdle("loading a SHARDED optimizer state dict"));
+  try {
+    return Load(model.units().front()->module(), &model, optimizer, state,
+                absl::StrCat("rank ", model.group().rank(), " of ", model.group().world_size()),
+                Layout::kRankParts);
   } catch (...) {
     return StatusFromCurrentException();
   }

@@ -26,6 +26,7 @@
 #ifndef FSDP_OPTIM_OPTIM_STATE_H_
 #define FSDP_OPTIM_OPTIM_STATE_H_
 
+#include <cstdint>
 #include <map>
 #include <string>
 #include <utility>
@@ -79,6 +80,33 @@ absl::Status LoadFullOptimStateDict(FullyShardedModel& model, torch::optim::Opti
 absl::Status LoadFullOptimStateDictFromRank0(FullyShardedModel& model,
                                              torch::optim::Optimizer& optimizer,
                                              const OptimStateDict& state);
+
+// SHARDED: this rank's own part of the state, as each rank of a sharded
+// checkpoint writes and reads it (optim/dcp_checkpoint.h); no
+// communication. Laid out as a FULL dict, except that each elementwise
+// tensor holds only the elements of the parameter's flattened state this
+// rank holds: 1-D, [lo, hi) of OptimizerShardPlaces' place. (Loading also
+// takes a tensor of the parameter's full shape, and this rank's part of it:
+// a reader may not know a state's parameter before it has read it all.)
+struct ParamShardPlace {
+  std::vector<int64_t> full_shape;
+  bool sharded = false;  // Else every rank holds all of it.
+  int64_t lo = 0, hi = 0;
+};
+// By FQN, every parameter of the optimizer; fails if one is not the model's.
+absl::StatusOr<std::map<std::string, ParamShardPlace>> OptimizerShardPlaces(
+    const FullyShardedModel& model, torch::optim::Optimizer& optimizer);
+// The tensors may share storage with the optimizer's own state: write
+// them out before the optimizer steps again.
+absl::StatusOr<OptimStateDict> ShardedOptimStateDict(FullyShardedModel& model,
+                                                     torch::optim::Optimizer& optimizer);
+// Each rank passes its own part, read for its places at any world size;
+// checked as a FULL load is, then applied. Check alone changes nothing.
+absl::Status CheckShardedOptimStateDict(FullyShardedModel& model,
+                                        torch::optim::Optimizer& optimizer,
+                                        const OptimStateDict& state);
+absl::Status LoadShardedOptimStateDict(FullyShardedModel& model, torch::optim::Optimizer& optimizer,
+                                       const OptimStateDict& state);
 
 // The same for an unwrapped module and its optimizer.
 absl::StatusOr<OptimStateDict> ModuleOptimStateDict(const torch::nn::Module& module,

@@ -15,6 +15,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "statedict/dcp.h"
+#include "statedict/restricted_unpickler.h"
 
 namespace fsdp {
 namespace {
@@ -76,10 +78,11 @@ absl::Status RemoveCheckpointDirectory(const std::string& path) {
     if (name != "." && name != "..") names.push_back(name);
   }
   closedir(d);
-  // The manifest first: from then on a crash leaves an interrupted save,
-  // never a checkpoint with missing shards.
-  std::stable_partition(names.begin(), names.end(),
-                        [](const std::string& n) { return n == "manifest.pb"; });
+  // The manifest (or .metadata) first: from then on a crash leaves an
+  // interrupted save, never a checkpoint with missing shards.
+  std::stable_partition(names.begin(), names.end(), [](const std::string& n) {
+    return n == "manifest.pb" || n == ".metadata";
+  });
   for (const std::string& name : names) {
     const std::string file = path + "/" + name;
     if (unlink(file.c_str()) != 0 && errno != ENOENT) {
@@ -92,6 +95,35 @@ absl::Status RemoveCheckpointDirectory(const std::string& path) {
         absl::StrCat("cannot remove '", path, "': ", std::strerror(errno)));
   }
   return absl::OkStatus();
+}
+
+// A DCP step directory's state, run id and recorded step (its
+// train_state's, when it has one).
+void ReadDcpTrainState(StepCheckpoint& entry) {
+  const auto damaged = [&](const std::string& problem) {
+    entry.state = StepCheckpoint::State::kDamaged;
+    entry.problem = problem;
+  };
+  absl::StatusOr<DcpMetadata> metadata = ReadDcpMetadata(entry.path);
+  if (!metadata.ok()) return damaged(std::string(metadata.status().message()));
+  entry.state = StepCheckpoint::State::kComplete;
+  const std::string prefix = absl::StrCat(kDcpTrainStateKey, ".");
+  for (const DcpBytesEntry& bytes : metadata->bytes) {
+    if (bytes.fqn != prefix + kRunIdMetadataKey && bytes.fqn != prefix + kStepMetadataKey) {
+      continue;
+    }
+    absl::StatusOr<PyRef> value = ReadDcpBytes(entry.path, bytes);
+    if (!value.ok()) return damaged(std::string(value.status().message()));
+    if (bytes.fqn == prefix + kRunIdMetadataKey) {
+      if ((*value)->kind != PyValue::Kind::kString) {
+        return damaged(absl::StrCat("'", bytes.fqn, "' is not a string"));
+      }
+      entry.run_id = (*value)->s;
+    } else if ((*value)->kind != PyValue::Kind::kInt || (*value)->i != entry.step) {
+      return damaged(
+          absl::StrCat("'", bytes.fqn, "' is not ", entry.step, ", the step its directory names"));
+    }
+  }
 }
 
 }  // namespace
@@ -116,6 +148,18 @@ absl::StatusOr<std::vector<StepCheckpoint>> ListStepCheckpoints(const std::strin
     entry.path = dir + "/" + name;
     struct stat st;
     if (stat(entry.path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) continue;
+    if (IsDcpDirectory(entry.path)) {
+      entry.format = StepCheckpoint::Format::kDcp;
+      if (stat((entry.path + "/manifest.pb").c_str(), &st) == 0) {
+        entry.state = StepCheckpoint::State::kDamaged;
+        entry.problem =
+            "it holds both a Distributed Checkpoint's .metadata and a SHARDED manifest.pb";
+      } else {
+        ReadDcpTrainState(entry);
+      }
+      found.push_back(std::move(entry));
+      continue;
+    }
     absl::StatusOr<CheckpointMetadata> metadata = ReadCheckpointMetadata(entry.path);
     if (metadata.ok()) {
       entry.state = StepCheckpoint::State::kComplete;

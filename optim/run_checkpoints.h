@@ -3,13 +3,20 @@
 // checkpoints clean-up may remove — so that a run never deletes, mixes or
 // resumes another run's checkpoints.
 //
-// Layout: <dir>/step-NNNNNNNN is the SHARDED training checkpoint
-// (optim/training_checkpoint.h) saved after step N. Its manifest carries
-// the run's id and the step (RunCheckpoints::MetadataOf), written
-// atomically with it, so a checkpoint that exists says which run wrote it.
-// A step directory without a manifest is an interrupted save; one whose
-// manifest cannot be read is damaged. Checkpoints saved before run ids
-// existed carry none and count as one run with the empty id.
+// Layout: <dir>/step-NNNNNNNN is the training checkpoint saved after step
+// N, in either of two formats:
+//   - SHARDED (optim/training_checkpoint.h): its manifest carries the run's
+//     id and the step (RunCheckpoints::MetadataOf), written atomically with
+//     it;
+//   - a PyTorch Distributed Checkpoint of {"model", "optim"}
+//     (optim/dcp_checkpoint.h), whose "train_state" entry holds the same
+//     as {"step": N, "run_id": id}. One written by a PyTorch job may have
+//     no train_state: its step is its directory's, its run id empty.
+// So a checkpoint that exists says which run wrote it. A step directory
+// without a manifest or .metadata is an interrupted save; one whose
+// manifest or .metadata cannot be read, whose recorded step is not its
+// directory's, or that holds both, is damaged. Checkpoints saved without run ids count as one
+// run with the empty id.
 //
 // The rules:
 //   * A new run (not resuming) refuses a directory that holds any step
@@ -48,9 +55,14 @@ struct StepCheckpoint {
     kIncomplete,  // No manifest: a save that did not finish.
     kDamaged,     // A manifest that cannot be read (`problem` says why).
   };
+  enum class Format {
+    kSharded,  // Our own (manifest.pb).
+    kDcp,      // A Distributed Checkpoint (.metadata).
+  };
   int64_t step = 0;
   std::string path;
   State state = State::kIncomplete;
+  Format format = Format::kSharded;  // kComplete and kDamaged only.
   std::string run_id;   // kComplete only; "" when saved without one.
   std::string problem;  // kDamaged only.
 };
@@ -114,9 +126,11 @@ class RunCheckpoints {
   std::vector<StepCheckpoint> replaced_;  // Removed after the first save.
 };
 
-// Metadata keys of a run's checkpoints.
+// Metadata keys of a run's checkpoints: of the manifest, and of a DCP
+// checkpoint's train_state entry.
 inline constexpr char kRunIdMetadataKey[] = "run_id";
 inline constexpr char kStepMetadataKey[] = "step";
+inline constexpr char kDcpTrainStateKey[] = "train_state";
 
 }  // namespace fsdp
 

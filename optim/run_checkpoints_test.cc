@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -12,6 +13,7 @@
 #include "comm/collectives.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "statedict/dcp.h"
 #include "statedict/sharded_checkpoint.h"
 #include "testing/multi_rank.h"
 
@@ -231,6 +233,66 @@ TEST(RunCheckpoints, BadOptionsAreRefused) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(NewRunId().size(), 16u);
   EXPECT_NE(NewRunId(), NewRunId());
+}
+
+}  // namespace
+}  // namespace fsdp
+
+namespace fsdp {
+namespace {
+
+// A Distributed Checkpoint at `path` holding a tensor and, when given, a
+// train_state of {"step": step, "run_id": id}, as the job writes them.
+void SaveDcpStep(const std::string& path, std::optional<int64_t> step, const std::string& id) {
+  mkdir(path.substr(0, path.rfind('/')).c_str(), 0755);
+  std::vector<DcpItem> items = {
+      {{{false, "model", 0}, {false, "w", 0}}, at::arange(3, at::kFloat)}};
+  if (step.has_value()) {
+    items.push_back({{{false, kDcpTrainStateKey, 0}, {false, kStepMetadataKey, 0}}, *step});
+    items.push_back({{{false, kDcpTrainStateKey, 0}, {false, kRunIdMetadataKey, 0}}, id});
+  }
+  absl::Status saved = SaveDcpCheckpoint(path, items);
+  ASSERT_TRUE(saved.ok()) << saved;
+}
+
+// DCP step directories are checkpoints of a run too: the job's (with
+// train_state) and PyTorch's (without: the empty run id); one whose
+// train_state names another step is damaged, one without .metadata an
+// interrupted save; clean-up removes them like the others.
+TEST(RunCheckpoints, DistributedCheckpointsAreStepsOfARun) {
+  const std::string dir = NewDir("dcp_steps");
+  SaveDcpStep(dir + "/step-00000002", 2, "run-a");
+  SaveDcpStep(dir + "/step-00000004", 4, "run-a");
+  SaveDcpStep(dir + "/step-00000006", std::nullopt, "");
+  SaveDcpStep(dir + "/step-00000008", 7, "run-a");
+  mkdir((dir + "/step-00000010").c_str(), 0755);
+  absl::StatusOr<std::vector<StepCheckpoint>> entries = ListStepCheckpoints(dir);
+  ASSERT_TRUE(entries.ok()) << entries.status();
+  ASSERT_EQ(entries->size(), 5u);
+  using State = StepCheckpoint::State;
+  EXPECT_EQ((*entries)[0].state, State::kComplete);
+  EXPECT_EQ((*entries)[0].format, StepCheckpoint::Format::kDcp);
+  EXPECT_EQ((*entries)[0].run_id, "run-a");
+  EXPECT_EQ((*entries)[2].state, State::kComplete);
+  EXPECT_EQ((*entries)[2].run_id, "");
+  EXPECT_EQ((*entries)[3].state, State::kDamaged);
+  EXPECT_THAT((*entries)[3].problem, HasSubstr("'train_state.step' is not 8"));
+  EXPECT_EQ((*entries)[4].state, State::kIncomplete);
+
+  // Two runs' complete checkpoints: resuming is ambiguous.
+  EXPECT_FALSE(RunCheckpoints::Open(dir, Resume(), "new").ok());
+  ASSERT_EQ(std::system(
+                absl::StrCat("rm -rf '", dir, "/step-00000006' '", dir, "/step-00000008'").c_str()),
+            0);
+  RunCheckpoints run = OpenOrDie(dir, Resume(), "new");
+  ASSERT_TRUE(run.resume_from().has_value());
+  EXPECT_EQ(run.resume_from()->step, 4);
+  EXPECT_EQ(run.resume_from()->format, StepCheckpoint::Format::kDcp);
+  EXPECT_EQ(run.run_id(), "run-a");
+  SaveDcpStep(run.PathOf(6), 6, "run-a");
+  RunCheckpoints::Retired retired = run.RetireOlderThan(6);
+  EXPECT_THAT(retired.removed, ElementsAre(dir + "/step-00000002"));
+  EXPECT_THAT(StepsIn(dir), ElementsAre(4, 6, 10));
 }
 
 }  // namespace

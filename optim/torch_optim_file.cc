@@ -321,12 +321,10 @@ absl::Status SaveTorchOptimStateDict(const std::string& path, const OptimStateDi
   return SaveTorchObject(path, root);
 }
 
-absl::Status SaveDcpModelAndOptimizer(const std::string& dir, const StateDict& model,
-                                      const OptimStateDict& optim, const std::string& model_key,
-                                      const std::string& optim_key) {
+std::vector<DcpItem> DcpItemsOfOptimState(const OptimStateDict& optim,
+                                          const std::string& optim_key) {
   const auto key = [](const std::string& k) { return DcpPathPart{false, k, 0}; };
   std::vector<DcpItem> items;
-  for (const auto& [fqn, tensor] : model) items.push_back({{key(model_key), key(fqn)}, tensor});
   for (const auto& [fqn, param] : optim.state) {
     for (const auto& [name, value] : param.values) {
       items.push_back({{key(optim_key), key("state"), key(fqn), key(name)},
@@ -358,6 +356,17 @@ absl::Status SaveDcpModelAndOptimizer(const std::string& dir, const StateDict& m
       items.push_back({{key(optim_key), key("param_groups"), index, key(name)}, value});
     }
   }
+  return items;
+}
+
+absl::Status SaveDcpModelAndOptimizer(const std::string& dir, const StateDict& model,
+                                      const OptimStateDict& optim, const std::string& model_key,
+                                      const std::string& optim_key) {
+  std::vector<DcpItem> items;
+  for (const auto& [fqn, tensor] : model) {
+    items.push_back({{{false, model_key, 0}, {false, fqn, 0}}, tensor});
+  }
+  for (DcpItem& item : DcpItemsOfOptimState(optim, optim_key)) items.push_back(std::move(item));
   return SaveDcpCheckpoint(dir, items);
 }
 
@@ -390,8 +399,12 @@ absl::StatusOr<OptimStateDict> LoadTorchOptimStateDict(
   return OptimStateDictOf(*dict, what, fqn_of_index);
 }
 
-absl::StatusOr<OptimStateDict> LoadDcpOptimStateDict(const std::string& dir, const std::string& key,
-                                                     const std::vector<std::string>& fqn_of_index) {
+namespace {
+
+// LoadDcpOptimStateDict; with `places`, as LoadDcpOptimStateDictPart.
+absl::StatusOr<OptimStateDict> ReadDcpOptimState(
+    const std::string& dir, const std::string& key, const std::vector<std::string>& fqn_of_index,
+    const std::map<std::string, ParamShardPlace>* places, int64_t* bytes_read) {
   const std::string what = key.empty()
                                ? absl::StrCat("DCP checkpoint '", dir, "'")
                                : absl::StrCat("DCP checkpoint '", dir, "' entry '", key, "'");
@@ -453,13 +466,29 @@ absl::StatusOr<OptimStateDict> LoadDcpOptimStateDict(const std::string& dir, con
     parent->entries.emplace_back(MakePyString(path[2].key), std::move(value));
     return absl::OkStatus();
   };
+  // The parameter whose elementwise state a stored tensor is, when only
+  // this rank's part of it is wanted: one keyed by FQN and shaped like it.
+  const auto part_of = [&](const DcpTensorEntry& tensor) -> const ParamShardPlace* {
+    if (places == nullptr) return nullptr;
+    const std::vector<DcpPathPart>& full = *under_key(tensor.fqn);
+    if (full.size() != skip + 3 || full[skip + 1].is_index || full[skip + 2].key == kStep) {
+      return nullptr;
+    }
+    auto it = places->find(full[skip + 1].key);
+    if (it == places->end() || it->second.full_shape != tensor.size) return nullptr;
+    return &it->second;
+  };
   for (const DcpTensorEntry& tensor : metadata.tensors) {
     if (under_key(tensor.fqn) == nullptr) continue;  // Not the optimizer's: read nothing of it.
-    FSDP_ASSIGN_OR_RETURN(
-        at::Tensor full,
-        LoadDcpTensorRegion(dir, tensor, std::vector<int64_t>(tensor.size.size(), 0), tensor.size));
+    int64_t numel = 1;
+    for (int64_t d : tensor.size) numel *= d;
+    const ParamShardPlace* part = part_of(tensor);
+    const int64_t lo = part != nullptr && part->sharded ? part->lo : 0;
+    const int64_t hi = part != nullptr && part->sharded ? part->hi : numel;
+    FSDP_ASSIGN_OR_RETURN(at::Tensor read, ReadDcpFlatRange(dir, tensor, lo, hi, bytes_read));
     PyRef value = MakePy(PyValue::Kind::kTensor);
-    value->tensor = std::move(full);
+    // A whole tensor keeps its shape; a part stays 1-D.
+    value->tensor = part != nullptr ? std::move(read) : read.view(tensor.size);
     FSDP_RETURN_IF_ERROR(place(tensor.fqn, std::move(value)));
   }
   for (const DcpBytesEntry& bytes : metadata.bytes) {
@@ -486,6 +515,20 @@ absl::StatusOr<OptimStateDict> LoadDcpOptimStateDict(const std::string& dir, con
   dict->entries.emplace_back(MakePyString("state"), state_dict);
   dict->entries.emplace_back(MakePyString("param_groups"), group_list);
   return OptimStateDictOf(*dict, what, fqn_of_index);
+}
+
+}  // namespace
+
+absl::StatusOr<OptimStateDict> LoadDcpOptimStateDict(const std::string& dir, const std::string& key,
+                                                     const std::vector<std::string>& fqn_of_index) {
+  return ReadDcpOptimState(dir, key, fqn_of_index, nullptr, nullptr);
+}
+
+absl::StatusOr<OptimStateDict> LoadDcpOptimStateDictPart(
+    const std::string& dir, const std::string& key,
+    const std::map<std::string, ParamShardPlace>& places,
+    const std::vector<std::string>& fqn_of_index, int64_t* bytes_read) {
+  return ReadDcpOptimState(dir, key, fqn_of_index, &places, bytes_read);
 }
 
 }  // namespace fsdp

@@ -32,12 +32,15 @@
 #ifndef FSDP_OPTIM_TORCH_OPTIM_FILE_H_
 #define FSDP_OPTIM_TORCH_OPTIM_FILE_H_
 
+#include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "optim/optim_state.h"
+#include "statedict/dcp.h"
 #include "statedict/torch_file.h"
 
 namespace fsdp {
@@ -83,6 +86,18 @@ absl::StatusOr<OptimStateDict> LoadDcpOptimStateDict(
     const std::string& dir, const std::string& key,
     const std::vector<std::string>& fqn_of_index = {});
 
+// This rank's part of it: as LoadDcpOptimStateDict, but the state of a
+// parameter in `places` (keyed by FQN) that is shaped like the parameter
+// (elementwise: exp_avg, momentum_buffer, ...) is read only for elements
+// [lo, hi) of its flattening, 1-D, from the chunks that hold them: a
+// SHARDED optimizer state dict for LoadShardedOptimStateDict
+// (optim/optim_state.h). Everything else is read whole. Adds the bytes read
+// to `*bytes_read` when given.
+absl::StatusOr<OptimStateDict> LoadDcpOptimStateDictPart(
+    const std::string& dir, const std::string& key,
+    const std::map<std::string, ParamShardPlace>& places,
+    const std::vector<std::string>& fqn_of_index = {}, int64_t* bytes_read = nullptr);
+
 // Writes a model's FULL state dict and its optimizer's FULL state as a
 // Distributed Checkpoint in `dir` laid out as an FSDP2 job's dcp.save of
 // {model_key: get_model_state_dict, optim_key: get_optimizer_state_dict}
@@ -96,6 +111,12 @@ absl::Status SaveDcpModelAndOptimizer(const std::string& dir, const StateDict& m
                                       const OptimStateDict& optim,
                                       const std::string& model_key = "model",
                                       const std::string& optim_key = "optim");
+
+// The items SaveDcpModelAndOptimizer writes for `optim` under `optim_key`
+// (statedict/dcp.h): every state value and tensor at (optim_key, "state",
+// fqn, name), every group option at (optim_key, "param_groups", g, option).
+std::vector<DcpItem> DcpItemsOfOptimState(const OptimStateDict& optim,
+                                          const std::string& optim_key);
 
 }  // namespace fsdp
 

@@ -6,10 +6,13 @@
 // PyTorch's FSDP2 into FSDP at W = 3.
 #include "optim/torch_optim_file.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -21,6 +24,7 @@
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
 #include "gtest/gtest.h"
+#include "optim/dcp_checkpoint.h"
 #include "optim/optim_state.h"
 #include "statedict/dcp.h"
 #include "statedict/state_dict.h"
@@ -253,7 +257,7 @@ TEST(TorchOptimFile, FsdpStateMovesToPyTorchFsdp2AndBack) {
 
 // A Distributed Checkpoint of model and optimizer that PyTorch's FSDP2
 // wrote at W = 2 (get_state_dict, dcp.save) after 3 steps continues here at
-// W = 3 with the losses FSDP2 continued with.
+// W = 1, 2 and 3 with the losses FSDP2 continued with.
 TEST(TorchOptimFile, Fsdp2DistributedCheckpointContinuesAtAnotherWorldSize) {
   const std::string dir = TempDir() + "/dcp";
   ASSERT_EQ(std::system(absl::StrCat("rm -rf ", dir, " && mkdir -p ", dir).c_str()), 0);
@@ -296,6 +300,7 @@ TEST(TorchOptimFile, Fsdp2DistributedCheckpointContinuesAtAnotherWorldSize) {
   EXPECT_NE(no_such_key.status().message().find("no optimizer state is stored under it"),
             std::string::npos)
       << no_such_key.status();
+  // Read whole (FULL state dicts), at W = 3.
   absl::Status continued = RunOnThreadRanks(3, [&](Collectives& comm) {
     Net model;
     auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
@@ -309,6 +314,42 @@ TEST(TorchOptimFile, Fsdp2DistributedCheckpointContinuesAtAnotherWorldSize) {
     ExpectLossesNear(losses, python_losses, 0, "continuing FSDP2's checkpoint at W = 3");
   });
   ASSERT_TRUE(continued.ok()) << continued;
+  // Read by every rank for its own shards, at W = 1, 2 and 3: each rank
+  // reads only the chunks that hold its part, fewer as W grows.
+  int64_t stored = 0;
+  auto metadata = ReadDcpMetadata(checkpoint);
+  ASSERT_TRUE(metadata.ok()) << metadata.status();
+  for (const DcpTensorEntry& tensor : metadata->tensors) {
+    for (const DcpChunk& chunk : tensor.chunks) stored += chunk.location.length;
+  }
+  for (int world : {1, 2, 3}) {
+    absl::Status resharded = RunOnThreadRanks(world, [&](Collectives& comm) {
+      Net model;
+      auto wrapped =
+          FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+      ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+      auto optimizer = MakeWrongAdamW(model->parameters());
+      ShardedLoadStats stats;
+      absl::Status loaded =
+          LoadShardedDcpModelAndOptimizer(**wrapped, *optimizer, checkpoint, {}, &stats);
+      ASSERT_TRUE(loaded.ok()) << loaded;
+      EXPECT_GE(stats.bytes_read, stats.bytes_needed);
+      if (world == 1) {
+        EXPECT_EQ(stats.bytes_read, stored);  // Every tensor chunk, once.
+      } else {
+        EXPECT_LT(stats.bytes_read, stored);
+      }
+      std::vector<float> losses;
+      for (int step = 3; step < 6; ++step) losses.push_back(Step(model, *optimizer, step, &comm));
+      ExpectLossesNear(losses, python_losses, 0,
+                       absl::StrCat("continuing FSDP2's checkpoint read in shards at W = ", world));
+      if (comm.rank() == 0) {
+        std::printf("W = %d: rank 0 read %lld of the checkpoint's %lld tensor bytes\n", world,
+                    static_cast<long long>(stats.bytes_read), static_cast<long long>(stored));
+      }
+    });
+    ASSERT_TRUE(resharded.ok()) << resharded;
+  }
 
   // Without the optimizer's state the losses are others: the check can fail.
   Net fresh;
@@ -321,7 +362,7 @@ TEST(TorchOptimFile, Fsdp2DistributedCheckpointContinuesAtAnotherWorldSize) {
 }
 
 // The reverse: our FSDP at W = 3 writes model and optimizer after 3 steps
-// as a Distributed Checkpoint; PyTorch's FSDP2 at W = 2 restores both the
+// as a Distributed Checkpoint, each rank its own shards; PyTorch's FSDP2 at W = 2 restores both the
 // way its jobs do (dcp.load into get_state_dict's dicts, set_state_dict)
 // and continues with our losses. Our readers read back what was written.
 TEST(TorchOptimFile, OurDistributedCheckpointContinuesInFsdp2AtAnotherWorldSize) {
@@ -337,12 +378,16 @@ TEST(TorchOptimFile, OurDistributedCheckpointContinuesInFsdp2AtAnotherWorldSize)
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     auto optimizer = MakeAdamW(model->parameters());
     for (int step = 0; step < 3; ++step) Step(model, *optimizer, step, &comm);
+    // Every rank writes its own shards (what Python reads below); the
+    // FULL state written whole by rank 0 must read back the same.
+    absl::Status sharded = SaveShardedDcpModelAndOptimizer(**wrapped, *optimizer, dir + "/ours");
+    ASSERT_TRUE(sharded.ok()) << sharded;
     auto model_state = FullStateDict(**wrapped, {.rank0_only = true});
     ASSERT_TRUE(model_state.ok()) << model_state.status();
     auto optim_state = FullOptimStateDict(**wrapped, *optimizer, {.rank0_only = true});
     ASSERT_TRUE(optim_state.ok()) << optim_state.status();
     if (comm.rank() == 0) {
-      absl::Status saved = SaveDcpModelAndOptimizer(dir + "/ours", *model_state, *optim_state);
+      absl::Status saved = SaveDcpModelAndOptimizer(dir + "/ours_full", *model_state, *optim_state);
       ASSERT_TRUE(saved.ok()) << saved;
       saved_model = *model_state;
       saved_optim = *optim_state;
@@ -354,19 +399,39 @@ TEST(TorchOptimFile, OurDistributedCheckpointContinuesInFsdp2AtAnotherWorldSize)
   });
   ASSERT_TRUE(trained.ok()) << trained;
 
-  auto model_back = LoadDcpStateDict(dir + "/ours", "model.");
-  ASSERT_TRUE(model_back.ok()) << model_back.status();
-  ASSERT_EQ(model_back->size(), saved_model.size());
-  for (size_t i = 0; i < saved_model.size(); ++i) {
-    EXPECT_EQ((*model_back)[i].first, saved_model[i].first);
-    EXPECT_TRUE(at::equal((*model_back)[i].second, saved_model[i].second)) << saved_model[i].first;
+  for (const char* written : {"/ours", "/ours_full"}) {
+    SCOPED_TRACE(written);
+    auto model_back = LoadDcpStateDict(dir + written, "model.");
+    ASSERT_TRUE(model_back.ok()) << model_back.status();
+    ASSERT_EQ(model_back->size(), saved_model.size());
+    for (size_t i = 0; i < saved_model.size(); ++i) {
+      EXPECT_EQ((*model_back)[i].first, saved_model[i].first);
+      EXPECT_TRUE(at::equal((*model_back)[i].second, saved_model[i].second))
+          << saved_model[i].first;
+    }
+    auto optim_back = LoadDcpOptimStateDict(dir + written, "optim");
+    ASSERT_TRUE(optim_back.ok()) << optim_back.status();
+    ASSERT_EQ(optim_back->state.size(), saved_optim.state.size());
+    ASSERT_EQ(optim_back->param_groups.size(), 1u);
+    EXPECT_EQ(optim_back->param_groups[0].options, saved_optim.param_groups[0].options);
+    for (size_t i = 0; i < saved_optim.state.size(); ++i) {
+      const auto& [fqn, want] = saved_optim.state[i];
+      EXPECT_EQ(optim_back->state[i].first, fqn);
+      EXPECT_EQ(optim_back->state[i].second.values.at("step").toInt(), 3);
+      for (const auto& [name, tensor] : want.tensors) {
+        EXPECT_TRUE(at::equal(optim_back->state[i].second.tensors.at(name), tensor))
+            << fqn << " " << name;
+      }
+    }
   }
-  auto optim_back = LoadDcpOptimStateDict(dir + "/ours", "optim");
-  ASSERT_TRUE(optim_back.ok()) << optim_back.status();
-  ASSERT_EQ(optim_back->state.size(), saved_optim.state.size());
-  EXPECT_EQ(optim_back->state[0].second.values.at("step").toInt(), 3);
-  EXPECT_TRUE(at::equal(optim_back->state[0].second.tensors.at("exp_avg"),
-                        saved_optim.state[0].second.tensors.at("exp_avg")));
+  // Each rank wrote its own data file.
+  auto metadata = ReadDcpMetadata(dir + "/ours");
+  ASSERT_TRUE(metadata.ok()) << metadata.status();
+  std::set<std::string> files;
+  for (const DcpTensorEntry& tensor : metadata->tensors) {
+    for (const DcpChunk& chunk : tensor.chunks) files.insert(chunk.location.relative_path);
+  }
+  EXPECT_EQ(files.size(), 3u);
 
   LocalLaunchOptions launch;
   launch.world_size = 2;
@@ -384,6 +449,67 @@ TEST(TorchOptimFile, OurDistributedCheckpointContinuesInFsdp2AtAnotherWorldSize)
   auto result = LoadTorchStateDict(dir + "/result_load.pt");
   ASSERT_TRUE(result.ok()) << result.status();
   ExpectLossesNear(ours, result->back().second, 0, "FSDP2 at W = 2 continuing from our checkpoint");
+}
+
+// dcp.save of a plain Optimizer.state_dict() keys the state by index, so
+// a reader cannot tell a state's parameter before it has read the groups:
+// such a state is read whole and each rank takes its part. Loaded in
+// shards at W = 2, model and optimizer are what was saved.
+TEST(TorchOptimFile, AnIndexKeyedDcpStateLoadsIntoShards) {
+  const std::string dir = TempDir() + "/dcp_index_keyed";
+  ASSERT_EQ(std::system(absl::StrCat("rm -rf ", dir).c_str()), 0);
+  Net trained;
+  auto optimizer = MakeAdamW(trained->parameters());
+  for (int step = 0; step < 2; ++step) Step(trained, *optimizer, step, nullptr);
+  auto saved = ModuleOptimStateDict(*trained, *optimizer);
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  const std::vector<std::string> fqns = ParameterFqns(*trained);
+  std::vector<DcpItem> items;
+  for (const auto& [fqn, tensor] : ModuleStateDict(*trained)) {
+    items.push_back({{{false, "model", 0}, {false, fqn, 0}}, tensor});
+  }
+  for (DcpItem& item : DcpItemsOfOptimState(*saved, "optim")) {
+    if (item.path[1].key == "state") {
+      const int64_t index = std::find(fqns.begin(), fqns.end(), item.path[2].key) - fqns.begin();
+      item.path[2] = {true, "", index};
+    } else if (item.path[3].key == "params") {
+      c10::impl::GenericList indices(c10::AnyType::get());
+      for (size_t i = 0; i < fqns.size(); ++i) indices.push_back(static_cast<int64_t>(i));
+      item.value = indices;
+    }
+    items.push_back(std::move(item));
+  }
+  ASSERT_TRUE(SaveDcpCheckpoint(dir, items).ok());
+  absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
+    Net model;
+    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+    auto fresh = MakeWrongAdamW(model->parameters());
+    absl::Status loaded = LoadShardedDcpModelAndOptimizer(**wrapped, *fresh, dir);
+    ASSERT_TRUE(loaded.ok()) << loaded;
+    auto model_state = FullStateDict(**wrapped);
+    ASSERT_TRUE(model_state.ok());
+    auto optim_state = FullOptimStateDict(**wrapped, *fresh);
+    ASSERT_TRUE(optim_state.ok());
+    if (comm.rank() != 0) return;
+    const StateDict want = ModuleStateDict(*trained);
+    ASSERT_EQ(model_state->size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_TRUE(at::equal((*model_state)[i].second, want[i].second)) << want[i].first;
+    }
+    ASSERT_EQ(optim_state->state.size(), saved->state.size());
+    for (size_t i = 0; i < saved->state.size(); ++i) {
+      const auto& [fqn, param] = saved->state[i];
+      EXPECT_EQ(optim_state->state[i].first, fqn);
+      EXPECT_EQ(optim_state->state[i].second.values.at("step").toInt(), 2);
+      for (const auto& [name, tensor] : param.tensors) {
+        EXPECT_TRUE(at::equal(optim_state->state[i].second.tensors.at(name), tensor))
+            << fqn << " " << name;
+      }
+    }
+    EXPECT_EQ(optim_state->param_groups[0].options, saved->param_groups[0].options);
+  });
+  EXPECT_TRUE(status.ok()) << status;
 }
 
 // A file written by hand through SaveTorchObject.

@@ -450,30 +450,6 @@ absl::StatusOr<at::Tensor> ReadChunk(const std::string& dir, const DcpTensorEntr
   return t;
 }
 
-// `out` holds elements [offsets, offsets + out.sizes()) of the tensor; the
-// part of `chunk` that falls inside is copied into it. Returns false when
-// the two do not meet.
-absl::StatusOr<bool> CopyOverlap(const std::string& dir, const DcpTensorEntry& tensor,
-                                 const DcpChunk& chunk, const std::vector<int64_t>& offsets,
-                                 at::Tensor& out) {
-  std::vector<int64_t> lo(offsets.size()), hi(offsets.size());
-  for (size_t d = 0; d < offsets.size(); ++d) {
-    lo[d] = std::max(offsets[d], chunk.offsets[d]);
-    hi[d] =
-        std::min(offsets[d] + out.size(static_cast<int64_t>(d)), chunk.offsets[d] + chunk.sizes[d]);
-    if (hi[d] <= lo[d]) return false;
-  }
-  FSDP_ASSIGN_OR_RETURN(at::Tensor stored, ReadChunk(dir, tensor, chunk));
-  at::Tensor source = stored, target = out;
-  for (size_t d = 0; d < offsets.size(); ++d) {
-    const int64_t dim = static_cast<int64_t>(d);
-    source = source.narrow(dim, lo[d] - chunk.offsets[d], hi[d] - lo[d]);
-    target = target.narrow(dim, lo[d] - offsets[d], hi[d] - lo[d]);
-  }
-  target.copy_(source);
-  return true;
-}
-
 }  // namespace
 
 bool IsDcpDirectory(const std::string& path) {
@@ -601,22 +577,31 @@ absl::StatusOr<std::string> PythonDtypeName(at::ScalarType type) {
   }
 }
 
-std::string StoredName(const std::vector<DcpPathPart>& path) {
-  std::vector<std::string> parts;
-  for (const DcpPathPart& part : path) {
-    parts.push_back(part.is_index ? absl::StrCat(part.index) : part.key);
-  }
-  return absl::StrJoin(parts, ".");
-}
-
-struct WrittenItem {
+// One tensor's or value's metadata: its stored pieces in order.
+struct StoredGroup {
   std::string name;
-  const DcpItem* item;
-  uint64_t offset = 0, length = 0;
+  std::vector<const DcpStoredEntry*> pieces;
 };
 
-std::string MetadataPickle(const std::vector<WrittenItem>& written, const std::string& data_file,
-                           const std::vector<std::string>& dtypes) {
+void TensorProperties(PickleWriter& p, const std::string& dtype) {
+  p.Object(kMetadataPackage, "TensorProperties");
+  p.Mark();  // (dtype, layout, requires_grad, memory format, pin_memory)
+  p.Global("torch", dtype);
+  p.Global("torch.serialization", "_get_layout");
+  p.Str("torch.strided");
+  p.Tuple1();
+  p.Reduce();
+  p.Bool(false);
+  p.Global(kMetadataPackage, "_MEM_FORMAT_ENCODING");
+  p.Int(0);  // TORCH_CONTIGUOUS_FORMAT.
+  p.Tuple1();
+  p.Reduce();
+  p.Bool(false);
+  p.Tuple();
+  p.Build();
+}
+
+absl::StatusOr<std::string> MetadataPickle(const std::vector<StoredGroup>& groups) {
   PickleWriter p;
   p.Object(kMetadataPackage, "Metadata");
   p.EmptyDict();
@@ -624,47 +609,36 @@ std::string MetadataPickle(const std::vector<WrittenItem>& written, const std::s
   p.Str("state_dict_metadata");
   p.EmptyDict();
   p.Mark();
-  for (size_t i = 0; i < written.size(); ++i) {
-    p.Str(written[i].name);
-    const c10::IValue& value = written[i].item->value;
-    if (!value.isTensor()) {
+  for (const StoredGroup& group : groups) {
+    p.Str(group.name);
+    const DcpStoredEntry& first = *group.pieces.front();
+    if (!first.is_tensor) {
       p.Object(kMetadataPackage, "BytesStorageMetadata");
       continue;
     }
-    const std::vector<int64_t> size = value.toTensor().sizes().vec();
+    FSDP_ASSIGN_OR_RETURN(const std::string dtype, PythonDtypeName(first.dtype));
     p.Object(kMetadataPackage, "TensorStorageMetadata");
     p.EmptyDict();
     p.Mark();
     p.Str("properties");
-    p.Object(kMetadataPackage, "TensorProperties");
-    p.Mark();  // (dtype, layout, requires_grad, memory format, pin_memory)
-    p.Global("torch", dtypes[i]);
-    p.Global("torch.serialization", "_get_layout");
-    p.Str("torch.strided");
-    p.Tuple1();
-    p.Reduce();
-    p.Bool(false);
-    p.Global(kMetadataPackage, "_MEM_FORMAT_ENCODING");
-    p.Int(0);  // TORCH_CONTIGUOUS_FORMAT.
-    p.Tuple1();
-    p.Reduce();
-    p.Bool(false);
-    p.Tuple();
-    p.Build();
+    TensorProperties(p, dtype);
     p.Str("size");
-    p.Size(size);
+    p.Size(first.tensor_size);
     p.Str("chunks");
     p.EmptyList();
-    p.Object(kMetadataPackage, "ChunkStorageMetadata");
-    p.EmptyDict();
     p.Mark();
-    p.Str("offsets");
-    p.Size(std::vector<int64_t>(size.size(), 0));
-    p.Str("sizes");
-    p.Size(size);
-    p.SetItems();
-    p.Build();
-    p.Append();  // chunks: a list of one.
+    for (const DcpStoredEntry* piece : group.pieces) {
+      p.Object(kMetadataPackage, "ChunkStorageMetadata");
+      p.EmptyDict();
+      p.Mark();
+      p.Str("offsets");
+      p.Size(piece->chunk_offsets);
+      p.Str("sizes");
+      p.Size(piece->chunk_sizes);
+      p.SetItems();
+      p.Build();
+    }
+    p.Appends();
     p.SetItems();
     p.Build();
   }
@@ -672,10 +646,10 @@ std::string MetadataPickle(const std::vector<WrittenItem>& written, const std::s
   p.Str("planner_data");
   p.EmptyDict();
   p.Mark();
-  for (const WrittenItem& w : written) {
-    p.Str(w.name);
+  for (const StoredGroup& group : groups) {
+    p.Str(group.name);
     p.Mark();
-    for (const DcpPathPart& part : w.item->path) {
+    for (const DcpPathPart& part : group.pieces.front()->path) {
       if (part.is_index) {
         p.Int(part.index);
       } else {
@@ -688,39 +662,42 @@ std::string MetadataPickle(const std::vector<WrittenItem>& written, const std::s
   p.Str("storage_data");
   p.EmptyDict();
   p.Mark();
-  for (const WrittenItem& w : written) {
-    p.Object(kMetadataPackage, "MetadataIndex");
-    p.EmptyDict();
-    p.Mark();
-    p.Str("fqn");
-    p.Str(w.name);
-    p.Str("offset");
-    if (w.item->value.isTensor()) {
-      p.Size(std::vector<int64_t>(w.item->value.toTensor().dim(), 0));
-    } else {
+  for (const StoredGroup& group : groups) {
+    for (size_t i = 0; i < group.pieces.size(); ++i) {
+      const DcpStoredEntry& piece = *group.pieces[i];
+      p.Object(kMetadataPackage, "MetadataIndex");
+      p.EmptyDict();
+      p.Mark();
+      p.Str("fqn");
+      p.Str(group.name);
+      p.Str("offset");
+      if (piece.is_tensor) {
+        p.Size(piece.chunk_offsets);
+      } else {
+        p.None();
+      }
+      p.Str("index");
+      if (piece.is_tensor) {
+        p.Int(static_cast<int64_t>(i));  // A hint only: an index is found by fqn and offset.
+      } else {
+        p.None();
+      }
+      p.SetItems();
+      p.Build();
+      p.Object("torch.distributed.checkpoint.filesystem", "_StorageInfo");
+      p.EmptyDict();
+      p.Mark();
+      p.Str("relative_path");
+      p.Str(piece.location.relative_path);
+      p.Str("offset");
+      p.Int(static_cast<int64_t>(piece.location.offset));
+      p.Str("length");
+      p.Int(static_cast<int64_t>(piece.location.length));
+      p.Str("transform_descriptors");
       p.None();
+      p.SetItems();
+      p.Build();
     }
-    p.Str("index");
-    if (w.item->value.isTensor()) {
-      p.Int(0);
-    } else {
-      p.None();
-    }
-    p.SetItems();
-    p.Build();
-    p.Object("torch.distributed.checkpoint.filesystem", "_StorageInfo");
-    p.EmptyDict();
-    p.Mark();
-    p.Str("relative_path");
-    p.Str(data_file);
-    p.Str("offset");
-    p.Int(static_cast<int64_t>(w.offset));
-    p.Str("length");
-    p.Int(static_cast<int64_t>(w.length));
-    p.Str("transform_descriptors");
-    p.None();
-    p.SetItems();
-    p.Build();
   }
   p.SetItems();
   p.Str("storage_meta");
@@ -732,46 +709,107 @@ std::string MetadataPickle(const std::vector<WrittenItem>& written, const std::s
   return p.Finish();
 }
 
+bool IsDataFileName(const std::string& name) {
+  return name.size() > 9 && name.rfind("__", 0) == 0 &&
+         name.compare(name.size() - 7, 7, ".distcp") == 0 && name.find('/') == std::string::npos;
+}
+
 }  // namespace
 
-absl::Status SaveDcpCheckpoint(const std::string& dir, const std::vector<DcpItem>& items) {
-  if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
+std::string DcpStoredName(const std::vector<DcpPathPart>& path) {
+  std::vector<std::string> parts;
+  for (const DcpPathPart& part : path) {
+    parts.push_back(part.is_index ? absl::StrCat(part.index) : part.key);
+  }
+  return absl::StrJoin(parts, ".");
+}
+
+absl::StatusOr<std::vector<DcpStoredEntry>> WriteDcpDataFile(const std::string& dir,
+                                                             const std::string& file_name,
+                                                             const std::vector<DcpItem>& items) {
+  if (!IsDataFileName(file_name)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("cannot create '", dir, "': ", std::strerror(errno)));
+        absl::StrCat("'", file_name, "' is not a DCP data file name (__<rank>_<n>.distcp)"));
   }
-  std::vector<WrittenItem> written;
-  std::vector<std::string> dtypes;
-  std::set<std::string> names;
+  std::vector<DcpStoredEntry> stored;
+  FSDP_ASSIGN_OR_RETURN(AtomicFileWriter data, AtomicFileWriter::Open(dir + "/" + file_name));
+  uint64_t offset = 0;
   for (const DcpItem& item : items) {
-    const std::string name = StoredName(item.path);
-    if (item.path.empty() || !names.insert(name).second) {
+    DcpStoredEntry entry;
+    entry.path = item.path;
+    entry.is_tensor = item.value.isTensor();
+    c10::IValue value = item.value;
+    if (entry.is_tensor) {
+      // A view would store its whole storage, and a chunk is read back
+      // as a whole archive: each chunk is written compact.
+      const at::Tensor& t = item.value.toTensor();
+      entry.dtype = t.scalar_type();
+      FSDP_RETURN_IF_ERROR(PythonDtypeName(entry.dtype).status());
+      entry.chunk_sizes = t.sizes().vec();
+      entry.tensor_size = item.tensor_size.empty() ? entry.chunk_sizes : item.tensor_size;
+      entry.chunk_offsets = item.chunk_offsets.empty()
+                                ? std::vector<int64_t>(entry.chunk_sizes.size(), 0)
+                                : item.chunk_offsets;
+      if (entry.chunk_offsets.size() != entry.chunk_sizes.size() ||
+          entry.tensor_size.size() != entry.chunk_sizes.size()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the chunk of '", DcpStoredName(item.path), "' at [",
+            absl::StrJoin(entry.chunk_offsets, ", "), "] has ", entry.chunk_sizes.size(),
+            " dimensions, its tensor ", entry.tensor_size.size()));
+      }
+      value = t.is_cpu() ? t.detach().clone(at::MemoryFormat::Contiguous)
+                         : t.detach().contiguous().cpu();
+    } else if (!item.chunk_offsets.empty() || !item.tensor_size.empty()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("'", name, "' is written twice (or has no path)"));
+          absl::StrCat("'", DcpStoredName(item.path), "' is a chunk but not a tensor"));
     }
-    std::string dtype;
-    if (item.value.isTensor()) {
-      FSDP_ASSIGN_OR_RETURN(dtype, PythonDtypeName(item.value.toTensor().scalar_type()));
-    }
-    dtypes.push_back(dtype);
-    written.push_back({name, &item});
+    FSDP_ASSIGN_OR_RETURN(const std::string bytes, TorchSaveBytes(value));
+    if (!bytes.empty()) FSDP_RETURN_IF_ERROR(data.Write(bytes.data(), bytes.size()));
+    entry.location = {file_name, offset, bytes.size()};
+    offset += bytes.size();
+    stored.push_back(std::move(entry));
   }
-  // A new data file name each time: the checkpoint there stays whole until
-  // the new .metadata lands.
-  const std::string data_file =
-      absl::StrCat("__0_", std::chrono::system_clock::now().time_since_epoch().count(), ".distcp");
+  FSDP_RETURN_IF_ERROR(data.Commit());
+  return stored;
+}
+
+absl::Status CommitDcpMetadata(const std::string& dir, const std::vector<DcpStoredEntry>& entries) {
+  std::vector<StoredGroup> groups;
+  std::map<std::string, size_t> group_of;
+  std::set<std::string> data_files;
+  for (const DcpStoredEntry& entry : entries) {
+    const std::string name = DcpStoredName(entry.path);
+    if (entry.path.empty()) return absl::InvalidArgumentError("a value to write has no path");
+    auto [it, added] = group_of.emplace(name, groups.size());
+    if (added) {
+      groups.push_back({name, {}});
+    } else {
+      const DcpStoredEntry& first = *groups[it->second].pieces.front();
+      if (!entry.is_tensor || !first.is_tensor || entry.dtype != first.dtype ||
+          entry.tensor_size != first.tensor_size || entry.path.size() != first.path.size()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("'", name, "' is written twice, not as chunks of one tensor"));
+      }
+    }
+    groups[it->second].pieces.push_back(&entry);
+    data_files.insert(entry.location.relative_path);
+  }
+  FSDP_ASSIGN_OR_RETURN(const std::string pickle, MetadataPickle(groups));
+  // What is committed must read back: the reader's checks (chunks inside
+  // their tensor, covering it once, each with its storage) run on it first.
   {
-    FSDP_ASSIGN_OR_RETURN(AtomicFileWriter data, AtomicFileWriter::Open(dir + "/" + data_file));
-    uint64_t offset = 0;
-    for (WrittenItem& w : written) {
-      FSDP_ASSIGN_OR_RETURN(const std::string bytes, TorchSaveBytes(w.item->value));
-      if (!bytes.empty()) FSDP_RETURN_IF_ERROR(data.Write(bytes.data(), bytes.size()));
-      w.offset = offset;
-      w.length = bytes.size();
-      offset += bytes.size();
+    UnpicklerHooks hooks;
+    hooks.allow_global = AllowGlobal;
+    hooks.call = Call;
+    FSDP_ASSIGN_OR_RETURN(
+        PyRef root, Unpickle(pickle.data(), pickle.size(),
+                             absl::StrCat("DCP checkpoint '", dir, "': new .metadata"), hooks));
+    absl::StatusOr<DcpMetadata> check = MetadataParser(dir).Parse(root);
+    if (!check.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("not writing DCP checkpoint '", dir, "': ", check.status().message()));
     }
-    FSDP_RETURN_IF_ERROR(data.Commit());
   }
-  const std::string pickle = MetadataPickle(written, data_file, dtypes);
   FSDP_ASSIGN_OR_RETURN(AtomicFileWriter metadata, AtomicFileWriter::Open(dir + "/.metadata"));
   FSDP_RETURN_IF_ERROR(metadata.Write(pickle.data(), pickle.size()));
   FSDP_RETURN_IF_ERROR(metadata.Commit());
@@ -779,14 +817,31 @@ absl::Status SaveDcpCheckpoint(const std::string& dir, const std::vector<DcpItem
   if (DIR* d = opendir(dir.c_str())) {
     while (const dirent* e = readdir(d)) {
       const std::string name = e->d_name;
-      if (name != data_file && name.size() > 7 && name.rfind("__", 0) == 0 &&
-          name.compare(name.size() - 7, 7, ".distcp") == 0) {
-        unlink((dir + "/" + name).c_str());
-      }
+      if (IsDataFileName(name) && data_files.count(name) == 0) unlink((dir + "/" + name).c_str());
     }
     closedir(d);
   }
   return absl::OkStatus();
+}
+
+std::string NewDcpDataFileName(int rank, uint64_t save_id) {
+  return absl::StrCat("__", rank, "_", save_id, ".distcp");
+}
+
+absl::Status SaveDcpCheckpoint(const std::string& dir, const std::vector<DcpItem>& items) {
+  if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot create '", dir, "': ", std::strerror(errno)));
+  }
+  // A new data file name each time: the checkpoint there stays whole until
+  // the new .metadata lands.
+  const std::string data_file = NewDcpDataFileName(
+      0, static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()));
+  FSDP_ASSIGN_OR_RETURN(const std::vector<DcpStoredEntry> stored,
+                        WriteDcpDataFile(dir, data_file, items));
+  absl::Status committed = CommitDcpMetadata(dir, stored);
+  if (!committed.ok()) unlink((dir + "/" + data_file).c_str());
+  return committed;
 }
 
 absl::StatusOr<PyRef> ReadDcpBytes(const std::string& dir, const DcpBytesEntry& entry) {
@@ -794,20 +849,68 @@ absl::StatusOr<PyRef> ReadDcpBytes(const std::string& dir, const DcpBytesEntry& 
                              entry.location.offset, entry.location.length);
 }
 
-absl::StatusOr<at::Tensor> LoadDcpTensorRegion(const std::string& dir, const DcpTensorEntry& tensor,
-                                               const std::vector<int64_t>& offsets,
-                                               const std::vector<int64_t>& sizes) {
-  if (offsets.size() != tensor.size.size() || sizes.size() != tensor.size.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("a region of '", tensor.fqn, "' needs ", tensor.size.size(), " dimensions"));
-  }
-  for (size_t d = 0; d < sizes.size(); ++d) {
-    if (offsets[d] < 0 || sizes[d] < 0 || offsets[d] > tensor.size[d] ||
-        sizes[d] > tensor.size[d] - offsets[d]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "region [", absl::StrJoin(offsets, ", "), "] + [", absl::StrJoin(sizes, ", "),
-          "] lies outside '", tensor.fqn, "' of size [", absl::StrJoin(tensor.size, ", "), "]"));
+namespace {
+
+// Boxes of [lo, hi) within the sub-tensor at `prefix` (indices fixed for
+// the dimensions before `dim`), whose first element has flat index `base`.
+void AddBoxes(const std::vector<int64_t>& size, size_t dim, std::vector<int64_t>& prefix,
+              int64_t base, int64_t lo, int64_t hi, std::vector<DcpBox>& out) {
+  if (lo >= hi) return;
+  int64_t stride = 1;  // Elements per index of `dim`.
+  for (size_t d = dim + 1; d < size.size(); ++d) stride *= size[d];
+  const auto box = [&](int64_t first, int64_t count) {
+    DcpBox b;
+    b.offsets = prefix;
+    b.sizes.assign(prefix.size(), 1);
+    b.offsets.push_back(first);
+    b.sizes.push_back(count);
+    for (size_t d = dim + 1; d < size.size(); ++d) {
+      b.offsets.push_back(0);
+      b.sizes.push_back(size[d]);
     }
+    b.flat_begin = base + first * stride;
+    out.push_back(std::move(b));
+  };
+  const auto inner = [&](int64_t index, int64_t from, int64_t to) {
+    prefix.push_back(index);
+    AddBoxes(size, dim + 1, prefix, base + index * stride, from, to, out);
+    prefix.pop_back();
+  };
+  int64_t first = lo / stride;
+  const int64_t last = hi / stride;  // Whole indices end here.
+  if (first == last) {               // Within one index of `dim`, so stride > 1.
+    inner(first, lo - first * stride, hi - first * stride);
+    return;
+  }
+  if (lo % stride != 0) {
+    inner(first, lo % stride, stride);
+    ++first;
+  }
+  if (last > first) box(first, last - first);
+  if (hi % stride != 0) inner(last, 0, hi % stride);
+}
+
+}  // namespace
+
+std::vector<DcpBox> DcpBoxesOfFlatRange(const std::vector<int64_t>& size, int64_t lo, int64_t hi) {
+  std::vector<DcpBox> out;
+  if (lo >= hi) return out;
+  if (size.empty()) {
+    out.push_back(DcpBox{{}, {}, 0});
+    return out;
+  }
+  std::vector<int64_t> prefix;
+  AddBoxes(size, 0, prefix, 0, lo, hi, out);
+  return out;
+}
+
+absl::StatusOr<at::Tensor> ReadDcpFlatRange(const std::string& dir, const DcpTensorEntry& tensor,
+                                            int64_t lo, int64_t hi, int64_t* bytes_read) {
+  int64_t numel = 1;
+  for (int64_t d : tensor.size) numel *= d;  // Checked not to overflow when read.
+  if (lo < 0 || hi < lo || hi > numel) {
+    return absl::InvalidArgumentError(absl::StrCat("elements [", lo, ", ", hi, ") lie outside '",
+                                                   tensor.fqn, "' of ", numel, " elements"));
   }
   for (const DcpChunk& chunk : tensor.chunks) {
     if (chunk.offsets.size() != tensor.size.size() || chunk.sizes.size() != tensor.size.size()) {
@@ -817,11 +920,38 @@ absl::StatusOr<at::Tensor> LoadDcpTensorRegion(const std::string& dir, const Dcp
     }
   }
   try {
-    at::Tensor out = at::empty(sizes, at::TensorOptions().dtype(tensor.dtype));
-    if (out.numel() == 0) return out;
+    at::Tensor out = at::empty({hi - lo}, at::TensorOptions().dtype(tensor.dtype));
+    const std::vector<DcpBox> boxes = DcpBoxesOfFlatRange(tensor.size, lo, hi);
+    // Each chunk that meets a box is read once, however many boxes it meets.
     for (const DcpChunk& chunk : tensor.chunks) {
-      FSDP_ASSIGN_OR_RETURN(bool copied, CopyOverlap(dir, tensor, chunk, offsets, out));
-      (void)copied;
+      std::vector<const DcpBox*> met;
+      for (const DcpBox& box : boxes) {
+        bool meets = true;
+        for (size_t d = 0; d < box.offsets.size(); ++d) {
+          meets = meets &&
+                  std::max(box.offsets[d], chunk.offsets[d]) <
+                      std::min(box.offsets[d] + box.sizes[d], chunk.offsets[d] + chunk.sizes[d]);
+        }
+        if (meets) met.push_back(&box);
+      }
+      if (met.empty()) continue;
+      FSDP_ASSIGN_OR_RETURN(at::Tensor stored, ReadChunk(dir, tensor, chunk));
+      if (bytes_read != nullptr) *bytes_read += static_cast<int64_t>(chunk.location.length);
+      for (const DcpBox* box : met) {
+        int64_t box_numel = 1;
+        for (int64_t s : box->sizes) box_numel *= s;
+        at::Tensor target = out.narrow(0, box->flat_begin - lo, box_numel).view(box->sizes);
+        at::Tensor source = stored;
+        for (size_t d = 0; d < box->offsets.size(); ++d) {
+          const int64_t dim = static_cast<int64_t>(d);
+          const int64_t from = std::max(box->offsets[d], chunk.offsets[d]);
+          const int64_t to =
+              std::min(box->offsets[d] + box->sizes[d], chunk.offsets[d] + chunk.sizes[d]);
+          source = source.narrow(dim, from - chunk.offsets[d], to - from);
+          target = target.narrow(dim, from - box->offsets[d], to - from);
+        }
+        target.copy_(source);
+      }
     }
     return out;  // The metadata's chunks cover the tensor (checked when read).
   } catch (const std::exception& e) {
@@ -836,10 +966,10 @@ absl::StatusOr<StateDict> LoadDcpStateDict(const std::string& dir, const std::st
   StateDict state;
   for (const DcpTensorEntry& tensor : metadata.tensors) {
     if (tensor.fqn.rfind(prefix, 0) != 0) continue;
-    FSDP_ASSIGN_OR_RETURN(
-        at::Tensor full,
-        LoadDcpTensorRegion(dir, tensor, std::vector<int64_t>(tensor.size.size(), 0), tensor.size));
-    state.emplace_back(tensor.fqn.substr(prefix.size()), std::move(full));
+    int64_t numel = 1;
+    for (int64_t d : tensor.size) numel *= d;
+    FSDP_ASSIGN_OR_RETURN(at::Tensor flat, ReadDcpFlatRange(dir, tensor, 0, numel));
+    state.emplace_back(tensor.fqn.substr(prefix.size()), flat.view(tensor.size));
   }
   if (state.empty() && !prefix.empty()) {
     std::vector<std::string> names;

@@ -1,7 +1,9 @@
 // PyTorch Distributed Checkpoint (DCP) directories without Python: reading
 // what torch.distributed.checkpoint.save writes (FSDP2's get_state_dict at
 // any world size, or a plain state dict), for loading into our models, and
-// writing what its load reads (SaveDcpCheckpoint).
+// writing what its load reads (SaveDcpCheckpoint). This file is one
+// process's view; statedict/dcp_sharded.h has every rank save and load its
+// own shards with these pieces.
 //
 // A DCP directory holds `.metadata`, a pickle of DCP's metadata classes
 // (every tensor's dtype, size and chunks, and where each chunk's bytes
@@ -102,25 +104,70 @@ absl::StatusOr<StateDict> LoadDcpStateDict(const std::string& dir, const std::st
 absl::StatusOr<PyRef> ReadDcpBytes(const std::string& dir, const DcpBytesEntry& entry);
 // One value to write: where it sits in the nested state dict ({"model":
 // {fqn: tensor}} -> ("model", fqn)) and the value, a tensor on CPU or a
-// plain value SaveTorchObject writes (statedict/torch_file.h).
+// plain value SaveTorchObject writes (statedict/torch_file.h). A tensor is
+// whole, or one chunk of a larger one: then `chunk_offsets` says where the
+// chunk starts in it and `tensor_size` is its size.
 struct DcpItem {
   std::vector<DcpPathPart> path;
   c10::IValue value;
+  std::vector<int64_t> chunk_offsets;
+  std::vector<int64_t> tensor_size;
 };
 // Writes `items` as a Distributed Checkpoint in `dir` (created if absent),
-// as dcp.save of the nested state dict from one rank writes it: each
-// tensor whole as one chunk and every other value as a bytes entry, in one
-// data file, stored under its path joined by "." with the paths in the
-// metadata's planner_data, so that PyTorch's dcp.load reads it at any world
-// size (each rank the part of each chunk it needs). Atomic: the data file
-// has a new name and .metadata replaces the old one last; a checkpoint that
-// was there stays whole until then, and its data files are removed after.
+// as dcp.save of the nested state dict from one rank writes it: every
+// value in one data file, stored under its path joined by "." with the
+// paths in the metadata's planner_data, so that PyTorch's dcp.load reads it
+// at any world size (each rank the chunks it needs). The chunks of a tensor
+// must cover it exactly once. Atomic: the data file has a new name and
+// .metadata replaces the old one last; a checkpoint that was there stays
+// whole until then, and its data files are removed after.
 absl::Status SaveDcpCheckpoint(const std::string& dir, const std::vector<DcpItem>& items);
-// Elements [offsets, offsets + sizes) of one tensor, read from only the
-// chunks that overlap them (a sharded load's own part).
-absl::StatusOr<at::Tensor> LoadDcpTensorRegion(const std::string& dir, const DcpTensorEntry& tensor,
-                                               const std::vector<int64_t>& offsets,
-                                               const std::vector<int64_t>& sizes);
+
+// The building blocks of a save by many writers (statedict/dcp_sharded.h):
+// each writes its items into a data file of its own, and one writer then
+// commits the metadata of them all.
+//
+// What .metadata records of one written item.
+struct DcpStoredEntry {
+  std::vector<DcpPathPart> path;
+  bool is_tensor = false;
+  at::ScalarType dtype = at::kFloat;                // Tensors only, as the
+  std::vector<int64_t> tensor_size;                 // whole tensor's size
+  std::vector<int64_t> chunk_offsets, chunk_sizes;  // and this chunk's place.
+  DcpStorageLocation location;
+};
+// The name a path is stored under: its parts joined by ".".
+std::string DcpStoredName(const std::vector<DcpPathPart>& path);
+// A data file name of writer `rank` for the save `save_id`: __<rank>_<id>.distcp.
+std::string NewDcpDataFileName(int rank, uint64_t save_id);
+// Writes `items` into `dir`/`file_name` (atomically; a name of
+// NewDcpDataFileName's form) and says where each went.
+absl::StatusOr<std::vector<DcpStoredEntry>> WriteDcpDataFile(const std::string& dir,
+                                                             const std::string& file_name,
+                                                             const std::vector<DcpItem>& items);
+// Checks `entries` (every writer's) as ReadDcpMetadata checks what it
+// reads, then replaces `dir`/.metadata with theirs (atomically) and removes
+// the data files it does not name.
+absl::Status CommitDcpMetadata(const std::string& dir, const std::vector<DcpStoredEntry>& entries);
+
+// A box of a tensor: elements [offsets, offsets + sizes), which are the
+// flattened tensor's elements [flat_begin, flat_begin + their number) in
+// order.
+struct DcpBox {
+  std::vector<int64_t> offsets, sizes;
+  int64_t flat_begin = 0;
+};
+// Boxes that make up elements [lo, hi) of a flattened tensor of `size`, in
+// order, as few as boxes whose elements are consecutive can be (at most
+// 2 * dims - 1): how a rank's part of a flat shard becomes DCP chunks, and
+// how it is found in them.
+std::vector<DcpBox> DcpBoxesOfFlatRange(const std::vector<int64_t>& size, int64_t lo, int64_t hi);
+
+// Elements [lo, hi) of the flattened tensor, 1-D: a flat shard's part of
+// it, read from only the chunks that hold some of it, each once. Adds
+// the bytes read to `*bytes_read` when given.
+absl::StatusOr<at::Tensor> ReadDcpFlatRange(const std::string& dir, const DcpTensorEntry& tensor,
+                                            int64_t lo, int64_t hi, int64_t* bytes_read = nullptr);
 
 }  // namespace fsdp
 

@@ -179,7 +179,22 @@ def write_bad(directory):
     emit("transformed", m)
 
 
+def check_load(directory, key):
+    dcp = dcp_or_exit()
+    expected = torch.load(os.path.join(directory, "expected.pt"))
+    state = {key: {name: torch.zeros_like(t) for name, t in expected.items()}}
+    dcp.load(state, checkpoint_id=os.path.join(directory, "ckpt"), no_dist=True)
+    differ = [name for name, t in expected.items() if not torch.equal(state[key][name], t)]
+    if differ:
+        print("dcp.load read different values for: %s" % ", ".join(differ))
+        sys.exit(1)
+    print("dcp.load read all %d tensors exactly" % len(expected))
+
+
 if __name__ == "__main__":
     mode, path = sys.argv[1], sys.argv[2]
-    {"write_plain": write_plain, "write_fsdp2": write_fsdp2, "write_malicious": write_malicious,
-     "write_bad": write_bad}[mode](path)
+    if mode == "check_load":
+        check_load(path, sys.argv[3])
+    else:
+        {"write_plain": write_plain, "write_fsdp2": write_fsdp2,
+         "write_malicious": write_malicious, "write_bad": write_bad}[mode](path)

@@ -104,11 +104,11 @@ void ExpectFsdp2Checkpoint(const std::string& dir) {
   ASSERT_TRUE(expected.ok()) << expected.status();
   ExpectSameState(*loaded, *expected);
 
-  // Rows 1-3 of 0.weight span both ranks' chunks; as a sharded load at
-  // W = 3 would ask for them.
-  auto region = LoadDcpTensorRegion(dir + "/ckpt", weight, {1, 2}, {3, 4});
-  ASSERT_TRUE(region.ok()) << region.status();
-  EXPECT_TRUE(at::equal(*region, (*expected)[0].second.narrow(0, 1, 3).narrow(1, 2, 4)));
+  // Elements 8-25 of 0.weight (rows 1-4, as a flat shard cuts them) span
+  // both ranks' chunks; as a sharded load at W = 3 would ask for them.
+  auto part = ReadDcpFlatRange(dir + "/ckpt", weight, 8, 26);
+  ASSERT_TRUE(part.ok()) << part.status();
+  EXPECT_TRUE(at::equal(*part, (*expected)[0].second.reshape({-1}).narrow(0, 8, 18)));
 }
 
 TEST(Dcp, ReadsAPlainCheckpointPythonWrote) {
@@ -159,7 +159,7 @@ std::string CopyFixture(const std::string& name) {
   return to;
 }
 
-TEST(Dcp, ARegionReadsOnlyTheChunksItOverlaps) {
+TEST(Dcp, AFlatRangeReadsOnlyTheChunksThatHoldIt) {
   const std::string dir = CopyFixture("fsdp2_w2");
   auto metadata = ReadDcpMetadata(dir + "/ckpt");
   ASSERT_TRUE(metadata.ok()) << metadata.status();
@@ -167,8 +167,10 @@ TEST(Dcp, ARegionReadsOnlyTheChunksItOverlaps) {
   // Rank 1's data file is lost: rank 0's rows still load, all rows do not.
   const std::string rank1_file = weight.chunks[1].location.relative_path;
   std::ofstream(dir + "/ckpt/" + rank1_file, std::ios::trunc).close();
-  auto own_rows = LoadDcpTensorRegion(dir + "/ckpt", weight, {0, 0}, {3, 6});
+  int64_t bytes_read = 0;
+  auto own_rows = ReadDcpFlatRange(dir + "/ckpt", weight, 0, 18, &bytes_read);
   ASSERT_TRUE(own_rows.ok()) << own_rows.status();
+  EXPECT_EQ(bytes_read, static_cast<int64_t>(weight.chunks[0].location.length));
   auto all_rows = LoadDcpStateDict(dir + "/ckpt");
   ASSERT_FALSE(all_rows.ok());
   EXPECT_THAT(all_rows.status().message(), HasSubstr(rank1_file));

@@ -1,6 +1,7 @@
 // libFuzzer target: any bytes as a DCP checkpoint's .metadata, beside the
 // data file of the plain fixture (statedict/testdata/dcp/plain), through
-// ReadDcpMetadata and LoadDcpStateDict. tools/fuzz.sh runs it;
+// ReadDcpMetadata and LoadDcpStateDict, and, for what loads whole, parts
+// read by ReadDcpFlatRange must be the whole's elements. tools/fuzz.sh runs it;
 // //statedict/fuzz:dcp_metadata_fuzz_regression_test replays its
 // corpus.
 #include <unistd.h>
@@ -10,7 +11,9 @@
 #include <cstdlib>
 #include <fstream>
 #include <string>
+#include <utility>
 
+#include "ATen/ATen.h"
 #include "statedict/dcp.h"
 
 namespace {
@@ -33,6 +36,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::ofstream(dir + "/.metadata", std::ios::binary | std::ios::trunc)
       .write(reinterpret_cast<const char*>(data), static_cast<std::streamsize>(size));
   auto metadata = fsdp::ReadDcpMetadata(dir);
-  if (metadata.ok()) (void)fsdp::LoadDcpStateDict(dir);
+  if (!metadata.ok()) return 0;
+  auto whole = fsdp::LoadDcpStateDict(dir);
+  if (!whole.ok()) return 0;
+  // A flat shard's part read from the chunks that hold it is the same
+  // elements of the whole tensor (what a sharded load relies on).
+  for (size_t t = 0; t < metadata->tensors.size() && t < whole->size(); ++t) {
+    const fsdp::DcpTensorEntry& tensor = metadata->tensors[t];
+    const at::Tensor flat = (*whole)[t].second.reshape({-1});
+    const int64_t n = flat.numel();
+    for (const auto& [lo, hi] :
+         {std::pair<int64_t, int64_t>{0, n / 3}, std::pair<int64_t, int64_t>{n / 3, n - n / 5}}) {
+      auto part = fsdp::ReadDcpFlatRange(dir, tensor, lo, hi);
+      if (!part.ok()) std::abort();  // Whole, it was readable.
+      if (!at::equal(*part, flat.narrow(0, lo, hi - lo))) std::abort();
+    }
+  }
   return 0;
 }

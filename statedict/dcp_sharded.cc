@@ -1,0 +1,437 @@
+#include "statedict/dcp_sharded.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "ATen/ATen.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/status.h"
+
+namespace fsdp {
+namespace {
+
+// What every rank must pass alike: each tensor's name, shape, dtype and
+// whether it is sharded. Rank 0 compares the others' with its own, since
+// it names their chunks from its own list.
+int64_t Fingerprint(const std::vector<DcpTensorShard>& tensors) {
+  std::string all;
+  for (const DcpTensorShard& t : tensors) {
+    absl::StrAppend(&all, DcpStoredName(t.path), "|", absl::StrJoin(t.shape, ","), "|",
+                    static_cast<int>(t.dtype), "|", t.sharded, "\n");
+  }
+  return static_cast<int64_t>(std::hash<std::string>()(all));
+}
+
+// A rank's report of its save: the fingerprint of its tensors, then the
+// chunks it wrote, as int64 words (shard index, dims, offsets..., sizes...,
+// byte offset, byte length), or its error (a leading 'E').
+std::string EncodeReport(int64_t fingerprint,
+                         const std::vector<std::pair<size_t, DcpStoredEntry>>& chunks) {
+  std::vector<int64_t> words = {fingerprint};
+  for (const auto& [index, entry] : chunks) {
+    words.push_back(static_cast<int64_t>(index));
+    words.push_back(static_cast<int64_t>(entry.chunk_offsets.size()));
+    words.insert(words.end(), entry.chunk_offsets.begin(), entry.chunk_offsets.end());
+    words.insert(words.end(), entry.chunk_sizes.begin(), entry.chunk_sizes.end());
+    words.push_back(static_cast<int64_t>(entry.location.offset));
+    words.push_back(static_cast<int64_t>(entry.location.length));
+  }
+  std::string out = "C";
+  out.append(reinterpret_cast<const char*>(words.data()), words.size() * sizeof(int64_t));
+  return out;
+}
+
+// Rank `rank`'s chunks as stored entries (rank 0 decodes what every rank
+// reported; the reports come from this job's own ranks).
+absl::Status DecodeReport(const std::string& report, int rank, const std::string& file,
+                          const std::vector<DcpTensorShard>& tensors,
+                          std::vector<DcpStoredEntry>& out, std::vector<size_t>& indices) {
+  if (report.empty() || report[0] != 'C' || (report.size() - 1) % sizeof(int64_t) != 0) {
+    return absl::InternalError(absl::StrCat("rank ", rank, " sent a malformed report"));
+  }
+  std::vector<int64_t> words((report.size() - 1) / sizeof(int64_t));
+  std::memcpy(words.data(), report.data() + 1, words.size() * sizeof(int64_t));
+  if (words.empty() || words[0] != Fingerprint(tensors)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank,
+                     " passed other tensors than rank 0 (names, shapes, dtypes "
+                     "or order differ)"));
+  }
+  size_t at = 1;
+  const auto take = [&]() -> int64_t { return at < words.size() ? words[at++] : -1; };
+  while (at < words.size()) {
+    const int64_t index = take(), dims = take();
+    if (index < 0 || static_cast<size_t>(index) >= tensors.size() || dims < 0 ||
+        static_cast<size_t>(dims) != tensors[index].shape.size() ||
+        at + 2 * static_cast<size_t>(dims) + 2 > words.size()) {
+      return absl::InternalError(absl::StrCat("rank ", rank, " sent a malformed report"));
+    }
+    DcpStoredEntry entry;
+    const DcpTensorShard& t = tensors[index];
+    entry.path = t.path;
+    entry.is_tensor = true;
+    entry.dtype = t.dtype;
+    entry.tensor_size = t.shape;
+    for (int64_t d = 0; d < dims; ++d) entry.chunk_offsets.push_back(take());
+    for (int64_t d = 0; d < dims; ++d) entry.chunk_sizes.push_back(take());
+    entry.location.relative_path = file;
+    entry.location.offset = static_cast<uint64_t>(take());
+    entry.location.length = static_cast<uint64_t>(take());
+    out.push_back(std::move(entry));
+    indices.push_back(static_cast<size_t>(index));
+  }
+  return absl::OkStatus();
+}
+
+// This rank's items: its part of every sharded tensor as boxes, and, on
+// rank 0, every replicated tensor whole and the plain values. `owner[i]` is
+// the shard index of tensor item i.
+absl::Status ItemsOf(int rank, const std::vector<DcpTensorShard>& tensors,
+                     const std::vector<DcpItem>& values, std::vector<DcpItem>& items,
+                     std::vector<size_t>& owner) {
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const DcpTensorShard& t = tensors[k];
+    int64_t numel = 1;
+    for (int64_t s : t.shape) numel *= s;
+    const int64_t lo = t.sharded ? t.lo : 0, hi = t.sharded ? t.hi : numel;
+    if (!t.local.defined() || t.local.numel() != hi - lo || lo < 0 || hi > numel ||
+        t.local.scalar_type() != t.dtype) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("'", DcpStoredName(t.path), "': this rank's part holds ",
+                       t.local.defined() ? t.local.numel() : 0, " elements for [", lo, ", ", hi,
+                       ") of ", numel));
+    }
+    if (!t.sharded && rank != 0) continue;
+    if (numel == 0) {
+      // No rank holds an element: rank 0 writes the empty tensor as one
+      // chunk, as dcp.save does, so that the tensor is in the checkpoint.
+      if (rank != 0) continue;
+      DcpItem item;
+      item.path = t.path;
+      item.value = t.local.detach().view(t.shape);
+      items.push_back(std::move(item));
+      owner.push_back(k);
+      continue;
+    }
+    at::Tensor flat = t.local.detach().reshape({-1});
+    for (const DcpBox& box : DcpBoxesOfFlatRange(t.shape, lo, hi)) {
+      int64_t box_numel = 1;
+      for (int64_t s : box.sizes) box_numel *= s;
+      DcpItem item;
+      item.path = t.path;
+      item.value = flat.narrow(0, box.flat_begin - lo, box_numel).view(box.sizes);
+      item.chunk_offsets = box.offsets;
+      item.tensor_size = t.shape;
+      items.push_back(std::move(item));
+      owner.push_back(k);
+    }
+  }
+  if (rank == 0) {
+    for (const DcpItem& value : values) items.push_back(value);
+  }
+  return absl::OkStatus();
+}
+
+std::string Who(const Collectives& group) {
+  return absl::StrCat("rank ", group.rank(), " of ", group.world_size());
+}
+
+}  // namespace
+
+absl::Status SaveShardedDcp(Collectives& group, const std::string& dir,
+                            const std::vector<DcpTensorShard>& tensors,
+                            const std::vector<DcpItem>& values, const absl::Status& ready) {
+  const int rank = group.rank(), world = group.world_size();
+  CollectiveLabel label(group, "", "DCP save");
+  // A local failure becomes this rank's report: every rank reaches every
+  // collective, whatever happens to it locally.
+  const auto guarded = [](const std::function<absl::Status()>& phase) {
+    try {
+      return phase();
+    } catch (...) {
+      return StatusFromCurrentException();
+    }
+  };
+  try {
+    std::string id = rank == 0
+                         ? absl::StrCat(std::chrono::system_clock::now().time_since_epoch().count())
+                         : std::string();
+    BroadcastBytes(group, id, /*root=*/0);
+    const uint64_t save_id = std::stoull(id);
+
+    std::vector<size_t> owner;         // This rank's chunks' tensors,
+    std::vector<DcpStoredEntry> mine;  // and where its items went.
+    absl::Status written = ready;
+    if (written.ok()) {
+      written = guarded([&]() -> absl::Status {
+        std::vector<DcpItem> items;
+        FSDP_RETURN_IF_ERROR(ItemsOf(rank, tensors, values, items, owner));
+        if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("cannot create '", dir, "': ", std::strerror(errno)));
+        }
+        FSDP_ASSIGN_OR_RETURN(mine,
+                              WriteDcpDataFile(dir, NewDcpDataFileName(rank, save_id), items));
+        return absl::OkStatus();
+      });
+    }
+    std::string report;
+    if (written.ok()) {
+      std::vector<std::pair<size_t, DcpStoredEntry>> chunks;
+      for (size_t i = 0; i < owner.size(); ++i) chunks.emplace_back(owner[i], mine[i]);
+      report = EncodeReport(Fingerprint(tensors), chunks);
+    } else {
+      report = absl::StrCat("E", written.message());
+    }
+    const std::vector<std::string> reports = AllGatherBytes(group, report);
+
+    std::string outcome;  // Rank 0's: empty when the checkpoint landed.
+    if (rank == 0) {
+      const absl::Status committed = guarded([&]() -> absl::Status {
+        std::vector<std::string> failed;
+        std::vector<DcpStoredEntry> all;     // Other ranks' chunks,
+        std::vector<size_t> reported_index;  // and their tensors.
+        for (int r = 0; r < world; ++r) {
+          if (!reports[r].empty() && reports[r][0] == 'E') {
+            failed.push_back(absl::StrCat("rank ", r, ": ", reports[r].substr(1)));
+            continue;
+          }
+          if (r == 0) continue;
+          absl::Status decoded = DecodeReport(reports[r], r, NewDcpDataFileName(r, save_id),
+                                              tensors, all, reported_index);
+          if (!decoded.ok()) failed.push_back(std::string(decoded.message()));
+        }
+        if (!failed.empty()) return absl::InternalError(absl::StrJoin(failed, "; "));
+        // Every rank's file, as rank 0 sees it: a directory that is not
+        // shared would otherwise commit a checkpoint naming files it lacks.
+        std::map<std::string, uint64_t> file_ends;
+        for (const std::vector<DcpStoredEntry>* entries : {&mine, &all}) {
+          for (const DcpStoredEntry& e : *entries) {
+            uint64_t& end = file_ends[e.location.relative_path];
+            end = std::max(end, e.location.offset + e.location.length);
+          }
+        }
+        for (const auto& [file, end] : file_ends) {
+          struct stat st;
+          if (stat(absl::StrCat(dir, "/", file).c_str(), &st) != 0 ||
+              static_cast<uint64_t>(st.st_size) < end) {
+            return absl::UnavailableError(
+                absl::StrCat("rank 0 does not see ", file, " whole in '", dir,
+                             "': every rank must write to the same (shared) directory"));
+          }
+        }
+        // Tensors in the callers' order (each rank's chunks are), then the
+        // values: rank 0's entries after its chunks.
+        std::vector<DcpStoredEntry> ordered(mine.begin(), mine.begin() + owner.size());
+        std::vector<size_t> index_of = owner;
+        for (size_t i = 0; i < all.size(); ++i) {
+          ordered.push_back(all[i]);
+          index_of.push_back(reported_index[i]);
+        }
+        std::vector<size_t> order(ordered.size());
+        for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+        std::stable_sort(order.begin(), order.end(),
+                         [&](size_t x, size_t y) { return index_of[x] < index_of[y]; });
+        std::vector<DcpStoredEntry> sorted;
+        for (size_t i : order) sorted.push_back(ordered[i]);
+        sorted.insert(sorted.end(), mine.begin() + owner.size(), mine.end());
+        return CommitDcpMetadata(dir, sorted);
+      });
+      if (!committed.ok()) {
+        for (int r = 0; r < world; ++r) {
+          unlink(absl::StrCat(dir, "/", NewDcpDataFileName(r, save_id)).c_str());
+        }
+        outcome = std::string(committed.message());
+      }
+    }
+    BroadcastBytes(group, outcome, /*root=*/0);
+    if (outcome.empty()) return absl::OkStatus();
+    return absl::InternalError(
+        absl::StrCat(Who(group), ": the DCP checkpoint in '", dir,
+                     "' was not saved (the one there is unchanged): ", outcome));
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+}
+
+absl::Status LoadShardedDcp(Collectives& group, const std::string& dir,
+                            const std::vector<DcpTensorShard>& tensors, ShardedLoadStats* stats,
+                            const absl::Status& ready, Collectives* replicate_group) {
+  CollectiveLabel label(group, "", "DCP load");
+  std::vector<at::Tensor> staging(tensors.size());
+  ShardedLoadStats local_stats;
+  absl::Status local = ready;
+  try {
+    if (local.ok()) {
+      absl::StatusOr<DcpMetadata> metadata = ReadDcpMetadata(dir);
+      if (!metadata.ok()) local = metadata.status();
+      std::unordered_map<std::string, const DcpTensorEntry*> by_name;
+      if (metadata.ok()) {
+        for (const DcpTensorEntry& entry : metadata->tensors) by_name[entry.fqn] = &entry;
+      }
+      std::vector<std::string> problems;
+      for (size_t k = 0; local.ok() && k < tensors.size(); ++k) {
+        const DcpTensorShard& t = tensors[k];
+        const std::string name = DcpStoredName(t.path);
+        auto it = by_name.find(name);
+        if (it == by_name.end()) {
+          problems.push_back(absl::StrCat("'", name, "' is missing"));
+          continue;
+        }
+        const DcpTensorEntry& entry = *it->second;
+        if (entry.size != t.shape || entry.dtype != t.dtype) {
+          problems.push_back(absl::StrCat("'", name, "' is ", c10::toString(entry.dtype), " [",
+                                          absl::StrJoin(entry.size, ", "), "] in the checkpoint, ",
+                                          c10::toString(t.dtype), " [",
+                                          absl::StrJoin(t.shape, ", "), "] here"));
+          continue;
+        }
+        int64_t numel = 1;
+        for (int64_t s : t.shape) numel *= s;
+        const int64_t lo = t.sharded ? t.lo : 0, hi = t.sharded ? t.hi : numel;
+        // Checked here, so that copying after the agreement cannot fail.
+        if (!t.local.defined() || t.local.numel() != hi - lo || t.local.scalar_type() != t.dtype ||
+            !t.local.is_contiguous()) {
+          local = absl::InvalidArgumentError(absl::StrCat(
+              "'", name, "': this rank's tensor is not a contiguous ", c10::toString(t.dtype),
+              " tensor of the ", hi - lo, " elements it holds"));
+          break;
+        }
+        absl::StatusOr<at::Tensor> part =
+            ReadDcpFlatRange(dir, entry, lo, hi, &local_stats.bytes_read);
+        if (!part.ok()) {
+          local = part.status();
+          break;
+        }
+        local_stats.bytes_needed += (hi - lo) * static_cast<int64_t>(c10::elementSize(t.dtype));
+        staging[k] = *std::move(part);
+      }
+      if (local.ok() && !problems.empty()) {
+        std::string holds;
+        if (metadata.ok()) {
+          std::vector<std::string> names;
+          for (const DcpTensorEntry& entry : metadata->tensors) {
+            if (names.size() == 4) break;
+            names.push_back(entry.fqn);
+          }
+          holds = absl::StrCat(" (its tensors start: ", absl::StrJoin(names, ", "), ")");
+        }
+        local = absl::InvalidArgumentError(absl::StrCat(
+            "DCP checkpoint '", dir, "' does not fit: ", absl::StrJoin(problems, "; "), holds));
+      }
+    }
+  } catch (...) {
+    local = StatusFromCurrentException();
+  }
+  try {
+    at::Tensor failed = at::empty({group.world_size()}, at::kDouble);
+    group.AllGatherIntoTensor(failed, at::full({1}, local.ok() ? 0.0 : 1.0, at::kDouble))->Wait();
+    std::vector<int> ranks;
+    for (int r = 0; r < group.world_size(); ++r) {
+      if (failed[r].item<double>() != 0) ranks.push_back(r);
+    }
+    if (replicate_group != nullptr) {
+      // Every replica loads or none: the others' groups' outcomes too.
+      at::Tensor any = at::full({1}, ranks.empty() ? 0.0 : 1.0, at::kDouble);
+      replicate_group->AllReduce(any, ReduceOp::kSum)->Wait();
+      if (ranks.empty() && any.item<double>() != 0) {
+        return absl::AbortedError(
+            absl::StrCat(Who(group),
+                         ": nothing was loaded: a rank of another shard group could not load "
+                         "the DCP checkpoint in '",
+                         dir, "'"));
+      }
+    }
+    if (!ranks.empty()) {
+      if (!local.ok()) {
+        return absl::Status(local.code(),
+                            absl::StrCat(Who(group), ": nothing was loaded: ", local.message()));
+      }
+      return absl::AbortedError(absl::StrCat(Who(group), ": nothing was loaded: rank(s) ",
+                                             absl::StrJoin(ranks, ", "),
+                                             " could not load the DCP checkpoint in '", dir, "'"));
+    }
+    at::NoGradGuard no_grad;
+    for (size_t k = 0; k < tensors.size(); ++k) {
+      if (staging[k].defined() && staging[k].numel() > 0) {
+        tensors[k].local.view({-1}).copy_(staging[k]);
+      }
+    }
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+  if (stats != nullptr) *stats = local_stats;
+  return absl::OkStatus();
+}
+
+std::vector<DcpTensorShard> ModelDcpShards(const FullyShardedModel& model, const std::string& key,
+                                           bool every_name) {
+  std::vector<DcpTensorShard> out;
+  for (const CheckpointTensor& t : ModelCheckpointTensors(model)) {
+    std::vector<std::string> names = {t.fqn};
+    if (every_name) names.insert(names.end(), t.aliases.begin(), t.aliases.end());
+    for (const std::string& name : names) {
+      DcpTensorShard shard;
+      if (!key.empty()) shard.path.push_back({false, key, 0});
+      shard.path.push_back({false, name, 0});
+      shard.shape = t.shape;
+      shard.dtype = t.dtype;
+      shard.sharded = t.sharded;
+      shard.lo = t.lo;
+      shard.hi = t.hi;
+      shard.local = t.local;
+      out.push_back(std::move(shard));
+    }
+  }
+  return out;
+}
+
+absl::Status SaveModelShardedDcp(FullyShardedModel& model, const std::string& dir,
+                                 const std::vector<DcpTensorShard>& tensors,
+                                 const std::vector<DcpItem>& values, const absl::Status& ready) {
+  Collectives* replicate = model.replicate_group();
+  absl::Status saved = absl::OkStatus();
+  if (replicate == nullptr || replicate->rank() == 0) {
+    saved = SaveShardedDcp(model.group(), dir, tensors, values, ready);
+  } else if (!ready.ok()) {
+    saved = ready;  // Its shard group's writer reports its own.
+  }
+  if (replicate == nullptr) return saved;
+  at::Tensor outcome = at::full({1}, saved.ok() ? 1.0 : 0.0, at::kDouble);
+  replicate->Broadcast(outcome, /*root=*/0)->Wait();
+  if (saved.ok() && outcome.item<double>() == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("rank ", replicate->rank(),
+                     " of the replicate group: the shard group that writes the "
+                     "DCP checkpoint to '",
+                     dir, "' failed (its own status says why)"));
+  }
+  return saved;
+}
+
+absl::Status SaveShardedDcpModel(FullyShardedModel& model, const std::string& dir,
+                                 const std::string& key) {
+  FSDP_RETURN_IF_ERROR(model.RequireIdle("saving a DCP checkpoint"));
+  return SaveModelShardedDcp(model, dir, ModelDcpShards(model, key, /*every_name=*/true));
+}
+
+absl::Status LoadShardedDcpModel(FullyShardedModel& model, const std::string& dir,
+                                 const std::string& key, ShardedLoadStats* stats) {
+  FSDP_RETURN_IF_ERROR(model.RequireIdle("loading a DCP checkpoint"));
+  return LoadShardedDcp(model.group(), dir, ModelDcpShards(model, key, /*every_name=*/false), stats,
+                        absl::OkStatus(), model.replicate_group());
+}
+
+}  // namespace fsdp
