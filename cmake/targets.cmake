@@ -545,6 +545,17 @@ set_target_properties(models_job_test_util PROPERTIES LIBRARY_OUTPUT_DIRECTORY $
 target_link_libraries(models_job_test_util PUBLIC third_party_absl_base third_party_gtest)
 endif()
 
+# //models:multi_node_test
+if(BUILD_TESTING)
+add_executable(models_multi_node_test ${PROJECT_SOURCE_DIR}/models/multi_node_test.cc)
+set_target_properties(models_multi_node_test PROPERTIES OUTPUT_NAME multi_node_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
+target_link_libraries(models_multi_node_test PRIVATE models_job_test_util testing_netns_hosts testing_torch_python third_party_absl_base third_party_absl_status third_party_gtest_main)
+add_dependencies(models_multi_node_test models_train_gpt)
+add_test(NAME //models:multi_node_test COMMAND models_multi_node_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//models:multi_node_test PROPERTIES TIMEOUT 900 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/models_multi_node_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/models_multi_node_test")
+endif()
+
 # //models:optimizer_step_benchmark
 if(BUILD_TESTING)
 add_executable(models_optimizer_step_benchmark ${PROJECT_SOURCE_DIR}/models/optimizer_step_benchmark.cc)
@@ -2628,6 +2639,13 @@ target_link_libraries(testing_multi_rank_test PRIVATE testing_multi_rank third_p
 add_test(NAME //testing:multi_rank_test COMMAND testing_multi_rank_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//testing:multi_rank_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/testing_multi_rank_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/testing_multi_rank_test")
+endif()
+
+# //testing:netns_hosts
+if(BUILD_TESTING)
+add_library(testing_netns_hosts SHARED ${PROJECT_SOURCE_DIR}/testing/netns_hosts.cc ${PROJECT_SOURCE_DIR}/testing/netns_hosts.h)
+set_target_properties(testing_netns_hosts PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/testing)
+target_link_libraries(testing_netns_hosts PUBLIC third_party_absl_base third_party_absl_status)
 endif()
 
 # //testing:torch_python

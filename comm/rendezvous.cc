@@ -1,5 +1,11 @@
 #include "comm/rendezvous.h"
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -13,6 +19,33 @@ namespace {
 
 bool IsLoopback(const std::string& addr) {
   return addr == "localhost" || addr == "::1" || absl::StartsWith(addr, "127.");
+}
+
+// The local address the kernel would send from to reach `host` (resolved
+// as the store's client resolves it): that of the interface the route to
+// the store leaves by. Connecting a UDP socket sends nothing.
+std::optional<std::string> LocalAddressToward(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), "9", &hints, &found) != 0 || found == nullptr) return std::nullopt;
+  std::optional<std::string> local;
+  for (addrinfo* a = found; a != nullptr && !local.has_value(); a = a->ai_next) {
+    const int fd = socket(a->ai_family, SOCK_DGRAM, 0);
+    if (fd < 0) continue;
+    sockaddr_storage self{};
+    socklen_t length = sizeof(self);
+    char text[INET6_ADDRSTRLEN] = {};
+    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+        getsockname(fd, reinterpret_cast<sockaddr*>(&self), &length) == 0 &&
+        getnameinfo(reinterpret_cast<sockaddr*>(&self), length, text, sizeof(text), nullptr, 0,
+                    NI_NUMERICHOST) == 0) {
+      local = text;
+    }
+    close(fd);
+  }
+  freeaddrinfo(found);
+  return local;
 }
 
 }  // namespace
@@ -76,6 +109,11 @@ GlooOptions WithDefaultAddress(const LaunchEnvironment& env, GlooOptions options
       options.interface = *ifname;
     } else if (IsLoopback(env.master_addr) && env.local_world_size == env.world_size) {
       options.hostname = "127.0.0.1";
+    } else if (std::optional<std::string> local = LocalAddressToward(env.master_addr)) {
+      // Across hosts: the address peers reach this host by is, as a rule,
+      // the one on the route to the store (Gloo's own default, the
+      // address of the host's name, may be a loopback one).
+      options.hostname = *local;
     }
   }
   return options;

@@ -51,9 +51,11 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectRendezvousStore(
     const LaunchEnvironment& env, std::chrono::milliseconds timeout);
 
 // The world group of the job described by `env`, over Gloo. When `options`
-// names no interface or hostname, GLOO_SOCKET_IFNAME is used if set, and
+// names no interface or hostname, GLOO_SOCKET_IFNAME is used if set, then
 // 127.0.0.1 if the whole job is on this host (MASTER_ADDR is a loopback
-// address and LOCAL_WORLD_SIZE == WORLD_SIZE).
+// address and LOCAL_WORLD_SIZE == WORLD_SIZE), else the local address of
+// the route to MASTER_ADDR (the interface that reaches the store reaches
+// the other hosts as a rule; GLOO_SOCKET_IFNAME chooses another).
 absl::StatusOr<std::unique_ptr<Collectives>> CreateGlooCollectivesFromEnvironment(
     const LaunchEnvironment& env, GlooOptions options = {});
 
