@@ -14,6 +14,9 @@
 //            needs, whichever world size and layout wrote them (FSDP2's
 //            row chunks, ours, a whole tensor), into staging memory; only
 //            if every rank succeeded is anything copied into its tensors.
+//            A chunk is read whole (one torch.save archive, as dcp.load
+//            reads it): from a checkpoint of whole tensors, each rank holds
+//            one whole tensor at a time.
 //
 // Atomic and all-or-nothing as the single-writer forms in dcp.h: a save
 // that fails on any rank fails on every rank, naming the rank, and leaves
