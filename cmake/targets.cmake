@@ -125,7 +125,7 @@ endif()
 # //comm:local_launcher
 add_library(comm_local_launcher SHARED ${PROJECT_SOURCE_DIR}/comm/local_launcher.cc ${PROJECT_SOURCE_DIR}/comm/local_launcher.h)
 set_target_properties(comm_local_launcher PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm)
-target_link_libraries(comm_local_launcher PUBLIC comm_rendezvous base_status third_party_absl_base third_party_absl_status)
+target_link_libraries(comm_local_launcher PUBLIC comm_rendezvous comm_store_deadline base_status third_party_absl_base third_party_absl_status)
 target_include_directories(comm_local_launcher PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS comm_local_launcher EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/comm/local_launcher.h DESTINATION include/comm)
@@ -134,9 +134,10 @@ install(FILES ${PROJECT_SOURCE_DIR}/comm/local_launcher.h DESTINATION include/co
 if(BUILD_TESTING)
 add_executable(comm_local_launcher_test ${PROJECT_SOURCE_DIR}/comm/local_launcher_test.cc)
 set_target_properties(comm_local_launcher_test PROPERTIES OUTPUT_NAME local_launcher_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm ENABLE_EXPORTS ON)
-target_link_libraries(comm_local_launcher_test PRIVATE comm_local_launcher third_party_gtest_main)
+target_link_libraries(comm_local_launcher_test PRIVATE comm_local_launcher testing_free_port third_party_gtest_main)
+add_dependencies(comm_local_launcher_test comm_launch)
 add_test(NAME //comm:local_launcher_test COMMAND comm_local_launcher_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
-set_tests_properties(//comm:local_launcher_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/comm_local_launcher_test")
+set_tests_properties(//comm:local_launcher_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/comm_local_launcher_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/comm_local_launcher_test")
 endif()
 
@@ -166,10 +167,28 @@ set_tests_properties(//comm:staged_collectives_test PROPERTIES TIMEOUT 60 ENVIRO
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/comm_staged_collectives_test")
 endif()
 
+# //comm:store_deadline
+add_library(comm_store_deadline INTERFACE)
+target_link_libraries(comm_store_deadline INTERFACE third_party_c10d_gloo)
+target_include_directories(comm_store_deadline INTERFACE $<INSTALL_INTERFACE:include>)
+install(TARGETS comm_store_deadline EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/comm/store_deadline.h DESTINATION include/comm)
+
+# //comm:store_deadline_test
+if(BUILD_TESTING)
+add_executable(comm_store_deadline_test ${PROJECT_SOURCE_DIR}/comm/store_deadline_test.cc)
+set_target_properties(comm_store_deadline_test PROPERTIES OUTPUT_NAME store_deadline_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm ENABLE_EXPORTS ON)
+target_link_libraries(comm_store_deadline_test PRIVATE comm_rendezvous comm_store_deadline testing_free_port third_party_gtest_main)
+add_dependencies(comm_store_deadline_test comm_launch)
+add_test(NAME //comm:store_deadline_test COMMAND comm_store_deadline_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//comm:store_deadline_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/comm_store_deadline_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/comm_store_deadline_test")
+endif()
+
 # //comm:store_fingerprint_exchange
 add_library(comm_store_fingerprint_exchange SHARED ${PROJECT_SOURCE_DIR}/comm/store_fingerprint_exchange.cc ${PROJECT_SOURCE_DIR}/comm/store_fingerprint_exchange.h)
 set_target_properties(comm_store_fingerprint_exchange PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm)
-target_link_libraries(comm_store_fingerprint_exchange PUBLIC comm_collectives third_party_absl_base third_party_c10d_gloo)
+target_link_libraries(comm_store_fingerprint_exchange PUBLIC comm_collectives comm_store_deadline third_party_absl_base third_party_c10d_gloo)
 target_include_directories(comm_store_fingerprint_exchange PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS comm_store_fingerprint_exchange EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/comm/store_fingerprint_exchange.h DESTINATION include/comm)
@@ -550,7 +569,7 @@ if(BUILD_TESTING)
 add_executable(models_multi_node_test ${PROJECT_SOURCE_DIR}/models/multi_node_test.cc)
 set_target_properties(models_multi_node_test PROPERTIES OUTPUT_NAME multi_node_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
 target_link_libraries(models_multi_node_test PRIVATE models_job_test_util testing_netns_hosts testing_torch_python third_party_absl_base third_party_absl_status third_party_gtest_main)
-add_dependencies(models_multi_node_test models_train_gpt)
+add_dependencies(models_multi_node_test models_train_gpt comm_launch)
 add_test(NAME //models:multi_node_test COMMAND models_multi_node_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//models:multi_node_test PROPERTIES TIMEOUT 900 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/models_multi_node_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/models_multi_node_test")
@@ -2622,6 +2641,12 @@ if(BUILD_TESTING)
 add_library(testing_fault_injection SHARED ${PROJECT_SOURCE_DIR}/testing/fault_injection.cc ${PROJECT_SOURCE_DIR}/testing/fault_injection.h)
 set_target_properties(testing_fault_injection PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/testing)
 target_link_libraries(testing_fault_injection PUBLIC testing_multi_rank comm_collectives third_party_absl_base fsdp_torch)
+endif()
+
+# //testing:free_port
+if(BUILD_TESTING)
+add_library(testing_free_port SHARED ${PROJECT_SOURCE_DIR}/testing/free_port.cc ${PROJECT_SOURCE_DIR}/testing/free_port.h)
+set_target_properties(testing_free_port PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/testing)
 endif()
 
 # //testing:multi_rank

@@ -1,16 +1,17 @@
 #include "comm/local_launcher.h"
 
+#include <algorithm>
+#include <csignal>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <string>
 #include <thread>
-#include <algorithm>
-#include <csignal>
 #include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "testing/free_port.h"
 
 namespace fsdp {
 namespace {
@@ -32,9 +33,9 @@ std::string ReadFile(const std::string& path) {
   return text.str();
 }
 
-LocalLaunchOptions ShellJob(int world_size, const std::string& script) {
+LocalLaunchOptions ShellJob(int nproc, const std::string& script) {
   LocalLaunchOptions options;
-  options.world_size = world_size;
+  options.nproc_per_node = nproc;
   options.program = "/bin/sh";
   options.args = {"-c", script};
   options.log_dir = MakeLogDir();
@@ -43,10 +44,11 @@ LocalLaunchOptions ShellJob(int world_size, const std::string& script) {
 }
 
 TEST(LocalLauncher, GivesEveryRankTheRendezvousEnvironment) {
-  LocalLaunchOptions options = ShellJob(
-      3, "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR "
-         "$TORCHELASTIC_USE_AGENT_STORE $EXTRA ${DROPPED:-unset} omp=$OMP_NUM_THREADS "
-         "$MASTER_PORT");
+  LocalLaunchOptions options =
+      ShellJob(3,
+               "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR "
+               "$TORCHELASTIC_USE_AGENT_STORE $EXTRA ${DROPPED:-unset} omp=$OMP_NUM_THREADS "
+               "$MASTER_PORT");
   options.extra_env = {{"EXTRA", "x"}};
   options.unset_env = {"DROPPED"};
   ::setenv("DROPPED", "leaked", 1);
@@ -65,10 +67,11 @@ TEST(LocalLauncher, GivesEveryRankTheRendezvousEnvironment) {
 
 TEST(LocalLauncher, SetsTheVariablesOfTorchrunsAgent) {
   ::unsetenv("TORCH_NCCL_ASYNC_ERROR_HANDLING");
-  auto result = LaunchLocalRanks(ShellJob(
-      2, "echo $ROLE_RANK $GROUP_RANK $ROLE_WORLD_SIZE $GROUP_WORLD_SIZE $ROLE_NAME "
-         "$TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS $TORCHELASTIC_RUN_ID "
-         "$TORCH_NCCL_ASYNC_ERROR_HANDLING"));
+  auto result = LaunchLocalRanks(
+      ShellJob(2,
+               "echo $ROLE_RANK $GROUP_RANK $ROLE_WORLD_SIZE $GROUP_WORLD_SIZE $ROLE_NAME "
+               "$TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS $TORCHELASTIC_RUN_ID "
+               "$TORCH_NCCL_ASYNC_ERROR_HANDLING"));
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_EQ(ReadFile(result->ranks[1].log_path), "1 0 2 1 default 0 0 none 1\n");
 }
@@ -76,8 +79,8 @@ TEST(LocalLauncher, SetsTheVariablesOfTorchrunsAgent) {
 // The ranks are their own process groups, so a terminal's Ctrl-C reaches only
 // the launcher: it must pass the signal on and report that it did.
 TEST(LocalLauncher, ForwardsSignalsToEveryRank) {
-  LocalLaunchOptions options = ShellJob(
-      2, "trap 'echo got-term; exit 7' TERM; echo ready; while :; do sleep 0.05; done");
+  LocalLaunchOptions options =
+      ShellJob(2, "trap 'echo got-term; exit 7' TERM; echo ready; while :; do sleep 0.05; done");
   std::thread signaller;
   options.on_started = [&](const std::vector<int>& pids) {
     EXPECT_EQ(pids.size(), 2u);
@@ -122,9 +125,9 @@ TEST(LocalLauncher, RanksInheritOnlyTheStandardStreams) {
 }
 
 TEST(LocalLauncher, ReportsExitCodesAndSignals) {
-  auto result = LaunchLocalRanks(ShellJob(
-      3, "if [ $RANK = 1 ]; then echo boom >&2; exit 3; fi; "
-         "if [ $RANK = 2 ]; then kill -TERM $$; fi"));
+  auto result = LaunchLocalRanks(ShellJob(3,
+                                          "if [ $RANK = 1 ]; then echo boom >&2; exit 3; fi; "
+                                          "if [ $RANK = 2 ]; then kill -TERM $$; fi"));
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_FALSE(result->ok());
   EXPECT_THAT(result->FailedRanks(), ElementsAre(1, 2));
@@ -148,8 +151,7 @@ TEST(LocalLauncher, KillsRanksStillRunningAtTheTimeout) {
 }
 
 TEST(LocalLauncher, KillsSurvivorsAfterTheFailureGrace) {
-  LocalLaunchOptions options =
-      ShellJob(3, "if [ $RANK = 0 ]; then exit 2; fi; sleep 60");
+  LocalLaunchOptions options = ShellJob(3, "if [ $RANK = 0 ]; then exit 2; fi; sleep 60");
   options.failure_grace = std::chrono::milliseconds(300);
   const auto start = std::chrono::steady_clock::now();
   auto result = LaunchLocalRanks(options);
@@ -158,7 +160,7 @@ TEST(LocalLauncher, KillsSurvivorsAfterTheFailureGrace) {
   EXPECT_THAT(result->FailedRanks(), ElementsAre(0, 1, 2));
   EXPECT_THAT(result->Summary(), HasSubstr("rank 0 exited with code 2"));
   EXPECT_THAT(result->Summary(),
-              HasSubstr("rank 2 was killed: it was still running after another rank failed"));
+              HasSubstr("rank 2 was killed: it was still running after the job failed"));
 }
 
 TEST(LocalLauncher, RejectsBadOptions) {
@@ -168,11 +170,197 @@ TEST(LocalLauncher, RejectsBadOptions) {
               HasSubstr("'/nonexistent/trainer' is not an executable file"));
   options = ShellJob(0, "true");
   EXPECT_THAT(LaunchLocalRanks(options).status().message(),
-              HasSubstr("world size 0 must be >= 1"));
+              HasSubstr("nproc_per_node 0 must be >= 1"));
   options = ShellJob(2, "true");
   options.log_dir = "/nonexistent/logs";
   EXPECT_THAT(LaunchLocalRanks(options).status().message(),
               HasSubstr("log directory '/nonexistent/logs' does not exist"));
+}
+
+// Node 0 of a two-node job on this host, launched here.
+LocalLaunchOptions NodeZero(int port, int nproc, const std::string& script) {
+  LocalLaunchOptions options = ShellJob(nproc, script);
+  options.nnodes = 2;
+  options.node_rank = 0;
+  options.master_addr = "127.0.0.1";
+  options.master_port = port;
+  options.failure_grace = std::chrono::seconds(1);
+  options.join_timeout = std::chrono::seconds(20);
+  return options;
+}
+
+// Another node's launcher, the fsdp_launch binary, started in the
+// background: its output goes to <dir>/out, its exit status to <dir>/rc
+// and its pid to <dir>/pid.
+struct OtherNode {
+  std::string dir;
+  std::string Output() const { return ReadFile(dir + "/out"); }
+  // -1 until it has ended (waits up to 20 s).
+  int ExitCode() const {
+    for (int i = 0; i < 200; ++i) {
+      const std::string rc = ReadFile(dir + "/rc");
+      if (!rc.empty()) return std::atoi(rc.c_str());
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return -1;
+  }
+  int Pid() const { return std::atoi(ReadFile(dir + "/pid").c_str()); }
+};
+
+OtherNode StartNode(int node_rank, int port, int nproc, const std::string& script,
+                    const std::string& flags = "") {
+  OtherNode node{MakeLogDir()};
+  const std::string command =
+      "comm/launch --nnodes=2 --node_rank=" + std::to_string(node_rank) +
+      " --master_addr=127.0.0.1 --master_port=" + std::to_string(port) +
+      " --nproc_per_node=" + std::to_string(nproc) + " --failure_grace_s=1 --join_timeout_s=20 " +
+      "--timeout_s=60 --log_dir=" + node.dir + " " + flags + " -- /bin/sh -c '" + script + "'";
+  EXPECT_EQ(std::system(("(" + command + " > " + node.dir + "/out 2>&1 & echo $! > " + node.dir +
+                         "/pid; wait $!; echo $? > " + node.dir + "/rc) &")
+                            .c_str()),
+            0);
+  return node;
+}
+
+constexpr char kWhereAmI[] =
+    "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK $GROUP_WORLD_SIZE "
+    "$MASTER_ADDR";
+
+TEST(LocalLauncherAcrossNodes, TwoLaunchersRunOneJob) {
+  const int port = ::fsdp::testing::FreeTcpPort();
+  const OtherNode node1 = StartNode(1, port, 2, kWhereAmI);
+  auto result = LaunchLocalRanks(NodeZero(port, 2, kWhereAmI));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_TRUE(result->ok()) << result->Summary();
+  ASSERT_EQ(result->ranks.size(), 2u);
+  EXPECT_EQ(result->ranks[1].rank, 1);
+  EXPECT_EQ(ReadFile(result->ranks[1].log_path), "1 4 1 2 0 2 127.0.0.1\n");
+  ASSERT_EQ(node1.ExitCode(), 0) << node1.Output();
+  EXPECT_EQ(ReadFile(node1.dir + "/rank_3.log"), "3 4 1 2 1 2 127.0.0.1\n");
+  EXPECT_THAT(node1.Output(), HasSubstr("all 2 ranks of node 1 succeeded (ranks 2-3)"));
+}
+
+TEST(LocalLauncherAcrossNodes, AFailureOnOneNodeStopsEveryNode) {
+  const std::string script = "if [ $RANK = 3 ]; then exit 3; fi; sleep 60";
+  const int port = ::fsdp::testing::FreeTcpPort();
+  const OtherNode node1 = StartNode(1, port, 2, script);
+  const auto start = std::chrono::steady_clock::now();
+  auto result = LaunchLocalRanks(NodeZero(port, 2, script));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+  EXPECT_THAT(result->FailedRanks(), ElementsAre(0, 1));
+  const std::string summary = result->Summary();
+  EXPECT_THAT(summary, HasSubstr("rank 0 was killed: it was still running after the job failed"));
+  // Node 1's final report: the cause first, then the rank killed for it.
+  EXPECT_THAT(summary, HasSubstr("node 1: rank 3 exited with code 3; rank 2 was killed"));
+  EXPECT_EQ(node1.ExitCode(), 1);
+  EXPECT_THAT(node1.Output(), HasSubstr("rank 3 exited with code 3"));
+}
+
+TEST(LocalLauncherAcrossNodes, ASilentNodeCountsAsLost) {
+  const int port = ::fsdp::testing::FreeTcpPort();
+  const OtherNode node1 = StartNode(1, port, 2, "exec sleep 60");
+  LocalLaunchOptions options = NodeZero(port, 2, "sleep 60");
+  options.node_timeout = std::chrono::seconds(3);
+  options.on_started = [&](const std::vector<int>&) {
+    // Node 1's launcher dies with its ranks (they die with it), as when
+    // its host is lost: only its heartbeat stops.
+    ASSERT_GT(node1.Pid(), 0);
+    ::kill(node1.Pid(), SIGKILL);
+  };
+  const auto start = std::chrono::steady_clock::now();
+  auto result = LaunchLocalRanks(options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+  EXPECT_THAT(result->FailedRanks(), ElementsAre(0, 1));
+  EXPECT_THAT(result->Summary(),
+              HasSubstr("node 1: its launcher went silent: no heartbeat for 3000 ms"));
+}
+
+// A launcher frozen past node_timeout (SIGSTOP: its ranks run on) is taken
+// for lost; when it wakes it learns so and stops its ranks too.
+TEST(LocalLauncherAcrossNodes, ANodeTakenForLostStopsToo) {
+  const int port = ::fsdp::testing::FreeTcpPort();
+  const OtherNode node1 = StartNode(1, port, 1, "exec sleep 60");
+  LocalLaunchOptions options = NodeZero(port, 1, "sleep 60");
+  options.node_timeout = std::chrono::seconds(3);
+  // Node 0 serves until well after node 1 wakes.
+  options.failure_grace = std::chrono::seconds(6);
+  std::thread freezer;
+  options.on_started = [&](const std::vector<int>&) {
+    freezer = std::thread([pid = node1.Pid()] {
+      ::kill(pid, SIGSTOP);
+      std::this_thread::sleep_for(std::chrono::seconds(5));
+      ::kill(pid, SIGCONT);
+    });
+  };
+  auto result = LaunchLocalRanks(options);
+  freezer.join();
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_THAT(result->Summary(), HasSubstr("node 1: its launcher went silent"));
+  EXPECT_EQ(node1.ExitCode(), 1);
+  EXPECT_THAT(node1.Output(),
+              HasSubstr("node 0's launcher took this node for lost: its launcher went silent"));
+  EXPECT_THAT(node1.Output(), HasSubstr("rank 1 was killed: it was still running after the job"));
+}
+
+TEST(LocalLauncherAcrossNodes, NodesMustAllJoinAndAgree) {
+  LocalLaunchOptions alone = NodeZero(::fsdp::testing::FreeTcpPort(), 2, "true");
+  alone.join_timeout = std::chrono::seconds(1);
+  EXPECT_THAT(LaunchLocalRanks(alone).status().message(),
+              HasSubstr("launcher of node 0 of 2: node 1 did not join at 127.0.0.1:"));
+
+  const int port = ::fsdp::testing::FreeTcpPort();
+  const OtherNode three = StartNode(1, port, 3, "true");
+  EXPECT_THAT(LaunchLocalRanks(NodeZero(port, 2, "true")).status().message(),
+              HasSubstr("node 1's launcher was started with --nnodes=2 --nproc_per_node=3, "
+                        "this one with --nnodes=2 --nproc_per_node=2"));
+  EXPECT_EQ(three.ExitCode(), 2);
+  // It says why too, whether it compared the shapes itself or read node
+  // 0's reason, rather than finding the store gone.
+  EXPECT_THAT(three.Output(), HasSubstr("--nproc_per_node=3"));
+  EXPECT_THAT(three.Output(), HasSubstr("--nproc_per_node=2"));
+
+  const int shared = ::fsdp::testing::FreeTcpPort();
+  const OtherNode first = StartNode(1, shared, 1, "true");
+  const OtherNode second = StartNode(1, shared, 1, "true");
+  // Node 0 serves until both have ended, the one turned away included.
+  auto result =
+      LaunchLocalRanks(NodeZero(shared, 1,
+                                "for i in $(seq 400); do [ -e " + first.dir + "/rc ] && [ -e " +
+                                    second.dir + "/rc ] && exit 0; sleep 0.05; done; exit 1"));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_TRUE(result->ok()) << result->Summary();
+  const int first_rc = first.ExitCode(), second_rc = second.ExitCode();
+  EXPECT_EQ(first_rc + second_rc, 2) << "one of them joins, the other exits with 2";
+  EXPECT_THAT(
+      first_rc == 2 ? first.Output() : second.Output(),
+      HasSubstr("another launcher already joined the job at 127.0.0.1:" + std::to_string(shared) +
+                " as node 1: give each host its own "
+                "--node_rank"));
+}
+
+TEST(LocalLauncherAcrossNodes, RejectsBadNodeOptions) {
+  LocalLaunchOptions options = NodeZero(::fsdp::testing::FreeTcpPort(), 2, "true");
+  options.node_rank = 2;
+  EXPECT_THAT(LaunchLocalRanks(options).status().message(),
+              HasSubstr("node rank 2 is not one of 2 nodes"));
+  options = NodeZero(::fsdp::testing::FreeTcpPort(), 2, "true");
+  options.master_addr = "";
+  EXPECT_THAT(LaunchLocalRanks(options).status().message(),
+              HasSubstr("a job across nodes needs master_addr"));
+  const int closed = ::fsdp::testing::FreeTcpPort();
+  options = NodeZero(closed, 2, "true");
+  options.node_rank = 1;
+  options.join_timeout = std::chrono::milliseconds(500);
+  EXPECT_THAT(LaunchLocalRanks(options).status().message(),
+              HasSubstr("launcher of node 1 of 2: node 0's launcher is not there: cannot reach "
+                        "the store at 127.0.0.1:" +
+                        std::to_string(closed) + " within 500 ms: Connection refused"));
+  options = NodeZero(::fsdp::testing::FreeTcpPort(), 2, "true");
+  options.node_timeout = std::chrono::seconds(1);
+  EXPECT_THAT(LaunchLocalRanks(options).status().message(),
+              HasSubstr("node_timeout (1000 ms) must span at least 3 heartbeats (3000 ms)"));
 }
 
 }  // namespace

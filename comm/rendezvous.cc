@@ -2,11 +2,15 @@
 
 #include <arpa/inet.h>
 #include <netdb.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -48,6 +52,37 @@ std::optional<std::string> LocalAddressToward(const std::string& host) {
   return local;
 }
 
+// Whether a TCP connection to host:port succeeds within a second; why not
+// in `error` otherwise.
+bool AcceptsConnections(const std::string& host, int port, std::string* error) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const int resolved = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
+  if (resolved != 0 || found == nullptr) {
+    *error = absl::StrCat("cannot resolve '", host, "': ", gai_strerror(resolved));
+    return false;
+  }
+  bool connected = false;
+  for (addrinfo* a = found; a != nullptr && !connected; a = a->ai_next) {
+    const int fd = socket(a->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    int code = connect(fd, a->ai_addr, a->ai_addrlen) == 0 ? 0 : errno;
+    if (code == EINPROGRESS) {
+      pollfd waiting{fd, POLLOUT, 0};
+      socklen_t length = sizeof(code);
+      code = poll(&waiting, 1, /*timeout_ms=*/1000) != 1                 ? ETIMEDOUT
+             : getsockopt(fd, SOL_SOCKET, SO_ERROR, &code, &length) != 0 ? errno
+                                                                         : code;
+    }
+    connected = code == 0;
+    if (!connected) *error = std::strerror(code);
+    close(fd);
+  }
+  freeaddrinfo(found);
+  return connected;
+}
+
 }  // namespace
 
 RendezvousServer::RendezvousServer(c10::intrusive_ptr<c10d::TCPStore> store)
@@ -56,6 +91,8 @@ RendezvousServer::RendezvousServer(c10::intrusive_ptr<c10d::TCPStore> store)
 RendezvousServer::~RendezvousServer() = default;
 
 int RendezvousServer::port() const { return store_->getPort(); }
+
+c10::intrusive_ptr<c10d::Store> RendezvousServer::store() const { return store_; }
 
 absl::StatusOr<std::unique_ptr<RendezvousServer>> RendezvousServer::Start(
     int port, std::chrono::milliseconds timeout) {
@@ -73,9 +110,8 @@ absl::StatusOr<std::unique_ptr<RendezvousServer>> RendezvousServer::Start(
     return std::unique_ptr<RendezvousServer>(new RendezvousServer(std::move(store)));
   } catch (...) {
     absl::Status cause = StatusFromCurrentException(absl::StatusCode::kUnavailable);
-    return absl::Status(cause.code(),
-                        absl::StrCat("RendezvousServer: cannot listen on port ", port,
-                                     ": ", cause.message()));
+    return absl::Status(cause.code(), absl::StrCat("RendezvousServer: cannot listen on port ", port,
+                                                   ": ", cause.message()));
   }
 }
 
@@ -98,6 +134,39 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectRendezvousStore(
                      options.isServer ? "serve" : "reach", " the rendezvous store at ",
                      env.master_addr, ":", env.master_port, " (from ", env.source,
                      " variables) within ", timeout.count(), " ms: ", cause.message()));
+  }
+}
+
+absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectStoreAt(
+    const std::string& host, int port, std::chrono::milliseconds connect_timeout,
+    std::chrono::milliseconds operation_timeout) {
+  if (port < 1 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("store port ", port, " is not a TCP port"));
+  }
+  // Until the server listens, c10d's client logs an error per failed
+  // attempt: wait for it with plain connections, then connect once.
+  const auto deadline = std::chrono::steady_clock::now() + connect_timeout;
+  std::string last_error;
+  while (!AcceptsConnections(host, port, &last_error)) {
+    if (std::chrono::steady_clock::now() >= deadline) {
+      return absl::UnavailableError(absl::StrCat("cannot reach the store at ", host, ":", port,
+                                                 " within ", connect_timeout.count(),
+                                                 " ms: ", last_error));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  }
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<std::uint16_t>(port);
+  options.isServer = false;
+  options.waitWorkers = false;
+  // Bounds waits for keys (and, in libtorch 1.13, every answer).
+  options.timeout = operation_timeout;
+  try {
+    return c10::intrusive_ptr<c10d::Store>(c10::make_intrusive<c10d::TCPStore>(host, options));
+  } catch (...) {
+    absl::Status cause = StatusFromCurrentException(absl::StatusCode::kUnavailable);
+    return absl::Status(cause.code(), absl::StrCat("cannot reach the store at ", host, ":", port,
+                                                   ": ", cause.message()));
   }
 }
 
@@ -136,8 +205,8 @@ absl::StatusOr<HybridGroupsFromEnvironment> CreateHybridGlooCollectivesFromEnvir
   absl::StatusOr<HybridShardLayout> layout = HybridShardLayout::Create(env.world_size, size);
   if (!layout.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "rank ", env.rank, " of ", env.world_size, ": hybrid sharding with shard groups of ",
-        size, shard_group_size > 0 ? "" : " (LOCAL_WORLD_SIZE)", ": ", layout.status().message()));
+        "rank ", env.rank, " of ", env.world_size, ": hybrid sharding with shard groups of ", size,
+        shard_group_size > 0 ? "" : " (LOCAL_WORLD_SIZE)", ": ", layout.status().message()));
   }
   FSDP_ASSIGN_OR_RETURN(c10::intrusive_ptr<c10d::Store> store,
                         ConnectRendezvousStore(env, options.timeout));

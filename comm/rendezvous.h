@@ -26,18 +26,22 @@ class TCPStore;
 
 namespace fsdp {
 
-// A TCPStore server owned by a launcher. Ranks connect to it as clients.
+// A TCPStore server owned by a launcher. Ranks connect to it as clients;
+// the launchers of a multi-node job meet through the one node 0's launcher
+// serves.
 class RendezvousServer {
  public:
   // Listens on `port` (0: any free port) of all interfaces.
-  static absl::StatusOr<std::unique_ptr<RendezvousServer>> Start(
-      int port, std::chrono::milliseconds timeout);
+  static absl::StatusOr<std::unique_ptr<RendezvousServer>> Start(int port,
+                                                                 std::chrono::milliseconds timeout);
 
   RendezvousServer(const RendezvousServer&) = delete;
   RendezvousServer& operator=(const RendezvousServer&) = delete;
   ~RendezvousServer();
 
   int port() const;
+  // The served store, for the launcher's own keys.
+  c10::intrusive_ptr<c10d::Store> store() const;
 
  private:
   explicit RendezvousServer(c10::intrusive_ptr<c10d::TCPStore> store);
@@ -49,6 +53,16 @@ class RendezvousServer {
 // store cannot be reached within `timeout`.
 absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectRendezvousStore(
     const LaunchEnvironment& env, std::chrono::milliseconds timeout);
+
+// Connects to a store that another process serves at host:port (a
+// launcher's, from another launcher), retrying until `connect_timeout`.
+// `operation_timeout` becomes the store's timeout, which bounds waits for
+// keys; libtorch 2.x's client waits for other answers without a limit, so
+// callers that must end when the server's host is lost use a DeadlineStore
+// (comm/store_deadline.h). Fails with kUnavailable naming the address.
+absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectStoreAt(
+    const std::string& host, int port, std::chrono::milliseconds connect_timeout,
+    std::chrono::milliseconds operation_timeout);
 
 // The world group of the job described by `env`, over Gloo. When `options`
 // names no interface or hostname, GLOO_SOCKET_IFNAME is used if set, then

@@ -4,7 +4,9 @@
 //
 // Keys: <prefix>/<round>/<rank>. Collect polls every few milliseconds up to
 // its timeout, so that it can return the reports present when some never
-// come (c10d's Store::wait fails as a whole).
+// come (c10d's Store::wait fails as a whole). Every call gives up at a
+// deadline (comm/store_deadline.h): Collect 2 s after its timeout, the
+// others after 10 s; it then throws StoreUnreachable.
 //
 // This is an adapter file: c10d's types appear only in comm's adapters.
 #ifndef FSDP_COMM_STORE_FINGERPRINT_EXCHANGE_H_

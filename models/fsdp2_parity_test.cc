@@ -138,7 +138,7 @@ std::map<std::string, at::Tensor> WriteInputs(const std::string& dir, const at::
 
 Trajectory TrainWithFsdp2(const std::string& dir, const ParityCase& c) {
   fsdp::LocalLaunchOptions launch;
-  launch.world_size = c.world_size;
+  launch.nproc_per_node = c.world_size;
   launch.program = ::fsdp::testing::TorchPython();
   launch.log_dir = dir;
   launch.timeout = std::chrono::minutes(4);

@@ -150,7 +150,7 @@ TEST(TrainGpt, BadFlagsAreRefusedNamingTheProblem) {
   }
   std::printf("%s", table.c_str());
   const std::vector<BadFlags> launcher_cases = {
-      {"--nproc_per_node=0 -- /bin/true", 2, "launcher: world size 0 must be >= 1"},
+      {"--nproc_per_node=0 -- /bin/true", 2, "launcher: nproc_per_node 0 must be >= 1"},
       {"--nproc_per_node=2", 2, "fsdp_launch: no program given"},
       {"--nproc_per_node=2 -- /nonexistent/prog", 2,
        "launcher: '/nonexistent/prog' is not an executable file"},

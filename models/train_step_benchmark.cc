@@ -238,7 +238,7 @@ void RunCase(benchmark::State& state, const std::string& mode, int world, const 
     launch.extra_env.emplace_back("MALLOC_MMAP_THRESHOLD_", "262144");
   }
   const bool single = mode == "single";
-  launch.world_size = single ? 1 : world;
+  launch.nproc_per_node = single ? 1 : world;
   const int batch = single ? c.batch_per_rank * world : c.batch_per_rank;
   const std::vector<std::string> shape = {
       std::to_string(c.n_layer), std::to_string(c.n_head),   std::to_string(c.n_embd),
@@ -267,7 +267,7 @@ void RunCase(benchmark::State& state, const std::string& mode, int world, const 
       return;
     }
     WorkerResult worst;
-    for (int rank = 0; rank < launch.world_size; ++rank) {
+    for (int rank = 0; rank < launch.nproc_per_node; ++rank) {
       absl::StatusOr<WorkerResult> r = ParseWorkerResult(absl::StrCat(dir, "/rank_", rank, ".txt"));
       if (!r.ok()) {
         state.SkipWithError(std::string(r.status().message()).c_str());

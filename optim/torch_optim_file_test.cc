@@ -265,7 +265,7 @@ TEST(TorchOptimFile, Fsdp2DistributedCheckpointContinuesAtAnotherWorldSize) {
   Net init;
   ASSERT_TRUE(SaveTorchStateDict(dir + "/model.pt", ModuleStateDict(*init)).ok());
   LocalLaunchOptions launch;
-  launch.world_size = 2;
+  launch.nproc_per_node = 2;
   launch.program = ::fsdp::testing::TorchPython();
   launch.args = {::fsdp::testing::ScriptPath(kScript), "dcp_fsdp2", dir};
   launch.log_dir = dir;
@@ -434,7 +434,7 @@ TEST(TorchOptimFile, OurDistributedCheckpointContinuesInFsdp2AtAnotherWorldSize)
   EXPECT_EQ(files.size(), 3u);
 
   LocalLaunchOptions launch;
-  launch.world_size = 2;
+  launch.nproc_per_node = 2;
   launch.program = ::fsdp::testing::TorchPython();
   launch.args = {::fsdp::testing::ScriptPath(kScript), "load_dcp_fsdp2", dir};
   launch.log_dir = dir;

@@ -140,7 +140,7 @@ TEST(Dcp, ReadsCheckpointsThisTorchWrites) {
   ExpectPlainCheckpoint(dir + "/plain");
 
   LocalLaunchOptions launch;
-  launch.world_size = 2;
+  launch.nproc_per_node = 2;
   launch.program = ::fsdp::testing::TorchPython();
   launch.args = {kScript, "write_fsdp2", dir + "/fsdp2"};
   launch.log_dir = dir;

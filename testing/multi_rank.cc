@@ -197,7 +197,7 @@ absl::Status RunOnProcessRanks(int world_size, const RankBody& body,
   }
 
   LocalLaunchOptions launch;
-  launch.world_size = world_size;
+  launch.nproc_per_node = world_size;
   launch.program = "/proc/self/exe";
   launch.args = {absl::StrCat("--gtest_filter=", test)};
   launch.timeout = options.timeout;
