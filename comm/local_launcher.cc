@@ -57,11 +57,14 @@ constexpr int kForwardedSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
 // Lock-free, so that the handler may set it on any thread (the watcher's
 // and store helpers' included) while the main thread reads it.
 std::atomic<int> g_received_signal{0};
+// How many arrived, so that a wait can tell a new one from the first.
+std::atomic<int> g_signal_count{0};
 static_assert(std::atomic<int>::is_always_lock_free);
 
 void RecordSignal(int signal) {
   int none = 0;
   g_received_signal.compare_exchange_strong(none, signal);
+  g_signal_count.fetch_add(1);
 }
 
 // Installs RecordSignal for kForwardedSignals while alive; restores the
@@ -279,37 +282,61 @@ class LauncherGroup {
     StopWatching();
     const int n = options_.nnodes;
     const int self = options_.node_rank;
+    const int signals_before = g_signal_count.load();
     try {
       if (store_lost_) return Failures();
       if (!pending_failure_.empty()) Post(pending_failure_);
+      if (self != 0 && !failure_reported_ && store_->Has({Key("failed/", self)})) {
+        TakenForLost(store_->Get(Key("failed/", self)));
+      }
       store_->Set(Key("done/", self), outcome);
       if (self == 0) {
         const std::chrono::milliseconds wait =
             failure_known || !other_failures_.empty()
                 ? options_.failure_grace + std::chrono::seconds(10)
                 : options_.exit_barrier_timeout;
-        const auto deadline = Clock::now() + wait;
+        const auto start = Clock::now();
+        const auto deadline = start + wait;
         // A node already found silent is not waited for.
         const auto reported = [&](int node) {
           return silent_[node] || store_->Has({Key("done/", node)});
         };
-        for (int node = 1; node < n; ++node) {
-          while (!reported(node) && Clock::now() < deadline && g_received_signal.load() == 0) {
+        bool interrupted = false;
+        for (int node = 1; node < n && !interrupted; ++node) {
+          while (!reported(node) && Clock::now() < deadline) {
+            if (g_signal_count.load() != signals_before) {
+              interrupted = true;
+              break;
+            }
             std::this_thread::sleep_for(kStorePollInterval);
             Beat();  // The watcher has stopped; a node lost now is still found.
           }
         }
+        const auto waited =
+            std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+        if (interrupted) {
+          const std::string why =
+              absl::StrCat("its launcher was interrupted by signal ", g_received_signal.load(),
+                           " while waiting for the other nodes' reports");
+          if (!failure_reported_) Post(why);
+          other_failures_[-3] = absl::StrCat("node 0: ", why, " (", waited.count(), " ms)");
+        }
         for (int node = 1; node < n; ++node) {
-          if (silent_[node]) continue;
-          if (!store_->Has({Key("done/", node)})) {
+          const bool done = store_->Has({Key("done/", node)});
+          const std::string said = done ? store_->Get(Key("done/", node)) : "";
+          if (silent_[node]) {
+            // Frozen, not gone: it woke and said how its ranks ended.
+            if (done && !said.empty()) other_failures_[node] += "; it said later: " + said;
+            continue;
+          }
+          if (!done) {
             other_failures_[node] =
                 absl::StrCat(other_failures_.count(node) > 0 ? other_failures_[node] + "; " : "",
-                             "its launcher sent no final report within ", wait.count(),
+                             "its launcher sent no final report within ", waited.count(),
                              " ms (its host lost, or its ranks still running)");
             continue;
           }
-          const std::string done = store_->Get(Key("done/", node));
-          if (!done.empty()) other_failures_[node] = done;
+          if (!said.empty()) other_failures_[node] = said;
         }
       }
     } catch (...) {
@@ -349,6 +376,12 @@ class LauncherGroup {
     return out;
   }
 
+  // Node 0's launcher heard no heartbeat from here for node_timeout and
+  // told the others to stop: so must this node. REQUIRES: mu_ held.
+  void TakenForLost(const std::string& what) {
+    other_failures_[-2] = "node 0's launcher took this node for lost: " + what;
+  }
+
   void LoseStore(const absl::Status& why) {
     std::lock_guard<std::mutex> lock(mu_);
     store_lost_ = true;
@@ -359,7 +392,9 @@ class LauncherGroup {
 
   void Watch() {
     const int n = options_.nnodes;
-    int seen = 0;  // Failures posted, this node's included, already read.
+    // The count of failures posted at the last scan. A failure's key is
+    // set before the count grows, so a scan after a new count sees it.
+    int64_t scanned = 0;
     std::vector<bool> read(n, false);
     std::unique_lock<std::mutex> lock(mu_);
     while (!stop_) {
@@ -369,20 +404,18 @@ class LauncherGroup {
         if (!pending.empty()) Post(pending);
         Beat();
         const int64_t posted = store_->Add(Key("failures"), 0);
-        for (int node = 0; posted > seen && node < n; ++node) {
+        for (int node = 0; posted != scanned && node < n; ++node) {
           if (read[node] || !store_->Has({Key("failed/", node)})) continue;
           read[node] = true;
-          ++seen;
           const std::string what = store_->Get(Key("failed/", node));
           std::lock_guard<std::mutex> report(mu_);
           if (node != options_.node_rank) {
-            other_failures_[node] = what;
+            if (other_failures_.count(node) == 0) other_failures_[node] = what;
           } else if (!failure_reported_) {
-            // Node 0's launcher heard no heartbeat from here for
-            // node_timeout and told the others to stop: so must this node.
-            other_failures_[-2] = "node 0's launcher took this node for lost: " + what;
+            TakenForLost(what);
           }
         }
+        scanned = posted;
       } catch (...) {
         LoseStore(StatusFromCurrentException(absl::StatusCode::kUnavailable));
         return;
@@ -415,14 +448,22 @@ class LauncherGroup {
           store_->Has({Key("done/", node)})) {
         continue;
       }
-      const std::string what =
+      const std::string silent =
           absl::StrCat("its launcher went silent: no heartbeat for ", options_.node_timeout.count(),
                        " ms (its host lost, or the launcher killed)");
-      store_->Set(Key("failed/", node), what);
-      store_->Add(Key("failures"), 1);
       silent_[node] = true;
+      // A node that said why it failed keeps its word; the others know
+      // to stop already.
+      if (store_->Has({Key("failed/", node)})) {
+        const std::string said = store_->Get(Key("failed/", node));
+        std::lock_guard<std::mutex> lock(mu_);
+        other_failures_[node] = said + "; then " + silent;
+        continue;
+      }
+      store_->Set(Key("failed/", node), silent);
+      store_->Add(Key("failures"), 1);
       std::lock_guard<std::mutex> lock(mu_);
-      other_failures_[node] = what;
+      other_failures_[node] = silent;
     }
   }
 
@@ -496,12 +537,16 @@ absl::StatusOr<std::unique_ptr<LauncherGroup>> LauncherGroup::Join(
         for (int node = 0; node < options.nnodes; ++node) {
           if (!store->Has({shapes[node]})) missing.push_back(node);
         }
+        if (missing.empty()) break;  // The last came just now.
         return give_up(absl::DeadlineExceededError(absl::StrCat(
             who, ": node", missing.size() > 1 ? "s " : " ", absl::StrJoin(missing, ", "),
             " did not join at ", where, " within ", options.join_timeout.count(), " ms")));
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
+    // Complete, but one may have given up just before (node 0 serves a
+    // moment after giving up, for this).
+    if (std::optional<absl::Status> failed = gave_up()) return *failed;
     for (int node = 0; node < options.nnodes; ++node) {
       const std::string theirs = store->Get(shapes[node]);
       if (theirs != shape) {
@@ -738,9 +783,6 @@ absl::StatusOr<LaunchResult> LaunchLocalRanks(const LocalLaunchOptions& options)
     result.other_nodes_failures = group->Finish(absl::StrJoin(failed, "; "),
                                                 /*failure_known=*/!failed.empty());
   }
-  // A signal that came after the ranks had ended (node 0's wait for the
-  // others) ends the wait, and the launcher reports it.
-  if (result.forwarded_signal == 0) result.forwarded_signal = g_received_signal.load();
   return result;
 }
 

@@ -45,7 +45,10 @@
 //   - finish together: node 0's launcher serves the store until every
 //     launcher has reported how its ranks ended (at most
 //     `exit_barrier_timeout` after its own ranks ended, or `failure_grace`
-//     plus 10 s once a failure is known) and then reports the whole job.
+//     plus 10 s once a failure is known; a signal that arrives while it
+//     waits ends the wait, and fails the job) and then reports the whole
+//     job. A node that was taken for lost reports it even if its ranks
+//     succeeded.
 #ifndef FSDP_COMM_LOCAL_LAUNCHER_H_
 #define FSDP_COMM_LOCAL_LAUNCHER_H_
 
