@@ -57,13 +57,16 @@ constexpr int kForwardedSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
 // Lock-free, so that the handler may set it on any thread (the watcher's
 // and store helpers' included) while the main thread reads it.
 std::atomic<int> g_received_signal{0};
-// How many arrived, so that a wait can tell a new one from the first.
+// How many arrived, and the last, so that a wait can tell a new one from
+// the first.
 std::atomic<int> g_signal_count{0};
+std::atomic<int> g_last_signal{0};
 static_assert(std::atomic<int>::is_always_lock_free);
 
 void RecordSignal(int signal) {
   int none = 0;
   g_received_signal.compare_exchange_strong(none, signal);
+  g_last_signal.store(signal);
   g_signal_count.fetch_add(1);
 }
 
@@ -316,7 +319,7 @@ class LauncherGroup {
             std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
         if (interrupted) {
           const std::string why =
-              absl::StrCat("its launcher was interrupted by signal ", g_received_signal.load(),
+              absl::StrCat("its launcher was interrupted by signal ", g_last_signal.load(),
                            " while waiting for the other nodes' reports");
           if (!failure_reported_) Post(why);
           other_failures_[-3] = absl::StrCat("node 0: ", why, " (", waited.count(), " ms)");
@@ -377,7 +380,8 @@ class LauncherGroup {
   }
 
   // Node 0's launcher heard no heartbeat from here for node_timeout and
-  // told the others to stop: so must this node. REQUIRES: mu_ held.
+  // told the others to stop: so must this node. REQUIRES: mu_ held, or
+  // the watcher stopped.
   void TakenForLost(const std::string& what) {
     other_failures_[-2] = "node 0's launcher took this node for lost: " + what;
   }
