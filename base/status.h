@@ -11,10 +11,12 @@
 #define FSDP_BASE_STATUS_H_
 
 #include <exception>
+#include <string>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 // Returns from the enclosing function if `expr` (an absl::Status) is not OK.
 #define FSDP_RETURN_IF_ERROR(expr)                          \
@@ -52,6 +54,13 @@ T ValueOrThrow(absl::StatusOr<T> result) {
 // its message (without the C++ backtrace c10::Error appends). Call only
 // inside a `catch` block.
 absl::Status StatusFromCurrentException(absl::StatusCode code = absl::StatusCode::kInternal);
+
+// `text` as a message may quote it: bytes that are not printable text
+// (control characters but newline and tab, DEL, bytes outside valid UTF-8)
+// become \xNN, so that a name read from a damaged file neither cuts a
+// message short (an embedded NUL) nor garbles the terminal. Valid UTF-8
+// (a path in any language) stays as it is.
+std::string PrintableText(absl::string_view text);
 
 }  // namespace fsdp
 

@@ -9,6 +9,24 @@ target_include_directories(base_device_event PUBLIC $<INSTALL_INTERFACE:include>
 install(TARGETS base_device_event EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/base/device_event.h DESTINATION include/base)
 
+# //base:directory_lock
+add_library(base_directory_lock SHARED ${PROJECT_SOURCE_DIR}/base/directory_lock.cc ${PROJECT_SOURCE_DIR}/base/directory_lock.h)
+set_target_properties(base_directory_lock PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/base)
+target_link_libraries(base_directory_lock PUBLIC base_status third_party_absl_base third_party_absl_status)
+target_include_directories(base_directory_lock PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS base_directory_lock EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/base/directory_lock.h DESTINATION include/base)
+
+# //base:directory_lock_test
+if(BUILD_TESTING)
+add_executable(base_directory_lock_test ${PROJECT_SOURCE_DIR}/base/directory_lock_test.cc)
+set_target_properties(base_directory_lock_test PROPERTIES OUTPUT_NAME directory_lock_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/base ENABLE_EXPORTS ON)
+target_link_libraries(base_directory_lock_test PRIVATE base_directory_lock third_party_gtest_main)
+add_test(NAME //base:directory_lock_test COMMAND base_directory_lock_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//base:directory_lock_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/base_directory_lock_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/base_directory_lock_test")
+endif()
+
 # //base:fnv1a
 add_library(base_fnv1a INTERFACE)
 target_include_directories(base_fnv1a INTERFACE $<INSTALL_INTERFACE:include>)
@@ -589,15 +607,15 @@ endif()
 # //models:output_paths
 add_library(models_output_paths SHARED ${PROJECT_SOURCE_DIR}/models/output_paths.cc ${PROJECT_SOURCE_DIR}/models/output_paths.h)
 set_target_properties(models_output_paths PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models)
-target_link_libraries(models_output_paths PUBLIC third_party_absl_base third_party_absl_status)
+target_link_libraries(models_output_paths PUBLIC base_directory_lock base_status third_party_absl_base third_party_absl_status)
 target_include_directories(models_output_paths PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS models_output_paths EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/models/output_paths.h DESTINATION include/models)
 
 # //models:train_gpt
-add_executable(models_train_gpt ${PROJECT_SOURCE_DIR}/models/train_gpt_main.cc)
+add_executable(models_train_gpt ${PROJECT_SOURCE_DIR}/models/train_gpt_checks.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_checks.h ${PROJECT_SOURCE_DIR}/models/train_gpt_flags.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_flags.h ${PROJECT_SOURCE_DIR}/models/train_gpt_main.cc)
 set_target_properties(models_train_gpt PROPERTIES OUTPUT_NAME train_gpt RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
-target_link_libraries(models_train_gpt PRIVATE models_gpt models_output_paths optim_dcp_checkpoint optim_flat_shard_optimizers optim_optim_state optim_run_checkpoints optim_torch_optim_file base_status comm_collectives comm_launch_environment comm_local_launcher comm_rendezvous comm_staged_collectives fsdp_activation_checkpointing fsdp_fully_shard fsdp_trace optim_training_checkpoint policies_builtin_policies policies_registry statedict_dcp statedict_dcp_sharded statedict_state_dict statedict_torch_file third_party_absl_flags fsdp_torch)
+target_link_libraries(models_train_gpt PRIVATE models_gpt models_output_paths base_directory_lock optim_dcp_checkpoint optim_flat_shard_optimizers optim_optim_state optim_run_checkpoints optim_torch_optim_file base_status comm_collectives comm_launch_environment comm_local_launcher comm_rendezvous comm_staged_collectives fsdp_activation_checkpointing fsdp_fully_shard fsdp_trace optim_training_checkpoint policies_builtin_policies policies_registry statedict_dcp statedict_dcp_sharded statedict_state_dict statedict_torch_file third_party_absl_flags fsdp_torch)
 
 # //models:train_gpt_bad_input_test
 if(BUILD_TESTING)
@@ -610,6 +628,28 @@ add_dependencies(models_train_gpt_bad_input_test models_train_gpt comm_launch)
 add_test(NAME //models:train_gpt_bad_input_test COMMAND models_train_gpt_bad_input_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//models:train_gpt_bad_input_test PROPERTIES TIMEOUT 900 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/models_train_gpt_bad_input_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/models_train_gpt_bad_input_test")
+endif()
+
+# //models:train_gpt_concurrent_runs_test
+if(BUILD_TESTING)
+add_executable(models_train_gpt_concurrent_runs_test ${PROJECT_SOURCE_DIR}/models/train_gpt_concurrent_runs_test.cc)
+set_target_properties(models_train_gpt_concurrent_runs_test PROPERTIES OUTPUT_NAME train_gpt_concurrent_runs_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
+target_link_libraries(models_train_gpt_concurrent_runs_test PRIVATE models_job_test_util optim_run_checkpoints third_party_absl_base third_party_absl_status third_party_gtest_main)
+add_dependencies(models_train_gpt_concurrent_runs_test models_train_gpt comm_launch)
+add_test(NAME //models:train_gpt_concurrent_runs_test COMMAND models_train_gpt_concurrent_runs_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//models:train_gpt_concurrent_runs_test PROPERTIES TIMEOUT 900 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/models_train_gpt_concurrent_runs_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/models_train_gpt_concurrent_runs_test")
+endif()
+
+# //models:train_gpt_misuse_test
+if(BUILD_TESTING)
+add_executable(models_train_gpt_misuse_test ${PROJECT_SOURCE_DIR}/models/train_gpt_misuse_test.cc)
+set_target_properties(models_train_gpt_misuse_test PROPERTIES OUTPUT_NAME train_gpt_misuse_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
+target_link_libraries(models_train_gpt_misuse_test PRIVATE models_job_test_util third_party_absl_base third_party_gtest_main)
+add_dependencies(models_train_gpt_misuse_test models_train_gpt comm_launch)
+add_test(NAME //models:train_gpt_misuse_test COMMAND models_train_gpt_misuse_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//models:train_gpt_misuse_test PROPERTIES TIMEOUT 900 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/models_train_gpt_misuse_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/models_train_gpt_misuse_test")
 endif()
 
 # //models:train_gpt_test

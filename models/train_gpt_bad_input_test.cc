@@ -97,6 +97,32 @@ TEST(TrainGpt, BadFlagsAreRefusedNamingTheProblem) {
            "--block_size + 2 = 34"},
       {"--eval_batches=0", 2, "--eval_batches=0: must be >= 1"},
       {"--device=cuda:x", 2, "--device=cuda:x: "},
+      // A malformed device is named as such before any GPU is looked for.
+      {"--device=cuda:abc", 2,
+       "--device=cuda:abc: must be cpu, cuda or cuda:N, N a GPU's index (0, 1, ...)"},
+      {"--device=cuda:-1", 2, "--device=cuda:-1: must be cpu, cuda or cuda:N"},
+      // Flags that mean something only beside another.
+      {"--checkpoint_format=dcp", 2, "--checkpoint_format=dcp: applies only with --checkpoint_dir"},
+      {"--checkpoint_every=5", 2, "--checkpoint_every=5: applies only with --checkpoint_dir"},
+      {"--keep_checkpoints=3", 2, "--keep_checkpoints=3: applies only with --checkpoint_dir"},
+      {"--init_state_dict_key=model", 2,
+       "--init_state_dict_key=model: applies only with --init_state_dict"},
+      {"--init_state_dict_ignore=*.bias", 2,
+       "--init_state_dict_ignore=*.bias: applies only with --init_state_dict"},
+      {"--init_optim_state_dict_key=optim", 2,
+       "--init_optim_state_dict_key=optim: applies only with --init_optim_state_dict"},
+      {"--export_optim_state_dict_keys=index", 2,
+       "--export_optim_state_dict_keys=index: applies only with --export_optim_state_dict"},
+      {"--eval_every=5", 2, "--eval_every=5: applies only with --data"},
+      {"--eval_batches=2", 2, "--eval_batches=2: applies only with --data"},
+      {"--sample_tokens=8", 2, "--sample_tokens=8: applies only with --data"},
+      {"--max_consecutive_skips=3", 2,
+       "--max_consecutive_skips=3: applies only with --on_nonfinite=skip"},
+      {"--overwrite_exports", 2,
+       "--overwrite_exports=true: applies only with --export_state_dict, "
+       "--export_optim_state_dict or --export_dcp"},
+      {"--TEST_nan_loss_at_step=-1", 2, "--TEST_nan_loss_at_step=-1: must be >= 0"},
+      {"--TEST_nan_loss_at_step=9", 2, "--TEST_nan_loss_at_step=9: beyond --steps=3"},
       {"--collectives=pigeon", 2, "--collectives=pigeon: must be auto, gloo, nccl or staged"},
       {"--collectives=nccl", 2, "--collectives=nccl needs --device=cuda or cuda:N"},
       {"--resume", 2, "--resume: needs --checkpoint_dir"},
@@ -164,6 +190,19 @@ TEST(TrainGpt, BadFlagsAreRefusedNamingTheProblem) {
   }
 }
 
+// Under another launcher, the ranks' number is the launcher's: a
+// --world_size that disagrees is refused rather than ignored.
+TEST(TrainGpt, AWorldSizeOtherThanTheLaunchersIsRefused) {
+  const CommandResult run = RunCommand(absl::StrCat(
+      "env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 "
+      "MASTER_PORT=1 ",
+      kTrainGpt, " --world_size=3 --steps=1"));
+  EXPECT_EQ(run.exit_code, 2) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("--world_size=3: this rank's launcher started 1 ranks "
+                                    "(WORLD_SIZE); --world_size applies only when train_gpt "
+                                    "launches its own ranks"));
+}
+
 // The data-loss scenario: a new run started in a directory that holds an
 // older run's checkpoints (steps 5 and 10). Before, clean-up deleted the new
 // run's step-3 checkpoint right after reporting it (the other run's count as
@@ -228,9 +267,9 @@ TEST(TrainGpt, ResumingNamesTheNewerCheckpointItCannotUse) {
       absl::StrCat(kTrainGpt, common, " --steps=8 --checkpoint_every=3 --resume"));
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_THAT(resumed.output,
-              HasSubstr("note: '" + dir + "/step-00000006' is newer but has no manifest (an "
-                        "interrupted save); resuming from step 3 instead, and step 6 is saved "
-                        "again when the run gets there"));
+              HasSubstr("note: '" + dir + "/step-00000006' holds neither manifest.pb nor "
+                        ".metadata (an interrupted save); resuming from step 3 instead; it is "
+                        "removed once this run saves a checkpoint"));
   EXPECT_THAT(resumed.output, HasSubstr("resumed from " + dir + "/step-00000003"));
   // The resumed run saved step 6 again, then step 8, and removed step 3.
   EXPECT_TRUE(Exists(dir + "/step-00000006/manifest.pb"));
@@ -378,11 +417,13 @@ TEST(TrainGpt, InitialStateDictProblemsNameTheFileAndTheWayOut) {
                                       "model's is [256, 32]"));
   EXPECT_THAT(shape.output, ::testing::Not(HasSubstr("can be dropped")));
 
+  // A file that is not there is found before any rank starts.
   const CommandResult missing =
       RunCommand(absl::StrCat(job, " --init_state_dict=", dir, "/missing.pt"));
-  EXPECT_EQ(missing.exit_code, 1) << missing.output;
-  EXPECT_THAT(missing.output, HasSubstr("cannot read '" + dir + "/missing.pt' as a torch.save "
-                                        "archive: cannot open it"));
+  EXPECT_EQ(missing.exit_code, 2) << missing.output;
+  EXPECT_THAT(missing.output,
+              HasSubstr("--init_state_dict=" + dir + "/missing.pt: No such file or directory"));
+  EXPECT_THAT(missing.output, ::testing::Not(HasSubstr("launched")));
 
   // --init_optim_state_dict: a model's state dict given as the optimizer's
   // is named as such, with the flag and the file.

@@ -33,6 +33,7 @@
 #include <string>
 #include <thread>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "ATen/ATen.h"
@@ -42,11 +43,13 @@
 #endif
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "base/status.h"
 #include "comm/collectives.h"
 #include "comm/launch_environment.h"
@@ -59,6 +62,8 @@
 #include "fsdp/utilities.h"
 #include "models/gpt.h"
 #include "models/output_paths.h"
+#include "models/train_gpt_checks.h"
+#include "models/train_gpt_flags.h"
 #include "optim/dcp_checkpoint.h"
 #include "optim/flat_shard_optimizers.h"
 #include "optim/optim_state.h"
@@ -78,204 +83,9 @@
 #include "torch/optim/adamw.h"
 #include "torch/optim/sgd.h"
 
-ABSL_FLAG(int, world_size, 2, "Ranks to launch on this host (launcher mode).");
-ABSL_FLAG(int, steps, 400, "Optimizer steps.");
-ABSL_FLAG(int, batch_size, 16, "Sequences per rank per step.");
-ABSL_FLAG(int, block_size, 32, "Context length.");
-ABSL_FLAG(int, n_layer, 2, "Transformer blocks (one FSDP unit each).");
-ABSL_FLAG(int, n_head, 4, "Attention heads.");
-ABSL_FLAG(int, n_embd, 64, "Model width.");
-ABSL_FLAG(double, dropout, 0.0,
-          "nanoGPT's dropout probability, in [0, 1): after the embeddings, on the attention "
-          "weights and after each block's projections; off for the eval loss and the sample. "
-          "Masks come from a seed of --seed, the rank and the step.");
-ABSL_FLAG(bool, activation_checkpointing, false,
-          "Recompute each block's activations in backward instead of keeping them "
-          "(fsdp/activation_checkpointing.h): about one more forward per step for most of the "
-          "activation memory.");
-ABSL_FLAG(std::string, data, "",
-          "Train on this file's bytes (tokens 0..255) instead of the generated corpus: the "
-          "first 90% trains, the last 10% is held out for the eval loss and the prompt of "
-          "the sample printed at the end.");
-ABSL_FLAG(int, eval_every, 50,
-          "With --data: the held-out loss every this many steps and after the last (0: only "
-          "after the last).");
-ABSL_FLAG(int, eval_batches, 4,
-          "With --data: global batches in the held-out loss, the same ones every time.");
-ABSL_FLAG(int, sample_tokens, 64,
-          "With --data: after training, generate this many bytes from a held-out prompt and "
-          "print them (rank 0); 0: none.");
-ABSL_FLAG(std::string, optimizer, "adamw", "adamw or sgd (with momentum --beta1).");
-ABSL_FLAG(std::string, optimizer_kernel, "flat_exact",
-          "How the optimizer steps the shards: flat_exact (each unit's shard as one tensor with "
-          "libtorch's arithmetic, equal to per_parameter bit for bit; "
-          "optim/flat_shard_optimizers.h), flat_fused (PyTorch's fused kernels over each "
-          "unit's shard; libtorch >= 2.4; equal up to rounding) or per_parameter (libtorch's "
-          "optimizers).");
-// The optimizer's hyper-parameters are optional flags: on --resume, one
-// given on the command line replaces the checkpoint's value (and says so),
-// one not given keeps the checkpoint's.
-ABSL_FLAG(std::optional<double>, lr, std::nullopt, "Learning rate (default 3e-3).");
-ABSL_FLAG(std::optional<double>, weight_decay, std::nullopt,
-          "Weight decay, decoupled for AdamW (default 0.01).");
-ABSL_FLAG(std::optional<double>, beta1, std::nullopt, "AdamW beta1; SGD momentum (default 0.9).");
-ABSL_FLAG(std::optional<double>, beta2, std::nullopt, "AdamW beta2 (default 0.99).");
-ABSL_FLAG(std::optional<double>, eps, std::nullopt, "AdamW epsilon (default 1e-8).");
-ABSL_FLAG(std::string, weight_decay_groups, "one",
-          "one: every parameter in one group, decayed by --weight_decay; nanogpt: nanoGPT's two "
-          "groups, the parameters of two or more dimensions (matmul weights, embeddings) "
-          "decayed by --weight_decay, then the others (biases, LayerNorm) with no decay.");
-ABSL_FLAG(double, grad_clip, 1.0,
-          "Clip the global gradient norm to this (across all ranks and units); 0: off.");
-ABSL_FLAG(std::string, metrics_jsonl, "",
-          "Append one JSON line per step here (rank 0): step, loss, tokens_per_s, grad_norm.");
-ABSL_FLAG(std::string, sharding_strategy, "full_shard",
-          "full_shard, shard_grad_op, no_shard, hybrid_shard or _hybrid_shard_zero2.");
-ABSL_FLAG(int, shard_group_size, 0,
-          "With hybrid_shard or _hybrid_shard_zero2: ranks per shard group (it must divide "
-          "the world size); 0: LOCAL_WORLD_SIZE, one node each.");
-ABSL_FLAG(std::string, param_dtype, "",
-          "Mixed precision: compute and all-gather parameters in this dtype (bfloat16, "
-          "float16, float32); the optimizer still steps float32 shards. Empty: float32.");
-ABSL_FLAG(std::string, reduce_dtype, "",
-          "Mixed precision: reduce gradients in this dtype (default: --param_dtype).");
-ABSL_FLAG(std::string, backward_prefetch, "backward_pre",
-          "none, backward_pre or backward_post.");
-ABSL_FLAG(bool, forward_prefetch, false, "All-gather the next unit during forward.");
-ABSL_FLAG(bool, offload_params, false,
-          "CPU offload: shards, gradients and optimizer state in host memory; the optimizer "
-          "steps on the host (a CPU run makes the copies and saves nothing).");
-ABSL_FLAG(std::string, wrap_policy, "module:Block",
-          "Which modules become FSDP units: a policy spec (policies/policy_spec.h), e.g. "
-          "'module:Block', 'module:Block,strategy=shard_grad_op', 'none', or a plugin's "
-          "policy such as 'fqn_glob:transformer.h.*'.");
-ABSL_FLAG(std::string, policy_plugin, "",
-          "Path of a wrap-policy plugin (a shared object, policies/policy_plugin.h) to load "
-          "before building --wrap_policy.");
-ABSL_FLAG(std::string, init_state_dict, "",
-          "Start from this state dict: a torch.save file (e.g. torch.save(model.state_dict()) "
-          "of a PyTorch GPT with nanoGPT's layout) or one written by --export_state_dict, or a "
-          "PyTorch Distributed Checkpoint directory (torch.distributed.checkpoint.save, e.g. of "
-          "an FSDP2 model's get_model_state_dict, at any world size), of which every rank reads "
-          "only the chunks that hold its shards.");
-ABSL_FLAG(std::vector<std::string>, init_state_dict_ignore, {},
-          "Comma-separated globs (fnmatch) of --init_state_dict entries to drop when this model "
-          "has no such entry, e.g. '*.attn.bias' for the causal-mask buffers that nanoGPT "
-          "checkpoints from torch < 2 carry. An entry the model has is never dropped. (A "
-          "Distributed Checkpoint's entries the model lacks are never read.)");
-ABSL_FLAG(std::string, init_state_dict_key, "",
-          "Take the state dict from this key of the file's top-level dict (nanoGPT's ckpt.pt: "
-          "'model'); for a Distributed Checkpoint, the entries under 'KEY.' (a checkpoint of "
-          "{'model': ..., 'optim': ...}: 'model').");
-ABSL_FLAG(std::string, export_state_dict, "",
-          "Write the final FULL state dict here (rank 0), readable by Python's torch.load.");
-ABSL_FLAG(std::string, init_optim_state_dict, "",
-          "Start the optimizer from this state: a torch.save file of a PyTorch optimizer's "
-          "state_dict() (keyed by parameter index: its groups must be this job's, one over the "
-          "GPT's parameters in the model's order, or nanoGPT's two with "
-          "--weight_decay_groups=nanogpt) or of FSDP's FULL optim_state_dict or "
-          "get_optimizer_state_dict(full_state_dict=True) (keyed by FQN), e.g. from "
-          "--export_optim_state_dict; or a PyTorch Distributed Checkpoint directory holding "
-          "an optimizer's state (e.g. an FSDP2 job's dcp.save of {'model': ..., 'optim': ...} "
-          "from get_state_dict, at any world size). Hyper-parameters given on the command line "
-          "replace the file's.");
-ABSL_FLAG(std::string, init_optim_state_dict_key, "",
-          "Take the optimizer state from this key of the file's top-level dict (e.g. "
-          "'optimizer' of {'model': ..., 'optimizer': ...}; 'optim' of an FSDP2 job's "
-          "Distributed Checkpoint).");
-ABSL_FLAG(std::string, export_optim_state_dict, "",
-          "Write the final FULL optimizer state here (rank 0), readable by Python's torch.load, "
-          "keyed as --export_optim_state_dict_keys says.");
-ABSL_FLAG(std::string, export_optim_state_dict_keys, "fqn",
-          "fqn: FSDP's FULL optim_state_dict layout (for set_optimizer_state_dict or "
-          "optim_state_dict_to_load); index: torch.optim.Optimizer.state_dict()'s (for "
-          "load_state_dict of an unwrapped model's optimizer).");
-ABSL_FLAG(std::string, export_dcp, "",
-          "Write the final model and optimizer state here as a PyTorch Distributed Checkpoint "
-          "(every rank writes its own shards), laid out as an FSDP2 job's dcp.save of "
-          "{'model': ..., 'optim': ...}: dcp.load into get_state_dict's dicts reads it at any "
-          "world size.");
-ABSL_FLAG(std::string, checkpoint_dir, "",
-          "Save SHARDED training checkpoints (model and optimizer state) here, one subdirectory "
-          "step-NNNNNNNN per checkpoint, labelled with the run's id (optim/run_checkpoints.h). "
-          "A new run refuses a directory holding other checkpoints (see --resume and "
-          "--overwrite_checkpoints).");
-ABSL_FLAG(std::string, checkpoint_format, "sharded",
-          "How --checkpoint_dir's checkpoints are written: 'sharded' (this project's SHARDED "
-          "format, with CRCs) or 'dcp' (PyTorch Distributed Checkpoints of {'model', 'optim', "
-          "'train_state'}, which an FSDP2 job loads with dcp.load). --resume reads either, and "
-          "a step-N directory an FSDP2 job wrote with dcp.save of {'model', 'optim'} too.");
-ABSL_FLAG(int, checkpoint_every, 100, "Steps between checkpoints (with --checkpoint_dir).");
-ABSL_FLAG(int, keep_checkpoints, 2,
-          "How many of this run's newest checkpoints clean-up keeps; it never removes another "
-          "run's.");
-ABSL_FLAG(bool, resume, false,
-          "Continue the run whose newest complete checkpoint is in --checkpoint_dir (any world "
-          "size).");
-ABSL_FLAG(bool, overwrite_checkpoints, false,
-          "A new run may use a --checkpoint_dir that holds another run's checkpoints: they are "
-          "removed once this run's first checkpoint is saved.");
-ABSL_FLAG(std::string, on_nonfinite, "stop",
-          "When the loss or the gradient norm of a step is not finite: 'stop' the job naming "
-          "the step, or 'skip' the step's update (see --max_consecutive_skips).");
-ABSL_FLAG(int, TEST_nan_loss_at_step, 0,
-          "Testing aid for --on_nonfinite: the last rank's loss of this step is made NaN "
-          "before backward (its gradients, hence every rank's, become NaN too); 0: never.");
-ABSL_FLAG(int, max_consecutive_skips, 10,
-          "With --on_nonfinite=skip: stop once more than this many steps in a row were "
-          "skipped.");
-ABSL_FLAG(std::string, record_batches, "",
-          "Write every step's global batch of token ids here (rank 0, at the end), readable "
-          "by torch.load: {'tokens': int64 [steps, world_size * batch_size, block_size + 1], "
-          "'first_step': int64}; inputs are tokens[..., :-1], targets tokens[..., 1:].");
-ABSL_FLAG(std::string, replay_batches, "",
-          "Train on the batches a --record_batches file holds instead of sampling (any "
-          "world size whose world_size * batch_size matches the recorded global batch).");
-ABSL_FLAG(std::string, trace_dir, "",
-          "Write each rank's FSDP trace (Chrome trace-event JSON, for Perfetto) to "
-          "<trace_dir>/trace_rank<r>.json at the end: forward, backward, unshard, reshard, "
-          "all-gather and reduce-scatter of every unit (fsdp/trace.h).");
-ABSL_FLAG(bool, fsdp_debug_log, false,
-          "Print every FSDP training-state transition to stderr, prefixed by the rank.");
-ABSL_FLAG(bool, list_policies, false,
-          "Print the registered wrap policies (after loading --policy_plugin) and exit.");
-ABSL_FLAG(bool, print_plan, true, "Print the wrap plan (rank 0) before training.");
-ABSL_FLAG(uint64_t, seed, 1234, "Model initialization and batch sampling.");
-ABSL_FLAG(int, log_every, 25, "Print progress every this many steps.");
-ABSL_FLAG(int, timeout_s, 600, "Whole-job timeout (launcher mode).");
-ABSL_FLAG(int, collective_timeout_s, 120,
-          "Bound on every collective and on forming the groups: a rank that does not take part "
-          "in time makes the others fail naming the collective, its unit and the ranks' "
-          "fingerprints.");
-ABSL_FLAG(bool, check_collective_headers, true,
-          "Before every collective, check that every rank issues the same one (GlooOptions::"
-          "check_collective_headers): a mismatch is an error naming both sides instead of a "
-          "crash inside Gloo or silently mixed data; costs one small all-to-all each.");
-ABSL_FLAG(std::string, device, "cpu",
-          "Where each rank computes: cpu; cuda (rank r on GPU LOCAL_RANK % GPUs); or cuda:N "
-          "(every rank on GPU N). The model is built on the host and its units moved there "
-          "as they are sharded (FsdpOptions::device_id).");
-ABSL_FLAG(std::string, collectives, "auto",
-          "How ranks communicate: gloo (host tensors; --device=cpu), nccl (one GPU per rank; "
-          "CUDA builds), staged (device tensors through host buffers over Gloo: ranks may "
-          "share a GPU, comm/staged_collectives.h), or auto: gloo on the CPU, nccl when every "
-          "rank of this host has a GPU of its own and this build has NCCL, else staged.");
-ABSL_FLAG(int, verify_collectives_every, 0,
-          "Every this many steps, compare every rank's collective fingerprints through the "
-          "store (FsdpOptions::verify_collectives_every); 0: never.");
-
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// Loads --policy_plugin (if any) and builds --wrap_policy.
-absl::StatusOr<std::unique_ptr<fsdp::WrapPolicy>> BuildWrapPolicy() {
-  const std::string plugin = absl::GetFlag(FLAGS_policy_plugin);
-  if (!plugin.empty()) {
-    if (absl::Status s = fsdp::LoadPolicyPlugin(plugin); !s.ok()) return s;
-  }
-  return fsdp::PolicyRegistry::Global().Build(absl::GetFlag(FLAGS_wrap_policy));
-}
 
 // A byte-level corpus with structure to learn: lines of sums, "17+25=42".
 std::string MakeCorpus(uint64_t seed, size_t bytes) {
@@ -286,14 +96,6 @@ std::string MakeCorpus(uint64_t seed, size_t bytes) {
     text += std::to_string(a) + "+" + std::to_string(b) + "=" + std::to_string(a + b) + "\n";
   }
   return text;
-}
-
-absl::StatusOr<fsdp::BackwardPrefetch> ParseBackwardPrefetch(const std::string& name) {
-  if (name == "none") return fsdp::BackwardPrefetch::kNone;
-  if (name == "backward_pre") return fsdp::BackwardPrefetch::kBackwardPre;
-  if (name == "backward_post") return fsdp::BackwardPrefetch::kBackwardPost;
-  return absl::InvalidArgumentError("--backward_prefetch=" + name +
-                                    ": expected none, backward_pre or backward_post");
 }
 
 // What one rank held and sent, for the report at the end of the run.
@@ -378,9 +180,6 @@ void PrintRankReport(int rank, const RankReport& r, const fsdp::CollectiveCounte
   std::fflush(stdout);
 }
 
-// The corpus MakeCorpus generates; a sequence needs block_size + 1 bytes.
-constexpr int64_t kCorpusBytes = int64_t{1} << 20;
-
 // The tokens the run trains on and, with --data, the held-out tenth.
 struct Corpus {
   at::Tensor train;     // int64 [n]
@@ -393,14 +192,12 @@ at::Tensor TokensOf(const std::string& bytes) {
       .to(at::kLong);
 }
 
-// The held-out part of --data's `size` bytes: the last tenth.
-int64_t HeldOutBytes(int64_t size) { return size / 10; }
-
 absl::StatusOr<Corpus> LoadCorpus() {
   Corpus corpus;
   const std::string path = absl::GetFlag(FLAGS_data);
   if (path.empty()) {
-    const std::string generated = MakeCorpus(absl::GetFlag(FLAGS_seed), kCorpusBytes);
+    const std::string generated =
+        MakeCorpus(absl::GetFlag(FLAGS_seed), train_gpt::kGeneratedCorpusBytes);
     // The generator's bytes as signed chars, folded into 0..255 as before.
     corpus.train = at::from_blob(const_cast<char*>(generated.data()),
                                  {static_cast<int64_t>(generated.size())}, at::kChar)
@@ -413,209 +210,10 @@ absl::StatusOr<Corpus> LoadCorpus() {
   const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (in.bad()) return absl::DataLossError(absl::StrCat("--data=", path, ": cannot read it"));
   const at::Tensor tokens = TokensOf(bytes);
-  const int64_t held_out = HeldOutBytes(tokens.numel());
+  const int64_t held_out = train_gpt::HeldOutBytes(tokens.numel());
   corpus.train = tokens.narrow(0, 0, tokens.numel() - held_out);
   corpus.held_out = tokens.narrow(0, tokens.numel() - held_out, held_out);
   return corpus;
-}
-
-// Before any rank starts: the file is there and both parts hold a sequence.
-std::optional<std::string> DataProblem(int block_size) {
-  const std::string path = absl::GetFlag(FLAGS_data);
-  if (path.empty()) return std::nullopt;
-  struct stat info;
-  if (stat(path.c_str(), &info) != 0 || !S_ISREG(info.st_mode)) {
-    return absl::StrCat("--data=", path, ": not a readable file");
-  }
-  const int64_t size = info.st_size, held_out = HeldOutBytes(size);
-  // Sampling needs room for more than one sequence (TokenSampler).
-  if (held_out < block_size + 2) {
-    return absl::StrFormat("--data=%s: %d bytes hold %d held-out bytes (the last tenth), fewer "
-                           "than --block_size + 2 = %d",
-                           path, size, held_out, block_size + 2);
-  }
-  return std::nullopt;
-}
-
-// A rough upper bound of one rank's training memory: parameters, gradients
-// and two optimizer moments unsharded (sharding only lowers it), and the
-// activations autograd keeps for backward, dominated by the attention
-// matrices (batch x heads x block_size^2 per layer, about four copies).
-double EstimatedRankBytes() {
-  const double b = absl::GetFlag(FLAGS_batch_size), t = absl::GetFlag(FLAGS_block_size),
-               l = absl::GetFlag(FLAGS_n_layer), h = absl::GetFlag(FLAGS_n_head),
-               c = absl::GetFlag(FLAGS_n_embd), vocab = 256;
-  const double params = l * (12 * c * c + 13 * c) + (vocab + t + 2) * c;
-  const double attention = l * b * h * t * t * 4 * 4;
-  const double other_activations = l * b * t * c * 4 * 24 + b * t * vocab * 4 * 4;
-  return params * 4 * 4 + attention + other_activations;
-}
-
-// Every problem with the flags, each naming the flag and what is valid;
-// `world_size` and `ranks_on_host` as the job will have them.
-std::vector<std::string> FlagProblems(fsdp::ShardingStrategy strategy, int world_size,
-                                      int ranks_on_host) {
-  std::vector<std::string> problems;
-  auto at_least = [&](const char* flag, int64_t value, int64_t min) {
-    if (value < min) problems.push_back(absl::StrFormat("--%s=%d: must be >= %d", flag, value, min));
-  };
-  at_least("world_size", world_size, 1);
-  at_least("steps", absl::GetFlag(FLAGS_steps), 1);
-  at_least("batch_size", absl::GetFlag(FLAGS_batch_size), 1);
-  at_least("n_layer", absl::GetFlag(FLAGS_n_layer), 1);
-  at_least("n_head", absl::GetFlag(FLAGS_n_head), 1);
-  at_least("n_embd", absl::GetFlag(FLAGS_n_embd), 1);
-  at_least("checkpoint_every", absl::GetFlag(FLAGS_checkpoint_every), 1);
-  at_least("keep_checkpoints", absl::GetFlag(FLAGS_keep_checkpoints), 1);
-  at_least("log_every", absl::GetFlag(FLAGS_log_every), 1);
-  at_least("timeout_s", absl::GetFlag(FLAGS_timeout_s), 1);
-  at_least("collective_timeout_s", absl::GetFlag(FLAGS_collective_timeout_s), 1);
-  at_least("verify_collectives_every", absl::GetFlag(FLAGS_verify_collectives_every), 0);
-  at_least("max_consecutive_skips", absl::GetFlag(FLAGS_max_consecutive_skips), 0);
-  at_least("shard_group_size", absl::GetFlag(FLAGS_shard_group_size), 0);
-  const int block_size = absl::GetFlag(FLAGS_block_size);
-  if (block_size < 2 || block_size > kCorpusBytes - 2) {
-    problems.push_back(absl::StrFormat("--block_size=%d: must be in [2, %d] (the corpus is %d "
-                                       "bytes)",
-                                       block_size, kCorpusBytes - 2, kCorpusBytes));
-  }
-  at_least("eval_every", absl::GetFlag(FLAGS_eval_every), 0);
-  at_least("eval_batches", absl::GetFlag(FLAGS_eval_batches), 1);
-  at_least("sample_tokens", absl::GetFlag(FLAGS_sample_tokens), 0);
-  if (std::optional<std::string> problem = DataProblem(block_size)) problems.push_back(*problem);
-  const int n_head = absl::GetFlag(FLAGS_n_head), n_embd = absl::GetFlag(FLAGS_n_embd);
-  if (n_head >= 1 && n_embd >= 1 && n_embd % n_head != 0) {
-    problems.push_back(absl::StrFormat("--n_embd=%d: must be a multiple of --n_head=%d", n_embd,
-                                       n_head));
-  }
-  struct Real {
-    const char* flag;
-    std::optional<double> value;
-    double min;
-    bool min_inclusive;
-    double below;  // Exclusive upper bound.
-    const char* range;
-  };
-  constexpr double kInf = std::numeric_limits<double>::infinity();
-  for (const Real& r :
-       {Real{"lr", absl::GetFlag(FLAGS_lr), 0, true, kInf, ">= 0 and finite"},
-        Real{"weight_decay", absl::GetFlag(FLAGS_weight_decay), 0, true, kInf, ">= 0 and finite"},
-        Real{"beta1", absl::GetFlag(FLAGS_beta1), 0, true, 1, "in [0, 1)"},
-        Real{"dropout", absl::GetFlag(FLAGS_dropout), 0, true, 1, "in [0, 1)"},
-        Real{"beta2", absl::GetFlag(FLAGS_beta2), 0, true, 1, "in [0, 1)"},
-        Real{"eps", absl::GetFlag(FLAGS_eps), 0, false, kInf, "> 0 and finite"},
-        Real{"grad_clip", absl::GetFlag(FLAGS_grad_clip), 0, true, kInf,
-             ">= 0 and finite (0: off)"}}) {
-    if (!r.value.has_value()) continue;
-    const double v = *r.value;
-    const bool ok = std::isfinite(v) && (r.min_inclusive ? v >= r.min : v > r.min) && v < r.below;
-    if (!ok) problems.push_back(absl::StrFormat("--%s=%g: must be %s", r.flag, v, r.range));
-  }
-  if (const std::string k = absl::GetFlag(FLAGS_export_optim_state_dict_keys);
-      k != "fqn" && k != "index") {
-    problems.push_back("--export_optim_state_dict_keys=" + k + ": expected fqn or index");
-  }
-  if (const std::string o = absl::GetFlag(FLAGS_optimizer); o != "adamw" && o != "sgd") {
-    problems.push_back("--optimizer=" + o + ": expected adamw or sgd");
-  }
-  if (const std::string k = absl::GetFlag(FLAGS_optimizer_kernel);
-      k != "flat_exact" && k != "flat_fused" && k != "per_parameter") {
-    problems.push_back("--optimizer_kernel=" + k +
-                       ": expected flat_exact, flat_fused or per_parameter");
-  } else if (k == "flat_fused" && !fsdp::kHaveFusedOptimizerKernels) {
-    problems.push_back(absl::StrFormat(
-        "--optimizer_kernel=flat_fused: needs libtorch >= 2.4 (PyTorch's fused optimizer "
-        "kernels); this is libtorch %d.%d: use flat_exact",
-        TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR));
-  }
-  if (const std::string n = absl::GetFlag(FLAGS_on_nonfinite); n != "stop" && n != "skip") {
-    problems.push_back("--on_nonfinite=" + n + ": expected stop or skip");
-  }
-  if (const int g = absl::GetFlag(FLAGS_shard_group_size); g > 0) {
-    if (!fsdp::IsHybrid(strategy)) {
-      problems.push_back(absl::StrFormat(
-          "--shard_group_size=%d: applies only to --sharding_strategy=hybrid_shard or "
-          "_hybrid_shard_zero2, not %s",
-          g, fsdp::ShardingStrategyName(strategy)));
-    } else if (world_size >= 1 && world_size % g != 0) {
-      problems.push_back(absl::StrFormat(
-          "--shard_group_size=%d: must divide the world size %d", g, world_size));
-    }
-  }
-  const bool has_dir = !absl::GetFlag(FLAGS_checkpoint_dir).empty();
-  if (const std::string groups = absl::GetFlag(FLAGS_weight_decay_groups);
-      groups != "one" && groups != "nanogpt") {
-    problems.push_back("--weight_decay_groups=" + groups + ": expected one or nanogpt");
-  }
-  if (const std::string format = absl::GetFlag(FLAGS_checkpoint_format);
-      format != "sharded" && format != "dcp") {
-    problems.push_back("--checkpoint_format=" + format + ": expected sharded or dcp");
-  }
-  if (absl::GetFlag(FLAGS_resume) && !has_dir) {
-    problems.push_back("--resume: needs --checkpoint_dir");
-  }
-  if (absl::GetFlag(FLAGS_overwrite_checkpoints) &&
-      (!has_dir || absl::GetFlag(FLAGS_resume))) {
-    problems.push_back(
-        "--overwrite_checkpoints: only for a new run (no --resume) with --checkpoint_dir");
-  }
-  if (problems.empty()) {
-    const double need = EstimatedRankBytes() * ranks_on_host;
-    const double have =
-        static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
-    if (need > have) {
-      problems.push_back(absl::StrFormat(
-          "--block_size=%d, --batch_size=%d, --n_layer=%d, --n_head=%d, --n_embd=%d: training "
-          "needs about %.0f GiB on this host (%d ranks; attention matrices grow with "
-          "block_size^2), which has %.0f GiB of memory",
-          block_size, absl::GetFlag(FLAGS_batch_size), absl::GetFlag(FLAGS_n_layer), n_head,
-          n_embd, need / (1 << 30), ranks_on_host, have / (1 << 30)));
-    }
-  }
-  return problems;
-}
-
-// Creates and test-writes every output path, so that a bad one fails now.
-absl::Status PrepareOutputs() {
-  for (const auto& [flag, dir] : {std::pair<const char*, std::string>{
-                                      "--checkpoint_dir", absl::GetFlag(FLAGS_checkpoint_dir)},
-                                  {"--export_dcp", absl::GetFlag(FLAGS_export_dcp)},
-                                  {"--trace_dir", absl::GetFlag(FLAGS_trace_dir)}}) {
-    if (!dir.empty()) FSDP_RETURN_IF_ERROR(fsdp::PrepareOutputDirectory(flag, dir));
-  }
-  for (const auto& [flag, file] :
-       {std::pair<const char*, std::string>{"--export_state_dict",
-                                            absl::GetFlag(FLAGS_export_state_dict)},
-        {"--export_optim_state_dict", absl::GetFlag(FLAGS_export_optim_state_dict)},
-        {"--record_batches", absl::GetFlag(FLAGS_record_batches)},
-        {"--metrics_jsonl", absl::GetFlag(FLAGS_metrics_jsonl)}}) {
-    if (!file.empty()) FSDP_RETURN_IF_ERROR(fsdp::PrepareOutputFile(flag, file));
-  }
-  return absl::OkStatus();
-}
-
-// The run's checkpoint directory (none without --checkpoint_dir), checked
-// against --resume, --overwrite_checkpoints and --steps.
-absl::StatusOr<std::optional<fsdp::RunCheckpoints>> OpenCheckpoints(const std::string& run_id) {
-  const std::string dir = absl::GetFlag(FLAGS_checkpoint_dir);
-  if (dir.empty()) return std::nullopt;
-  fsdp::RunCheckpointsOptions options;
-  options.resume = absl::GetFlag(FLAGS_resume);
-  options.overwrite = absl::GetFlag(FLAGS_overwrite_checkpoints);
-  options.keep = absl::GetFlag(FLAGS_keep_checkpoints);
-  absl::StatusOr<fsdp::RunCheckpoints> run = fsdp::RunCheckpoints::Open(dir, options, run_id);
-  if (!run.ok()) {
-    return absl::Status(run.status().code(),
-                        absl::StrCat("--checkpoint_dir=", dir, ": ", run.status().message()));
-  }
-  const int steps = absl::GetFlag(FLAGS_steps);
-  if (run->resume_from() && run->resume_from()->step >= steps) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "--steps=%d: the run in '%s' has already reached step %d (%s); pass a larger --steps "
-        "to train further",
-        steps, dir, run->resume_from()->step, run->resume_from()->path));
-  }
-  return std::optional<fsdp::RunCheckpoints>(*std::move(run));
 }
 
 // One optimizer hyper-parameter: its flag, and its value in a group.
@@ -730,53 +328,124 @@ std::string ApplyGivenHyperparameters(torch::optim::Optimizer& optimizer) {
   return absl::StrJoin(described, ", ");
 }
 
+// The first path parts of a Distributed Checkpoint's entries (as dcp.save
+// saw the nested state dict: {"model": ..., "optim": ...} -> model, optim).
+std::set<std::string> DcpTopLevelKeys(const fsdp::DcpMetadata& metadata) {
+  std::set<std::string> keys;
+  const auto add = [&](const std::string& name) {
+    auto path = metadata.planner_data.find(name);
+    if (path != metadata.planner_data.end() && !path->second.empty() &&
+        !path->second.front().is_index) {
+      keys.insert(path->second.front().key);
+    } else {
+      keys.insert(name.substr(0, name.find('.')));
+    }
+  };
+  for (const fsdp::DcpTensorEntry& t : metadata.tensors) add(t.fqn);
+  for (const fsdp::DcpBytesEntry& b : metadata.bytes) add(b.fqn);
+  return keys;
+}
+
+// "'model', 'optim'".
+std::string Quoted(const std::set<std::string>& names) {
+  return absl::StrJoin(names, ", ", [](std::string* out, const std::string& name) {
+    absl::StrAppend(out, "'", fsdp::PrintableText(name), "'");
+  });
+}
+
+// What to say when --init_state_dict's (or --init_optim_state_dict's)
+// entries lie under top-level keys: with no key given, which key
+// `key_flag` should name (the first of `wanted` among `top_level`); with
+// one given that is not among them, which there are. "" otherwise.
+std::string KeyHint(const std::string& given_key, const std::set<std::string>& top_level,
+                    const char* key_flag, const std::vector<std::string>& wanted) {
+  if (!given_key.empty()) {
+    if (top_level.count(given_key) != 0) return "";
+    return absl::StrCat(" (no entry lies under --", key_flag, "=",
+                        fsdp::PrintableText(given_key), "; its top-level keys are ",
+                        Quoted(top_level), ")");
+  }
+  for (const std::string& key : wanted) {
+    if (top_level.count(key) != 0) {
+      return absl::StrCat(" (its entries lie under the top-level keys ", Quoted(top_level),
+                          ": --", key_flag, "=", key, " takes those under '", key, "')");
+    }
+  }
+  return "";
+}
+
 // --init_state_dict into the wrapped model; `model_keys` are its state
-// dict's names. Errors name the file.
+// dict's names. One rule for every format: an entry the model lacks is
+// refused unless --init_state_dict_ignore drops it. Errors name the file.
 void LoadInitialState(fsdp::FullyShardedModel& fsdp_model, const std::set<std::string>& model_keys,
                       bool print) {
   const std::string path = absl::GetFlag(FLAGS_init_state_dict);
   const std::vector<std::string> ignore = absl::GetFlag(FLAGS_init_state_dict_ignore);
   const std::string key = absl::GetFlag(FLAGS_init_state_dict_key);
-  if (fsdp::IsDcpDirectory(path)) {
-    // Every rank reads only the chunks that hold its own shards; entries
-    // the model does not have are not read, as in dcp.load.
+  const bool dcp = fsdp::IsDcpDirectory(path);
+  const auto fail = [&](absl::string_view why, const std::string& hint) {
+    throw std::runtime_error(absl::StrCat("--init_state_dict=", path, ": ", why, hint));
+  };
+  // The names the source holds, and a hint when they lie under a key.
+  std::vector<std::string> names;
+  std::string hint;
+  fsdp::StateDict state;  // A torch.save file's, read whole by every rank.
+  if (dcp) {
+    const fsdp::DcpMetadata metadata = fsdp::ValueOrThrow(fsdp::ReadDcpMetadata(path));
+    const std::string prefix = key.empty() ? "" : key + ".";
+    for (const fsdp::DcpTensorEntry& t : metadata.tensors) {
+      if (absl::StartsWith(t.fqn, prefix)) names.push_back(t.fqn.substr(prefix.size()));
+    }
+    hint = KeyHint(key, DcpTopLevelKeys(metadata), "init_state_dict_key", {"model"});
+  } else {
+    state = fsdp::ValueOrThrow(fsdp::LoadTorchStateDict(path, key));
+    for (const auto& [name, tensor] : state) names.push_back(name);
+  }
+  std::set<std::string> dropped, unexpected;
+  for (const std::string& name : names) {
+    if (model_keys.count(name) != 0) continue;
+    bool matched = false;
+    for (const std::string& glob : ignore) {
+      matched = matched || fnmatch(glob.c_str(), name.c_str(), 0) == 0;
+    }
+    (matched ? dropped : unexpected).insert(name);
+  }
+  if (!unexpected.empty()) {
+    std::vector<std::string> shown(unexpected.begin(), unexpected.end());
+    const size_t more = shown.size() > 8 ? shown.size() - 8 : 0;
+    shown.resize(shown.size() - more);
+    fail(absl::StrCat(unexpected.size(), " entries are not in the model: ",
+                      fsdp::PrintableText(absl::StrJoin(shown, ", ")),
+                      more > 0 ? absl::StrCat(" and ", more, " more") : ""),
+         hint.empty() ? " (entries the model does not have can be dropped with "
+                        "--init_state_dict_ignore=GLOB,...; nanoGPT checkpoints from torch < 2 "
+                        "carry their causal masks as '*.attn.bias')"
+                      : hint);
+  }
+  if (dcp) {
+    // Every rank reads only the chunks that hold its own shards.
     fsdp::ShardedLoadStats stats;
     if (absl::Status loaded = fsdp::LoadShardedDcpModel(fsdp_model, path, key, &stats);
         !loaded.ok()) {
-      throw std::runtime_error(absl::StrCat("--init_state_dict=", path, ": ", loaded.message()));
+      fail(loaded.message(), hint);
     }
     if (print) {
-      std::printf("initialized from %s (rank 0 read %.2f MiB for its %.2f MiB of shards)\n",
-                  path.c_str(), stats.bytes_read / 1048576.0, stats.bytes_needed / 1048576.0);
+      std::printf("initialized from %s (rank 0 read %.2f MiB for its %.2f MiB of shards)%s\n",
+                  path.c_str(), stats.bytes_read / 1048576.0, stats.bytes_needed / 1048576.0,
+                  dropped.empty() ? ""
+                                  : absl::StrCat(" (dropped by --init_state_dict_ignore: ",
+                                                 absl::StrJoin(dropped, ", "), ")")
+                                        .c_str());
     }
     return;
   }
-  // Every rank reads the file and keeps its own shards.
-  const fsdp::StateDict state = fsdp::ValueOrThrow(fsdp::LoadTorchStateDict(path, key));
+  // Every rank keeps its own shards of what it read.
   fsdp::StateDict kept;
-  std::vector<std::string> dropped;
-  bool unexpected = false;
-  for (const auto& [name, tensor] : state) {
-    if (model_keys.count(name) == 0) {
-      bool matched = false;
-      for (const std::string& glob : ignore) {
-        matched = matched || fnmatch(glob.c_str(), name.c_str(), 0) == 0;
-      }
-      if (matched) {
-        dropped.push_back(name);
-        continue;
-      }
-      unexpected = true;
-    }
-    kept.emplace_back(name, tensor);
+  for (auto& [name, tensor] : state) {
+    if (dropped.count(name) == 0) kept.emplace_back(name, std::move(tensor));
   }
   if (absl::Status loaded = fsdp::LoadFullStateDict(fsdp_model, kept); !loaded.ok()) {
-    throw std::runtime_error(absl::StrCat(
-        "--init_state_dict=", path, ": ", loaded.message(),
-        unexpected ? " (entries the model does not have can be dropped with "
-                     "--init_state_dict_ignore=GLOB,...; nanoGPT checkpoints from torch < 2 "
-                     "carry their causal masks as '*.attn.bias')"
-                   : ""));
+    fail(loaded.message(), "");
   }
   if (print) {
     std::printf("initialized from %s%s\n", path.c_str(),
@@ -941,8 +610,13 @@ class TrainingRun {
     if (metrics_ != nullptr) std::fclose(metrics_);
   }
 
-  // The process's exit code: 0 when the loss fell.
-  int Run(const std::string& layout_note) {
+  // The process's exit code: 0 once every step ran and every output was
+  // written (whether the loss fell is for the user to judge: it is printed).
+  // `notes` are printed first (rank 0).
+  int Run(const std::string& layout_note, const std::vector<std::string>& notes) {
+    if (print_) {
+      for (const std::string& note : notes) std::printf("note: %s\n", note.c_str());
+    }
     PrintHeader(layout_note);
     batches_.emplace(corpus_.train, per_rank_ * world_size_, config_.block_size, steps_);
     ResumeIfAsked();
@@ -999,7 +673,8 @@ class TrainingRun {
     if (print_ && absl::GetFlag(FLAGS_print_plan)) {
       std::printf("%s", fsdp_model_->plan().ToString().c_str());
     }
-    if (!absl::GetFlag(FLAGS_init_state_dict).empty()) {
+    // A resumed run's state is its checkpoint's.
+    if (!absl::GetFlag(FLAGS_init_state_dict).empty() && !Resuming()) {
       LoadInitialState(*fsdp_model_, model_keys, print_);
     }
     for (const auto& unit : fsdp_model_->units()) {
@@ -1019,7 +694,9 @@ class TrainingRun {
       groups[0] = fsdp::UniqueParameters(*model_);
     }
     optimizer_ = MakeOptimizer(groups);
-    if (!absl::GetFlag(FLAGS_init_optim_state_dict).empty()) LoadInitialOptimizerState();
+    if (!absl::GetFlag(FLAGS_init_optim_state_dict).empty() && !Resuming()) {
+      LoadInitialOptimizerState();
+    }
   }
 
   // --init_optim_state_dict into the optimizer. Errors name the file.
@@ -1057,9 +734,18 @@ class TrainingRun {
     if (!loaded.ok()) {
       const bool groups_differ =
           absl::StrContains(loaded.message(), "parameter groups, the optimizer");
+      std::string hint;
+      if (fsdp::IsDcpDirectory(path)) {
+        if (absl::StatusOr<fsdp::DcpMetadata> metadata = fsdp::ReadDcpMetadata(path);
+            metadata.ok()) {
+          hint = KeyHint(key, DcpTopLevelKeys(*metadata), "init_optim_state_dict_key",
+                         {"optim", "optimizer"});
+        }
+      }
       throw std::runtime_error(absl::StrCat(
           "--init_optim_state_dict=", path, ": ", loaded.message(),
-          groups_differ ? " (nanoGPT's optimizer has two: --weight_decay_groups=nanogpt)" : ""));
+          groups_differ ? " (nanoGPT's optimizer has two: --weight_decay_groups=nanogpt)" : "",
+          hint));
     }
     const std::string hyperparameters = ApplyGivenHyperparameters(*optimizer_);
     if (print_) {
@@ -1073,8 +759,10 @@ class TrainingRun {
     if (absl::GetFlag(FLAGS_checkpoint_dir).empty()) return;
     std::string run_id = rank_ == 0 ? fsdp::NewRunId() : std::string();
     fsdp::BroadcastBytes(world_, run_id, /*root=*/0);
-    checkpoints_ = fsdp::ValueOrThrow(OpenCheckpoints(run_id));
+    checkpoints_ = fsdp::ValueOrThrow(train_gpt::OpenCheckpoints(run_id, world_size_));
   }
+
+  bool Resuming() const { return checkpoints_.has_value() && checkpoints_->resume_from(); }
 
   void PrintHeader(const std::string& layout_note) const {
     if (!print_) return;
@@ -1087,6 +775,29 @@ class TrainingRun {
         mixed_precision_.enabled() ? (", " + mixed_precision_.ToString()).c_str() : "",
         static_cast<long long>(per_rank_ * world_size_),
         static_cast<long long>(config_.block_size));
+    // With both --replay_batches and --data, each part of the run has its
+    // own source: say which.
+    const std::string replay = absl::GetFlag(FLAGS_replay_batches);
+    const std::string data = absl::GetFlag(FLAGS_data);
+    const std::string held_out =
+        absl::StrFormat("the last tenth of %s (%d bytes)", data, corpus_.held_out.defined()
+                                                                      ? corpus_.held_out.numel()
+                                                                      : 0);
+    if (!replay.empty()) {
+      std::printf("data: training batches replayed from %s%s\n", replay.c_str(),
+                  data.empty() ? ""
+                               : absl::StrCat("; the held-out loss and the sample from ",
+                                              held_out, " (--data)")
+                                     .c_str());
+    } else if (!data.empty()) {
+      std::printf("data: training batches from the first nine tenths of %s (%lld bytes); the "
+                  "held-out loss and the sample from %s\n",
+                  data.c_str(), static_cast<long long>(corpus_.train.numel()),
+                  held_out.c_str());
+    } else {
+      std::printf("data: training batches from the generated corpus (%lld bytes of sums)\n",
+                  static_cast<long long>(corpus_.train.numel()));
+    }
     std::fflush(stdout);
   }
 
@@ -1096,6 +807,14 @@ class TrainingRun {
       for (const std::string& note : checkpoints_->notes()) std::printf("note: %s\n", note.c_str());
     }
     if (!checkpoints_->resume_from().has_value()) return;
+    if (print_) {
+      for (const char* flag : {"init_state_dict", "init_optim_state_dict"}) {
+        if (!absl::FindCommandLineFlag(flag)->CurrentValue().empty()) {
+          std::printf("note: --%s is not read: a resumed run's state is its checkpoint's\n",
+                      flag);
+        }
+      }
+    }
     const fsdp::StepCheckpoint& from = *checkpoints_->resume_from();
     fsdp::ThrowIfError(
         from.format == fsdp::StepCheckpoint::Format::kDcp
@@ -1129,6 +848,7 @@ class TrainingRun {
       recorded_batches_.push_back(global_batch);
     }
     at::Tensor batch = global_batch.narrow(0, rank_ * per_rank_, per_rank_).to(device_);
+    last_batch_ = batch;
     at::Tensor loss = models::LanguageModelLoss(model_->forward(batch.narrow(1, 0, t)),
                                                 batch.narrow(1, 1, t));
     if (step == absl::GetFlag(FLAGS_TEST_nan_loss_at_step) && rank_ == world_size_ - 1) {
@@ -1264,7 +984,74 @@ class TrainingRun {
     std::fflush(stdout);
   }
 
+  // Whether the weights are fit to be saved after `step`'s update: every
+  // parameter and optimizer state finite, and the loss of the step's own
+  // batch under the updated weights finite too (weights blown up to 1e30
+  // are finite, but no step from them is). "" when fit, else what is
+  // broken and where, the same on every rank. Every rank must call: each
+  // runs one forward (no gradients, no dropout).
+  std::string BrokenWeights(int step) {
+    // The last step's checkpoint and the exports ask alike.
+    if (fitness_.has_value() && fitness_->first == step) return fitness_->second;
+    std::string mine;
+    {
+      at::NoGradGuard no_grad;
+      EvalMode eval(*model_);
+      const int64_t t = config_.block_size;
+      const float loss = models::LanguageModelLoss(model_->forward(last_batch_.narrow(1, 0, t)),
+                                                   last_batch_.narrow(1, 1, t))
+                             .item<float>();
+      if (!std::isfinite(loss)) {
+        mine = absl::StrFormat("the updated weights give a loss of %s on step %d's batch",
+                               std::isnan(loss) ? "nan" : absl::StrCat(loss), step);
+      }
+    }
+    const auto finite = [](const at::Tensor& t) {
+      return !t.defined() || t.numel() == 0 || at::isfinite(t).all().item<bool>();
+    };
+    for (const auto& item : model_->named_parameters()) {
+      if (mine.empty() && !finite(item.value())) {
+        mine = absl::StrCat("the parameter '", item.key(), "' holds values that are not finite");
+      }
+    }
+    for (const auto& [key, state] : optimizer_->state()) {
+      std::vector<at::Tensor> tensors;
+      if (auto* adamw = dynamic_cast<torch::optim::AdamWParamState*>(state.get())) {
+        tensors = {adamw->exp_avg(), adamw->exp_avg_sq(), adamw->max_exp_avg_sq()};
+      } else if (auto* sgd = dynamic_cast<torch::optim::SGDParamState*>(state.get())) {
+        tensors = {sgd->momentum_buffer()};
+      }
+      for (const at::Tensor& t : tensors) {
+        if (mine.empty() && !finite(t)) {
+          mine = "the optimizer's state holds values that are not finite";
+        }
+      }
+    }
+    const std::vector<std::string> all = fsdp::AllGatherBytes(world_, mine);
+    fitness_.emplace(step, "");
+    for (size_t r = 0; r < all.size(); ++r) {
+      if (!all[r].empty()) {
+        fitness_->second = absl::StrCat(all[r], " (rank ", r, ")");
+        break;
+      }
+    }
+    return fitness_->second;
+  }
+
+  // Nothing is written from weights that broke in `step`'s update, and no
+  // later step can repair them: the run stops.
+  [[noreturn]] void StopForBrokenWeights(int step, const std::string& broken,
+                                         const std::string& not_written) {
+    throw std::runtime_error(absl::StrFormat(
+        "step %d: %s: %s not written, and the run stops (%sa smaller --lr may help)", step,
+        broken, not_written,
+        checkpoints_.has_value() ? "the checkpoints already saved are intact; " : ""));
+  }
+
   void SaveCheckpoint(int step) {
+    if (const std::string broken = BrokenWeights(step); !broken.empty()) {
+      StopForBrokenWeights(step, broken, "its checkpoint was");
+    }
     const std::string path = checkpoints_->PathOf(step);
     fsdp::ThrowIfError(fsdp::PrepareOutputDirectory("--checkpoint_dir", path));
     const bool dcp = absl::GetFlag(FLAGS_checkpoint_format) == "dcp";
@@ -1273,13 +1060,8 @@ class TrainingRun {
     // save's own marker, last).
     if (rank_ == 0) unlink((path + (dcp ? "/manifest.pb" : "/.metadata")).c_str());
     if (dcp) {
-      const auto at = [](const std::string& key) {
-        return std::vector<fsdp::DcpPathPart>{{false, fsdp::kDcpTrainStateKey, 0}, {false, key, 0}};
-      };
       fsdp::ThrowIfError(fsdp::SaveShardedDcpModelAndOptimizer(
-          *fsdp_model_, *optimizer_, path, {},
-          {{at(fsdp::kStepMetadataKey), c10::IValue(static_cast<int64_t>(step))},
-           {at(fsdp::kRunIdMetadataKey), c10::IValue(checkpoints_->run_id())}}));
+          *fsdp_model_, *optimizer_, path, {}, checkpoints_->DcpTrainStateOf(step)));
     } else {
       fsdp::ThrowIfError(fsdp::SaveTrainingCheckpoint(*fsdp_model_, *optimizer_, path,
                                                       checkpoints_->MetadataOf(step)));
@@ -1295,6 +1077,27 @@ class TrainingRun {
   // --export_state_dict, --export_optim_state_dict, --export_dcp,
   // --trace_dir and --record_batches.
   void WriteOutputs() {
+    // The run's own record first: it helps explain weights that broke.
+    if (const std::string dir = absl::GetFlag(FLAGS_trace_dir); !dir.empty()) {
+      fsdp::ThrowIfError(
+          trace_.WriteChromeTrace(absl::StrFormat("%s/trace_rank%d.json", dir, rank_)));
+      if (print_) std::printf("wrote FSDP traces to %s/trace_rank<r>.json\n", dir.c_str());
+    }
+    if (const std::string path = absl::GetFlag(FLAGS_record_batches);
+        rank_ == 0 && !path.empty()) {
+      fsdp::ThrowIfError(fsdp::SaveTorchStateDict(
+          path, {{"tokens", at::stack(recorded_batches_)},
+                 {"first_step",
+                  at::scalar_tensor(static_cast<int64_t>(first_step_), at::kLong)}}));
+      std::printf("wrote the batches of steps %d..%d to %s\n", first_step_, steps_,
+                  path.c_str());
+    }
+    const bool exports = !absl::GetFlag(FLAGS_export_state_dict).empty() ||
+                         !absl::GetFlag(FLAGS_export_optim_state_dict).empty() ||
+                         !absl::GetFlag(FLAGS_export_dcp).empty();
+    if (const std::string broken = exports ? BrokenWeights(steps_) : ""; !broken.empty()) {
+      StopForBrokenWeights(steps_, broken, "the exports were");
+    }
     fsdp::FullStateDictOptions on_rank0;
     on_rank0.rank0_only = true;
     if (const std::string out = absl::GetFlag(FLAGS_export_state_dict); !out.empty()) {
@@ -1323,23 +1126,10 @@ class TrainingRun {
         std::printf("wrote model and optimizer as a Distributed Checkpoint to %s\n", dir.c_str());
       }
     }
-    if (const std::string dir = absl::GetFlag(FLAGS_trace_dir); !dir.empty()) {
-      fsdp::ThrowIfError(
-          trace_.WriteChromeTrace(absl::StrFormat("%s/trace_rank%d.json", dir, rank_)));
-      if (print_) std::printf("wrote FSDP traces to %s/trace_rank<r>.json\n", dir.c_str());
-    }
-    if (const std::string path = absl::GetFlag(FLAGS_record_batches);
-        rank_ == 0 && !path.empty()) {
-      fsdp::ThrowIfError(fsdp::SaveTorchStateDict(
-          path, {{"tokens", at::stack(recorded_batches_)},
-                 {"first_step",
-                  at::scalar_tensor(static_cast<int64_t>(first_step_), at::kLong)}}));
-      std::printf("wrote the batches of steps %d..%d to %s\n", first_step_, steps_,
-                  path.c_str());
-    }
   }
 
-  // The rank's memory and traffic report and the loss summary; the exit code.
+  // The rank's memory and traffic report and the loss summary; the exit
+  // code of a run that got here, 0.
   int Summarize() {
     report_.optimizer_state_bytes = LocalOptimizerStateBytes(*optimizer_);
     report_.peak_device_bytes = PeakDeviceBytes(device_);
@@ -1356,16 +1146,13 @@ class TrainingRun {
       }
     }
     PrintRankReport(rank_, report_, traffic);
-    const bool fell =
-        first_loss_ && last_loss_ && (*last_loss_ < *first_loss_ || first_step_ > 1);
     if (print_) {
-      std::printf("loss %.4f -> %.4f over steps %d..%d%s%s\n", first_loss_.value_or(NAN),
+      std::printf("loss %.4f -> %.4f over steps %d..%d%s\n", first_loss_.value_or(NAN),
                   last_loss_.value_or(NAN), first_step_, steps_,
                   skipped_ > 0 ? absl::StrFormat(" (%d skipped: not finite)", skipped_).c_str()
-                               : "",
-                  fell ? "" : "  (DID NOT FALL)");
+                               : "");
     }
-    return fell ? 0 : 1;
+    return 0;
   }
 
   const c10::Device device_;
@@ -1389,6 +1176,8 @@ class TrainingRun {
   std::vector<at::Tensor> eval_batches_;  // Global batches of the held-out tokens.
   std::optional<BatchSource> batches_;
   std::vector<at::Tensor> recorded_batches_;  // For --record_batches (rank 0).
+  at::Tensor last_batch_;  // This rank's part of the last step's batch, on the device.
+  std::optional<std::pair<int, std::string>> fitness_;  // BrokenWeights' last step and answer.
   int first_step_ = 1;
   Clock::time_point start_;
   RankReport report_;
@@ -1417,9 +1206,23 @@ absl::StatusOr<Placement> ResolvePlacement(int local_rank, int ranks_on_host) {
   Placement placement;
   const bool cuda = absl::StartsWith(device_flag, "cuda");
   bool own_gpu = false;  // Every rank of this host has a GPU to itself.
+  // The value's form first: a malformed one is wrong on any host.
+  std::optional<int> named_index;  // cuda:N's N.
+  if (cuda && device_flag != "cuda") {
+    const std::string digits = device_flag.size() > 5 ? device_flag.substr(5) : "";
+    int index = -1;
+    if (device_flag[4] != ':' || digits.empty() ||
+        !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }) ||
+        !absl::SimpleAtoi(digits, &index)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--device=", fsdp::PrintableText(device_flag),
+          ": must be cpu, cuda or cuda:N, N a GPU's index (0, 1, ...)"));
+    }
+    named_index = index;
+  }
   if (device_flag != "cpu" && !cuda) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--device=", device_flag, ": must be cpu, cuda or cuda:N"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--device=", fsdp::PrintableText(device_flag), ": must be cpu, cuda or cuda:N"));
   }
   if (cuda) {
     const int gpus = static_cast<int>(torch::cuda::device_count());
@@ -1428,14 +1231,11 @@ absl::StatusOr<Placement> ResolvePlacement(int local_rank, int ranks_on_host) {
           "--device=", device_flag, ": no GPU is visible to this process, or this libtorch "
           "was built without CUDA"));
     }
-    int index = local_rank % gpus;
-    if (device_flag != "cuda") {
-      if (!absl::SimpleAtoi(device_flag.substr(5), &index) || device_flag[4] != ':' ||
-          index < 0 || index >= gpus) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "--device=", device_flag, ": not a GPU of this host (", gpus, " visible: cuda:0..",
-            gpus - 1, ")"));
-      }
+    int index = named_index.value_or(local_rank % gpus);
+    if (index >= gpus) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--device=", device_flag, ": not a GPU of this host (", gpus, " visible: cuda:0..",
+          gpus - 1, ")"));
     }
     placement.device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
     own_gpu = device_flag == "cuda" ? ranks_on_host <= gpus : ranks_on_host == 1;
@@ -1548,7 +1348,7 @@ RankGroups ConnectGroups(const fsdp::LaunchEnvironment& env, const Placement& pl
 }
 
 int RunRank(const fsdp::LaunchEnvironment& env, fsdp::FsdpOptions options,
-            const fsdp::WrapPolicy& policy) {
+            const fsdp::WrapPolicy& policy, const std::vector<std::string>& notes) {
   const Placement placement =
       fsdp::ValueOrThrow(ResolvePlacement(env.local_rank, env.local_world_size));
   RankGroups groups = ConnectGroups(env, placement, fsdp::IsHybrid(options.strategy));
@@ -1556,7 +1356,7 @@ int RunRank(const fsdp::LaunchEnvironment& env, fsdp::FsdpOptions options,
   if (!placement.device.is_cpu()) options.device_id = placement.device;
   try {
     return TrainingRun(options, policy, *groups.world, groups.hybrid, placement.device)
-        .Run(groups.layout_note);
+        .Run(groups.layout_note, notes);
   } catch (...) {
     // The other ranks' collective errors then quote this one's reason.
     const std::string why(fsdp::StatusFromCurrentException().message());
@@ -1570,94 +1370,150 @@ int RunRank(const fsdp::LaunchEnvironment& env, fsdp::FsdpOptions options,
   }
 }
 
-}  // namespace
-
-// --sharding_strategy, --backward_prefetch, --param_dtype and the rest.
-absl::StatusOr<fsdp::FsdpOptions> FsdpOptionsFromFlags() {
-  fsdp::FsdpOptions options;
-  FSDP_ASSIGN_OR_RETURN(options.strategy,
-                        fsdp::ParseShardingStrategy(absl::GetFlag(FLAGS_sharding_strategy)));
-  FSDP_ASSIGN_OR_RETURN(options.backward_prefetch,
-                        ParseBackwardPrefetch(absl::GetFlag(FLAGS_backward_prefetch)));
-  options.verify_collectives_every = absl::GetFlag(FLAGS_verify_collectives_every);
-  options.forward_prefetch = absl::GetFlag(FLAGS_forward_prefetch);
-  options.offload_params = absl::GetFlag(FLAGS_offload_params);
-  for (auto [flag, field] :
-       {std::pair<std::string, std::optional<fsdp::DType>*>{
-            absl::GetFlag(FLAGS_param_dtype), &options.mixed_precision.param_dtype},
-        {absl::GetFlag(FLAGS_reduce_dtype), &options.mixed_precision.reduce_dtype}}) {
-    if (flag.empty()) continue;
-    FSDP_ASSIGN_OR_RETURN(*field, fsdp::ParseDType(flag));
+// Prints each line of `problems` as the job's refusal; the exit code 2.
+int Refuse(const std::vector<std::string>& problems, const std::string& preface = "") {
+  if (!preface.empty()) {
+    std::fprintf(stderr, "train_gpt: %s\n", fsdp::PrintableText(preface).c_str());
   }
-  return options;
+  for (const std::string& problem : problems) {
+    for (absl::string_view line : absl::StrSplit(problem, '\n')) {
+      std::fprintf(stderr, "train_gpt: %s\n", fsdp::PrintableText(line).c_str());
+    }
+  }
+  return 2;
 }
+
+// What a job starts with, once nothing was refused.
+struct JobStart {
+  int world_size = 0;
+  fsdp::FsdpOptions options;
+  std::unique_ptr<fsdp::WrapPolicy> policy;
+  std::vector<fsdp::DirectoryLock> locks;  // Held for the job's life.
+  std::vector<std::string> notes;          // Rank 0 prints them.
+};
+
+// Everything that can be refused is refused here, once, before a rank
+// starts (under torchrun or srun, by every rank alike): the flags, the
+// paths, the output directories' owner, the checkpoint to resume and the
+// settings it records. `env` is none in launcher mode. Returns the exit
+// code of a refusal, else the job's start.
+std::variant<int, JobStart> StartJob(const std::optional<fsdp::LaunchEnvironment>& env) {
+  JobStart job;
+  const bool launcher = !env.has_value();
+  const bool resume = absl::GetFlag(FLAGS_resume);
+  const std::optional<int> launcher_world_size =
+      launcher ? std::nullopt : std::optional<int>(env->world_size);
+  const auto flag_problems = [&](bool settings_pending) {
+    job.world_size = launcher ? absl::GetFlag(FLAGS_world_size) : env->world_size;
+    absl::StatusOr<fsdp::FsdpOptions> options = train_gpt::FsdpOptionsFromFlags();
+    if (!options.ok()) return std::vector<std::string>{options.status().ToString()};
+    return train_gpt::FlagProblems(options->strategy, job.world_size,
+                                   launcher ? job.world_size : env->local_world_size,
+                                   launcher_world_size, settings_pending);
+  };
+  // The options, the wrap policy (loading its plugin) and the placement,
+  // once the settings are final: before anything is created for a new run,
+  // after the checkpoint's settings are taken for a resumed one.
+  const auto settle = [&]() -> std::optional<int> {
+    absl::StatusOr<fsdp::FsdpOptions> options = train_gpt::FsdpOptionsFromFlags();
+    absl::StatusOr<std::unique_ptr<fsdp::WrapPolicy>> policy = train_gpt::BuildWrapPolicy();
+    for (const absl::Status& s : {options.status(), policy.status()}) {
+      if (!s.ok()) return Refuse({s.ToString()});
+    }
+    job.options = *std::move(options);
+    job.policy = *std::move(policy);
+    if (absl::StatusOr<Placement> placement =
+            ResolvePlacement(launcher ? 0 : env->local_rank,
+                             launcher ? job.world_size : env->local_world_size);
+        !placement.ok()) {
+      return Refuse({std::string(placement.status().message())});
+    }
+    return std::nullopt;
+  };
+  if (std::vector<std::string> problems = flag_problems(/*settings_pending=*/resume);
+      !problems.empty()) {
+    return Refuse(problems);
+  }
+  if (!resume) {
+    if (std::optional<int> refused = settle()) return *refused;
+  }
+  if (absl::Status ready = train_gpt::PrepareOutputs(); !ready.ok()) {
+    return Refuse({std::string(ready.message())});
+  }
+  // The job's launcher, or its rank 0 when another launcher started it,
+  // owns the output directories before anything is read or written there.
+  if (launcher || env->rank == 0) {
+    absl::StatusOr<std::vector<fsdp::DirectoryLock>> locks = train_gpt::LockOutputDirectories();
+    if (!locks.ok()) return Refuse({std::string(locks.status().message())});
+    job.locks = *std::move(locks);
+  }
+  if (absl::Status nothing = train_gpt::CheckExportsReplaceNothing(); !nothing.ok()) {
+    return Refuse({std::string(nothing.message())});
+  }
+  absl::StatusOr<std::optional<fsdp::RunCheckpoints>> run =
+      train_gpt::OpenCheckpoints(fsdp::NewRunId(), job.world_size);
+  if (!run.ok()) return Refuse({std::string(run.status().message())});
+  if (resume) {
+    // --resume without a checkpoint to resume is refused by OpenCheckpoints.
+    const fsdp::StepCheckpoint& from = *(*run)->resume_from();
+    absl::StatusOr<std::vector<std::string>> notes =
+        train_gpt::TakeSettingsFromCheckpoint(from, job.world_size, launcher_world_size);
+    if (!notes.ok()) return Refuse({std::string(notes.status().message())});
+    job.notes = *std::move(notes);
+    if (std::vector<std::string> problems = flag_problems(/*settings_pending=*/false);
+        !problems.empty()) {
+      return Refuse(problems, absl::StrCat("with the settings of the checkpoint '", from.path,
+                                           "' (", absl::StrJoin(job.notes, "; "), "):"));
+    }
+    if (std::optional<int> refused = settle()) return *refused;
+  }
+  return job;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  absl::StatusOr<fsdp::FsdpOptions> options = FsdpOptionsFromFlags();
-  // Checked here too, so that a bad spec or plugin fails before any rank
-  // starts.
-  absl::StatusOr<std::unique_ptr<fsdp::WrapPolicy>> policy = BuildWrapPolicy();
   if (absl::GetFlag(FLAGS_list_policies)) {
+    absl::StatusOr<std::unique_ptr<fsdp::WrapPolicy>> policy = train_gpt::BuildWrapPolicy();
     for (const auto& entry : fsdp::PolicyRegistry::Global().List()) {
       std::printf("%-10s %s (%s)\n", entry.name.c_str(), entry.help.c_str(),
                   entry.origin.c_str());
     }
-    return policy.ok() ? 0 : 2;
-  }
-  for (const absl::Status& s : {options.status(), policy.status()}) {
-    if (!s.ok()) {
-      std::fprintf(stderr, "train_gpt: %s\n", s.ToString().c_str());
-      return 2;
-    }
+    if (!policy.ok()) return Refuse({policy.status().ToString()});
+    return 0;
   }
   absl::StatusOr<fsdp::LaunchEnvironment> env = fsdp::ReadLaunchEnvironment();
   const bool launcher = absl::IsNotFound(env.status());
-  if (!launcher && !env.ok()) {
-    std::fprintf(stderr, "train_gpt: %s\n", env.status().ToString().c_str());
-    return 2;
-  }
-  // Everything that can be refused is refused here, once, before a rank
-  // starts (under torchrun or srun, by every rank alike).
-  const int world_size = launcher ? absl::GetFlag(FLAGS_world_size) : env->world_size;
-  const std::vector<std::string> problems =
-      FlagProblems(options->strategy, world_size, launcher ? world_size : env->local_world_size);
-  for (const std::string& problem : problems) {
-    std::fprintf(stderr, "train_gpt: %s\n", problem.c_str());
-  }
-  if (!problems.empty()) return 2;
-  if (absl::StatusOr<Placement> placement =
-          ResolvePlacement(launcher ? 0 : env->local_rank,
-                           launcher ? world_size : env->local_world_size);
-      !placement.ok()) {
-    std::fprintf(stderr, "train_gpt: %s\n", std::string(placement.status().message()).c_str());
-    return 2;
-  }
+  if (!launcher && !env.ok()) return Refuse({env.status().ToString()});
+  std::variant<int, JobStart> started =
+      StartJob(launcher ? std::nullopt : std::optional<fsdp::LaunchEnvironment>(*env));
+  if (const int* refused = std::get_if<int>(&started)) return *refused;
+  JobStart& job = std::get<JobStart>(started);
   if (launcher) {
     const unsigned cores = std::thread::hardware_concurrency();
-    if (cores > 0 && static_cast<unsigned>(world_size) > 2 * cores) {
+    if (cores > 0 && static_cast<unsigned>(job.world_size) > 2 * cores) {
       std::fprintf(stderr,
                    "train_gpt: warning: --world_size=%d is far above this host's %u cores: the "
                    "ranks will time-share them, slowly, and collectives may reach "
                    "--collective_timeout_s\n",
-                   world_size, cores);
+                   job.world_size, cores);
     }
-    absl::Status ready = PrepareOutputs();
-    if (ready.ok()) ready = OpenCheckpoints(fsdp::NewRunId()).status();
-    if (!ready.ok()) {
-      std::fprintf(stderr, "train_gpt: %s\n", std::string(ready.message()).c_str());
-      return 2;
-    }
-    return fsdp::LaunchSelfAndReport(argc, argv, world_size,
+    for (const std::string& note : job.notes) std::printf("note: %s\n", note.c_str());
+    std::fflush(stdout);
+    return fsdp::LaunchSelfAndReport(argc, argv, job.world_size,
                                      std::chrono::seconds(absl::GetFlag(FLAGS_timeout_s)),
                                      "train_gpt");
   }
+  // Under its own launcher, which printed them, rank 0 shares the
+  // launcher's locks.
+  const bool noted = !job.locks.empty() && job.locks.front().shared_with_parent();
   try {
-    fsdp::ThrowIfError(PrepareOutputs());
-    return RunRank(*env, *options, **policy);
+    return RunRank(*env, job.options, *job.policy,
+                   noted ? std::vector<std::string>() : job.notes);
   } catch (...) {
     std::fprintf(stderr, "train_gpt rank %d: %s\n", env->rank,
-                 std::string(fsdp::StatusFromCurrentException().message()).c_str());
+                 fsdp::PrintableText(fsdp::StatusFromCurrentException().message()).c_str());
     return 1;
   }
 }

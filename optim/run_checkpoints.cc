@@ -11,11 +11,11 @@
 #include <random>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "statedict/dcp.h"
 #include "statedict/restricted_unpickler.h"
 
 namespace fsdp {
@@ -57,10 +57,11 @@ std::string Describe(const std::vector<StepCheckpoint>& entries) {
     parts.push_back(absl::StrCat(RunName(run), ": step(s) ", Steps(steps)));
   }
   if (!incomplete.empty()) {
-    parts.push_back(absl::StrCat("interrupted saves (no manifest): step(s) ", Steps(incomplete)));
+    parts.push_back(absl::StrCat("interrupted saves (neither manifest.pb nor .metadata): step(s) ",
+                                 Steps(incomplete)));
   }
   if (!damaged.empty()) {
-    parts.push_back(absl::StrCat("damaged manifests: step(s) ", Steps(damaged)));
+    parts.push_back(absl::StrCat("damaged: step(s) ", Steps(damaged)));
   }
   return absl::StrJoin(parts, "; ");
 }
@@ -97,28 +98,40 @@ absl::Status RemoveCheckpointDirectory(const std::string& path) {
   return absl::OkStatus();
 }
 
-// A DCP step directory's state, run id and recorded step (its
+// A DCP step directory's state, run id, recorded step and settings (its
 // train_state's, when it has one).
 void ReadDcpTrainState(StepCheckpoint& entry) {
   const auto damaged = [&](const std::string& problem) {
     entry.state = StepCheckpoint::State::kDamaged;
     entry.problem = problem;
+    entry.run_id.clear();
+    entry.settings.clear();
   };
   absl::StatusOr<DcpMetadata> metadata = ReadDcpMetadata(entry.path);
   if (!metadata.ok()) return damaged(std::string(metadata.status().message()));
+  if (absl::Status files = CheckDcpDataFiles(entry.path, *metadata); !files.ok()) {
+    return damaged(std::string(files.message()));
+  }
   entry.state = StepCheckpoint::State::kComplete;
   const std::string prefix = absl::StrCat(kDcpTrainStateKey, ".");
+  const std::string settings = absl::StrCat(prefix, kDcpSettingsKey, ".");
   for (const DcpBytesEntry& bytes : metadata->bytes) {
-    if (bytes.fqn != prefix + kRunIdMetadataKey && bytes.fqn != prefix + kStepMetadataKey) {
+    const bool setting = absl::StartsWith(bytes.fqn, settings);
+    if (bytes.fqn != prefix + kRunIdMetadataKey && bytes.fqn != prefix + kStepMetadataKey &&
+        !setting) {
       continue;
     }
     absl::StatusOr<PyRef> value = ReadDcpBytes(entry.path, bytes);
     if (!value.ok()) return damaged(std::string(value.status().message()));
-    if (bytes.fqn == prefix + kRunIdMetadataKey) {
+    if (bytes.fqn == prefix + kRunIdMetadataKey || setting) {
       if ((*value)->kind != PyValue::Kind::kString) {
         return damaged(absl::StrCat("'", bytes.fqn, "' is not a string"));
       }
-      entry.run_id = (*value)->s;
+      if (setting) {
+        entry.settings[bytes.fqn.substr(settings.size())] = (*value)->s;
+      } else {
+        entry.run_id = (*value)->s;
+      }
     } else if ((*value)->kind != PyValue::Kind::kInt || (*value)->i != entry.step) {
       return damaged(
           absl::StrCat("'", bytes.fqn, "' is not ", entry.step, ", the step its directory names"));
@@ -163,8 +176,12 @@ absl::StatusOr<std::vector<StepCheckpoint>> ListStepCheckpoints(const std::strin
     absl::StatusOr<CheckpointMetadata> metadata = ReadCheckpointMetadata(entry.path);
     if (metadata.ok()) {
       entry.state = StepCheckpoint::State::kComplete;
-      auto id = metadata->find(kRunIdMetadataKey);
-      if (id != metadata->end()) entry.run_id = id->second;
+      for (const auto& [key, value] : *metadata) {
+        if (key == kRunIdMetadataKey) entry.run_id = value;
+        if (absl::StartsWith(key, kSettingMetadataPrefix)) {
+          entry.settings[key.substr(sizeof(kSettingMetadataPrefix) - 1)] = value;
+        }
+      }
     } else if (absl::IsNotFound(metadata.status())) {
       entry.state = StepCheckpoint::State::kIncomplete;
     } else {
@@ -200,6 +217,7 @@ absl::StatusOr<RunCheckpoints> RunCheckpoints::Open(const std::string& dir,
   run.dir_ = dir;
   run.keep_ = options.keep;
   run.run_id_ = new_run_id;
+  run.settings_ = options.settings;
 
   if (!options.resume) {
     if (entries->empty()) return run;
@@ -244,14 +262,20 @@ absl::StatusOr<RunCheckpoints> RunCheckpoints::Open(const std::string& dir,
         "; remove it to resume from step ", newest_complete->step));
   }
   for (const StepCheckpoint& e : *entries) {
-    if (e.step > newest_complete->step) {
-      // Interrupted saves, or a damaged one below an interrupted save.
+    // An interrupted save is of no use to anyone: with one job in the
+    // directory at a time, nobody is still writing it.
+    if (e.state == StepCheckpoint::State::kIncomplete) {
+      run.replaced_.push_back(e);
       run.notes_.push_back(absl::StrCat(
-          "'", e.path, "' is newer but ",
-          e.state == StepCheckpoint::State::kIncomplete ? "has no manifest (an interrupted save)"
-                                                        : "is damaged: " + e.problem,
-          "; resuming from step ", newest_complete->step, " instead, and step ", e.step,
-          " is saved again when the run gets there"));
+          "'", e.path, "' holds neither manifest.pb nor .metadata (an interrupted save)",
+          e.step > newest_complete->step
+              ? absl::StrCat("; resuming from step ", newest_complete->step, " instead")
+              : std::string(),
+          "; it is removed once this run saves a checkpoint"));
+    } else if (e.state == StepCheckpoint::State::kDamaged && e.step > newest_complete->step) {
+      run.notes_.push_back(absl::StrCat("'", e.path, "' is newer but damaged: ", e.problem,
+                                        "; resuming from step ", newest_complete->step,
+                                        " instead, and leaving it as it is"));
     }
   }
   run.resume_from_ = *newest_complete;
@@ -264,7 +288,26 @@ std::string RunCheckpoints::PathOf(int64_t step) const {
 }
 
 CheckpointMetadata RunCheckpoints::MetadataOf(int64_t step) const {
-  return {{kRunIdMetadataKey, run_id_}, {kStepMetadataKey, absl::StrCat(step)}};
+  CheckpointMetadata metadata = {{kRunIdMetadataKey, run_id_},
+                                 {kStepMetadataKey, absl::StrCat(step)}};
+  for (const auto& [name, value] : settings_) {
+    metadata[absl::StrCat(kSettingMetadataPrefix, name)] = value;
+  }
+  return metadata;
+}
+
+std::vector<DcpItem> RunCheckpoints::DcpTrainStateOf(int64_t step) const {
+  const auto at = [](const std::vector<std::string>& keys) {
+    std::vector<DcpPathPart> path = {{false, kDcpTrainStateKey, 0}};
+    for (const std::string& key : keys) path.push_back({false, key, 0});
+    return path;
+  };
+  std::vector<DcpItem> items = {{at({kStepMetadataKey}), c10::IValue(step)},
+                                {at({kRunIdMetadataKey}), c10::IValue(run_id_)}};
+  for (const auto& [name, value] : settings_) {
+    items.push_back({at({kDcpSettingsKey, name}), c10::IValue(value)});
+  }
+  return items;
 }
 
 RunCheckpoints::Retired RunCheckpoints::RetireOlderThan(int64_t step) {

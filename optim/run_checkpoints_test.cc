@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <cstdlib>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -92,7 +93,8 @@ TEST(RunCheckpoints, ANewRunRefusesADirectoryHoldingAnotherRunsCheckpoints) {
   EXPECT_EQ(fresh.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(fresh.status().message(),
               HasSubstr("already holds checkpoints of another run (run 0123456789abcdef: "
-                        "step(s) 5, 10; interrupted saves (no manifest): step(s) 12)"));
+                        "step(s) 5, 10; interrupted saves (neither manifest.pb nor .metadata): "
+                        "step(s) 12)"));
   EXPECT_THAT(fresh.status().message(), HasSubstr("--resume"));
   EXPECT_THAT(fresh.status().message(), HasSubstr("--overwrite_checkpoints"));
   EXPECT_THAT(StepsIn(dir), ElementsAre(5, 10, 12));
@@ -182,8 +184,13 @@ TEST(RunCheckpoints, ResumingContinuesTheNewestCompleteCheckpointAndNamesSkipped
   EXPECT_EQ(resumed.run_id(), "r1");
   ASSERT_EQ(resumed.notes().size(), 1u);
   EXPECT_THAT(resumed.notes()[0],
-              HasSubstr("step-00000009' is newer but has no manifest (an interrupted save); "
-                        "resuming from step 6 instead"));
+              HasSubstr("step-00000009' holds neither manifest.pb nor .metadata (an interrupted "
+                        "save); resuming from step 6 instead; it is removed once this run saves "
+                        "a checkpoint"));
+  // The resumed run's first checkpoint lands; then the interrupted save goes.
+  SaveStep(resumed, 7);
+  EXPECT_THAT(resumed.RetireOlderThan(7).removed, ElementsAre(run.PathOf(9), run.PathOf(3)));
+  EXPECT_THAT(StepsIn(dir), ElementsAre(6, 7));
   // A checkpoint saved before run ids resumes under the empty id.
   const std::string legacy = NewDir("resume_legacy");
   SaveCheckpoint(legacy + "/step-00000002", {});
@@ -222,6 +229,51 @@ TEST(RunCheckpoints, ResumingRefusesWhatIsAmbiguousOrDamaged) {
   EXPECT_THAT(bad.status().message(), HasSubstr("remove it to resume from step 5"));
 }
 
+// A run's settings ride in every checkpoint it saves, and come back with
+// the checkpoint a resumed run continues.
+TEST(RunCheckpoints, TheRunsSettingsComeBackWithItsCheckpoints) {
+  const std::string dir = NewDir("settings");
+  RunCheckpointsOptions options;
+  options.settings = {{"batch_size", "8"}, {"data", "/some where/corpus.txt"}, {"empty", ""}};
+  RunCheckpoints run = OpenOrDie(dir, options, "r1");
+  SaveStep(run, 2);
+  RunCheckpoints resumed = OpenOrDie(dir, Resume(), "unused");
+  ASSERT_TRUE(resumed.resume_from().has_value());
+  EXPECT_EQ(resumed.resume_from()->settings, options.settings);
+  // Checkpoints saved before runs recorded settings have none.
+  const std::string legacy = NewDir("settings_legacy");
+  SaveCheckpoint(legacy + "/step-00000002", {{kRunIdMetadataKey, "old"}});
+  RunCheckpoints old = OpenOrDie(legacy, Resume(), "unused");
+  EXPECT_TRUE(old.resume_from()->settings.empty());
+}
+
+// A manifest whose shard files are gone is not a checkpoint: two jobs in one
+// directory once left manifests whose shards the other had removed, and
+// resuming called them complete.
+TEST(RunCheckpoints, ACheckpointMissingAShardFileIsDamaged) {
+  const std::string dir = NewDir("missing_shard");
+  RunCheckpoints run = OpenOrDie(dir, {}, "r1");
+  SaveStep(run, 3);
+  SaveStep(run, 6);
+  ASSERT_EQ(std::system(absl::StrCat("rm '", run.PathOf(6), "'/shard-*.bin").c_str()), 0);
+  absl::StatusOr<std::vector<StepCheckpoint>> entries = ListStepCheckpoints(dir);
+  ASSERT_TRUE(entries.ok()) << entries.status();
+  ASSERT_EQ(entries->size(), 2u);
+  EXPECT_EQ((*entries)[0].state, StepCheckpoint::State::kComplete);
+  EXPECT_EQ((*entries)[1].state, StepCheckpoint::State::kDamaged);
+  EXPECT_THAT((*entries)[1].problem, HasSubstr("that the manifest names cannot be found"));
+  absl::StatusOr<RunCheckpoints> resumed = RunCheckpoints::Open(dir, Resume(), "x");
+  ASSERT_FALSE(resumed.ok());
+  EXPECT_THAT(resumed.status().message(), HasSubstr("remove it to resume from step 3"));
+  // A shard file cut short is damage too.
+  ASSERT_EQ(std::system(absl::StrCat("truncate -s 10 '", run.PathOf(3), "'/shard-*.bin").c_str()),
+            0);
+  entries = ListStepCheckpoints(dir);
+  ASSERT_TRUE(entries.ok());
+  EXPECT_EQ((*entries)[0].state, StepCheckpoint::State::kDamaged);
+  EXPECT_THAT((*entries)[0].problem, HasSubstr("has 10 bytes, the manifest records"));
+}
+
 TEST(RunCheckpoints, BadOptionsAreRefused) {
   EXPECT_EQ(RunCheckpoints::Open("", {}, "x").status().code(),
             absl::StatusCode::kInvalidArgument);
@@ -243,13 +295,17 @@ namespace {
 
 // A Distributed Checkpoint at `path` holding a tensor and, when given, a
 // train_state of {"step": step, "run_id": id}, as the job writes them.
-void SaveDcpStep(const std::string& path, std::optional<int64_t> step, const std::string& id) {
+void SaveDcpStep(const std::string& path, std::optional<int64_t> step, const std::string& id,
+                 const std::map<std::string, std::string>& settings = {}) {
   mkdir(path.substr(0, path.rfind('/')).c_str(), 0755);
   std::vector<DcpItem> items = {
       {{{false, "model", 0}, {false, "w", 0}}, at::arange(3, at::kFloat)}};
   if (step.has_value()) {
-    items.push_back({{{false, kDcpTrainStateKey, 0}, {false, kStepMetadataKey, 0}}, *step});
-    items.push_back({{{false, kDcpTrainStateKey, 0}, {false, kRunIdMetadataKey, 0}}, id});
+    RunCheckpointsOptions options;
+    options.settings = settings;
+    absl::StatusOr<RunCheckpoints> run = RunCheckpoints::Open("/nonexistent", options, id);
+    ASSERT_TRUE(run.ok()) << run.status();
+    for (DcpItem& item : run->DcpTrainStateOf(*step)) items.push_back(std::move(item));
   }
   absl::Status saved = SaveDcpCheckpoint(path, items);
   ASSERT_TRUE(saved.ok()) << saved;
@@ -289,10 +345,20 @@ TEST(RunCheckpoints, DistributedCheckpointsAreStepsOfARun) {
   EXPECT_EQ(run.resume_from()->step, 4);
   EXPECT_EQ(run.resume_from()->format, StepCheckpoint::Format::kDcp);
   EXPECT_EQ(run.run_id(), "run-a");
-  SaveDcpStep(run.PathOf(6), 6, "run-a");
+  SaveDcpStep(run.PathOf(6), 6, "run-a", {{"seed", "7"}});
   RunCheckpoints::Retired retired = run.RetireOlderThan(6);
-  EXPECT_THAT(retired.removed, ElementsAre(dir + "/step-00000002"));
-  EXPECT_THAT(StepsIn(dir), ElementsAre(4, 6, 10));
+  // The interrupted save the resumed run found, then the oldest.
+  EXPECT_THAT(retired.removed, ElementsAre(dir + "/step-00000010", dir + "/step-00000002"));
+  EXPECT_THAT(StepsIn(dir), ElementsAre(4, 6));
+  RunCheckpoints again = OpenOrDie(dir, Resume(), "new");
+  EXPECT_EQ(again.resume_from()->step, 6);
+  EXPECT_EQ(again.resume_from()->settings, (std::map<std::string, std::string>{{"seed", "7"}}));
+  // A data file gone: damaged.
+  ASSERT_EQ(std::system(absl::StrCat("rm '", run.PathOf(6), "'/*.distcp").c_str()), 0);
+  entries = ListStepCheckpoints(dir);
+  ASSERT_TRUE(entries.ok());
+  EXPECT_EQ(entries->back().state, State::kDamaged);
+  EXPECT_THAT(entries->back().problem, HasSubstr("that .metadata names cannot be found"));
 }
 
 }  // namespace

@@ -143,7 +143,9 @@ class MetadataParser {
   explicit MetadataParser(std::string dir) : dir_(std::move(dir)) {}
 
   absl::Status Error(const std::string& what) const {
-    return absl::InvalidArgumentError(absl::StrCat("DCP checkpoint '", dir_, "': ", what));
+    // `what` quotes names read from the file, which may be damaged.
+    return absl::InvalidArgumentError(
+        absl::StrCat("DCP checkpoint '", dir_, "': ", PrintableText(what)));
   }
 
   absl::StatusOr<std::vector<int64_t>> Ints(const PyRef& v, const std::string& what) const {
@@ -456,6 +458,34 @@ bool IsDcpDirectory(const std::string& path) {
   struct stat st;
   return stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode) &&
          stat((path + "/.metadata").c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+absl::Status CheckDcpDataFiles(const std::string& dir, const DcpMetadata& metadata) {
+  std::map<std::string, uint64_t> ends;  // Each data file's last byte needed.
+  const auto need = [&](const DcpStorageLocation& at) {
+    uint64_t& end = ends[at.relative_path];
+    end = std::max(end, at.offset + at.length);
+  };
+  for (const DcpTensorEntry& tensor : metadata.tensors) {
+    for (const DcpChunk& chunk : tensor.chunks) need(chunk.location);
+  }
+  for (const DcpBytesEntry& bytes : metadata.bytes) need(bytes.location);
+  for (const auto& [file, end] : ends) {
+    const std::string path = absl::StrCat(dir, "/", file);
+    struct stat st;
+    if (stat(path.c_str(), &st) != 0) {
+      return absl::DataLossError(absl::StrCat("the data file '", path,
+                                              "' that .metadata names cannot be found: ",
+                                              std::strerror(errno)));
+    }
+    if (!S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) < end) {
+      return absl::DataLossError(absl::StrCat(
+          "the data file '", path, "' has ", static_cast<int64_t>(st.st_size),
+          " bytes; .metadata names bytes up to ", end,
+          S_ISREG(st.st_mode) ? " (truncated or replaced)" : " (not a regular file)"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<DcpMetadata> ReadDcpMetadata(const std::string& dir) {

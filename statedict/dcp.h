@@ -93,6 +93,11 @@ bool IsDcpDirectory(const std::string& path);
 // refused global, the global.
 absl::StatusOr<DcpMetadata> ReadDcpMetadata(const std::string& dir);
 
+// Every data file `metadata` (read from `dir`) names is a regular file
+// holding the byte ranges it names; their contents are not read.
+// kDataLoss naming the first file that is missing or too short.
+absl::Status CheckDcpDataFiles(const std::string& dir, const DcpMetadata& metadata);
+
 // The full tensors of `dir`, in the metadata's order, contiguous on CPU.
 // Non-tensor entries are left out (see DcpMetadata::bytes). `prefix`, when
 // not empty, keeps only the entries under it and strips it ("model." for a

@@ -48,7 +48,9 @@ class LoadCheck {
 
   bool ok() const { return problems_.empty() && missing_.empty() && not_in_model_.empty(); }
 
-  // OK, or InvalidArgument "<context>: <every problem>".
+  // OK, or InvalidArgument "<context>: <every problem>"; a long list of
+  // missing names (or of names not in the model) is cut to its first ones
+  // and a count of all by their last part.
   absl::Status ToStatus(absl::string_view context) const;
 
  private:

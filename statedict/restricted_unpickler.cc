@@ -114,12 +114,14 @@ class Unpickler {
 
  private:
   absl::Status Error(const std::string& problem) const {
-    return absl::InvalidArgumentError(absl::StrCat(what_, ": ", problem, " (at byte ", pos_, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what_, ": ", PrintableText(problem), " (at byte ", pos_, ")"));
   }
-  // A hook's error, placed.
+  // A hook's error, placed. Problems quote what the pickle holds, which may
+  // be any bytes.
   absl::Status Placed(const absl::Status& status) const {
-    return absl::Status(status.code(),
-                        absl::StrCat(what_, ": ", status.message(), " (at byte ", pos_, ")"));
+    return absl::Status(status.code(), absl::StrCat(what_, ": ", PrintableText(status.message()),
+                                                    " (at byte ", pos_, ")"));
   }
   absl::Status ReadByte(uint8_t* out) {
     if (pos_ >= size_) return Error("the pickle ends early");

@@ -545,6 +545,23 @@ absl::Status SaveCheckpointTensors(Collectives& group, const std::string& dir,
 
 absl::StatusOr<CheckpointMetadata> ReadCheckpointMetadata(const std::string& dir) {
   FSDP_ASSIGN_OR_RETURN(const checkpoint::CheckpointManifest manifest, ReadManifest(dir));
+  // A manifest whose shard files are gone (removed by hand, or by another
+  // job in the same directory) is not a checkpoint.
+  for (const auto& f : manifest.files()) {
+    const std::string path = absl::StrCat(dir, "/", f.name());
+    struct stat st;
+    if (stat(path.c_str(), &st) != 0) {
+      return absl::DataLossError(absl::StrCat("the shard file '", path, "' of rank ", f.rank(),
+                                              " that the manifest names cannot be found: ",
+                                              std::strerror(errno)));
+    }
+    if (!S_ISREG(st.st_mode) || st.st_size != f.size_bytes()) {
+      return absl::DataLossError(absl::StrCat(
+          "the shard file '", path, "' of rank ", f.rank(), " has ",
+          static_cast<int64_t>(st.st_size), " bytes, the manifest records ", f.size_bytes(),
+          S_ISREG(st.st_mode) ? " (truncated or replaced)" : " (not a regular file)"));
+    }
+  }
   return CheckpointMetadata(manifest.metadata().begin(), manifest.metadata().end());
 }
 

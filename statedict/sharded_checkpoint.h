@@ -104,9 +104,11 @@ absl::Status LoadCheckpointTensors(Collectives& group, const std::string& dir,
                                    ShardedLoadStats* stats = nullptr);
 
 // The metadata of the checkpoint in `dir`, from its manifest (read and
-// checked, shard files untouched; no communication). kNotFound when `dir`
-// has no manifest (no checkpoint, or an interrupted save), kDataLoss when
-// the manifest is damaged, naming the file.
+// checked, and every shard file it names present at its recorded size,
+// their contents unread; no communication). kNotFound when `dir` has no
+// manifest (no checkpoint, or an interrupted save), kDataLoss when the
+// manifest is damaged or a shard file is missing or of another size, naming
+// the file.
 absl::StatusOr<CheckpointMetadata> ReadCheckpointMetadata(const std::string& dir);
 
 }  // namespace fsdp

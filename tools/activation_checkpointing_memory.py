@@ -31,8 +31,7 @@ MMAP_THRESHOLD = "65536"
 
 def run_case(binary, world_size, checkpointing, steps, device, model):
     args = [binary, f"--device={device}", f"--world_size={world_size}", f"--steps={steps}",
-            "--eval_every=0",
-            "--sample_tokens=0", f"--log_every={steps}", "--print_plan=false",
+            f"--log_every={steps}", "--print_plan=false",
             f"--activation_checkpointing={'true' if checkpointing else 'false'}"] + model
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD)
     out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=1800)

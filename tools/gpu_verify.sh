@@ -5,7 +5,8 @@
 # and 3 ranks sharing the GPU through staged collectives; the single-process
 # cases again under compute-sanitizer's memcheck where installed), trains the main
 # job on the GPU (one rank over NCCL, with the flat-shard optimizer's exact
-# and fused kernels; two ranks sharing the GPU, staged),
+# and fused kernels; two ranks sharing the GPU, staged; checkpoints saved
+# there and resumed),
 # runs the training-step benchmark on both sides (ours, models/cuda_step_benchmark.cc;
 # PyTorch's FullyShardedDataParallel and fully_shard,
 # models/fsdp_step_benchmark.py) and writes them side by side; with two GPUs
@@ -48,6 +49,36 @@ stage() {  # stage NAME LOG COMMAND...: runs it, appending to LOG, and notes the
     note "$name: FAILED, exit $? ($((SECONDS - start)) s; see $(basename "$log"))"
     return 1
   fi
+}
+
+# The main job succeeds whatever its loss does; a stage that trains it also
+# needs it to have learned: its "loss A -> B over steps" line must fall.
+loss_falls() {  # loss_falls COMMAND...: runs it, printing its output.
+  local output status
+  output=$("$@" 2>&1)
+  status=$?
+  echo "$output"
+  ((status == 0)) || return $status
+  awk '/^loss [0-9.]+ -> [0-9.]+ over steps/ { fell = ($4 < $2) } END { exit !fell }' \
+    <<<"$output" || { echo "loss_falls: the loss did not fall"; return 1; }
+}
+
+checkpoints_on_gpu() {  # checkpoints_on_gpu TRAIN_GPT DIR
+  local job=$1 dir=$2 output
+  rm -rf "$dir"
+  local common=(--device=cuda --world_size=1 --print_plan=false --log_every=10)
+  timeout -k 10 90 "$job" "${common[@]}" --steps=20 --checkpoint_every=10 \
+    --checkpoint_dir="$dir/run" || return 1
+  output=$(timeout -k 10 90 "$job" "${common[@]}" --steps=30 --resume \
+    --checkpoint_dir="$dir/run" 2>&1) || { echo "$output"; return 1; }
+  echo "$output"
+  grep -q "resumed from $dir/run/step-00000020" <<<"$output" || return 1
+  output=$(timeout -k 10 90 "$job" "${common[@]}" --steps=3 --lr=1e30 --checkpoint_every=1 \
+    --checkpoint_dir="$dir/blown" 2>&1)
+  local status=$?
+  echo "$output"
+  ((status == 1)) && grep -q "the updated weights give a loss of" <<<"$output" &&
+    [[ ! -e "$dir/blown/step-00000001" ]]
 }
 
 [[ -d /usr/local/cuda/bin ]] && export PATH="/usr/local/cuda/bin:$PATH"
@@ -146,15 +177,20 @@ if ((cuda_built)); then
     device=cuda
     ((ranks > 1)) && device=cuda:0
     stage "train_gpt_${device}_w$ranks" "$out/cuda_test.log" \
-      timeout -k 10 90 "$build/models/train_gpt" \
+      loss_falls timeout -k 10 90 "$build/models/train_gpt" \
       --device="$device" --world_size="$ranks" --steps=60 --log_every=20 --print_plan=false
   done
   # The runs above step the shards with FlatShardAdamW's kExact kernel (the
   # default); this one with PyTorch's fused CUDA kernel.
   stage train_gpt_cuda_w1_fused_optimizer "$out/cuda_test.log" \
-    timeout -k 10 90 "$build/models/train_gpt" \
+    loss_falls timeout -k 10 90 "$build/models/train_gpt" \
     --device=cuda --world_size=1 --steps=60 --log_every=20 --print_plan=false \
     --optimizer_kernel=flat_fused
+  # Checkpoints saved from the GPU and resumed there; a run whose update
+  # blows the weights up writes none (the fitness check's forward runs on
+  # the device).
+  stage train_gpt_cuda_checkpoint_resume "$out/cuda_test.log" \
+    checkpoints_on_gpu "$build/models/train_gpt" /tmp/fsdp_gpu_checkpoints
   # Activation checkpointing on the GPU: the caching allocator's peak with
   # and without, on the long-context GPT of the committed CPU measurement.
   stage activation_checkpointing_memory_cuda "$out/cuda_test.log" \
