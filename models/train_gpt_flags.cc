@@ -127,9 +127,10 @@ ABSL_FLAG(std::string, export_dcp, "",
           "world size.");
 ABSL_FLAG(std::string, checkpoint_dir, "",
           "Save SHARDED training checkpoints (model and optimizer state) here, one subdirectory "
-          "step-NNNNNNNN per checkpoint, labelled with the run's id (optim/run_checkpoints.h). "
-          "A new run refuses a directory holding other checkpoints (see --resume and "
-          "--overwrite_checkpoints).");
+          "step-NNNNNNNN per checkpoint, labelled with the run's id and settings "
+          "(optim/run_checkpoints.h). A new run refuses a directory holding other checkpoints "
+          "(see --resume and --overwrite_checkpoints), and a job refuses a directory another "
+          "job is using (its lock, DIR/.lock, names the holder).");
 ABSL_FLAG(std::string, checkpoint_format, "sharded",
           "How --checkpoint_dir's checkpoints are written: 'sharded' (this project's SHARDED "
           "format, with CRCs) or 'dcp' (PyTorch Distributed Checkpoints of {'model', 'optim', "
@@ -141,7 +142,9 @@ ABSL_FLAG(int, keep_checkpoints, 2,
           "run's.");
 ABSL_FLAG(bool, resume, false,
           "Continue the run whose newest complete checkpoint is in --checkpoint_dir (any world "
-          "size).");
+          "size), with the settings its checkpoint records for every flag left out; a flag "
+          "given with another value is used and reported, or refused when the checkpoint "
+          "cannot continue under it (the optimizer, its groups, the model's shape).");
 ABSL_FLAG(bool, overwrite_checkpoints, false,
           "A new run may use a --checkpoint_dir that holds another run's checkpoints: they are "
           "removed once this run's first checkpoint is saved.");
