@@ -14,9 +14,11 @@
 // is forwarded to every rank first).
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -72,6 +74,15 @@ int main(int argc, char** argv) {
       "            [--nnodes=M --node_rank=K --master_addr=HOST [--master_port=P]]\n"
       "            -- PROGRAM [ARGS...]");
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  // Under `bazel run`, relative paths (the program, its outputs) are the
+  // user's, not the runfiles tree's that Bazel starts us in.
+  if (const char* dir = std::getenv("BUILD_WORKING_DIRECTORY"); dir != nullptr && *dir != '\0') {
+    if (::chdir(dir) != 0) {
+      std::fprintf(stderr, "fsdp_launch: cannot enter BUILD_WORKING_DIRECTORY '%s': %s\n", dir,
+                   std::strerror(errno));
+      return 2;
+    }
+  }
   if (rest.size() < 2) {
     std::fprintf(stderr, "fsdp_launch: no program given\nusage: %s\n",
                  absl::ProgramUsageMessage().data());

@@ -198,6 +198,17 @@ absl::StatusOr<std::unique_ptr<Collectives>> CreateGlooCollectivesFromEnvironmen
   return CreateGlooCollectives(std::move(store), env.rank, env.world_size, options);
 }
 
+absl::StatusOr<std::unique_ptr<Collectives>> InitProcessGroup(GlooOptions options) {
+  absl::StatusOr<LaunchEnvironment> env = ReadLaunchEnvironment();
+  if (absl::IsNotFound(env.status())) {
+    return absl::NotFoundError(absl::StrCat(
+        env.status().message(), "; start the program with a launcher: fsdp_launch "
+        "--nproc_per_node=N PROGRAM, torchrun --no-python --nproc_per_node=N PROGRAM, or srun"));
+  }
+  FSDP_RETURN_IF_ERROR(env.status());
+  return CreateGlooCollectivesFromEnvironment(*env, std::move(options));
+}
+
 absl::StatusOr<HybridGroupsFromEnvironment> CreateHybridGlooCollectivesFromEnvironment(
     const LaunchEnvironment& env, int shard_group_size, GlooOptions options) {
   options = WithDefaultAddress(env, options);

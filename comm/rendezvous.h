@@ -73,6 +73,12 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectStoreAt(
 absl::StatusOr<std::unique_ptr<Collectives>> CreateGlooCollectivesFromEnvironment(
     const LaunchEnvironment& env, GlooOptions options = {});
 
+// torch.distributed.init_process_group for this library: the world group,
+// over Gloo, of the job whose launcher started this process (torchrun,
+// comm/launch installed as fsdp_launch, or srun: ReadLaunchEnvironment).
+// kNotFound, saying how to launch, when no launcher's variables are set.
+absl::StatusOr<std::unique_ptr<Collectives>> InitProcessGroup(GlooOptions options = {});
+
 // The world group and hybrid sharding's shard and replicate groups
 // (comm/hybrid_groups.h) of the job described by `env`, through one
 // connection to its store. Shard groups have `shard_group_size` ranks, or

@@ -60,6 +60,11 @@ TEST_F(FrozenServerTest, ACallToASilentStoreGivesUpAtItsDeadline) {
   EXPECT_EQ(store.Call(add, std::chrono::seconds(10)), 2);
 
   ASSERT_EQ(::kill(server_, SIGSTOP), 0);
+  // kill() returns before every thread of the server has stopped; until the
+  // group stop completes, its serving thread can still answer.
+  int wait_status = 0;
+  ASSERT_EQ(::waitpid(server_, &wait_status, WUNTRACED), server_);
+  ASSERT_TRUE(WIFSTOPPED(wait_status)) << "the server ended instead of stopping";
   const auto start = std::chrono::steady_clock::now();
   try {
     store.Call(add, std::chrono::milliseconds(300));

@@ -83,8 +83,8 @@ torch::nn::Sequential PlainModel(at::ScalarType dtype = at::kFloat) {
 }
 
 // The same modules, each block a unit and the root (the head) one too.
-UnitModule UnitModel(at::ScalarType dtype = at::kFloat) {
-  UnitModule model(torch::nn::Sequential(UnitModule(LoraBlock()), UnitModule(LoraBlock()),
+UnitModule<torch::nn::SequentialImpl> UnitModel(at::ScalarType dtype = at::kFloat) {
+  UnitModule model(torch::nn::Sequential(UnitModule(LoraBlock{}), UnitModule(LoraBlock{}),
                                          torch::nn::Linear(kWidth, kWidth)));
   FillDeterministically(*model);
   model->to(dtype);
@@ -160,7 +160,7 @@ TEST_P(FrozenAndTrainableInOneUnit, MatchesLocalTrainingAndReducesOnlyTrainableB
   ASSERT_EQ(expected_grads.size(), 2u * 2 * kBlocks + 2) << "adapters and head only";
 
   absl::Status status = RunOnThreadRanks(c.world_size, [&](Collectives& comm) {
-    UnitModule model = UnitModel(dtype);
+    auto model = UnitModel(dtype);
     FsdpOptions options;
     options.strategy = c.strategy;
     options.offload_params = c.offload_params;
@@ -270,7 +270,7 @@ TEST_P(FrozenAndTrainableInOneUnit, MatchesLocalTrainingAndReducesOnlyTrainableB
 // gathers anything.
 TEST(FrozenAndTrainable, ChangingRequiresGradAfterWrappingIsAnError) {
   absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
-    UnitModule model = UnitModel();
+    auto model = UnitModel();
     auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {},
                                            SelectModulesOfType<UnitModuleImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();

@@ -388,10 +388,15 @@ void FullyShardedModel::PostForward(FsdpUnit& unit, const std::vector<at::Tensor
   FsdpUnit* u = &unit;
   for (const at::Tensor& out : outputs) {
     if (!out.defined() || !out.requires_grad()) continue;
-    out.register_hook([this, u](const at::Tensor& grad) {
-      PreBackward(*u);
-      return grad;
-    });
+    // On TensorBase: autograd also calls a tensor's hooks when its gradient
+    // is undefined (an output nothing used), which libtorch 1.13's at::Tensor
+    // hook wrapper asserts against. The unit's backward may still run then
+    // (through the graph behind that output), so it unshards all the same.
+    static_cast<const at::TensorBase&>(out).register_hook(
+        [this, u](const at::TensorBase&) -> at::TensorBase {
+          PreBackward(*u);
+          return at::TensorBase();  // The gradient unchanged.
+        });
   }
 }
 

@@ -45,7 +45,7 @@ torch::nn::Sequential PlainModel() {
 }
 
 // The same modules, each layer and the root held by a UnitModule.
-UnitModule UnitModel() {
+UnitModule<torch::nn::SequentialImpl> UnitModel() {
   UnitModule first(Layer());
   UnitModule second(Layer());
   UnitModule model(torch::nn::Sequential(first, second, torch::nn::Linear(kModel, kModel)));
@@ -71,7 +71,7 @@ std::vector<std::string> Names(const torch::nn::Module& module) {
 
 TEST(UnitModule, NamesAndValuesAreThoseOfTheHeldModules) {
   torch::nn::Sequential plain = PlainModel();
-  UnitModule held = UnitModel();
+  auto held = UnitModel();
   ASSERT_EQ(Names(*held), Names(*plain));
   const auto plain_params = plain->named_parameters();
   for (const auto& item : held->named_parameters()) {
@@ -119,7 +119,7 @@ TEST_P(UnitModuleParity, TransformerEncoderLayersAsUnitsMatchLocalTraining) {
     }
   }
   absl::Status status = RunOnThreadRanks(world_size, [&](Collectives& comm) {
-    UnitModule model = UnitModel();
+    auto model = UnitModel();
     auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {},
                                            SelectModulesOfType<UnitModuleImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
@@ -166,7 +166,7 @@ TEST_P(UnitModuleParity, CheckpointedLayersTrainAsWithout) {
   const int world_size = GetParam();
   absl::Status status = RunOnThreadRanks(world_size, [&](Collectives& comm) {
     auto train = [&](bool checkpoint) {
-      UnitModule model = UnitModel();
+      auto model = UnitModel();
       auto wrapped =
           FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<UnitModuleImpl>());
       EXPECT_TRUE(wrapped.ok()) << wrapped.status();

@@ -58,7 +58,8 @@ absl::Status SaveShardedDcpModelAndOptimizer(FullyShardedModel& model,
 absl::Status LoadShardedDcpModelAndOptimizer(FullyShardedModel& model,
                                              torch::optim::Optimizer& optimizer,
                                              const std::string& dir, const DcpCheckpointKeys& keys,
-                                             ShardedLoadStats* stats) {
+                                             ShardedLoadStats* stats,
+                                             const absl::Status& caller_ready) {
   FSDP_RETURN_IF_ERROR(model.RequireIdle("loading a DCP checkpoint"));
   // This rank's part of the optimizer state, read and checked first: a
   // problem there fails the model's load on every rank too.
@@ -94,6 +95,7 @@ absl::Status LoadShardedDcpModelAndOptimizer(FullyShardedModel& model,
     ready = absl::Status(ready.code(), absl::StrCat("the optimizer state under '", keys.optim,
                                                     "': ", ready.message()));
   }
+  if (!caller_ready.ok()) ready = caller_ready;
   ShardedLoadStats model_stats;
   FSDP_RETURN_IF_ERROR(LoadShardedDcp(model.group(), dir,
                                       ModelDcpShards(model, keys.model, /*every_name=*/false),

@@ -62,11 +62,15 @@ absl::Status SaveShardedDcpModelAndOptimizer(FullyShardedModel& model,
 // Optimizer.state_dict() saved by dcp.save) is read whole and mapped
 // through the optimizer's own parameter order, as LoadDcpOptimStateDict
 // does. `stats`, when given, counts this rank's bytes read and needed.
+// `ready` is this rank's outcome of any preparation the caller did first
+// (reading other entries of the checkpoint, say): an error there fails the
+// load on every rank, and nothing changes.
 absl::Status LoadShardedDcpModelAndOptimizer(FullyShardedModel& model,
                                              torch::optim::Optimizer& optimizer,
                                              const std::string& dir,
                                              const DcpCheckpointKeys& keys = {},
-                                             ShardedLoadStats* stats = nullptr);
+                                             ShardedLoadStats* stats = nullptr,
+                                             const absl::Status& ready = absl::OkStatus());
 
 }  // namespace fsdp
 

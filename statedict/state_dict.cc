@@ -28,7 +28,8 @@ using statedict_internal::PlacementsOf;
 // to load.
 absl::StatusOr<std::vector<at::Tensor>> MatchStateDict(
     const std::string& who, const StateDict& expected,
-    const std::vector<std::vector<int64_t>>& shapes, const StateDict& state) {
+    const std::vector<std::vector<int64_t>>& shapes, const StateDict& state,
+    const LoadFullStateDictOptions& options = {}) {
   std::unordered_map<std::string, const at::Tensor*> given;
   LoadCheck check;
   for (const auto& [name, tensor] : state) {
@@ -42,7 +43,8 @@ absl::StatusOr<std::vector<at::Tensor>> MatchStateDict(
     const auto& [name, target] = expected[k];
     auto it = given.find(name);
     if (it == given.end()) {
-      check.Missing(name);
+      // An entry that may be missing keeps its value (values[k] undefined).
+      if (options.may_be_missing.count(name) == 0) check.Missing(name);
       continue;
     }
     const at::Tensor& value = *it->second;
@@ -67,7 +69,7 @@ absl::StatusOr<std::vector<at::Tensor>> MatchStateDict(
     }
   }
   for (const auto& [name, tensor] : state) {
-    if (given.count(name) != 0) check.NotInModel(name);
+    if (given.count(name) != 0 && !options.ignore_unexpected) check.NotInModel(name);
   }
   FSDP_RETURN_IF_ERROR(
       check.ToStatus(absl::StrCat(who, ": cannot load the state dict (nothing was changed)")));
@@ -179,7 +181,8 @@ absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model,
   return out;
 }
 
-absl::Status LoadFullStateDict(FullyShardedModel& model, const StateDict& state) {
+absl::Status LoadFullStateDict(FullyShardedModel& model, const StateDict& state,
+                               const LoadFullStateDictOptions& options) {
   FSDP_RETURN_IF_ERROR(model.RequireIdle("loading a FULL state dict"));
   CollectiveLabel label(model.group(), model.replicate_group(), "", "loading a FULL state dict");
   const StateDict named = NamedTensors(model.units().front()->module());
@@ -195,9 +198,10 @@ absl::Status LoadFullStateDict(FullyShardedModel& model, const StateDict& state)
       std::vector<at::Tensor> values,
       MatchStateDict(absl::StrCat("rank ", model.group().rank(), " of ",
                                   model.group().world_size()),
-                     named, shapes, state));
+                     named, shapes, state, options));
   at::NoGradGuard no_grad;
   for (size_t k = 0; k < named.size(); ++k) {
+    if (!values[k].defined()) continue;  // Missing, as options allow: kept.
     const at::Tensor& target = named[k].second;
     auto it = placements.find(target.unsafeGetTensorImpl());
     if (it == placements.end()) {

@@ -45,6 +45,8 @@
 #define FSDP_STATEDICT_STATE_DICT_H_
 
 #include <cstdint>
+#include <set>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -72,8 +74,18 @@ struct FullStateDictStats {
 absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model,
                                         const FullStateDictOptions& options = {},
                                         FullStateDictStats* stats = nullptr);
+// Which entries a FULL load may leave out or ignore (PyTorch's strict=False,
+// and frozen parameters a state dict may lack).
+struct LoadFullStateDictOptions {
+  // Entries of the model the state dict may lack: they keep their values.
+  std::set<std::string> may_be_missing;
+  // Entries the model lacks are ignored instead of refused.
+  bool ignore_unexpected = false;
+};
+
 // All-or-nothing; every rank passes the same state dict; no communication.
-absl::Status LoadFullStateDict(FullyShardedModel& model, const StateDict& state);
+absl::Status LoadFullStateDict(FullyShardedModel& model, const StateDict& state,
+                               const LoadFullStateDictOptions& options = {});
 
 // This rank's shards; no communication.
 absl::StatusOr<StateDict> LocalStateDict(const FullyShardedModel& model);

@@ -16,12 +16,18 @@ def fsdp_cc_proto_library(name, src, deps = [], visibility = None, testonly = Fa
       testonly: as for any rule.
     """
     base = src[:-len(".proto")]
-    pkg = native.package_name()
+
+    # Paths are the repository's own, whether it is the main workspace or an
+    # external one (@fsdp_cpp in a consumer's build, whose sources lie under
+    # external/fsdp_cpp): the generated code then includes
+    # "statedict/x.pb.h", which the repository's include path finds.
+    repo = native.repository_name()
+    root = "." if repo == "@" else "external/" + repo[1:]
     native.genrule(
         name = name + "_codegen",
         srcs = [src],
         outs = [base + ".pb.h", base + ".pb.cc"],
-        cmd = "protoc --proto_path=. --cpp_out=$(GENDIR) $(location %s)" % src,
+        cmd = "protoc --proto_path=%s --cpp_out=$(GENDIR)/%s $(location %s)" % (root, root, src),
         testonly = testonly,
         visibility = ["//visibility:private"],
     )

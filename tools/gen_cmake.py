@@ -19,7 +19,8 @@ fsdp_torch target (CMakeLists.txt); CUDA-only targets are left out.
 Tests and testonly targets are built only with BUILD_TESTING (include(CTest)
 in CMakeLists.txt). Every other library is installed and exported as
 fsdp_cpp::<target> (find_package(fsdp_cpp CONFIG)), its headers under
-include/<package>/; alwayslink libraries ask their consumers' links for
+include/<package>/ (the root's //:fsdp_cpp as fsdp_cpp::fsdp_cpp, its header
+under include/); alwayslink libraries ask their consumers' links for
 --no-as-needed, which keeps the static initializers they register with.
 
 Usage: tools/gen_cmake.py [--check]
@@ -58,6 +59,8 @@ def target_name(label):
     if label in EXTERNAL:
         return EXTERNAL[label]
     package, name = label[2:].split(":")
+    if not package:  # The root's //:fsdp_cpp is fsdp_cpp::fsdp_cpp.
+        return name.replace(".", "_").replace("-", "_")
     return ("%s_%s" % (package.replace("/", "_"), name)).replace(".", "_").replace("-", "_")
 
 
@@ -217,6 +220,10 @@ def generate(rules):
                 '"TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/%s")' % (label, timeout, target),
                 'file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/%s")' % target,
             ]
+            # CTest runs tests in parallel (tools/test_torch2.sh) as Bazel
+            # does; those Bazel runs alone, CTest too.
+            if "exclusive" in attrs.get("tags", []):
+                lines.append("set_tests_properties(%s PROPERTIES RUN_SERIAL TRUE)" % label)
         if testonly:
             lines.append("endif()")
         lines.append("")

@@ -4,7 +4,8 @@
 # against that wheel's libtorch, the CUDA targets included (linked against
 # its libtorch_cuda, c10_cuda and the NCCL of its nvidia-nccl package;
 # nothing runs on a GPU here), then every test run by CTest with the interop
-# tests' Python set to the venv's. Ends with "N passed, N failed" over the
+# tests' Python set to the venv's, as many at a time as there are cores (as
+# Bazel runs them; those Bazel runs alone, RUN_SERIAL). Ends with "N passed, N failed" over the
 # individual gtest cases. Arguments go to ctest (say, -R fingerprint).
 #
 # CMake rather than Bazel: CMake is how libtorch users build against a pip
@@ -47,7 +48,7 @@ rm -rf "$xml_dir"
 mkdir -p "$xml_dir"
 # The GPU test needs a GPU; everything else runs here.
 FSDP_TORCH_PYTHON="$python" GTEST_OUTPUT="xml:$xml_dir/" \
-  ctest --test-dir "$build" --output-on-failure -LE gpu "$@"
+  ctest --test-dir "$build" --output-on-failure -LE gpu -j"$(nproc)" "$@"
 status=$?
 
 source tools/gtest_counts.sh

@@ -1,0 +1,240 @@
+// SaveCheckpoint, LoadCheckpoint, SaveTorchFile and LoadTorchFile
+// (checkpoint/checkpoint.h), over the sharded DCP checkpoints of
+// optim/dcp_checkpoint.h and statedict/dcp_sharded.h, the older SHARDED
+// format's loaders, and the torch.save readers and writers.
+#include "checkpoint/checkpoint.h"
+
+#include <dirent.h>
+#include <sys/stat.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+#include "checkpoint/agree.h"
+#include "comm/collectives.h"
+#include "optim/dcp_checkpoint.h"
+#include "optim/run_checkpoints.h"
+#include "optim/torch_optim_file.h"
+#include "optim/training_checkpoint.h"
+#include "statedict/dcp.h"
+#include "statedict/dcp_sharded.h"
+#include "statedict/sharded_checkpoint.h"
+
+namespace fsdp {
+namespace {
+
+using checkpoint_internal::AgreeAcrossRanks;
+
+constexpr char kModelKey[] = "model";
+constexpr char kDataPositionKey[] = "data_position";
+
+std::vector<DcpPathPart> TrainStatePath(const std::string& key) {
+  return {{false, kDcpTrainStateKey, 0}, {false, key, 0}};
+}
+
+std::vector<DcpItem> TrainStateItems(const TrainState& state) {
+  return {{TrainStatePath(kStepMetadataKey), c10::IValue(state.step)},
+          {TrainStatePath(kDataPositionKey), c10::IValue(state.data_position)}};
+}
+
+// The train_state a DCP checkpoint holds; what it lacks stays as `state`
+// has it.
+absl::Status ReadDcpTrainState(const std::string& dir, TrainState& state) {
+  FSDP_ASSIGN_OR_RETURN(const DcpMetadata metadata, ReadDcpMetadata(dir));
+  const std::string prefix = absl::StrCat(kDcpTrainStateKey, ".");
+  for (const DcpBytesEntry& bytes : metadata.bytes) {
+    int64_t* field = nullptr;
+    if (bytes.fqn == prefix + kStepMetadataKey) field = &state.step;
+    if (bytes.fqn == prefix + kDataPositionKey) field = &state.data_position;
+    if (field == nullptr) continue;
+    FSDP_ASSIGN_OR_RETURN(const PyRef value, ReadDcpBytes(dir, bytes));
+    if (value->kind != PyValue::Kind::kInt) {
+      return absl::DataLossError(absl::StrCat("the checkpoint '", dir, "': its '", bytes.fqn,
+                                              "' is not an integer"));
+    }
+    *field = value->i;
+  }
+  return absl::OkStatus();
+}
+
+// The step an older SHARDED checkpoint's manifest records, if any.
+absl::Status ReadShardedTrainState(const std::string& dir, TrainState& state) {
+  FSDP_ASSIGN_OR_RETURN(const CheckpointMetadata metadata, ReadCheckpointMetadata(dir));
+  const auto step = metadata.find(kStepMetadataKey);
+  if (step == metadata.end()) return absl::OkStatus();
+  if (!absl::SimpleAtoi(step->second, &state.step)) {
+    return absl::DataLossError(absl::StrCat("the checkpoint '", dir, "': its step '",
+                                            PrintableText(step->second),
+                                            "' is not an integer"));
+  }
+  return absl::OkStatus();
+}
+
+bool IsFile(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+// Whether `dir` holds step-NNNNNNNN directories (a run's checkpoints, as
+// the main job keeps them).
+bool HoldsStepDirectories(const std::string& dir) {
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return false;
+  bool found = false;
+  while (dirent* e = readdir(d)) {
+    if (absl::StartsWith(e->d_name, "step-")) found = true;
+  }
+  closedir(d);
+  return found;
+}
+
+enum class Format { kNone, kDcp, kSharded };
+
+// Which checkpoint `dir` holds, as this rank sees it.
+absl::StatusOr<Format> FormatOf(const std::string& dir) {
+  const bool dcp = IsDcpDirectory(dir);
+  const bool sharded = IsFile(dir + "/manifest.pb");
+  if (dcp && sharded) {
+    return absl::DataLossError(absl::StrCat(
+        "'", dir, "' holds both a Distributed Checkpoint's .metadata and a SHARDED manifest.pb: "
+        "which one is the checkpoint is unclear; remove the other"));
+  }
+  if (dcp) return Format::kDcp;
+  if (sharded) return Format::kSharded;
+  if (HoldsStepDirectories(dir)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "'", dir, "' holds no checkpoint itself but step-NNNNNNNN directories, as a run of the "
+        "main job keeps them: pass one of those"));
+  }
+  return Format::kNone;
+}
+
+// A loader's kNotFound (a shard file that cannot be opened, on the rank
+// reading it) is damage, not the absence of a checkpoint, which callers
+// take kNotFound to mean.
+absl::Status NotFoundIsDamage(absl::Status status) {
+  if (!absl::IsNotFound(status)) return status;
+  return absl::DataLossError(status.message());
+}
+
+const char* FormatName(Format format) {
+  switch (format) {
+    case Format::kNone:
+      return "no checkpoint";
+    case Format::kDcp:
+      return "a Distributed Checkpoint";
+    case Format::kSharded:
+      return "a SHARDED checkpoint";
+  }
+  return "?";
+}
+
+// Every rank of `group` names what it saw; an error on every rank when
+// they differ.
+absl::Status SameOnEveryRank(Collectives& group, const std::string& dir, const std::string& seen) {
+  const std::vector<std::string> all = AllGatherBytes(group, seen);
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (all[r] != seen) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the ranks see different things at '", dir, "': this rank (", group.rank(), ") ", seen,
+          ", rank ", r, " ", all[r], "; every rank must see the same directory"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LoadDcp(const std::string& dir, FullyShardedModel& model,
+                     torch::optim::Optimizer* optimizer) {
+  if (optimizer != nullptr) {
+    return LoadShardedDcpModelAndOptimizer(model, *optimizer, dir);
+  }
+  return LoadShardedDcp(model.group(), dir, ModelDcpShards(model, kModelKey, /*every_name=*/false),
+                        nullptr, absl::OkStatus(), model.replicate_group());
+}
+
+}  // namespace
+
+absl::Status SaveCheckpoint(const std::string& dir, FullyShardedModel& model,
+                            torch::optim::Optimizer* optimizer, const TrainState& train_state) {
+  FSDP_RETURN_IF_ERROR(model.RequireIdle("saving a checkpoint"));
+  // A DCP checkpoint beside an older SHARDED one would make the directory
+  // ambiguous to LoadCheckpoint; the SHARDED one is not ours to remove.
+  FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(
+      model, IsFile(dir + "/manifest.pb")
+                 ? absl::FailedPreconditionError(absl::StrCat(
+                       "'", dir, "' holds a SHARDED checkpoint (manifest.pb) of an earlier "
+                       "version; save to another directory (LoadCheckpoint reads this one)"))
+                 : absl::OkStatus()));
+  if (optimizer != nullptr) {
+    return SaveShardedDcpModelAndOptimizer(model, *optimizer, dir, {},
+                                           TrainStateItems(train_state));
+  }
+  return SaveModelShardedDcp(model, dir, ModelDcpShards(model, kModelKey, /*every_name=*/true),
+                             TrainStateItems(train_state));
+}
+
+absl::Status LoadCheckpoint(const std::string& dir, FullyShardedModel& model,
+                            torch::optim::Optimizer* optimizer, TrainState* train_state) {
+  FSDP_RETURN_IF_ERROR(model.RequireIdle("loading a checkpoint"));
+  // What the directory holds and its train state, agreed by every rank
+  // before any collective load: ranks that see it differently (a network
+  // file system's cache) fail together instead of waiting for each other.
+  TrainState read = train_state != nullptr ? *train_state : TrainState{};
+  const absl::StatusOr<Format> format = FormatOf(dir);
+  absl::Status probe = format.status();
+  if (format.ok() && train_state != nullptr) {
+    if (*format == Format::kDcp) probe = ReadDcpTrainState(dir, read);
+    if (*format == Format::kSharded) probe = ReadShardedTrainState(dir, read);
+  }
+  try {
+    const std::string seen = format.ok() ? FormatName(*format) : "an unreadable directory";
+    absl::Status same = SameOnEveryRank(model.group(), dir, seen);
+    if (Collectives* replicas = model.replicate_group()) {
+      absl::Status across = SameOnEveryRank(*replicas, dir, seen);
+      if (same.ok()) same = across;
+    }
+    if (probe.ok()) probe = same;
+  } catch (...) {
+    probe = StatusFromCurrentException();
+  }
+  FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, probe));
+  if (*format == Format::kNone) {
+    return absl::NotFoundError(absl::StrCat("'", dir, "' holds no checkpoint (neither .metadata "
+                                            "nor manifest.pb)"));
+  }
+  if (*format == Format::kDcp) {
+    FSDP_RETURN_IF_ERROR(NotFoundIsDamage(LoadDcp(dir, model, optimizer)));
+  } else if (optimizer != nullptr) {
+    FSDP_RETURN_IF_ERROR(NotFoundIsDamage(LoadTrainingCheckpoint(model, *optimizer, dir)));
+  } else {
+    FSDP_RETURN_IF_ERROR(NotFoundIsDamage(LoadShardedCheckpoint(model, dir)));
+  }
+  if (train_state != nullptr) *train_state = read;
+  return absl::OkStatus();
+}
+
+absl::Status SaveTorchFile(const std::string& path, const StateDict& state) {
+  return SaveTorchStateDict(path, state);
+}
+
+absl::Status SaveTorchFile(const std::string& path, const OptimStateDict& state) {
+  return SaveTorchOptimStateDict(path, state, OptimStateKeys::kParameterFqn);
+}
+
+template <>
+absl::StatusOr<StateDict> LoadTorchFile<StateDict>(const std::string& path,
+                                                   const std::string& entry) {
+  return LoadTorchStateDict(path, entry);
+}
+
+template <>
+absl::StatusOr<OptimStateDict> LoadTorchFile<OptimStateDict>(const std::string& path,
+                                                             const std::string& entry) {
+  return LoadTorchOptimStateDict(path, entry);
+}
+
+}  // namespace fsdp

@@ -1,0 +1,147 @@
+// The state of an FSDP model and its optimizer, in the shape PyTorch users
+// know: torch.distributed.checkpoint.state_dict's get/set functions and
+// StateDictOptions, dcp.save / dcp.load, and torch.save / torch.load. These
+// eight functions are the front door for state; the file formats and the
+// per-format functions they are built on (statedict/, optim/) stay
+// available for what this door does not cover (docs/checkpoints.md).
+//
+//   fsdp::TrainState state;
+//   absl::Status loaded = fsdp::LoadCheckpoint("ckpt", *sharded, &optimizer, &state);
+//   if (!loaded.ok() && !absl::IsNotFound(loaded)) fsdp::ThrowIfError(loaded);
+//   ... train, ++state.step ...
+//   fsdp::ThrowIfError(fsdp::SaveCheckpoint("ckpt", *sharded, &optimizer, state));
+//
+// Checkpoints (SaveCheckpoint / LoadCheckpoint) are sharded: each rank
+// writes and reads only its own part of every tensor, and no rank ever holds
+// the whole model. The directory is a PyTorch Distributed Checkpoint laid
+// out as an FSDP2 job's dcp.save of
+//   {"model": get_model_state_dict(model),
+//    "optim": get_optimizer_state_dict(model, optimizer),
+//    "train_state": {"step": N, "data_position": P}}
+// so PyTorch's dcp.load reads it at any world size, and a checkpoint that
+// PyTorch wrote that way loads here at any world size. Saves are atomic
+// (the checkpoint that was in the directory stays whole until the new one's
+// .metadata lands); loads are all-or-nothing on every rank.
+//
+// State dicts in memory (Get/Set*StateDict) are full: every tensor whole,
+// keyed by the FQNs the unwrapped model has, gathered one unit at a time.
+// A sharded state dict in memory (PyTorch's DTensor values) is not offered:
+// sharded state goes to disk through SaveCheckpoint, as dcp.save takes it.
+//
+// Every function but the torch.save ones (one process) is called by every
+// rank of the model's group, with the model IDLE (between steps; else
+// kFailedPrecondition). Errors are absl::Status values naming the file,
+// entry or rank at fault, and every rank returns one when any rank fails.
+// Loads check everything first: a bad file, directory or dict changes
+// nothing on any rank. Only a failure while applying what was read (out of
+// memory) can leave some ranks loaded and others not; the ranks that loaded
+// then return kAborted, saying that the ranks disagree.
+#ifndef FSDP_CHECKPOINT_CHECKPOINT_H_
+#define FSDP_CHECKPOINT_CHECKPOINT_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "fsdp/fully_shard.h"
+#include "optim/optim_state.h"
+#include "statedict/torch_file.h"
+#include "torch/optim/optimizer.h"
+
+namespace fsdp {
+
+// PyTorch's StateDictOptions, for full state dicts.
+struct StateDictOptions {
+  // Get: the tensors in host memory, and (as PyTorch does for a full state
+  // dict) only on rank 0 (under hybrid sharding, rank 0 of each shard
+  // group): the other ranks get an empty dict and never hold a copy. Else
+  // every rank gets every tensor on its own device.
+  bool cpu_offload = false;
+  // Get: parameters that do not require grad are left out of the model's
+  // state dict. Set: the dict may lack them; they keep their values.
+  bool ignore_frozen_params = false;
+  // Set: every entry of the model must be in the dict and every entry of
+  // the dict in the model. With false, entries the model lacks are
+  // ignored and entries the dict lacks keep their values; shapes and dtypes
+  // are still checked. The optimizer's state is always strict.
+  bool strict = true;
+  // Set: only rank 0's dict is read (the other ranks pass an empty one);
+  // it is broadcast to the others. Without it, every rank must pass a dict
+  // with the same entries (checked: else every rank fails).
+  // Each rank holds a whole copy while loading, as it would have read one.
+  bool broadcast_from_rank0 = false;
+};
+
+// The model's full state dict: the keys and order of the unwrapped model's
+// state_dict().
+absl::StatusOr<StateDict> GetModelStateDict(FullyShardedModel& model,
+                                            const StateDictOptions& options = {});
+// Loads a full state dict of any world size (or of the unwrapped model).
+// Every rank passes the same dict, unless broadcast_from_rank0.
+absl::Status SetModelStateDict(FullyShardedModel& model, const StateDict& state,
+                               const StateDictOptions& options = {});
+
+// The optimizer's full state, keyed by parameter FQN (PyTorch's
+// get_optimizer_state_dict). `optimizer` is built over the wrapped model's
+// parameters (fsdp::UniqueParameters).
+absl::StatusOr<OptimStateDict> GetOptimizerStateDict(FullyShardedModel& model,
+                                                     torch::optim::Optimizer& optimizer,
+                                                     const StateDictOptions& options = {});
+// Loads it at any world size; a fresh optimizer gets state for every
+// parameter the dict has state for.
+absl::Status SetOptimizerStateDict(FullyShardedModel& model, torch::optim::Optimizer& optimizer,
+                                   const OptimStateDict& state,
+                                   const StateDictOptions& options = {});
+
+// Where a training run stands, saved with its checkpoint.
+struct TrainState {
+  int64_t step = 0;
+  // Where the data stands (batches or samples consumed, a file offset): the
+  // caller's to define.
+  int64_t data_position = 0;
+};
+
+// Saves the model, the optimizer (when given) and `train_state` as a
+// sharded checkpoint in `dir` (created if absent; the same directory on
+// every rank). Requires optimizer state for every parameter that has had a
+// gradient (save after a step). A directory holding an older SHARDED
+// checkpoint (manifest.pb) is refused: the two would make it ambiguous.
+absl::Status SaveCheckpoint(const std::string& dir, FullyShardedModel& model,
+                            torch::optim::Optimizer* optimizer = nullptr,
+                            const TrainState& train_state = {});
+// Loads what SaveCheckpoint saved, at any world size; also a Distributed
+// Checkpoint PyTorch saved as above, and this project's older SHARDED
+// checkpoints (a manifest.pb; model and optimizer, step from its metadata).
+// kNotFound when `dir` holds no checkpoint (absent, or neither .metadata
+// nor manifest.pb): a new run starts there (a damaged checkpoint is
+// kDataLoss, never kNotFound). A directory of the main job's step-NNNNNNNN
+// checkpoints is refused, naming them. `train_state`, when given, is set
+// from the checkpoint's (left as it is when the checkpoint has none).
+absl::Status LoadCheckpoint(const std::string& dir, FullyShardedModel& model,
+                            torch::optim::Optimizer* optimizer = nullptr,
+                            TrainState* train_state = nullptr);
+
+// torch.save files, one process writing: what torch.load reads. Tensors
+// must be on CPU (GetModelStateDict with cpu_offload, on rank 0). The
+// optimizer's state is written keyed by FQN, as get_optimizer_state_dict's.
+absl::Status SaveTorchFile(const std::string& path, const StateDict& state);
+absl::Status SaveTorchFile(const std::string& path, const OptimStateDict& state);
+// Reads a torch.save file without executing anything in it: a dict of
+// tensors (StateDict, the default) or an optimizer's state dict keyed by
+// FQN (OptimStateDict; one keyed by parameter index, a plain
+// Optimizer.state_dict(), needs the FQNs of the indices:
+// optim/torch_optim_file.h). `entry` selects a nested dict ("model" of
+// {"model": ..., "optimizer": ...}); "" the top level.
+template <typename T = StateDict>
+absl::StatusOr<T> LoadTorchFile(const std::string& path, const std::string& entry = "");
+template <>
+absl::StatusOr<StateDict> LoadTorchFile<StateDict>(const std::string& path,
+                                                   const std::string& entry);
+template <>
+absl::StatusOr<OptimStateDict> LoadTorchFile<OptimStateDict>(const std::string& path,
+                                                             const std::string& entry);
+
+}  // namespace fsdp
+
+#endif  // FSDP_CHECKPOINT_CHECKPOINT_H_
