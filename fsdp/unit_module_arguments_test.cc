@@ -214,7 +214,9 @@ TEST_P(UnitArguments, BlocksOfAnySignatureTrainAsUnwrapped) {
       at::Tensor loss =
           at::mse_loss(model->forward(Inputs(step).narrow(0, comm.rank() * rows, rows)),
                        Targets(step).narrow(0, comm.rank() * rows, rows));
-      if (checkpoint) EXPECT_EQ(CheckpointedRegionsInGraph(loss), 4);  // attention twice.
+      if (checkpoint) {
+        EXPECT_EQ(CheckpointedRegionsInGraph(loss), 4);  // attention twice.
+      }
       loss.backward();
       optimizer->step();
       optimizer->zero_grad();
