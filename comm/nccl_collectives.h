@@ -1,7 +1,7 @@
 // Collectives over NCCL, for ranks that compute on CUDA devices (one device
 // per rank). Built only under --config=cuda, against a CUDA-enabled libtorch.
 //
-// Run on one GPU only (an H200, torch 2.11, 2026-11-26; README, "GPU
+// Run on one GPU only (an H200, torch 2.11, 2026-11-26; docs/building.md, "GPU
 // builds"): one-rank groups of both transports, where no collective reaches
 // NCCL. UNVERIFIED: the data path between ranks, the waits, the timeout and
 // abort, which need two GPUs. It is compiled in the --config=cuda build on
@@ -50,7 +50,7 @@ class Store;
 namespace fsdp {
 
 // How collectives reach NCCL. The FSDP runtime works with either;
-// //comm:nccl_collectives_benchmark measures both (README, "GPU builds").
+// //comm:nccl_collectives_benchmark measures both (docs/building.md, "GPU builds").
 enum class NcclTransport {
   // ncclAllGather & co. on the caller's current stream: the FSDP runtime's
   // all-gather and reduce-scatter streams are the streams NCCL runs on, and

@@ -18,7 +18,7 @@
 // Needs two or more GPUs: NCCL refuses two ranks on one device, and at one
 // rank the Collectives API completes every collective itself. UNVERIFIED:
 // no machine with two GPUs has run it; the run on one H200 (2026-11-26)
-// skipped it (README, "GPU builds").
+// skipped it (docs/building.md, "GPU builds").
 #include <algorithm>
 #include <chrono>
 #include <map>

@@ -154,7 +154,7 @@ TEST(TrainGpt, BadFlagsAreRefusedNamingTheProblem) {
        "--record_batches=" + dir + "/file/b.pt: cannot create '" + dir + "/file': Not a directory"},
   };
   ASSERT_EQ(std::system(absl::StrCat("touch '", dir, "/file'").c_str()), 0);
-  // The sweep's table (README.md, "Bad input"): flag, message, exit code,
+  // The sweep's table (docs/main_job.md, "Bad input"): flag, message, exit code,
   // time to fail.
   std::string table = "| flags | exit | time | message |\n|---|---|---|---|\n";
   for (const BadFlags& bad : cases) {

@@ -1,7 +1,7 @@
 """The external repositories this project's BUILD files name.
 
 WORKSPACE calls fsdp_cpp_repositories(); so does the WORKSPACE of any other
-workspace that depends on this one (README, "Layout and dependency
+workspace that depends on this one (docs/architecture.md, "Layout and dependency
 direction"), after its own local_repository(name = "fsdp_cpp", ...). A
 repository the caller already declared is left as the caller has it, so a
 larger build can point @libtorch_cc_api at another libtorch.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU path's checks, on a machine with a CUDA GPU and a pip-installed
-# CUDA torch (README, "GPU builds"): builds the CUDA targets with CMake
+# CUDA torch (docs/building.md, "GPU builds"): builds the CUDA targets with CMake
 # against that torch, runs //fsdp:cuda_test (world size 1 over NCCL, and 2
 # and 3 ranks sharing the GPU through staged collectives; the single-process
 # cases again under compute-sanitizer's memcheck where installed), trains the main

@@ -5,8 +5,9 @@
 # its libtorch_cuda, c10_cuda and the NCCL of its nvidia-nccl package;
 # nothing runs on a GPU here), then every test run by CTest with the interop
 # tests' Python set to the venv's, as many at a time as there are cores (as
-# Bazel runs them; those Bazel runs alone, RUN_SERIAL). Ends with "N passed, N failed" over the
-# individual gtest cases. Arguments go to ctest (say, -R fingerprint).
+# Bazel runs them; those Bazel runs alone, RUN_SERIAL). Ends with "N passed,
+# N failed" over the individual gtest cases. Arguments go to ctest (say,
+# -R fingerprint).
 #
 # CMake rather than Bazel: CMake is how libtorch users build against a pip
 # torch or the LibTorch archive, the wheel's TorchConfig.cmake carries its
