@@ -236,6 +236,17 @@ target_include_directories(comm_store_fingerprint_exchange PUBLIC $<INSTALL_INTE
 install(TARGETS comm_store_fingerprint_exchange EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/comm/store_fingerprint_exchange.h DESTINATION include/comm)
 
+# //comm:store_fingerprint_exchange_test
+if(BUILD_TESTING)
+add_executable(comm_store_fingerprint_exchange_test ${PROJECT_SOURCE_DIR}/comm/store_fingerprint_exchange_test.cc)
+set_target_properties(comm_store_fingerprint_exchange_test PROPERTIES OUTPUT_NAME store_fingerprint_exchange_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm ENABLE_EXPORTS ON)
+target_link_libraries(comm_store_fingerprint_exchange_test PRIVATE comm_rendezvous comm_store_fingerprint_exchange testing_free_port third_party_gtest_main)
+add_dependencies(comm_store_fingerprint_exchange_test comm_launch)
+add_test(NAME //comm:store_fingerprint_exchange_test COMMAND comm_store_fingerprint_exchange_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//comm:store_fingerprint_exchange_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/comm_store_fingerprint_exchange_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/comm_store_fingerprint_exchange_test")
+endif()
+
 # //fsdp:activation_checkpointing
 add_library(fsdp_activation_checkpointing SHARED ${PROJECT_SOURCE_DIR}/fsdp/activation_checkpointing.cc ${PROJECT_SOURCE_DIR}/fsdp/activation_checkpointing.h)
 set_target_properties(fsdp_activation_checkpointing PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)

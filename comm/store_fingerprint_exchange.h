@@ -4,7 +4,9 @@
 //
 // Keys: <prefix>/<round>/<rank>. Collect polls every few milliseconds up to
 // its timeout, so that it can return the reports present when some never
-// come (c10d's Store::wait fails as a whole). Every call gives up at a
+// come (c10d's Store::wait fails as a whole). The store's host may end
+// before a later rank's wait is over (it is done explaining, so it exits):
+// Collect then returns the reports read by then. Every call gives up at a
 // deadline (comm/store_deadline.h): Collect 2 s after its timeout, the
 // others after 10 s; it then throws StoreUnreachable.
 //
