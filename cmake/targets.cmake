@@ -166,7 +166,7 @@ file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/comm_launch_environment_test")
 endif()
 
 # //comm:local_launcher
-add_library(comm_local_launcher SHARED ${PROJECT_SOURCE_DIR}/comm/local_launcher.cc ${PROJECT_SOURCE_DIR}/comm/local_launcher.h)
+add_library(comm_local_launcher SHARED ${PROJECT_SOURCE_DIR}/comm/local_launcher.cc ${PROJECT_SOURCE_DIR}/comm/local_launcher_report.cc ${PROJECT_SOURCE_DIR}/comm/rank_process.cc ${PROJECT_SOURCE_DIR}/comm/rank_process.h ${PROJECT_SOURCE_DIR}/comm/local_launcher.h)
 set_target_properties(comm_local_launcher PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm)
 target_link_libraries(comm_local_launcher PUBLIC comm_rendezvous comm_store_deadline base_status third_party_absl_base third_party_absl_status)
 target_include_directories(comm_local_launcher PUBLIC $<INSTALL_INTERFACE:include>)
@@ -580,6 +580,13 @@ target_include_directories(fsdp_wrap_plan PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS fsdp_wrap_plan EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/fsdp/wrap_plan.h DESTINATION include/fsdp)
 
+# //models:checkpoint_format_benchmark
+if(BUILD_TESTING)
+add_executable(models_checkpoint_format_benchmark ${PROJECT_SOURCE_DIR}/models/checkpoint_format_benchmark.cc)
+set_target_properties(models_checkpoint_format_benchmark PROPERTIES OUTPUT_NAME checkpoint_format_benchmark RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
+target_link_libraries(models_checkpoint_format_benchmark PRIVATE models_gpt base_status checkpoint_checkpoint comm_local_launcher comm_rendezvous fsdp_fully_shard optim_training_checkpoint third_party_absl_base third_party_benchmark fsdp_torch)
+endif()
+
 # //models:fsdp2_parity_test
 if(BUILD_TESTING)
 add_executable(models_fsdp2_parity_test ${PROJECT_SOURCE_DIR}/models/fsdp2_parity_test.cc)
@@ -660,9 +667,9 @@ install(TARGETS models_output_paths EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/models/output_paths.h DESTINATION include/models)
 
 # //models:train_gpt
-add_executable(models_train_gpt ${PROJECT_SOURCE_DIR}/models/train_gpt_checks.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_checks.h ${PROJECT_SOURCE_DIR}/models/train_gpt_flags.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_flags.h ${PROJECT_SOURCE_DIR}/models/train_gpt_main.cc)
+add_executable(models_train_gpt ${PROJECT_SOURCE_DIR}/models/train_gpt_main.cc)
 set_target_properties(models_train_gpt PROPERTIES OUTPUT_NAME train_gpt RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
-target_link_libraries(models_train_gpt PRIVATE models_gpt models_output_paths base_directory_lock optim_dcp_checkpoint optim_flat_shard_optimizers optim_optim_state optim_run_checkpoints optim_torch_optim_file base_status comm_collectives comm_launch_environment comm_local_launcher comm_rendezvous comm_staged_collectives fsdp_activation_checkpointing fsdp_fully_shard fsdp_trace optim_training_checkpoint policies_builtin_policies policies_registry statedict_dcp statedict_dcp_sharded statedict_state_dict statedict_torch_file third_party_absl_flags fsdp_torch)
+target_link_libraries(models_train_gpt PRIVATE models_train_gpt_job base_status comm_launch_environment comm_local_launcher policies_registry third_party_absl_flags third_party_absl_status)
 
 # //models:train_gpt_bad_input_test
 if(BUILD_TESTING)
@@ -688,6 +695,11 @@ set_tests_properties(//models:train_gpt_concurrent_runs_test PROPERTIES TIMEOUT 
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/models_train_gpt_concurrent_runs_test")
 set_tests_properties(//models:train_gpt_concurrent_runs_test PROPERTIES RUN_SERIAL TRUE)
 endif()
+
+# //models:train_gpt_job
+add_library(models_train_gpt_job SHARED ${PROJECT_SOURCE_DIR}/models/train_gpt_checks.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_config.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_config.h ${PROJECT_SOURCE_DIR}/models/train_gpt_data.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_data.h ${PROJECT_SOURCE_DIR}/models/train_gpt_flags.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_initial_state.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_initial_state.h ${PROJECT_SOURCE_DIR}/models/train_gpt_optimizer.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_optimizer.h ${PROJECT_SOURCE_DIR}/models/train_gpt_outputs.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_report.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_report.h ${PROJECT_SOURCE_DIR}/models/train_gpt_run.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_start.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_training_run.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_training_run.h ${PROJECT_SOURCE_DIR}/models/train_gpt_checks.h ${PROJECT_SOURCE_DIR}/models/train_gpt_flags.h ${PROJECT_SOURCE_DIR}/models/train_gpt_run.h ${PROJECT_SOURCE_DIR}/models/train_gpt_start.h)
+set_target_properties(models_train_gpt_job PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models)
+target_link_libraries(models_train_gpt_job PUBLIC models_gpt models_output_paths base_directory_lock base_status comm_collectives comm_hybrid_groups comm_launch_environment comm_rendezvous comm_staged_collectives fsdp_activation_checkpointing fsdp_fully_shard fsdp_trace optim_dcp_checkpoint optim_flat_shard_optimizers optim_optim_state optim_run_checkpoints optim_torch_optim_file optim_training_checkpoint policies_builtin_policies policies_registry statedict_dcp statedict_dcp_sharded statedict_state_dict statedict_torch_file third_party_absl_flags fsdp_torch)
 
 # //models:train_gpt_misuse_test
 if(BUILD_TESTING)
@@ -2574,7 +2586,7 @@ install(TARGETS statedict_crc32 EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/statedict/crc32.h DESTINATION include/statedict)
 
 # //statedict:dcp
-add_library(statedict_dcp SHARED ${PROJECT_SOURCE_DIR}/statedict/dcp.cc ${PROJECT_SOURCE_DIR}/statedict/dcp.h)
+add_library(statedict_dcp SHARED ${PROJECT_SOURCE_DIR}/statedict/dcp.cc ${PROJECT_SOURCE_DIR}/statedict/dcp_internal.h ${PROJECT_SOURCE_DIR}/statedict/dcp_metadata_reader.cc ${PROJECT_SOURCE_DIR}/statedict/dcp_writer.cc ${PROJECT_SOURCE_DIR}/statedict/dcp.h)
 set_target_properties(statedict_dcp PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/statedict)
 target_link_libraries(statedict_dcp PUBLIC statedict_atomic_file statedict_restricted_unpickler statedict_torch_file base_status third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(statedict_dcp PUBLIC $<INSTALL_INTERFACE:include>)
@@ -2706,7 +2718,7 @@ file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/statedict_state_dict_test")
 endif()
 
 # //statedict:torch_file
-add_library(statedict_torch_file SHARED ${PROJECT_SOURCE_DIR}/statedict/torch_file.cc ${PROJECT_SOURCE_DIR}/statedict/torch_file.h)
+add_library(statedict_torch_file SHARED ${PROJECT_SOURCE_DIR}/statedict/torch_file.cc ${PROJECT_SOURCE_DIR}/statedict/torch_zip.cc ${PROJECT_SOURCE_DIR}/statedict/torch_zip.h ${PROJECT_SOURCE_DIR}/statedict/torch_file.h)
 set_target_properties(statedict_torch_file PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/statedict)
 target_link_libraries(statedict_torch_file PUBLIC statedict_atomic_file statedict_crc32 statedict_restricted_unpickler base_status third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(statedict_torch_file PUBLIC $<INSTALL_INTERFACE:include>)

@@ -81,6 +81,68 @@ Measurement Measure(Collectives& comm, int iters, Op op, Check check) {
   return m;
 }
 
+// Measures all-gather, reduce-scatter and all-reduce of a `bytes` full
+// buffer, rank 0 printing a row for each; true when every result was right
+// on every rank.
+bool MeasureAtSize(Collectives& comm, int64_t bytes, at::ScalarType dtype, bool print) {
+  const int rank = comm.rank();
+  const int world = comm.world_size();
+  const int64_t element = c10::elementSize(dtype);
+  const int64_t shard = std::max<int64_t>(1, bytes / element / world);
+  const int64_t full = shard * world;
+  const int iters = static_cast<int>(std::clamp<int64_t>((256 << 20) / bytes, 3, 100));
+  at::Tensor shard_in = Pattern(rank, shard, dtype);
+  at::Tensor full_buf = at::empty({full}, dtype);
+  at::Tensor shard_out = at::empty({shard}, dtype);
+  at::Tensor full_in = Pattern(rank, full, dtype);
+  at::Tensor reduce_buf = at::empty({full}, dtype);
+
+  struct Row {
+    const char* name;
+    double bus_factor;  // busbw / algbw for an optimal algorithm.
+    Measurement m;
+  };
+  const double gather_factor = static_cast<double>(world - 1) / world;
+  std::vector<Row> rows;
+  rows.push_back({"all-gather", gather_factor,
+                  Measure(
+                      comm, iters,
+                      [&] { comm.AllGatherIntoTensor(full_buf, shard_in)->Wait(); },
+                      [&] {
+                        std::vector<at::Tensor> parts;
+                        for (int r = 0; r < world; ++r) parts.push_back(Pattern(r, shard, dtype));
+                        return at::equal(full_buf, at::cat(parts));
+                      })});
+  rows.push_back(
+      {"reduce-scatter", gather_factor,
+       Measure(
+           comm, iters,
+           [&] { comm.ReduceScatterTensor(shard_out, full_in, ReduceOp::kSum)->Wait(); },
+           [&] {
+             return at::equal(shard_out, ExpectedSum(world, full, dtype)
+                                             .slice(0, rank * shard, (rank + 1) * shard));
+           })});
+  rows.push_back({"all-reduce", 2 * gather_factor,
+                  Measure(
+                      comm, iters,
+                      [&] {
+                        reduce_buf.copy_(full_in);
+                        comm.AllReduce(reduce_buf, ReduceOp::kSum)->Wait();
+                      },
+                      [&] { return at::equal(reduce_buf, ExpectedSum(world, full, dtype)); })});
+  bool all_correct = true;
+  for (const Row& row : rows) {
+    all_correct = all_correct && row.m.correct;
+    if (!print) continue;
+    const double algbw = static_cast<double>(full * element) / row.m.seconds_per_op / 1e9;
+    std::printf("%-15s %12lld %6d %12.1f %12.3f %12.3f  %s\n", row.name,
+                static_cast<long long>(full * element), iters, row.m.seconds_per_op * 1e6,
+                algbw, algbw * row.bus_factor, row.m.correct ? "ok" : "WRONG RESULT");
+    std::fflush(stdout);
+  }
+  return all_correct;
+}
+
 int RunRank(const LaunchEnvironment& env, at::ScalarType dtype) {
   GlooOptions options;
   options.timeout = std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout_s));
@@ -95,61 +157,11 @@ int RunRank(const LaunchEnvironment& env, at::ScalarType dtype) {
     std::printf("%-15s %12s %6s %12s %12s %12s  %s\n", "operation", "bytes", "iters",
                 "time/op(us)", "algbw(GB/s)", "busbw(GB/s)", "result");
   }
-  const int64_t element = c10::elementSize(dtype);
   bool all_correct = true;
   for (int64_t bytes = absl::GetFlag(FLAGS_min_bytes);
        bytes <= absl::GetFlag(FLAGS_max_bytes); bytes *= 4) {
-    const int64_t shard = std::max<int64_t>(1, bytes / element / world);
-    const int64_t full = shard * world;
-    const int iters = static_cast<int>(std::clamp<int64_t>((256 << 20) / bytes, 3, 100));
-    at::Tensor shard_in = Pattern(rank, shard, dtype);
-    at::Tensor full_buf = at::empty({full}, dtype);
-    at::Tensor shard_out = at::empty({shard}, dtype);
-    at::Tensor full_in = Pattern(rank, full, dtype);
-    at::Tensor reduce_buf = at::empty({full}, dtype);
-
-    struct Row {
-      const char* name;
-      double bus_factor;  // busbw / algbw for an optimal algorithm.
-      Measurement m;
-    };
-    const double gather_factor = static_cast<double>(world - 1) / world;
-    std::vector<Row> rows;
-    rows.push_back({"all-gather", gather_factor,
-                    Measure(
-                        *comm, iters,
-                        [&] { comm->AllGatherIntoTensor(full_buf, shard_in)->Wait(); },
-                        [&] {
-                          std::vector<at::Tensor> parts;
-                          for (int r = 0; r < world; ++r) parts.push_back(Pattern(r, shard, dtype));
-                          return at::equal(full_buf, at::cat(parts));
-                        })});
-    rows.push_back(
-        {"reduce-scatter", gather_factor,
-         Measure(
-             *comm, iters,
-             [&] { comm->ReduceScatterTensor(shard_out, full_in, ReduceOp::kSum)->Wait(); },
-             [&] {
-               return at::equal(shard_out, ExpectedSum(world, full, dtype)
-                                               .slice(0, rank * shard, (rank + 1) * shard));
-             })});
-    rows.push_back({"all-reduce", 2 * gather_factor,
-                    Measure(
-                        *comm, iters,
-                        [&] {
-                          reduce_buf.copy_(full_in);
-                          comm->AllReduce(reduce_buf, ReduceOp::kSum)->Wait();
-                        },
-                        [&] { return at::equal(reduce_buf, ExpectedSum(world, full, dtype)); })});
-    for (const Row& row : rows) {
-      all_correct = all_correct && row.m.correct;
-      if (!print) continue;
-      const double algbw = static_cast<double>(full * element) / row.m.seconds_per_op / 1e9;
-      std::printf("%-15s %12lld %6d %12.1f %12.3f %12.3f  %s\n", row.name,
-                  static_cast<long long>(full * element), iters, row.m.seconds_per_op * 1e6,
-                  algbw, algbw * row.bus_factor, row.m.correct ? "ok" : "WRONG RESULT");
-      std::fflush(stdout);
-    }
+    const bool correct = MeasureAtSize(*comm, bytes, dtype, print);
+    all_correct = all_correct && correct;
   }
   if (print) {
     const CollectiveCounters c = comm->counters();
@@ -162,7 +174,6 @@ int RunRank(const LaunchEnvironment& env, at::ScalarType dtype) {
   }
   return all_correct ? 0 : 1;
 }
-
 
 }  // namespace
 }  // namespace fsdp

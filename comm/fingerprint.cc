@@ -37,6 +37,108 @@ const CollectiveRecord* RecordAt(const FingerprintReport& report, int64_t seq) {
   return &report.recent[seq - first];
 }
 
+// Ranks grouped by the collective they issued as #seq; ranks whose ring
+// does not hold #seq are left out.
+std::vector<std::pair<const CollectiveRecord*, std::vector<int>>> RanksByCollectiveAt(
+    const std::vector<const FingerprintReport*>& present, int64_t seq) {
+  std::vector<std::pair<const CollectiveRecord*, std::vector<int>>> groups;
+  for (const FingerprintReport* report : present) {
+    const CollectiveRecord* record = RecordAt(*report, seq);
+    if (record == nullptr) continue;  // Not issued (yet): see the counts below.
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) {
+      return g.first->SameCollective(*record);
+    });
+    if (it == groups.end()) {
+      groups.push_back({record, {report->rank}});
+    } else {
+      it->second.push_back(report->rank);
+    }
+  }
+  return groups;
+}
+
+// Same collective at #seq but different histories before the rings: the
+// ranks grouped by history, or "" when they share one.
+std::string DescribeHistoriesBeforeRings(const std::vector<const FingerprintReport*>& present,
+                                         int64_t seq) {
+  std::string out;
+  std::map<uint64_t, std::vector<int>> by_hash;
+  for (const FingerprintReport* report : present) {
+    if (const CollectiveRecord* record = RecordAt(*report, seq)) {
+      by_hash[record->hash].push_back(report->rank);
+    }
+  }
+  if (by_hash.size() > 1) {
+    absl::StrAppend(&out, "  the histories differ before collective #", seq,
+                    ", older than the records kept (raise the fingerprint capacity):");
+    for (const auto& [hash, ranks] : by_hash) {
+      absl::StrAppend(&out, "\n    ", RankList(ranks), " share one history");
+    }
+    out += "\n";
+  }
+  return out;
+}
+
+// The first collective in [first_common, last) that the ranks issued
+// differently, or "" when no recorded one differs.
+std::string DescribeFirstDivergence(const std::vector<const FingerprintReport*>& present,
+                                    int64_t first_common, int64_t last) {
+  for (int64_t seq = first_common; seq < last; ++seq) {
+    const auto groups = RanksByCollectiveAt(present, seq);
+    if (groups.size() > 1) {
+      std::string out = absl::StrCat("  first divergence at collective #", seq, ":");
+      for (const auto& [record, ranks] : groups) {
+        absl::StrAppend(&out, "\n    ", RankList(ranks), " issued ", DescribeRecord(*record));
+      }
+      return out + "\n";
+    }
+    if (seq == first_common && groups.size() == 1) {
+      std::string older = DescribeHistoriesBeforeRings(present, seq);
+      if (!older.empty()) return older;
+    }
+  }
+  return "";
+}
+
+// Stragglers: who issued the newest collective that every present rank
+// issued, and how much later than the first.
+std::string DescribeLateRanks(const std::vector<const FingerprintReport*>& present, int64_t last) {
+  std::string out;
+  int64_t common_last = last;
+  for (const FingerprintReport* report : present) {
+    common_last = std::min(common_last, report->count - 1);
+  }
+  int64_t earliest = 0;
+  std::vector<std::pair<int, int64_t>> issued_at;  // rank, µs
+  for (const FingerprintReport* report : present) {
+    const CollectiveRecord* record = RecordAt(*report, common_last);
+    if (record == nullptr) continue;
+    issued_at.emplace_back(report->rank, record->issued_at_us);
+    if (earliest == 0 || record->issued_at_us < earliest) earliest = record->issued_at_us;
+  }
+  for (const auto& [rank, at_us] : issued_at) {
+    const int64_t late_ms = (at_us - earliest) / 1000;
+    if (late_ms >= kLateMs) {
+      absl::StrAppend(&out, "  rank ", rank, " issued #", common_last, " ", late_ms,
+                      " ms after the first rank did\n");
+    }
+  }
+  return out;
+}
+
+// One line per reporting rank: its count, last collective and status.
+std::string DescribeEachRank(const std::vector<const FingerprintReport*>& present) {
+  std::string out;
+  for (const FingerprintReport* report : present) {
+    absl::StrAppend(&out, "  rank ", report->rank, ": ", report->count, " collectives issued");
+    if (!report->recent.empty()) {
+      absl::StrAppend(&out, ", last ", DescribeRecord(report->recent.back()));
+    }
+    absl::StrAppend(&out, "; ", report->status.empty() ? "no status" : report->status, "\n");
+  }
+  return out;
+}
+
 }  // namespace
 
 const char* CollectiveOpName(CollectiveOp op) {
@@ -224,7 +326,6 @@ std::string DescribeDivergence(const std::vector<std::optional<FingerprintReport
       silent.push_back(static_cast<int>(r));
     }
   }
-  std::string out;
   // The first sequence number every present ring still holds, and the last
   // any rank issued.
   int64_t first_common = 0, last = 0;
@@ -233,49 +334,8 @@ std::string DescribeDivergence(const std::vector<std::optional<FingerprintReport
         first_common, report->count - static_cast<int64_t>(report->recent.size()));
     last = std::max(last, report->count);
   }
-  bool found = false;
-  for (int64_t seq = first_common; seq < last && !found; ++seq) {
-    // Ranks grouped by the collective they issued as #seq.
-    std::vector<std::pair<const CollectiveRecord*, std::vector<int>>> groups;
-    for (const FingerprintReport* report : present) {
-      const CollectiveRecord* record = RecordAt(*report, seq);
-      if (record == nullptr) continue;  // Not issued (yet): see the counts below.
-      auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) {
-        return g.first->SameCollective(*record);
-      });
-      if (it == groups.end()) {
-        groups.push_back({record, {report->rank}});
-      } else {
-        it->second.push_back(report->rank);
-      }
-    }
-    if (groups.size() > 1) {
-      found = true;
-      absl::StrAppend(&out, "  first divergence at collective #", seq, ":");
-      for (const auto& [record, ranks] : groups) {
-        absl::StrAppend(&out, "\n    ", RankList(ranks), " issued ", DescribeRecord(*record));
-      }
-      out += "\n";
-    } else if (seq == first_common && groups.size() == 1) {
-      // Same collective here but different histories before the rings.
-      std::map<uint64_t, std::vector<int>> by_hash;
-      for (const FingerprintReport* report : present) {
-        if (const CollectiveRecord* record = RecordAt(*report, seq)) {
-          by_hash[record->hash].push_back(report->rank);
-        }
-      }
-      if (by_hash.size() > 1) {
-        found = true;
-        absl::StrAppend(&out, "  the histories differ before collective #", seq,
-                        ", older than the records kept (raise the fingerprint capacity):");
-        for (const auto& [hash, ranks] : by_hash) {
-          absl::StrAppend(&out, "\n    ", RankList(ranks), " share one history");
-        }
-        out += "\n";
-      }
-    }
-  }
-  if (!found && !present.empty()) {
+  std::string out = DescribeFirstDivergence(present, first_common, last);
+  if (out.empty() && !present.empty()) {
     bool counts_differ = false;
     for (const FingerprintReport* report : present) {
       counts_differ |= report->count != present.front()->count;
@@ -284,34 +344,8 @@ std::string DescribeDivergence(const std::vector<std::optional<FingerprintReport
                            "numbers of collectives\n"
                          : "  the reporting ranks' histories agree\n";
   }
-  // Stragglers: who issued the newest collective that every present rank
-  // issued, and how much later than the first.
-  int64_t common_last = last;
-  for (const FingerprintReport* report : present) {
-    common_last = std::min(common_last, report->count - 1);
-  }
-  int64_t earliest = 0;
-  std::vector<std::pair<int, int64_t>> issued_at;  // rank, µs
-  for (const FingerprintReport* report : present) {
-    const CollectiveRecord* record = RecordAt(*report, common_last);
-    if (record == nullptr) continue;
-    issued_at.emplace_back(report->rank, record->issued_at_us);
-    if (earliest == 0 || record->issued_at_us < earliest) earliest = record->issued_at_us;
-  }
-  for (const auto& [rank, at_us] : issued_at) {
-    const int64_t late_ms = (at_us - earliest) / 1000;
-    if (late_ms >= kLateMs) {
-      absl::StrAppend(&out, "  rank ", rank, " issued #", common_last, " ", late_ms,
-                      " ms after the first rank did\n");
-    }
-  }
-  for (const FingerprintReport* report : present) {
-    absl::StrAppend(&out, "  rank ", report->rank, ": ", report->count, " collectives issued");
-    if (!report->recent.empty()) {
-      absl::StrAppend(&out, ", last ", DescribeRecord(report->recent.back()));
-    }
-    absl::StrAppend(&out, "; ", report->status.empty() ? "no status" : report->status, "\n");
-  }
+  out += DescribeLateRanks(present, last);
+  out += DescribeEachRank(present);
   if (!silent.empty()) {
     absl::StrAppend(&out, "  ", RankList(silent), " sent no report within ", waited.count(),
                     " ms: dead, stuck outside a collective of this group, or still in one "

@@ -439,11 +439,9 @@ absl::Status CheckMembership(c10d::Store& store, int rank, int world_size,
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::StatusOr<std::unique_ptr<Collectives>> CreateGlooCollectives(
-    c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
-    const GlooOptions& options) {
+// Gloo would fail later, and less clearly, on any of these.
+absl::Status ValidateGlooArguments(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                   int world_size, const GlooOptions& options) {
   if (!store) return absl::InvalidArgumentError("CreateGlooCollectives: store is null");
   if (world_size < 1 || rank < 0 || rank >= world_size) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -461,6 +459,115 @@ absl::StatusOr<std::unique_ptr<Collectives>> CreateGlooCollectives(
     return absl::InvalidArgumentError(
         "CreateGlooCollectives: set at most one of interface and hostname");
   }
+  return absl::OkStatus();
+}
+
+// One attempt at this rank's side of the full mesh, under the prefix
+// "mesh/<attempt>"; null with `error` set (its first line) when it failed.
+c10::intrusive_ptr<c10d::ProcessGroupGloo> TryConnectMesh(
+    const c10::intrusive_ptr<c10d::PrefixStore>& prefixed, int attempt, int rank, int world_size,
+    const GlooOptions& options, std::string& error) {
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
+  // A fresh device (listener) per attempt: one that saw a failed mesh
+  // may hold its stale connections.
+  auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
+  if (!options.interface.empty()) {
+    gloo_options->devices.push_back(
+        c10d::ProcessGroupGloo::createDeviceForInterface(options.interface));
+  } else if (!options.hostname.empty()) {
+    gloo_options->devices.push_back(
+        c10d::ProcessGroupGloo::createDeviceForHostname(options.hostname));
+  } else {
+    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  }
+  gloo_options->threads = options.threads;
+  try {
+    group = c10::make_intrusive<c10d::ProcessGroupGloo>(
+        c10::make_intrusive<c10d::PrefixStore>(absl::StrCat("mesh/", attempt), prefixed),
+        rank, world_size, gloo_options);
+  } catch (const std::exception& e) {
+    error = e.what();
+    error = error.substr(0, error.find('\n'));  // c10::Error appends a backtrace.
+    // Close this rank's listener now: peers still connecting to it fail
+    // at once instead of waiting on a mesh that will never form.
+    gloo_options.reset();
+  }
+  return group;
+}
+
+// Posts whether this rank connected at `attempt` and waits for every
+// peer's word; returns the ranks that did not connect. Throws naming the
+// ranks that never reported.
+std::vector<int> ExchangeMeshResults(c10d::PrefixStore& prefixed, int attempt, int rank,
+                                     int world_size, const GlooOptions& options,
+                                     const std::string& error) {
+  const std::string result = error.empty() ? "ok" : "failed";
+  prefixed.set(absl::StrCat("mesh/", attempt, "/result/", rank),
+               std::vector<uint8_t>(result.begin(), result.end()));
+  // A peer reports only after its own attempt ends, which may take the
+  // whole connection timeout; wait for that and a margin.
+  std::vector<std::string> result_keys;
+  for (int peer = 0; peer < world_size; ++peer) {
+    result_keys.push_back(absl::StrCat("mesh/", attempt, "/result/", peer));
+  }
+  try {
+    prefixed.wait(result_keys, 2 * options.timeout + std::chrono::seconds(5));
+  } catch (const std::exception&) {
+    std::vector<int> silent;
+    for (int peer = 0; peer < world_size; ++peer) {
+      if (!prefixed.check({result_keys[peer]})) silent.push_back(peer);
+    }
+    throw std::runtime_error(absl::StrCat(
+        "rank(s) ", absl::StrJoin(silent, ", "), " never finished connecting",
+        error.empty() ? "" : absl::StrCat("; this rank: ", error)));
+  }
+  std::vector<int> failed;
+  for (int peer = 0; peer < world_size; ++peer) {
+    const std::vector<uint8_t> theirs =
+        prefixed.get(absl::StrCat("mesh/", attempt, "/result/", peer));
+    if (std::string(theirs.begin(), theirs.end()) != "ok") failed.push_back(peer);
+  }
+  return failed;
+}
+
+// Gloo 1.13 occasionally drops a connection while a full mesh forms
+// under load ("Connection closed by peer" on one rank while the others
+// connect). Every rank reports through the store whether it connected;
+// if any did not, all of them build the mesh again under a fresh prefix.
+// Throws when no attempt connects every rank.
+std::unique_ptr<Collectives> ConnectMeshWithRetries(
+    const c10::intrusive_ptr<c10d::PrefixStore>& prefixed, int rank, int world_size,
+    const GlooOptions& options) {
+  std::string last_error;
+  for (int attempt = 0; attempt < kConnectAttempts; ++attempt) {
+    std::string error;
+    c10::intrusive_ptr<c10d::ProcessGroupGloo> group =
+        TryConnectMesh(prefixed, attempt, rank, world_size, options, error);
+    const std::vector<int> failed =
+        ExchangeMeshResults(*prefixed, attempt, rank, world_size, options, error);
+    if (failed.empty()) {
+      auto collectives = std::unique_ptr<Collectives>(
+          new GlooCollectives(rank, world_size, options, std::move(group)));
+      if (options.exchange_fingerprints) {
+        collectives->AttachFingerprintExchange(
+            MakeStoreFingerprintExchange(prefixed, "fingerprints", rank, world_size),
+            options.fingerprints);
+      }
+      return collectives;
+    }
+    last_error = error.empty()
+                     ? absl::StrCat("rank(s) ", absl::StrJoin(failed, ", "), " failed to connect")
+                     : error;
+  }
+  throw std::runtime_error(absl::StrCat("after ", kConnectAttempts, " attempts: ", last_error));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Collectives>> CreateGlooCollectives(
+    c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
+    const GlooOptions& options) {
+  FSDP_RETURN_IF_ERROR(ValidateGlooArguments(store, rank, world_size, options));
   const std::string who = absl::StrCat("rank ", rank, " of ", world_size, " of group '",
                                        options.group_name, "'");
   SurviveBrokenConnections();
@@ -469,79 +576,7 @@ absl::StatusOr<std::unique_ptr<Collectives>> CreateGlooCollectives(
         absl::StrCat("fsdp/", options.group_name), std::move(store));
     prefixed->setTimeout(options.timeout);
     FSDP_RETURN_IF_ERROR(CheckMembership(*prefixed, rank, world_size, who));
-    // Gloo 1.13 occasionally drops a connection while a full mesh forms
-    // under load ("Connection closed by peer" on one rank while the others
-    // connect). Every rank reports through the store whether it connected;
-    // if any did not, all of them build the mesh again under a fresh prefix.
-    std::string last_error;
-    for (int attempt = 0; attempt < kConnectAttempts; ++attempt) {
-      c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
-      std::string error;
-      // A fresh device (listener) per attempt: one that saw a failed mesh
-      // may hold its stale connections.
-      auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
-      if (!options.interface.empty()) {
-        gloo_options->devices.push_back(
-            c10d::ProcessGroupGloo::createDeviceForInterface(options.interface));
-      } else if (!options.hostname.empty()) {
-        gloo_options->devices.push_back(
-            c10d::ProcessGroupGloo::createDeviceForHostname(options.hostname));
-      } else {
-        gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-      }
-      gloo_options->threads = options.threads;
-      try {
-        group = c10::make_intrusive<c10d::ProcessGroupGloo>(
-            c10::make_intrusive<c10d::PrefixStore>(absl::StrCat("mesh/", attempt), prefixed),
-            rank, world_size, gloo_options);
-      } catch (const std::exception& e) {
-        error = e.what();
-        error = error.substr(0, error.find('\n'));  // c10::Error appends a backtrace.
-        // Close this rank's listener now: peers still connecting to it fail
-        // at once instead of waiting on a mesh that will never form.
-        gloo_options.reset();
-      }
-      const std::string result = error.empty() ? "ok" : "failed";
-      prefixed->set(absl::StrCat("mesh/", attempt, "/result/", rank),
-                    std::vector<uint8_t>(result.begin(), result.end()));
-      // A peer reports only after its own attempt ends, which may take the
-      // whole connection timeout; wait for that and a margin.
-      std::vector<std::string> result_keys;
-      for (int peer = 0; peer < world_size; ++peer) {
-        result_keys.push_back(absl::StrCat("mesh/", attempt, "/result/", peer));
-      }
-      try {
-        prefixed->wait(result_keys, 2 * options.timeout + std::chrono::seconds(5));
-      } catch (const std::exception&) {
-        std::vector<int> silent;
-        for (int peer = 0; peer < world_size; ++peer) {
-          if (!prefixed->check({result_keys[peer]})) silent.push_back(peer);
-        }
-        throw std::runtime_error(absl::StrCat(
-            "rank(s) ", absl::StrJoin(silent, ", "), " never finished connecting",
-            error.empty() ? "" : absl::StrCat("; this rank: ", error)));
-      }
-      std::vector<int> failed;
-      for (int peer = 0; peer < world_size; ++peer) {
-        const std::vector<uint8_t> theirs =
-            prefixed->get(absl::StrCat("mesh/", attempt, "/result/", peer));
-        if (std::string(theirs.begin(), theirs.end()) != "ok") failed.push_back(peer);
-      }
-      if (failed.empty()) {
-        auto collectives = std::unique_ptr<Collectives>(
-            new GlooCollectives(rank, world_size, options, std::move(group)));
-        if (options.exchange_fingerprints) {
-          collectives->AttachFingerprintExchange(
-              MakeStoreFingerprintExchange(prefixed, "fingerprints", rank, world_size),
-              options.fingerprints);
-        }
-        return collectives;
-      }
-      last_error = error.empty()
-                       ? absl::StrCat("rank(s) ", absl::StrJoin(failed, ", "), " failed to connect")
-                       : error;
-    }
-    throw std::runtime_error(absl::StrCat("after ", kConnectAttempts, " attempts: ", last_error));
+    return ConnectMeshWithRetries(prefixed, rank, world_size, options);
   } catch (...) {
     absl::Status cause = StatusFromCurrentException(absl::StatusCode::kUnavailable);
     return absl::Status(cause.code(),

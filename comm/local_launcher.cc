@@ -1,55 +1,32 @@
 #include "comm/local_launcher.h"
 
-#include <fcntl.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <condition_variable>
 #include <csignal>
-#include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <sstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
+#include "comm/rank_process.h"
 #include "comm/rendezvous.h"
 #include "comm/store_deadline.h"
-
-extern char** environ;
 
 namespace fsdp {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-constexpr const char* kLauncherVariables[] = {"RANK",
-                                              "LOCAL_RANK",
-                                              "ROLE_RANK",
-                                              "GROUP_RANK",
-                                              "WORLD_SIZE",
-                                              "LOCAL_WORLD_SIZE",
-                                              "ROLE_WORLD_SIZE",
-                                              "GROUP_WORLD_SIZE",
-                                              "ROLE_NAME",
-                                              "MASTER_ADDR",
-                                              "MASTER_PORT",
-                                              "TORCHELASTIC_USE_AGENT_STORE",
-                                              "TORCHELASTIC_RESTART_COUNT",
-                                              "TORCHELASTIC_MAX_RESTARTS",
-                                              "TORCHELASTIC_RUN_ID"};
 
 constexpr int kForwardedSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
 
@@ -94,116 +71,6 @@ class ForwardedSignalScope {
  private:
   struct sigaction previous_[std::size(kForwardedSignals)];
 };
-
-std::string TailOfFile(const std::string& path, size_t max_bytes) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return "";
-  in.seekg(0, std::ios::end);
-  const std::streamoff size = in.tellg();
-  const std::streamoff start = size > static_cast<std::streamoff>(max_bytes)
-                                   ? size - static_cast<std::streamoff>(max_bytes)
-                                   : 0;
-  in.seekg(start);
-  std::ostringstream text;
-  text << in.rdbuf();
-  return (start > 0 ? "..." : "") + text.str();
-}
-
-// The environment of local rank `local_rank`, as "NAME=value" strings.
-std::vector<std::string> RankEnvironment(const LocalLaunchOptions& options, int local_rank,
-                                         int port) {
-  std::map<std::string, std::string> env;
-  for (char** entry = environ; *entry != nullptr; ++entry) {
-    const char* eq = std::strchr(*entry, '=');
-    if (eq == nullptr) continue;
-    env[std::string(*entry, eq - *entry)] = eq + 1;
-  }
-  for (const std::string& name : options.unset_env) env.erase(name);
-  for (const char* name : kLauncherVariables) env.erase(name);
-  // As torchrun's agent: a node is a group, and every rank has the default
-  // role.
-  const int world_size = options.nnodes * options.nproc_per_node;
-  const int rank = options.node_rank * options.nproc_per_node + local_rank;
-  for (const char* name : {"RANK", "ROLE_RANK"}) env[name] = std::to_string(rank);
-  for (const char* name : {"WORLD_SIZE", "ROLE_WORLD_SIZE"}) env[name] = std::to_string(world_size);
-  env["LOCAL_RANK"] = std::to_string(local_rank);
-  env["LOCAL_WORLD_SIZE"] = std::to_string(options.nproc_per_node);
-  env["GROUP_RANK"] = std::to_string(options.node_rank);
-  env["GROUP_WORLD_SIZE"] = std::to_string(options.nnodes);
-  env["ROLE_NAME"] = "default";
-  env["MASTER_ADDR"] = options.nnodes > 1 ? options.master_addr : "127.0.0.1";
-  env["MASTER_PORT"] = std::to_string(port);
-  env["TORCHELASTIC_USE_AGENT_STORE"] = "True";
-  env["TORCHELASTIC_RESTART_COUNT"] = "0";
-  env["TORCHELASTIC_MAX_RESTARTS"] = "0";
-  env["TORCHELASTIC_RUN_ID"] = "none";
-  if (env.count("TORCH_NCCL_ASYNC_ERROR_HANDLING") == 0) {
-    env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1";
-  }
-  // As torchrun does: W ranks each running a full-width OpenMP pool would
-  // oversubscribe the host's cores (measured: a 3x slower local reduction).
-  if (env.count("OMP_NUM_THREADS") == 0) {
-    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-    env["OMP_NUM_THREADS"] =
-        std::to_string(std::max(1u, cores / static_cast<unsigned>(options.nproc_per_node)));
-  }
-  for (const auto& [name, value] : options.extra_env) env[name] = value;
-  std::vector<std::string> out;
-  for (const auto& [name, value] : env) out.push_back(name + "=" + value);
-  return out;
-}
-
-std::vector<char*> CStrings(std::vector<std::string>& strings) {
-  std::vector<char*> out;
-  for (std::string& s : strings) out.push_back(s.data());
-  out.push_back(nullptr);
-  return out;
-}
-
-// Starts one rank; returns its pid.
-absl::StatusOr<pid_t> StartRank(const LocalLaunchOptions& options, int local_rank, int port,
-                                const std::string& log_path) {
-  std::vector<std::string> argv_strings = {options.program};
-  argv_strings.insert(argv_strings.end(), options.args.begin(), options.args.end());
-  std::vector<std::string> env_strings = RankEnvironment(options, local_rank, port);
-  std::vector<char*> argv = CStrings(argv_strings);
-  std::vector<char*> envp = CStrings(env_strings);
-  int log_fd = -1;
-  if (!log_path.empty()) {
-    log_fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (log_fd < 0) {
-      return absl::UnavailableError(
-          absl::StrCat("launcher: cannot create log ", log_path, ": ", std::strerror(errno)));
-    }
-  }
-  const pid_t parent = ::getpid();
-  const pid_t pid = ::fork();
-  if (pid < 0) {
-    if (log_fd >= 0) ::close(log_fd);
-    return absl::UnavailableError(absl::StrCat("launcher: fork for local rank ", local_rank,
-                                               " failed: ", std::strerror(errno)));
-  }
-  if (pid == 0) {
-    // Only async-signal-safe calls between fork and exec.
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (::getppid() != parent) ::_exit(127);  // The launcher already died.
-    ::setpgid(0, 0);
-    if (log_fd >= 0) {
-      ::dup2(log_fd, STDOUT_FILENO);
-      ::dup2(log_fd, STDERR_FILENO);
-    }
-    // Nothing else of the launcher's (the rendezvous server's listening
-    // socket among them) may outlive it in a rank.
-    ::close_range(3, ~0U, 0);
-    ::execve(argv[0], argv.data(), envp.data());
-    const char message[] = "launcher: execve failed\n";
-    ssize_t ignored = ::write(STDERR_FILENO, message, sizeof(message) - 1);
-    (void)ignored;
-    ::_exit(127);
-  }
-  if (log_fd >= 0) ::close(log_fd);
-  return pid;
-}
 
 std::vector<uint8_t> Bytes(const std::string& text) {
   return std::vector<uint8_t>(text.begin(), text.end());
@@ -567,48 +434,9 @@ absl::StatusOr<std::unique_ptr<LauncherGroup>> LauncherGroup::Join(
   return std::unique_ptr<LauncherGroup>(new LauncherGroup(options, std::move(store)));
 }
 
-}  // namespace
-
-std::string RankOutcome::Describe() const {
-  switch (ending) {
-    case Ending::kExited:
-      return code == 0 ? absl::StrCat("rank ", rank, " succeeded")
-                       : absl::StrCat("rank ", rank, " exited with code ", code);
-    case Ending::kSignaled:
-      return absl::StrCat("rank ", rank, " died of signal ", code, " (", strsignal(code), ")");
-    case Ending::kKilledAtTimeout:
-      return absl::StrCat("rank ", rank, " was killed: it did not finish within the job timeout");
-    case Ending::kKilledAfterPeerFailure:
-      return absl::StrCat("rank ", rank, " was killed: it was still running after the job failed");
-  }
-  return "";
-}
-
-bool LaunchResult::ok() const { return FailedRanks().empty() && other_nodes_failures.empty(); }
-
-std::vector<int> LaunchResult::FailedRanks() const {
-  std::vector<int> failed;
-  for (const RankOutcome& r : ranks) {
-    if (!r.ok()) failed.push_back(r.rank);
-  }
-  return failed;
-}
-
-std::string LaunchResult::Summary(size_t log_tail_bytes) const {
-  std::string out;
-  for (const RankOutcome& r : ranks) {
-    if (r.ok()) continue;
-    absl::StrAppend(&out, r.Describe(), "\n");
-    if (!r.log_path.empty() && log_tail_bytes > 0) {
-      absl::StrAppend(&out, "---- end of ", r.log_path, " ----\n",
-                      TailOfFile(r.log_path, log_tail_bytes), "\n");
-    }
-  }
-  for (const std::string& elsewhere : other_nodes_failures) absl::StrAppend(&out, elsewhere, "\n");
-  return out;
-}
-
-absl::StatusOr<LaunchResult> LaunchLocalRanks(const LocalLaunchOptions& options) {
+// Refuses options that could not start a job, or would fail it later for
+// a reason the ranks' errors would not name.
+absl::Status ValidateLaunchOptions(const LocalLaunchOptions& options) {
   if (options.nproc_per_node < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("launcher: nproc_per_node ", options.nproc_per_node, " must be >= 1"));
@@ -656,16 +484,31 @@ absl::StatusOr<LaunchResult> LaunchLocalRanks(const LocalLaunchOptions& options)
           absl::StrCat("launcher: log directory '", options.log_dir, "' does not exist"));
     }
   }
+  return absl::OkStatus();
+}
+
+// What this launcher meets its ranks and the other launchers through.
+// Destroyed in reverse: the group (whose watcher uses the store) first, the
+// server (which serves the store) last.
+struct LauncherRendezvous {
+  std::unique_ptr<RendezvousServer> server;  // Node 0's launcher, or one host's.
+  c10::intrusive_ptr<c10d::Store> store;
+  int port = 0;                          // MASTER_PORT for the ranks.
+  std::unique_ptr<LauncherGroup> group;  // Across hosts only.
+};
+
+// Serves the store (node 0, or a job on one host) or reaches node 0's, then
+// joins the other launchers; no rank starts before every node has joined.
+absl::StatusOr<LauncherRendezvous> MeetOtherLaunchers(const LocalLaunchOptions& options) {
   const bool multi_node = options.nnodes > 1;
   const Clock::time_point join_deadline = Clock::now() + options.join_timeout;
-  std::unique_ptr<RendezvousServer> server;
-  c10::intrusive_ptr<c10d::Store> store;
-  int port = options.master_port;
+  LauncherRendezvous met;
+  met.port = options.master_port;
   if (!multi_node || options.node_rank == 0) {
     FSDP_ASSIGN_OR_RETURN(
-        server, RendezvousServer::Start(multi_node ? options.master_port : 0, options.timeout));
-    port = server->port();
-    store = server->store();
+        met.server, RendezvousServer::Start(multi_node ? options.master_port : 0, options.timeout));
+    met.port = met.server->port();
+    met.store = met.server->store();
   } else {
     absl::StatusOr<c10::intrusive_ptr<c10d::Store>> reached = ConnectStoreAt(
         options.master_addr, options.master_port, options.join_timeout, kStoreOperationTimeout);
@@ -675,17 +518,42 @@ absl::StatusOr<LaunchResult> LaunchLocalRanks(const LocalLaunchOptions& options)
           absl::StrCat("launcher of node ", options.node_rank, " of ", options.nnodes,
                        ": node 0's launcher is not there: ", reached.status().message()));
     }
-    store = *std::move(reached);
+    met.store = *std::move(reached);
   }
-  std::unique_ptr<LauncherGroup> group;
   if (multi_node) {
-    FSDP_ASSIGN_OR_RETURN(group, LauncherGroup::Join(options, join_deadline, store));
+    FSDP_ASSIGN_OR_RETURN(met.group, LauncherGroup::Join(options, join_deadline, met.store));
   }
-  ForwardedSignalScope forwarding;
+  return met;
+}
 
-  const int nproc = options.nproc_per_node;
+// This host's ranks from their start until each has ended, by local rank.
+struct RunningRanks {
+  RunningRanks(const LocalLaunchOptions& options, LauncherGroup* group)
+      : options(options), group(group), pids(options.nproc_per_node, -1) {}
+
+  // A failure anywhere gives the ranks still running failure_grace to end
+  // on their own; a later failure does not extend it.
+  void StartFailureGrace() {
+    kill_after_failure = std::min(kill_after_failure, Clock::now() + options.failure_grace);
+  }
+
+  const LocalLaunchOptions& options;
+  LauncherGroup* const group;  // Null on one host.
   LaunchResult result;
-  std::vector<pid_t> pids(nproc, -1);
+  std::vector<pid_t> pids;  // -1 once the rank has ended.
+  int running = 0;
+  Clock::time_point kill_after_failure = Clock::time_point::max();
+};
+
+// Starts every rank of this host. When one cannot start, the ranks already
+// started are killed and the other launchers told, so that nothing is left
+// waiting for it.
+absl::Status StartLocalRanks(int port, RunningRanks& ranks) {
+  const LocalLaunchOptions& options = ranks.options;
+  LaunchResult& result = ranks.result;
+  std::vector<pid_t>& pids = ranks.pids;
+  LauncherGroup* const group = ranks.group;
+  const int nproc = options.nproc_per_node;
   for (int local = 0; local < nproc; ++local) {
     RankOutcome outcome;
     outcome.rank = options.node_rank * nproc + local;
@@ -710,136 +578,116 @@ absl::StatusOr<LaunchResult> LaunchLocalRanks(const LocalLaunchOptions& options)
     result.ranks[local].pid = *pid;
   }
   if (options.on_started) options.on_started(std::vector<int>(pids.begin(), pids.end()));
+  ranks.running = nproc;
+  return absl::OkStatus();
+}
 
-  const Clock::time_point deadline = Clock::now() + options.timeout;
-  Clock::time_point kill_after_failure = Clock::time_point::max();
-  const auto start_failure_grace = [&] {
-    kill_after_failure = std::min(kill_after_failure, Clock::now() + options.failure_grace);
-  };
-  int running = nproc;
-  while (running > 0) {
-    for (int local = 0; local < nproc; ++local) {
-      if (pids[local] < 0) continue;
-      int status = 0;
-      const pid_t done = ::waitpid(pids[local], &status, WNOHANG);
-      if (done != pids[local]) continue;
-      RankOutcome& outcome = result.ranks[local];
-      if (WIFSIGNALED(status)) {
-        outcome.ending = RankOutcome::Ending::kSignaled;
-        outcome.code = WTERMSIG(status);
-      } else {
-        outcome.ending = RankOutcome::Ending::kExited;
-        outcome.code = WEXITSTATUS(status);
-      }
-      pids[local] = -1;
-      --running;
-      if (!outcome.ok()) {
-        start_failure_grace();
-        if (group != nullptr) group->ReportFailure(outcome.Describe());
-      }
+// Records how each rank that ended since the last call ended; a failure
+// starts the grace period and is passed on to the other launchers.
+void ReapEndedRanks(RunningRanks& ranks) {
+  for (int local = 0; local < ranks.options.nproc_per_node; ++local) {
+    if (ranks.pids[local] < 0) continue;
+    int status = 0;
+    const pid_t done = ::waitpid(ranks.pids[local], &status, WNOHANG);
+    if (done != ranks.pids[local]) continue;
+    RankOutcome& outcome = ranks.result.ranks[local];
+    if (WIFSIGNALED(status)) {
+      outcome.ending = RankOutcome::Ending::kSignaled;
+      outcome.code = WTERMSIG(status);
+    } else {
+      outcome.ending = RankOutcome::Ending::kExited;
+      outcome.code = WEXITSTATUS(status);
     }
-    if (running == 0) break;
-    if (g_received_signal.load() != 0 && result.forwarded_signal == 0) {
-      result.forwarded_signal = g_received_signal.load();
-      for (int local = 0; local < nproc; ++local) {
-        if (pids[local] >= 0) ::kill(-pids[local], result.forwarded_signal);
-      }
-      start_failure_grace();
-      if (group != nullptr) {
-        group->ReportFailure(absl::StrCat("its launcher was interrupted by signal ",
-                                          result.forwarded_signal, " (",
-                                          strsignal(result.forwarded_signal), ")"));
-      }
+    ranks.pids[local] = -1;
+    --ranks.running;
+    if (!outcome.ok()) {
+      ranks.StartFailureGrace();
+      if (ranks.group != nullptr) ranks.group->ReportFailure(outcome.Describe());
     }
-    if (group != nullptr && group->OtherNodeFailed()) start_failure_grace();
+  }
+}
+
+// Passes the first signal the launcher received on to every rank still
+// running, once; it counts as a failure of the job.
+void ForwardReceivedSignal(RunningRanks& ranks) {
+  LaunchResult& result = ranks.result;
+  if (g_received_signal.load() == 0 || result.forwarded_signal != 0) return;
+  result.forwarded_signal = g_received_signal.load();
+  for (int local = 0; local < ranks.options.nproc_per_node; ++local) {
+    if (ranks.pids[local] >= 0) ::kill(-ranks.pids[local], result.forwarded_signal);
+  }
+  ranks.StartFailureGrace();
+  if (ranks.group != nullptr) {
+    ranks.group->ReportFailure(absl::StrCat("its launcher was interrupted by signal ",
+                                            result.forwarded_signal, " (",
+                                            strsignal(result.forwarded_signal), ")"));
+  }
+}
+
+// Kills every rank still running, each recorded as ended by `ending`.
+void KillRunningRanks(RunningRanks& ranks, RankOutcome::Ending ending) {
+  for (int local = 0; local < ranks.options.nproc_per_node; ++local) {
+    if (ranks.pids[local] < 0) continue;
+    ::kill(-ranks.pids[local], SIGKILL);  // The rank's whole process group.
+    ::waitpid(ranks.pids[local], nullptr, 0);
+    ranks.result.ranks[local].ending = ending;
+    ranks.result.ranks[local].code = SIGKILL;
+    ranks.pids[local] = -1;
+    if (ranks.group != nullptr) ranks.group->ReportFailure(ranks.result.ranks[local].Describe());
+  }
+}
+
+// Polls the ranks until every one has ended, or kills the rest at the job
+// timeout or once the grace after a failure runs out.
+void WatchRanks(RunningRanks& ranks) {
+  const Clock::time_point deadline = Clock::now() + ranks.options.timeout;
+  while (ranks.running > 0) {
+    ReapEndedRanks(ranks);
+    if (ranks.running == 0) break;
+    ForwardReceivedSignal(ranks);
+    if (ranks.group != nullptr && ranks.group->OtherNodeFailed()) ranks.StartFailureGrace();
     const Clock::time_point now = Clock::now();
-    if (now >= deadline || now >= kill_after_failure) {
-      const auto ending = now >= deadline ? RankOutcome::Ending::kKilledAtTimeout
-                                          : RankOutcome::Ending::kKilledAfterPeerFailure;
-      for (int local = 0; local < nproc; ++local) {
-        if (pids[local] < 0) continue;
-        ::kill(-pids[local], SIGKILL);  // The rank's whole process group.
-        ::waitpid(pids[local], nullptr, 0);
-        result.ranks[local].ending = ending;
-        result.ranks[local].code = SIGKILL;
-        pids[local] = -1;
-        if (group != nullptr) group->ReportFailure(result.ranks[local].Describe());
-      }
+    if (now >= deadline || now >= ranks.kill_after_failure) {
+      KillRunningRanks(ranks, now >= deadline ? RankOutcome::Ending::kKilledAtTimeout
+                                              : RankOutcome::Ending::kKilledAfterPeerFailure);
       break;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  if (group != nullptr) {
-    // The ranks that failed on their own first: the cause, then the
-    // ranks killed for it.
-    std::vector<std::string> failed, killed;
-    for (const RankOutcome& r : result.ranks) {
-      if (r.ok()) continue;
-      const bool was_killed = r.ending == RankOutcome::Ending::kKilledAtTimeout ||
-                              r.ending == RankOutcome::Ending::kKilledAfterPeerFailure;
-      (was_killed ? killed : failed).push_back(r.Describe());
-    }
-    failed.insert(failed.end(), killed.begin(), killed.end());
-    if (result.forwarded_signal != 0) {
-      failed.insert(failed.begin(), absl::StrCat("its launcher was interrupted by signal ",
-                                                 result.forwarded_signal));
-    }
-    result.other_nodes_failures = group->Finish(absl::StrJoin(failed, "; "),
-                                                /*failure_known=*/!failed.empty());
-  }
-  return result;
 }
 
-int LaunchSelfAndReport(int argc, char** argv, int world_size, std::chrono::milliseconds timeout,
-                        const std::string& program_name) {
-  LocalLaunchOptions options;
-  options.nproc_per_node = world_size;
-  options.program = "/proc/self/exe";
-  options.args.assign(argv + 1, argv + argc);
-  options.timeout = timeout;
-  return LaunchAndReport(options, program_name);
+// Tells the other launchers how this host's ranks ended, and records what
+// failed elsewhere.
+void FinishWithOtherLaunchers(LauncherGroup& group, LaunchResult& result) {
+  // The ranks that failed on their own first: the cause, then the
+  // ranks killed for it.
+  std::vector<std::string> failed, killed;
+  for (const RankOutcome& r : result.ranks) {
+    if (r.ok()) continue;
+    const bool was_killed = r.ending == RankOutcome::Ending::kKilledAtTimeout ||
+                            r.ending == RankOutcome::Ending::kKilledAfterPeerFailure;
+    (was_killed ? killed : failed).push_back(r.Describe());
+  }
+  failed.insert(failed.end(), killed.begin(), killed.end());
+  if (result.forwarded_signal != 0) {
+    failed.insert(failed.begin(), absl::StrCat("its launcher was interrupted by signal ",
+                                               result.forwarded_signal));
+  }
+  result.other_nodes_failures = group.Finish(absl::StrJoin(failed, "; "),
+                                             /*failure_known=*/!failed.empty());
 }
 
-int LaunchAndReport(LocalLaunchOptions options, const std::string& program_name) {
-  const int nproc = options.nproc_per_node;
-  const int first_rank = options.node_rank * nproc;
-  const std::string here =
-      options.nnodes > 1 ? absl::StrCat(" on node ", options.node_rank, " of ", options.nnodes)
-                         : "";
-  options.on_started = [&](const std::vector<int>& pids) {
-    std::string line = absl::StrCat(program_name, ": launched ", nproc, " local ranks", here, ":");
-    for (size_t local = 0; local < pids.size(); ++local) {
-      absl::StrAppend(&line, " rank ", first_rank + local, " pid ", pids[local],
-                      local + 1 < pids.size() ? "," : "\n");
-    }
-    std::fputs(line.c_str(), stdout);
-    std::fflush(stdout);
-  };
-  absl::StatusOr<LaunchResult> result = LaunchLocalRanks(options);
-  if (!result.ok()) {
-    std::fprintf(stderr, "%s: %s\n", program_name.c_str(), result.status().ToString().c_str());
-    return 2;
-  }
-  if (result->forwarded_signal != 0) {
-    std::fprintf(stderr, "%s: interrupted by signal %d (%s), forwarded to every rank%s\n%s",
-                 program_name.c_str(), result->forwarded_signal,
-                 strsignal(result->forwarded_signal), here.c_str(), result->Summary().c_str());
-    return 128 + result->forwarded_signal;
-  }
-  if (!result->ok()) {
-    std::fprintf(stderr, "%s: the job failed:\n%s", program_name.c_str(),
-                 result->Summary().c_str());
-    return 1;
-  }
-  if (options.nnodes == 1) {
-    std::printf("all %d ranks succeeded\n", nproc);
-  } else if (options.node_rank == 0) {
-    std::printf("all %d ranks on %d nodes succeeded\n", nproc * options.nnodes, options.nnodes);
-  } else {
-    std::printf("all %d ranks of node %d succeeded (ranks %d-%d)\n", nproc, options.node_rank,
-                first_rank, first_rank + nproc - 1);
-  }
-  return 0;
+}  // namespace
+
+absl::StatusOr<LaunchResult> LaunchLocalRanks(const LocalLaunchOptions& options) {
+  FSDP_RETURN_IF_ERROR(ValidateLaunchOptions(options));
+  FSDP_ASSIGN_OR_RETURN(LauncherRendezvous met, MeetOtherLaunchers(options));
+  ForwardedSignalScope forwarding;
+  RunningRanks ranks(options, met.group.get());
+  FSDP_RETURN_IF_ERROR(StartLocalRanks(met.port, ranks));
+  WatchRanks(ranks);
+  if (met.group != nullptr) FinishWithOtherLaunchers(*met.group, ranks.result);
+  return std::move(ranks.result);
 }
 
 }  // namespace fsdp

@@ -390,6 +390,87 @@ at::Tensor CheckpointedForward(const CheckpointableModule& module, const at::Ten
                              })[0];
 }
 
+namespace {
+
+std::string DisplayFqn(const std::string& fqn) { return fqn.empty() ? std::string("(root)") : fqn; }
+
+// Whether the module named `inner` is a descendant of the one named `outer`.
+bool IsInside(const std::string& inner, const std::string& outer) {
+  return outer.empty()
+             ? !inner.empty()
+             : inner.size() > outer.size() && inner.compare(0, outer.size(), outer) == 0 &&
+                   inner[outer.size()] == '.';
+}
+
+bool IsCheckpointed(torch::nn::Module* module) {
+  auto* checkpointable = dynamic_cast<CheckpointableModule*>(module);
+  return checkpointable != nullptr && checkpointable->activation_checkpointing();
+}
+
+using ChosenRegions = std::vector<std::pair<std::string, CheckpointableModule*>>;
+
+// The policy's targets as checkpointable modules, refusing one that has no
+// region to checkpoint or is checkpointed already.
+absl::StatusOr<ChosenRegions> CheckpointableTargets(const std::vector<UnitTarget>& targets,
+                                                    const WrapPolicy& policy) {
+  ChosenRegions chosen;
+  for (const UnitTarget& target : targets) {
+    const std::string& fqn = target.fqn;
+    auto* checkpointable =
+        dynamic_cast<CheckpointableModule*>(const_cast<torch::nn::Module*>(target.module));
+    if (checkpointable == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ApplyActivationCheckpointing: policy ", policy.Describe(), " chose '", DisplayFqn(fqn),
+          "' (", target.module->name(),
+          "), which is not an fsdp::CheckpointableModule: its forward has no region to "
+          "checkpoint (derive from CheckpointableModule and run the math through "
+          "CheckpointedForward, or hold a stock module in fsdp::UnitModule)"));
+    }
+    if (checkpointable->activation_checkpointing()) {
+      return absl::InvalidArgumentError(absl::StrCat("ApplyActivationCheckpointing: '",
+                                                     DisplayFqn(fqn),
+                                                     "' is already checkpointed; nested or "
+                                                     "repeated checkpointing is refused"));
+    }
+    chosen.emplace_back(fqn, checkpointable);
+  }
+  return chosen;
+}
+
+// Refuses a chosen module inside another chosen or already checkpointed
+// one, and one with a checkpointed module inside it: the inner region
+// would recompute inside the outer's recomputation.
+absl::Status CheckNoNestedRegions(
+    const ChosenRegions& chosen,
+    const std::vector<std::pair<std::string, torch::nn::Module*>>& modules) {
+  for (const auto& [fqn, m] : chosen) {
+    for (const auto& [outer_fqn, outer] : modules) {
+      if (!IsInside(fqn, outer_fqn)) continue;
+      bool outer_chosen = false;
+      for (const auto& [other_fqn, other] : chosen)
+        outer_chosen = outer_chosen || other_fqn == outer_fqn;
+      if (outer_chosen || IsCheckpointed(outer)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "ApplyActivationCheckpointing: '", DisplayFqn(fqn), "' is inside '",
+            DisplayFqn(outer_fqn),
+            "', which is checkpointed too; nested checkpointing is refused (checkpoint one of "
+            "them)"));
+      }
+    }
+    for (const auto& [inner_fqn, inner] : modules) {
+      if (IsInside(inner_fqn, fqn) && IsCheckpointed(inner)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "ApplyActivationCheckpointing: '", DisplayFqn(fqn), "' contains '",
+            DisplayFqn(inner_fqn),
+            "', which is checkpointed already; nested checkpointing is refused"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::vector<std::string>> ApplyActivationCheckpointing(
     torch::nn::Module& root, const WrapPolicy& policy, const CheckpointOptions& options) {
   PolicyInput input;
@@ -406,68 +487,16 @@ absl::StatusOr<std::vector<std::string>> ApplyActivationCheckpointing(
   for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
     modules.emplace_back(item.key(), item.value().get());
   }
-  auto display = [](const std::string& fqn) { return fqn.empty() ? std::string("(root)") : fqn; };
-  auto inside = [](const std::string& inner, const std::string& outer) {
-    return outer.empty()
-               ? !inner.empty()
-               : inner.size() > outer.size() && inner.compare(0, outer.size(), outer) == 0 &&
-                     inner[outer.size()] == '.';
-  };
-  std::vector<std::pair<std::string, CheckpointableModule*>> chosen;
-  for (const UnitTarget& target : *targets) {
-    const std::string& fqn = target.fqn;
-    auto* checkpointable =
-        dynamic_cast<CheckpointableModule*>(const_cast<torch::nn::Module*>(target.module));
-    if (checkpointable == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "ApplyActivationCheckpointing: policy ", policy.Describe(), " chose '", display(fqn),
-          "' (", target.module->name(),
-          "), which is not an fsdp::CheckpointableModule: its forward has no region to "
-          "checkpoint (derive from CheckpointableModule and run the math through "
-          "CheckpointedForward, or hold a stock module in fsdp::UnitModule)"));
-    }
-    if (checkpointable->checkpointing_) {
-      return absl::InvalidArgumentError(absl::StrCat("ApplyActivationCheckpointing: '",
-                                                     display(fqn),
-                                                     "' is already checkpointed; nested or "
-                                                     "repeated checkpointing is refused"));
-    }
-    chosen.emplace_back(fqn, checkpointable);
-  }
-  // A chosen module inside another chosen or already checkpointed one.
-  for (const auto& [fqn, m] : chosen) {
-    for (const auto& [outer_fqn, outer] : modules) {
-      if (!inside(fqn, outer_fqn)) continue;
-      auto* outer_checkpointable = dynamic_cast<CheckpointableModule*>(outer);
-      bool outer_chosen = false;
-      for (const auto& [other_fqn, other] : chosen)
-        outer_chosen = outer_chosen || other_fqn == outer_fqn;
-      if (outer_chosen ||
-          (outer_checkpointable != nullptr && outer_checkpointable->checkpointing_)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "ApplyActivationCheckpointing: '", display(fqn), "' is inside '", display(outer_fqn),
-            "', which is checkpointed too; nested checkpointing is refused (checkpoint one of "
-            "them)"));
-      }
-    }
-    // And one with a checkpointed module inside it.
-    for (const auto& [inner_fqn, inner] : modules) {
-      auto* inner_checkpointable = dynamic_cast<CheckpointableModule*>(inner);
-      if (inside(inner_fqn, fqn) && inner_checkpointable != nullptr &&
-          inner_checkpointable->checkpointing_) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "ApplyActivationCheckpointing: '", display(fqn), "' contains '", display(inner_fqn),
-            "', which is checkpointed already; nested checkpointing is refused"));
-      }
-    }
-  }
-  if (chosen.empty()) {
+  absl::StatusOr<ChosenRegions> chosen = CheckpointableTargets(*targets, policy);
+  if (!chosen.ok()) return chosen.status();
+  if (absl::Status flat = CheckNoNestedRegions(*chosen, modules); !flat.ok()) return flat;
+  if (chosen->empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("ApplyActivationCheckpointing: policy ", policy.Describe(),
                      " chose no module of the model (the root itself is never chosen)"));
   }
   std::vector<std::string> fqns;
-  for (auto& [fqn, m] : chosen) {
+  for (auto& [fqn, m] : *chosen) {
     m->checkpointing_ = true;
     m->options_ = options;
     m->region_name_ = fqn;

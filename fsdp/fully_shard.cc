@@ -125,6 +125,32 @@ absl::StatusOr<std::vector<std::vector<FlatParamEntry>>> CheckedEntries(const Wr
   return entries;
 }
 
+// Sizes only, the same on every rank; which ranks is checked at the
+// first forward, where every rank can learn of a wrong group.
+absl::Status CheckPostForwardGroupSize(const FsdpOptions& options, const Collectives& group) {
+  if (const Collectives* post = options.post_forward_group; post != nullptr) {
+    const int k = post->world_size();
+    if (k <= 1 || k >= group.world_size() || group.world_size() % k != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "FsdpOptions::post_forward_group has ", k, " ranks but must have k with 1 < k < ",
+          group.world_size(), " (the shard group's size) and k dividing it"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The device the units compute on: device_id when set, else that of the
+// last unit's parameters (CPU for a model without any).
+c10::Device ComputeDevice(const std::vector<std::vector<FlatParamEntry>>& entries,
+                          const FsdpOptions& options) {
+  c10::Device device(c10::DeviceType::CPU);
+  for (const auto& unit_entries : entries) {
+    if (!unit_entries.empty()) device = unit_entries.front().param.device();
+  }
+  if (options.device_id) device = *options.device_id;
+  return device;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
@@ -137,15 +163,8 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
     return absl::Status(failed.code(), absl::StrCat(who, failed.message()));
   };
   if (absl::Status valid = ValidateFsdpOptions(options); !valid.ok()) return on_rank(valid);
-  if (const Collectives* post = options.post_forward_group; post != nullptr) {
-    const int k = post->world_size();
-    // Sizes only, the same on every rank; which ranks is checked at the
-    // first forward, where every rank can learn of a wrong group.
-    if (k <= 1 || k >= group.world_size() || group.world_size() % k != 0) {
-      return on_rank(absl::InvalidArgumentError(absl::StrCat(
-          "FsdpOptions::post_forward_group has ", k, " ranks but must have k with 1 < k < ",
-          group.world_size(), " (the shard group's size) and k dividing it")));
-    }
+  if (absl::Status sized = CheckPostForwardGroupSize(options, group); !sized.ok()) {
+    return on_rank(sized);
   }
   absl::StatusOr<WrapPlan> plan = PlanWrap(*root, group.world_size(), options, policy);
   if (!plan.ok()) return on_rank(plan.status());
@@ -155,11 +174,7 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
   std::unique_ptr<FullyShardedModel> model(new FullyShardedModel(root, group, options));
   absl::StatusOr<std::vector<std::vector<FlatParamEntry>>> entries = CheckedEntries(*plan, group);
   if (!entries.ok()) return entries.status();
-  c10::Device device(c10::DeviceType::CPU);
-  for (const auto& unit_entries : *entries) {
-    if (!unit_entries.empty()) device = unit_entries.front().param.device();
-  }
-  if (options.device_id) device = *options.device_id;
+  const c10::Device device = ComputeDevice(*entries, options);
   try {
     model->scheduler_ = std::make_unique<UnitScheduler>(group, model->options_, device);
   } catch (...) {

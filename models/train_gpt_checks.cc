@@ -155,11 +155,10 @@ double EstimatedRankBytes() {
   return params * 4 * 4 + attention + other_activations;
 }
 
-}  // namespace
-
-std::vector<std::string> FlagProblems(fsdp::ShardingStrategy strategy, int world_size,
-                                      int ranks_on_host, std::optional<int> launcher_world_size,
-                                      bool settings_pending) {
+// The integer flags' ranges, the corpus, --world_size against the
+// launcher's and the heads' split of the embedding.
+std::vector<std::string> CountProblems(int world_size, std::optional<int> launcher_world_size,
+                                       bool settings_pending) {
   std::vector<std::string> problems;
   auto at_least = [&](const char* flag, int64_t value, int64_t min) {
     if (value < min) problems.push_back(absl::StrFormat("--%s=%d: must be >= %d", flag, value, min));
@@ -202,6 +201,12 @@ std::vector<std::string> FlagProblems(fsdp::ShardingStrategy strategy, int world
     problems.push_back(absl::StrFormat("--n_embd=%d: must be a multiple of --n_head=%d", n_embd,
                                        n_head));
   }
+  return problems;
+}
+
+// The real-valued flags given: each finite and in its range.
+std::vector<std::string> RealValueProblems() {
+  std::vector<std::string> problems;
   struct Real {
     const char* flag;
     std::optional<double> value;
@@ -225,6 +230,13 @@ std::vector<std::string> FlagProblems(fsdp::ShardingStrategy strategy, int world
     const bool ok = std::isfinite(v) && (r.min_inclusive ? v >= r.min : v > r.min) && v < r.below;
     if (!ok) problems.push_back(absl::StrFormat("--%s=%g: must be %s", r.flag, v, r.range));
   }
+  return problems;
+}
+
+// The flags that name one of a few choices: the optimizer and its kernel,
+// --on_nonfinite and the exports' keys.
+std::vector<std::string> TrainingChoiceProblems() {
+  std::vector<std::string> problems;
   if (const std::string k = absl::GetFlag(FLAGS_export_optim_state_dict_keys);
       k != "fqn" && k != "index") {
     problems.push_back("--export_optim_state_dict_keys=" + k + ": expected fqn or index");
@@ -245,6 +257,14 @@ std::vector<std::string> FlagProblems(fsdp::ShardingStrategy strategy, int world
   if (const std::string n = absl::GetFlag(FLAGS_on_nonfinite); n != "stop" && n != "skip") {
     problems.push_back("--on_nonfinite=" + n + ": expected stop or skip");
   }
+  return problems;
+}
+
+// --shard_group_size against the strategy and world size, the parameter
+// groups, and the checkpoint flags against each other.
+std::vector<std::string> LayoutAndCheckpointProblems(fsdp::ShardingStrategy strategy,
+                                                     int world_size, bool settings_pending) {
+  std::vector<std::string> problems;
   if (const int g = absl::GetFlag(FLAGS_shard_group_size); g > 0 && !settings_pending) {
     if (!fsdp::IsHybrid(strategy)) {
       problems.push_back(absl::StrFormat(
@@ -273,23 +293,44 @@ std::vector<std::string> FlagProblems(fsdp::ShardingStrategy strategy, int world
     problems.push_back(
         "--overwrite_checkpoints: only for a new run (no --resume) with --checkpoint_dir");
   }
+  return problems;
+}
+
+// The run too large for this host's memory, with `ranks_on_host` ranks.
+std::optional<std::string> MemoryProblem(int ranks_on_host) {
+  const double need = EstimatedRankBytes() * ranks_on_host;
+  const double have =
+      static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
+  if (need <= have) return std::nullopt;
+  return absl::StrFormat(
+      "--block_size=%d, --batch_size=%d, --n_layer=%d, --n_head=%d, --n_embd=%d: training "
+      "needs about %.0f GiB on this host (%d ranks; attention matrices grow with "
+      "block_size^2), which has %.0f GiB of memory",
+      absl::GetFlag(FLAGS_block_size), absl::GetFlag(FLAGS_batch_size),
+      absl::GetFlag(FLAGS_n_layer), absl::GetFlag(FLAGS_n_head), absl::GetFlag(FLAGS_n_embd),
+      need / (1 << 30), ranks_on_host, have / (1 << 30));
+}
+
+}  // namespace
+
+std::vector<std::string> FlagProblems(fsdp::ShardingStrategy strategy, int world_size,
+                                      int ranks_on_host, std::optional<int> launcher_world_size,
+                                      bool settings_pending) {
+  std::vector<std::string> problems;
+  const auto append = [&problems](std::vector<std::string> more) {
+    for (std::string& problem : more) problems.push_back(std::move(problem));
+  };
+  append(CountProblems(world_size, launcher_world_size, settings_pending));
+  append(RealValueProblems());
+  append(TrainingChoiceProblems());
+  append(LayoutAndCheckpointProblems(strategy, world_size, settings_pending));
   // What a flag's value is wrong with comes first; then which flags lack
   // the flag they need, and the inputs.
-  for (std::string& problem : DependentFlagProblems(settings_pending)) {
-    problems.push_back(std::move(problem));
-  }
-  for (std::string& problem : InputProblems()) problems.push_back(std::move(problem));
+  append(DependentFlagProblems(settings_pending));
+  append(InputProblems());
   if (problems.empty() && !settings_pending) {
-    const double need = EstimatedRankBytes() * ranks_on_host;
-    const double have =
-        static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
-    if (need > have) {
-      problems.push_back(absl::StrFormat(
-          "--block_size=%d, --batch_size=%d, --n_layer=%d, --n_head=%d, --n_embd=%d: training "
-          "needs about %.0f GiB on this host (%d ranks; attention matrices grow with "
-          "block_size^2), which has %.0f GiB of memory",
-          block_size, absl::GetFlag(FLAGS_batch_size), absl::GetFlag(FLAGS_n_layer), n_head,
-          n_embd, need / (1 << 30), ranks_on_host, have / (1 << 30)));
+    if (std::optional<std::string> problem = MemoryProblem(ranks_on_host)) {
+      problems.push_back(*problem);
     }
   }
   return problems;

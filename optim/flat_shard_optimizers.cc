@@ -7,7 +7,9 @@
 #include <memory>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "ATen/ATen.h"
 #include "optim/optim_internal.h"
@@ -340,6 +342,320 @@ void Count(const std::vector<Run>& runs, FlatStepStats& stats) {
   }
 }
 
+using LossClosure = torch::optim::Optimizer::LossClosure;
+using ParamStates = std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>;
+
+template <typename Options>
+const Options& GroupOptions(const std::vector<OptimizerParamGroup>& groups, size_t group) {
+  return static_cast<const Options&>(groups[group].options());
+}
+
+// What both optimizers' steps start with. The closure runs with gradients
+// enabled although the step itself runs without, as libtorch's steps do;
+// the members are read after it, since it is what computes the gradients.
+struct StepStart {
+  at::Tensor loss;
+  std::vector<Member> members;
+};
+
+StepStart BeginStep(const LossClosure& closure, const std::vector<OptimizerParamGroup>& groups,
+                    const char* name) {
+  StepStart start;
+  if (closure != nullptr) {
+    at::AutoGradMode enable_grad(true);
+    start.loss = closure();
+  }
+  start.members = MembersOf(groups, name);
+  return start;
+}
+
+// A run's parameter and gradient as its step updates them: 1-D when the run
+// steps flat (SteppableFlat), with the stretches of its parameter groups.
+struct RunView {
+  bool flat = false;
+  at::Tensor param, grad;
+  std::vector<Stretch> stretches;
+};
+
+RunView ViewOf(const Run& run, const std::vector<at::Tensor>& state) {
+  RunView view;
+  view.flat = SteppableFlat(run, state);
+  view.param = Flat(run.param, view.flat);
+  view.grad = Flat(run.grad, view.flat);
+  view.stretches = StretchesOf(run);
+  return view;
+}
+
+// The fused kernels take flat tensors, and a gradient of the parameter's dtype.
+bool UsesFusedKernel(FlatShardKernel kernel, const RunView& view) {
+  return kernel == FlatShardKernel::kFused && view.flat &&
+         view.grad.scalar_type() == view.param.scalar_type();
+}
+
+// --- AdamW ---------------------------------------------------------------------
+
+AdamWParamState& AdamWStateOf(ParamStates& states, const Member& m) {
+  std::unique_ptr<OptimizerParamState>& slot = states[m.key];
+  if (slot == nullptr) slot = std::make_unique<FlatAdamWParamState>();
+  return static_cast<AdamWParamState&>(*slot);
+}
+
+// One run's AdamW step: its view, its state as run buffers (1-D when it
+// steps flat), and the step count after this step.
+struct AdamWRun {
+  RunView view;
+  const AdamWOptions* first = nullptr;  // Its first member's group's.
+  double beta1 = 0, beta2 = 0;
+  at::Tensor exp_avg, exp_avg_sq, max_exp_avg_sq;
+  int64_t step = 0;
+};
+
+// The run's state gathered into run buffers. The members' new step counts
+// go to `steps`, for the caller to set once every run stepped.
+AdamWRun PrepareAdamWRun(const Run& run, const std::vector<OptimizerParamGroup>& groups,
+                         ParamStates& states,
+                         std::vector<std::pair<AdamWParamState*, int64_t>>& steps) {
+  AdamWRun r;
+  r.first = &GroupOptions<AdamWOptions>(groups, run.members.front()->group);
+  r.beta1 = std::get<0>(r.first->betas());
+  r.beta2 = std::get<1>(r.first->betas());
+  std::vector<at::Tensor*> exp_avgs, exp_avg_sqs, max_exp_avg_sqs;
+  for (const Member* m : run.members) {
+    AdamWParamState& s = AdamWStateOf(states, *m);
+    exp_avgs.push_back(&s.exp_avg());
+    exp_avg_sqs.push_back(&s.exp_avg_sq());
+    max_exp_avg_sqs.push_back(&s.max_exp_avg_sq());
+  }
+  at::Tensor exp_avg = RunBuffer(run, exp_avgs);
+  at::Tensor exp_avg_sq = RunBuffer(run, exp_avg_sqs);
+  at::Tensor max_exp_avg_sq = r.first->amsgrad() ? RunBuffer(run, max_exp_avg_sqs) : at::Tensor();
+  r.view = ViewOf(run, {exp_avg, exp_avg_sq, max_exp_avg_sq});
+  r.exp_avg = Flat(exp_avg, r.view.flat);
+  r.exp_avg_sq = Flat(exp_avg_sq, r.view.flat);
+  r.max_exp_avg_sq = Flat(max_exp_avg_sq, r.view.flat);
+  r.step = AdamWStateOf(states, *run.members.front()).step() + 1;
+  for (const Member* m : run.members) steps.emplace_back(&AdamWStateOf(states, *m), r.step);
+  return r;
+}
+
+void QueueFusedAdamW(const AdamWRun& r, const std::vector<OptimizerParamGroup>& groups,
+                     FusedCalls& fused) {
+  const at::Tensor& param = r.view.param;
+  const at::Tensor& grad = r.view.grad;
+  for (const Stretch& s : r.view.stretches) {
+    const AdamWOptions& o = GroupOptions<AdamWOptions>(groups, s.group);
+    FusedCall& call =
+        fused[FusedKey(param, {o.lr(), o.weight_decay(), o.eps(), static_cast<double>(r.step),
+                               r.beta1, r.beta2, o.amsgrad() ? 1.0 : 0.0})];
+    call.params.push_back(param.narrow(0, s.lo, s.n));
+    call.grads.push_back(grad.narrow(0, s.lo, s.n));
+    call.buffers1.push_back(r.exp_avg.narrow(0, s.lo, s.n));
+    call.buffers2.push_back(r.exp_avg_sq.narrow(0, s.lo, s.n));
+    if (o.amsgrad()) call.buffers3.push_back(r.max_exp_avg_sq.narrow(0, s.lo, s.n));
+    // The kernel takes the step count after this step's increment, and
+    // only reads it: the key holds the step, so one tensor serves the
+    // whole call (a tensor per stretch cost an allocation and, on a
+    // GPU, a fill kernel each).
+    if (call.steps.empty()) {
+      call.steps.push_back(
+          at::full({}, static_cast<double>(r.step), param.options().dtype(at::kFloat)));
+    } else {
+      call.steps.push_back(call.steps.front());
+    }
+  }
+}
+
+// libtorch's AdamW step, op for op; the two ops whose scalars depend on
+// the group (learning rate, weight decay) once per group's stretch.
+void StepAdamWExact(const AdamWRun& r, const std::vector<OptimizerParamGroup>& groups,
+                    Scratch& scratch) {
+  const AdamWOptions& first = *r.first;
+  const double beta1 = r.beta1;
+  const double beta2 = r.beta2;
+  const at::Tensor& param = r.view.param;
+  const at::Tensor& grad = r.view.grad;
+  const at::Tensor& exp_avg = r.exp_avg;
+  const at::Tensor& exp_avg_sq = r.exp_avg_sq;
+  const at::Tensor& max_exp_avg_sq = r.max_exp_avg_sq;
+  const std::vector<Stretch>& stretches = r.view.stretches;
+  const auto options = [&](size_t group) -> const AdamWOptions& {
+    return GroupOptions<AdamWOptions>(groups, group);
+  };
+  const double bias_correction1 = 1 - std::pow(beta1, r.step);
+  const double bias_correction2 = 1 - std::pow(beta2, r.step);
+  ForEachChunk(param, r.view.flat, [&](const Chunk& chunk) {
+    for (const Stretch& s : stretches) {
+      const AdamWOptions& o = options(s.group);
+      at::Tensor p = chunk.Part(param, s, false);
+      if (p.defined() && o.weight_decay() != 0) p.mul_(1 - o.lr() * o.weight_decay());
+    }
+    const at::Tensor g = chunk(grad);
+    at::Tensor m = chunk(exp_avg);
+    at::Tensor v = chunk(exp_avg_sq);
+    m.mul_(beta1).add_(g, 1 - beta1);
+    v.mul_(beta2).addcmul_(g, g, 1 - beta2);
+    at::Tensor denom = scratch.Like(v, chunk, 0);
+    if (first.amsgrad()) {
+      at::Tensor max_v = chunk(max_exp_avg_sq);
+      at::max_out(max_v, v, max_v);
+      at::sqrt_out(denom, max_v);
+    } else {
+      at::sqrt_out(denom, v);
+    }
+    denom.div_(std::sqrt(bias_correction2)).add_(first.eps());
+    for (const Stretch& s : stretches) {
+      at::Tensor p = chunk.Part(param, s, false);
+      if (!p.defined()) continue;
+      p.addcdiv_(chunk.Part(exp_avg, s, false), chunk.Part(denom, s, true),
+                 -(options(s.group).lr() / bias_correction1));
+    }
+  });
+}
+
+void RunFusedAdamW([[maybe_unused]] FusedCalls& fused) {
+#if FSDP_HAVE_FUSED_OPTIMIZER_KERNELS
+  for (auto& [key, call] : fused) {
+    at::_fused_adamw_(call.params, call.grads, call.buffers1, call.buffers2, call.buffers3,
+                      call.steps, /*lr=*/key[0], /*beta1=*/key[4], /*beta2=*/key[5],
+                      /*weight_decay=*/key[1], /*eps=*/key[2], /*amsgrad=*/key[6] != 0,
+                      /*maximize=*/false);
+  }
+#endif
+}
+
+// --- SGD -----------------------------------------------------------------------
+
+// Only momentum has state; null without it, as libtorch keeps none.
+SGDParamState* SgdStateOf(ParamStates& states, const Member& m) {
+  auto it = states.find(m.key);
+  return it == states.end() ? nullptr : static_cast<SGDParamState*>(it->second.get());
+}
+
+bool HasMomentum(ParamStates& states, const Member& m) {
+  const SGDParamState* s = SgdStateOf(states, m);
+  return s != nullptr && s->momentum_buffer().defined();
+}
+
+// One run's SGD step: its view and its momentum buffer (undefined without
+// momentum; 1-D when it steps flat). `fresh`: the buffer is new this step.
+struct SgdRun {
+  RunView view;
+  const SGDOptions* first = nullptr;  // Its first member's group's.
+  bool fresh = false;
+  at::Tensor buffer;
+};
+
+// The run's momentum buffers gathered into a run buffer. A run without them
+// yet gets a new one, filled with the step's update as libtorch's first
+// buffer is; its members' views of it go to `fresh_buffers`, for the caller
+// to install once every run stepped.
+SgdRun PrepareSgdRun(
+    const Run& run, const std::vector<OptimizerParamGroup>& groups, ParamStates& states,
+    std::vector<std::pair<optim_internal::OptimizerStateKey, at::Tensor>>& fresh_buffers) {
+  SgdRun r;
+  r.first = &GroupOptions<SGDOptions>(groups, run.members.front()->group);
+  r.fresh = r.first->momentum() != 0 && !HasMomentum(states, *run.members.front());
+  at::Tensor buffer;
+  if (r.fresh) {
+    buffer = at::empty_like(run.param);
+    for (size_t i = 0; i < run.members.size(); ++i) {
+      const Member& m = *run.members[i];
+      fresh_buffers.emplace_back(
+          m.key, run.members.size() == 1
+                     ? buffer
+                     : buffer.narrow(0, run.starts[i], m.param.numel()).view(m.param.sizes()));
+    }
+  } else if (r.first->momentum() != 0) {
+    std::vector<at::Tensor*> buffers;
+    for (const Member* m : run.members) {
+      buffers.push_back(&SgdStateOf(states, *m)->momentum_buffer());
+    }
+    buffer = RunBuffer(run, buffers);
+  }
+  r.view = ViewOf(run, {buffer});
+  r.buffer = Flat(buffer, r.view.flat);
+  return r;
+}
+
+void QueueFusedSgd(const SgdRun& r, const std::vector<OptimizerParamGroup>& groups,
+                   FusedCalls& fused) {
+  for (const Stretch& s : r.view.stretches) {
+    const SGDOptions& o = GroupOptions<SGDOptions>(groups, s.group);
+    FusedCall& call =
+        fused[FusedKey(r.view.param, {o.lr(), o.weight_decay(), o.momentum(), o.dampening(),
+                                      o.nesterov() ? 1.0 : 0.0, r.fresh ? 1.0 : 0.0})];
+    call.params.push_back(r.view.param.narrow(0, s.lo, s.n));
+    call.grads.push_back(r.view.grad.narrow(0, s.lo, s.n));
+    if (o.momentum() != 0) call.buffers1.push_back(r.buffer.narrow(0, s.lo, s.n));
+  }
+}
+
+// libtorch's SGD step, op for op; weight decay and the learning rate
+// once per group's stretch.
+void StepSgdExact(const SgdRun& r, const std::vector<OptimizerParamGroup>& groups,
+                  Scratch& scratch) {
+  const SGDOptions& first = *r.first;
+  const bool fresh = r.fresh;
+  const bool flat = r.view.flat;
+  const at::Tensor& param = r.view.param;
+  const at::Tensor& grad = r.view.grad;
+  const at::Tensor& buffer = r.buffer;
+  const std::vector<Stretch>& stretches = r.view.stretches;
+  const auto options = [&](size_t group) -> const SGDOptions& {
+    return GroupOptions<SGDOptions>(groups, group);
+  };
+  bool decays = false;
+  for (const Stretch& s : stretches) decays = decays || options(s.group).weight_decay() != 0;
+  ForEachChunk(param, flat, [&](const Chunk& chunk) {
+    at::Tensor d_p = chunk(grad);
+    if (decays && !flat) {
+      d_p = d_p.add(param, options(stretches.front().group).weight_decay());
+    } else if (decays) {
+      d_p = scratch.Like(d_p, chunk, 0);
+      for (const Stretch& s : stretches) {
+        at::Tensor out = chunk.Part(d_p, s, true);
+        if (!out.defined()) continue;
+        const double weight_decay = options(s.group).weight_decay();
+        if (weight_decay != 0) {
+          at::add_out(out, chunk.Part(grad, s, false), chunk.Part(param, s, false), weight_decay);
+        } else {
+          out.copy_(chunk.Part(grad, s, false));
+        }
+      }
+    }
+    if (first.momentum() != 0) {
+      at::Tensor buf = chunk(buffer);
+      if (fresh) {
+        buf.copy_(d_p);
+      } else {
+        buf.mul_(first.momentum()).add_(d_p, 1 - first.dampening());
+      }
+      if (first.nesterov() && !flat) {
+        d_p = d_p.add(buf, first.momentum());
+      } else if (first.nesterov()) {
+        at::Tensor out = scratch.Like(d_p, chunk, 1);
+        d_p = at::add_out(out, d_p, buf, first.momentum());
+      } else {
+        d_p = buf;
+      }
+    }
+    for (const Stretch& s : stretches) {
+      at::Tensor p = chunk.Part(param, s, false);
+      if (p.defined()) p.add_(chunk.Part(d_p, s, true), -1 * options(s.group).lr());
+    }
+  });
+}
+
+void RunFusedSgd([[maybe_unused]] FusedCalls& fused) {
+#if FSDP_HAVE_FUSED_OPTIMIZER_KERNELS
+  for (auto& [key, call] : fused) {
+    at::_fused_sgd_(call.params, call.grads, call.buffers1, /*weight_decay=*/key[1],
+                    /*momentum=*/key[2], /*lr=*/key[0], /*dampening=*/key[3],
+                    /*nesterov=*/key[4] != 0, /*maximize=*/false, /*is_first_step=*/key[5] != 0);
+  }
+#endif
+}
+
 }  // namespace
 
 FlatShardAdamW::FlatShardAdamW(std::vector<OptimizerParamGroup> param_groups, AdamWOptions defaults,
@@ -354,122 +670,29 @@ FlatShardAdamW::FlatShardAdamW(std::vector<at::Tensor> params, AdamWOptions defa
 
 at::Tensor FlatShardAdamW::step(LossClosure closure) {
   at::NoGradGuard no_grad;
-  at::Tensor loss;
-  if (closure != nullptr) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
-  const std::vector<Member> members = MembersOf(param_groups_, "FlatShardAdamW");
-  auto options = [&](size_t group) -> const AdamWOptions& {
-    return static_cast<const AdamWOptions&>(param_groups_[group].options());
-  };
-  auto state = [&](const Member& m) -> AdamWParamState& {
-    std::unique_ptr<OptimizerParamState>& slot = state_[m.key];
-    if (slot == nullptr) slot = std::make_unique<FlatAdamWParamState>();
-    return static_cast<AdamWParamState&>(*slot);
-  };
-  for (const Member& m : members) state(m);
-  const std::vector<Run> runs = FindRuns(members, [&](const Member& a, const Member& b) {
-    const AdamWOptions& oa = options(a.group);
-    const AdamWOptions& ob = options(b.group);
+  const StepStart start = BeginStep(closure, param_groups_, "FlatShardAdamW");
+  for (const Member& m : start.members) AdamWStateOf(state_, m);
+  const std::vector<Run> runs = FindRuns(start.members, [&](const Member& a, const Member& b) {
+    const AdamWOptions& oa = GroupOptions<AdamWOptions>(param_groups_, a.group);
+    const AdamWOptions& ob = GroupOptions<AdamWOptions>(param_groups_, b.group);
     return oa.betas() == ob.betas() && oa.eps() == ob.eps() && oa.amsgrad() == ob.amsgrad() &&
-           state(a).step() == state(b).step();
+           AdamWStateOf(state_, a).step() == AdamWStateOf(state_, b).step();
   });
   FusedCalls fused;  // By lr, weight decay, eps, step, betas, amsgrad, dtype, device.
   std::vector<std::pair<AdamWParamState*, int64_t>> steps;  // Set once every run stepped.
   Scratch scratch;
   for (const Run& run : runs) {
-    const AdamWOptions& first = options(run.members.front()->group);
-    const double beta1 = std::get<0>(first.betas());
-    const double beta2 = std::get<1>(first.betas());
-    std::vector<at::Tensor*> exp_avgs, exp_avg_sqs, max_exp_avg_sqs;
-    for (const Member* m : run.members) {
-      AdamWParamState& s = state(*m);
-      exp_avgs.push_back(&s.exp_avg());
-      exp_avg_sqs.push_back(&s.exp_avg_sq());
-      max_exp_avg_sqs.push_back(&s.max_exp_avg_sq());
+    const AdamWRun r = PrepareAdamWRun(run, param_groups_, state_, steps);
+    if (UsesFusedKernel(kernel_, r.view)) {
+      QueueFusedAdamW(r, param_groups_, fused);
+    } else {
+      StepAdamWExact(r, param_groups_, scratch);
     }
-    at::Tensor exp_avg = RunBuffer(run, exp_avgs);
-    at::Tensor exp_avg_sq = RunBuffer(run, exp_avg_sqs);
-    at::Tensor max_exp_avg_sq = first.amsgrad() ? RunBuffer(run, max_exp_avg_sqs) : at::Tensor();
-    const bool flat = SteppableFlat(run, {exp_avg, exp_avg_sq, max_exp_avg_sq});
-    const at::Tensor param = Flat(run.param, flat);
-    const at::Tensor grad = Flat(run.grad, flat);
-    exp_avg = Flat(exp_avg, flat);
-    exp_avg_sq = Flat(exp_avg_sq, flat);
-    max_exp_avg_sq = Flat(max_exp_avg_sq, flat);
-    const int64_t step = state(*run.members.front()).step() + 1;
-    for (const Member* m : run.members) steps.emplace_back(&state(*m), step);
-    const double bias_correction1 = 1 - std::pow(beta1, step);
-    const double bias_correction2 = 1 - std::pow(beta2, step);
-    const std::vector<Stretch> stretches = StretchesOf(run);
-
-    if (kernel_ == FlatShardKernel::kFused && flat && grad.scalar_type() == param.scalar_type()) {
-      for (const Stretch& s : stretches) {
-        const AdamWOptions& o = options(s.group);
-        FusedCall& call =
-            fused[FusedKey(param, {o.lr(), o.weight_decay(), o.eps(), static_cast<double>(step),
-                                   beta1, beta2, o.amsgrad() ? 1.0 : 0.0})];
-        call.params.push_back(param.narrow(0, s.lo, s.n));
-        call.grads.push_back(grad.narrow(0, s.lo, s.n));
-        call.buffers1.push_back(exp_avg.narrow(0, s.lo, s.n));
-        call.buffers2.push_back(exp_avg_sq.narrow(0, s.lo, s.n));
-        if (o.amsgrad()) call.buffers3.push_back(max_exp_avg_sq.narrow(0, s.lo, s.n));
-        // The kernel takes the step count after this step's increment, and
-        // only reads it: the key holds the step, so one tensor serves the
-        // whole call (a tensor per stretch cost an allocation and, on a
-        // GPU, a fill kernel each).
-        if (call.steps.empty()) {
-          call.steps.push_back(
-              at::full({}, static_cast<double>(step), param.options().dtype(at::kFloat)));
-        } else {
-          call.steps.push_back(call.steps.front());
-        }
-      }
-      continue;
-    }
-
-    // libtorch's AdamW step, op for op; the two ops whose scalars depend on
-    // the group (learning rate, weight decay) once per group's stretch.
-    ForEachChunk(param, flat, [&](const Chunk& chunk) {
-      for (const Stretch& s : stretches) {
-        const AdamWOptions& o = options(s.group);
-        at::Tensor p = chunk.Part(param, s, false);
-        if (p.defined() && o.weight_decay() != 0) p.mul_(1 - o.lr() * o.weight_decay());
-      }
-      const at::Tensor g = chunk(grad);
-      at::Tensor m = chunk(exp_avg);
-      at::Tensor v = chunk(exp_avg_sq);
-      m.mul_(beta1).add_(g, 1 - beta1);
-      v.mul_(beta2).addcmul_(g, g, 1 - beta2);
-      at::Tensor denom = scratch.Like(v, chunk, 0);
-      if (first.amsgrad()) {
-        at::Tensor max_v = chunk(max_exp_avg_sq);
-        at::max_out(max_v, v, max_v);
-        at::sqrt_out(denom, max_v);
-      } else {
-        at::sqrt_out(denom, v);
-      }
-      denom.div_(std::sqrt(bias_correction2)).add_(first.eps());
-      for (const Stretch& s : stretches) {
-        at::Tensor p = chunk.Part(param, s, false);
-        if (!p.defined()) continue;
-        p.addcdiv_(chunk.Part(exp_avg, s, false), chunk.Part(denom, s, true),
-                   -(options(s.group).lr() / bias_correction1));
-      }
-    });
   }
-#if FSDP_HAVE_FUSED_OPTIMIZER_KERNELS
-  for (auto& [key, call] : fused) {
-    at::_fused_adamw_(call.params, call.grads, call.buffers1, call.buffers2, call.buffers3,
-                      call.steps, /*lr=*/key[0], /*beta1=*/key[4], /*beta2=*/key[5],
-                      /*weight_decay=*/key[1], /*eps=*/key[2], /*amsgrad=*/key[6] != 0,
-                      /*maximize=*/false);
-  }
-#endif
+  RunFusedAdamW(fused);
   for (auto& [s, step] : steps) s->step(step);
   Count(runs, stats_);
-  return loss;
+  return start.loss;
 }
 
 // Saved as the base state type (each state's own serialize() still runs),
@@ -494,129 +717,32 @@ FlatShardSGD::FlatShardSGD(std::vector<at::Tensor> params, SGDOptions defaults,
 
 at::Tensor FlatShardSGD::step(LossClosure closure) {
   at::NoGradGuard no_grad;
-  at::Tensor loss;
-  if (closure != nullptr) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
-  const std::vector<Member> members = MembersOf(param_groups_, "FlatShardSGD");
-  auto options = [&](size_t group) -> const SGDOptions& {
-    return static_cast<const SGDOptions&>(param_groups_[group].options());
-  };
-  // Only momentum has state; null without it, as libtorch keeps none.
-  auto state = [&](const Member& m) -> SGDParamState* {
-    auto it = state_.find(m.key);
-    return it == state_.end() ? nullptr : static_cast<SGDParamState*>(it->second.get());
-  };
-  auto has_momentum = [&](const Member& m) {
-    const SGDParamState* s = state(m);
-    return s != nullptr && s->momentum_buffer().defined();
-  };
-  const std::vector<Run> runs = FindRuns(members, [&](const Member& a, const Member& b) {
-    const SGDOptions& oa = options(a.group);
-    const SGDOptions& ob = options(b.group);
+  const StepStart start = BeginStep(closure, param_groups_, "FlatShardSGD");
+  const std::vector<Run> runs = FindRuns(start.members, [&](const Member& a, const Member& b) {
+    const SGDOptions& oa = GroupOptions<SGDOptions>(param_groups_, a.group);
+    const SGDOptions& ob = GroupOptions<SGDOptions>(param_groups_, b.group);
     return oa.momentum() == ob.momentum() && oa.dampening() == ob.dampening() &&
-           oa.nesterov() == ob.nesterov() && has_momentum(a) == has_momentum(b);
+           oa.nesterov() == ob.nesterov() && HasMomentum(state_, a) == HasMomentum(state_, b);
   });
   FusedCalls fused;  // By lr, weight decay, momentum, dampening, nesterov, first, dtype, device.
-  // First-step momentum buffers, installed once every run stepped.
   std::vector<std::pair<optim_internal::OptimizerStateKey, at::Tensor>> fresh_buffers;
   Scratch scratch;
   for (const Run& run : runs) {
-    const SGDOptions& first = options(run.members.front()->group);
-    const bool fresh = first.momentum() != 0 && !has_momentum(*run.members.front());
-    at::Tensor buffer;
-    if (fresh) {
-      // Filled with the step's update, as libtorch's first buffer is.
-      buffer = at::empty_like(run.param);
-      for (size_t i = 0; i < run.members.size(); ++i) {
-        const Member& m = *run.members[i];
-        fresh_buffers.emplace_back(
-            m.key, run.members.size() == 1
-                       ? buffer
-                       : buffer.narrow(0, run.starts[i], m.param.numel()).view(m.param.sizes()));
-      }
-    } else if (first.momentum() != 0) {
-      std::vector<at::Tensor*> buffers;
-      for (const Member* m : run.members) buffers.push_back(&state(*m)->momentum_buffer());
-      buffer = RunBuffer(run, buffers);
+    const SgdRun r = PrepareSgdRun(run, param_groups_, state_, fresh_buffers);
+    if (UsesFusedKernel(kernel_, r.view)) {
+      QueueFusedSgd(r, param_groups_, fused);
+    } else {
+      StepSgdExact(r, param_groups_, scratch);
     }
-    const bool flat = SteppableFlat(run, {buffer});
-    const at::Tensor param = Flat(run.param, flat);
-    const at::Tensor grad = Flat(run.grad, flat);
-    buffer = Flat(buffer, flat);
-    const std::vector<Stretch> stretches = StretchesOf(run);
-
-    if (kernel_ == FlatShardKernel::kFused && flat && grad.scalar_type() == param.scalar_type()) {
-      for (const Stretch& s : stretches) {
-        const SGDOptions& o = options(s.group);
-        FusedCall& call =
-            fused[FusedKey(param, {o.lr(), o.weight_decay(), o.momentum(), o.dampening(),
-                                   o.nesterov() ? 1.0 : 0.0, fresh ? 1.0 : 0.0})];
-        call.params.push_back(param.narrow(0, s.lo, s.n));
-        call.grads.push_back(grad.narrow(0, s.lo, s.n));
-        if (o.momentum() != 0) call.buffers1.push_back(buffer.narrow(0, s.lo, s.n));
-      }
-      continue;
-    }
-
-    // libtorch's SGD step, op for op; weight decay and the learning rate
-    // once per group's stretch.
-    bool decays = false;
-    for (const Stretch& s : stretches) decays = decays || options(s.group).weight_decay() != 0;
-    ForEachChunk(param, flat, [&](const Chunk& chunk) {
-      at::Tensor d_p = chunk(grad);
-      if (decays && !flat) {
-        d_p = d_p.add(param, options(stretches.front().group).weight_decay());
-      } else if (decays) {
-        d_p = scratch.Like(d_p, chunk, 0);
-        for (const Stretch& s : stretches) {
-          at::Tensor out = chunk.Part(d_p, s, true);
-          if (!out.defined()) continue;
-          const double weight_decay = options(s.group).weight_decay();
-          if (weight_decay != 0) {
-            at::add_out(out, chunk.Part(grad, s, false), chunk.Part(param, s, false), weight_decay);
-          } else {
-            out.copy_(chunk.Part(grad, s, false));
-          }
-        }
-      }
-      if (first.momentum() != 0) {
-        at::Tensor buf = chunk(buffer);
-        if (fresh) {
-          buf.copy_(d_p);
-        } else {
-          buf.mul_(first.momentum()).add_(d_p, 1 - first.dampening());
-        }
-        if (first.nesterov() && !flat) {
-          d_p = d_p.add(buf, first.momentum());
-        } else if (first.nesterov()) {
-          at::Tensor out = scratch.Like(d_p, chunk, 1);
-          d_p = at::add_out(out, d_p, buf, first.momentum());
-        } else {
-          d_p = buf;
-        }
-      }
-      for (const Stretch& s : stretches) {
-        at::Tensor p = chunk.Part(param, s, false);
-        if (p.defined()) p.add_(chunk.Part(d_p, s, true), -1 * options(s.group).lr());
-      }
-    });
   }
-#if FSDP_HAVE_FUSED_OPTIMIZER_KERNELS
-  for (auto& [key, call] : fused) {
-    at::_fused_sgd_(call.params, call.grads, call.buffers1, /*weight_decay=*/key[1],
-                    /*momentum=*/key[2], /*lr=*/key[0], /*dampening=*/key[3],
-                    /*nesterov=*/key[4] != 0, /*maximize=*/false, /*is_first_step=*/key[5] != 0);
-  }
-#endif
+  RunFusedSgd(fused);
   for (auto& [key, buffer] : fresh_buffers) {
     auto s = std::make_unique<FlatSGDParamState>();
     s->momentum_buffer(buffer);
     state_[key] = std::move(s);
   }
   Count(runs, stats_);
-  return loss;
+  return start.loss;
 }
 
 void FlatShardSGD::save(torch::serialize::OutputArchive& archive) const {

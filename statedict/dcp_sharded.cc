@@ -148,6 +148,104 @@ std::string Who(const Collectives& group) {
   return absl::StrCat("rank ", group.rank(), " of ", group.world_size());
 }
 
+// A local failure becomes this rank's report: every rank reaches every
+// collective, whatever happens to it locally.
+absl::Status Guarded(const std::function<absl::Status()>& phase) {
+  try {
+    return phase();
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+}
+
+// Writes this rank's items into its own data file of the save `save_id`:
+// `mine` says where each went, `owner` which tensor each chunk is of.
+absl::Status WriteThisRanksFile(int rank, const std::string& dir, uint64_t save_id,
+                                const std::vector<DcpTensorShard>& tensors,
+                                const std::vector<DcpItem>& values, std::vector<size_t>& owner,
+                                std::vector<DcpStoredEntry>& mine) {
+  std::vector<DcpItem> items;
+  FSDP_RETURN_IF_ERROR(ItemsOf(rank, tensors, values, items, owner));
+  if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot create '", dir, "': ", std::strerror(errno)));
+  }
+  FSDP_ASSIGN_OR_RETURN(mine, WriteDcpDataFile(dir, NewDcpDataFileName(rank, save_id), items));
+  return absl::OkStatus();
+}
+
+// Every rank's file, as rank 0 sees it: a directory that is not shared
+// would otherwise commit a checkpoint naming files it lacks.
+absl::Status CheckEveryFileVisible(const std::string& dir,
+                                   const std::vector<DcpStoredEntry>& mine,
+                                   const std::vector<DcpStoredEntry>& all) {
+  std::map<std::string, uint64_t> file_ends;
+  for (const std::vector<DcpStoredEntry>* entries : {&mine, &all}) {
+    for (const DcpStoredEntry& e : *entries) {
+      uint64_t& end = file_ends[e.location.relative_path];
+      end = std::max(end, e.location.offset + e.location.length);
+    }
+  }
+  for (const auto& [file, end] : file_ends) {
+    struct stat st;
+    if (stat(absl::StrCat(dir, "/", file).c_str(), &st) != 0 ||
+        static_cast<uint64_t>(st.st_size) < end) {
+      return absl::UnavailableError(
+          absl::StrCat("rank 0 does not see ", file, " whole in '", dir,
+                       "': every rank must write to the same (shared) directory"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Tensors in the callers' order (each rank's chunks are), then the values:
+// rank 0's entries after its chunks. `mine` is rank 0's entries, its first
+// `owner.size()` its chunks; `all` the other ranks', of tensors `reported_index`.
+std::vector<DcpStoredEntry> InCommitOrder(const std::vector<DcpStoredEntry>& mine,
+                                          const std::vector<size_t>& owner,
+                                          const std::vector<DcpStoredEntry>& all,
+                                          const std::vector<size_t>& reported_index) {
+  std::vector<DcpStoredEntry> ordered(mine.begin(), mine.begin() + owner.size());
+  std::vector<size_t> index_of = owner;
+  for (size_t i = 0; i < all.size(); ++i) {
+    ordered.push_back(all[i]);
+    index_of.push_back(reported_index[i]);
+  }
+  std::vector<size_t> order(ordered.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t x, size_t y) { return index_of[x] < index_of[y]; });
+  std::vector<DcpStoredEntry> sorted;
+  for (size_t i : order) sorted.push_back(ordered[i]);
+  sorted.insert(sorted.end(), mine.begin() + owner.size(), mine.end());
+  return sorted;
+}
+
+// Rank 0's part of a save: every rank's report read, then .metadata for
+// all their chunks committed; an error names every rank that failed.
+absl::Status CommitEveryRanksChunks(const std::string& dir, int world, uint64_t save_id,
+                                    const std::vector<std::string>& reports,
+                                    const std::vector<DcpTensorShard>& tensors,
+                                    const std::vector<size_t>& owner,
+                                    const std::vector<DcpStoredEntry>& mine) {
+  std::vector<std::string> failed;
+  std::vector<DcpStoredEntry> all;     // Other ranks' chunks,
+  std::vector<size_t> reported_index;  // and their tensors.
+  for (int r = 0; r < world; ++r) {
+    if (!reports[r].empty() && reports[r][0] == 'E') {
+      failed.push_back(absl::StrCat("rank ", r, ": ", reports[r].substr(1)));
+      continue;
+    }
+    if (r == 0) continue;
+    absl::Status decoded = DecodeReport(reports[r], r, NewDcpDataFileName(r, save_id), tensors,
+                                        all, reported_index);
+    if (!decoded.ok()) failed.push_back(std::string(decoded.message()));
+  }
+  if (!failed.empty()) return absl::InternalError(absl::StrJoin(failed, "; "));
+  FSDP_RETURN_IF_ERROR(CheckEveryFileVisible(dir, mine, all));
+  return CommitDcpMetadata(dir, InCommitOrder(mine, owner, all, reported_index));
+}
+
 }  // namespace
 
 absl::Status SaveShardedDcp(Collectives& group, const std::string& dir,
@@ -155,15 +253,6 @@ absl::Status SaveShardedDcp(Collectives& group, const std::string& dir,
                             const std::vector<DcpItem>& values, const absl::Status& ready) {
   const int rank = group.rank(), world = group.world_size();
   CollectiveLabel label(group, "", "DCP save");
-  // A local failure becomes this rank's report: every rank reaches every
-  // collective, whatever happens to it locally.
-  const auto guarded = [](const std::function<absl::Status()>& phase) {
-    try {
-      return phase();
-    } catch (...) {
-      return StatusFromCurrentException();
-    }
-  };
   try {
     std::string id = rank == 0
                          ? absl::StrCat(std::chrono::system_clock::now().time_since_epoch().count())
@@ -175,17 +264,8 @@ absl::Status SaveShardedDcp(Collectives& group, const std::string& dir,
     std::vector<DcpStoredEntry> mine;  // and where its items went.
     absl::Status written = ready;
     if (written.ok()) {
-      written = guarded([&]() -> absl::Status {
-        std::vector<DcpItem> items;
-        FSDP_RETURN_IF_ERROR(ItemsOf(rank, tensors, values, items, owner));
-        if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("cannot create '", dir, "': ", std::strerror(errno)));
-        }
-        FSDP_ASSIGN_OR_RETURN(mine,
-                              WriteDcpDataFile(dir, NewDcpDataFileName(rank, save_id), items));
-        return absl::OkStatus();
-      });
+      written = Guarded(
+          [&] { return WriteThisRanksFile(rank, dir, save_id, tensors, values, owner, mine); });
     }
     std::string report;
     if (written.ok()) {
@@ -199,55 +279,8 @@ absl::Status SaveShardedDcp(Collectives& group, const std::string& dir,
 
     std::string outcome;  // Rank 0's: empty when the checkpoint landed.
     if (rank == 0) {
-      const absl::Status committed = guarded([&]() -> absl::Status {
-        std::vector<std::string> failed;
-        std::vector<DcpStoredEntry> all;     // Other ranks' chunks,
-        std::vector<size_t> reported_index;  // and their tensors.
-        for (int r = 0; r < world; ++r) {
-          if (!reports[r].empty() && reports[r][0] == 'E') {
-            failed.push_back(absl::StrCat("rank ", r, ": ", reports[r].substr(1)));
-            continue;
-          }
-          if (r == 0) continue;
-          absl::Status decoded = DecodeReport(reports[r], r, NewDcpDataFileName(r, save_id),
-                                              tensors, all, reported_index);
-          if (!decoded.ok()) failed.push_back(std::string(decoded.message()));
-        }
-        if (!failed.empty()) return absl::InternalError(absl::StrJoin(failed, "; "));
-        // Every rank's file, as rank 0 sees it: a directory that is not
-        // shared would otherwise commit a checkpoint naming files it lacks.
-        std::map<std::string, uint64_t> file_ends;
-        for (const std::vector<DcpStoredEntry>* entries : {&mine, &all}) {
-          for (const DcpStoredEntry& e : *entries) {
-            uint64_t& end = file_ends[e.location.relative_path];
-            end = std::max(end, e.location.offset + e.location.length);
-          }
-        }
-        for (const auto& [file, end] : file_ends) {
-          struct stat st;
-          if (stat(absl::StrCat(dir, "/", file).c_str(), &st) != 0 ||
-              static_cast<uint64_t>(st.st_size) < end) {
-            return absl::UnavailableError(
-                absl::StrCat("rank 0 does not see ", file, " whole in '", dir,
-                             "': every rank must write to the same (shared) directory"));
-          }
-        }
-        // Tensors in the callers' order (each rank's chunks are), then the
-        // values: rank 0's entries after its chunks.
-        std::vector<DcpStoredEntry> ordered(mine.begin(), mine.begin() + owner.size());
-        std::vector<size_t> index_of = owner;
-        for (size_t i = 0; i < all.size(); ++i) {
-          ordered.push_back(all[i]);
-          index_of.push_back(reported_index[i]);
-        }
-        std::vector<size_t> order(ordered.size());
-        for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-        std::stable_sort(order.begin(), order.end(),
-                         [&](size_t x, size_t y) { return index_of[x] < index_of[y]; });
-        std::vector<DcpStoredEntry> sorted;
-        for (size_t i : order) sorted.push_back(ordered[i]);
-        sorted.insert(sorted.end(), mine.begin() + owner.size(), mine.end());
-        return CommitDcpMetadata(dir, sorted);
+      const absl::Status committed = Guarded([&] {
+        return CommitEveryRanksChunks(dir, world, save_id, reports, tensors, owner, mine);
       });
       if (!committed.ok()) {
         for (int r = 0; r < world; ++r) {
@@ -266,6 +299,101 @@ absl::Status SaveShardedDcp(Collectives& group, const std::string& dir,
   }
 }
 
+namespace {
+
+// A load's refusal of a checkpoint whose tensors do not fit the model's,
+// naming the first few it does hold.
+absl::Status DoesNotFit(const std::string& dir, const DcpMetadata& metadata,
+                        const std::vector<std::string>& problems) {
+  std::vector<std::string> names;
+  for (const DcpTensorEntry& entry : metadata.tensors) {
+    if (names.size() == 4) break;
+    names.push_back(entry.fqn);
+  }
+  const std::string holds = absl::StrCat(" (its tensors start: ", absl::StrJoin(names, ", "), ")");
+  return absl::InvalidArgumentError(absl::StrCat(
+      "DCP checkpoint '", dir, "' does not fit: ", absl::StrJoin(problems, "; "), holds));
+}
+
+// Reads this rank's part of every tensor into `staging` (nothing is copied
+// into the tensors yet: that waits for every rank's agreement).
+absl::Status StageThisRanksParts(const std::string& dir,
+                                 const std::vector<DcpTensorShard>& tensors,
+                                 std::vector<at::Tensor>& staging, ShardedLoadStats& stats) {
+  FSDP_ASSIGN_OR_RETURN(const DcpMetadata metadata, ReadDcpMetadata(dir));
+  std::unordered_map<std::string, const DcpTensorEntry*> by_name;
+  for (const DcpTensorEntry& entry : metadata.tensors) by_name[entry.fqn] = &entry;
+  std::vector<std::string> problems;
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const DcpTensorShard& t = tensors[k];
+    const std::string name = DcpStoredName(t.path);
+    auto it = by_name.find(name);
+    if (it == by_name.end()) {
+      problems.push_back(absl::StrCat("'", name, "' is missing"));
+      continue;
+    }
+    const DcpTensorEntry& entry = *it->second;
+    if (entry.size != t.shape || entry.dtype != t.dtype) {
+      problems.push_back(absl::StrCat("'", name, "' is ", c10::toString(entry.dtype), " [",
+                                      absl::StrJoin(entry.size, ", "), "] in the checkpoint, ",
+                                      c10::toString(t.dtype), " [", absl::StrJoin(t.shape, ", "),
+                                      "] here"));
+      continue;
+    }
+    int64_t numel = 1;
+    for (int64_t s : t.shape) numel *= s;
+    const int64_t lo = t.sharded ? t.lo : 0, hi = t.sharded ? t.hi : numel;
+    // Checked here, so that copying after the agreement cannot fail.
+    if (!t.local.defined() || t.local.numel() != hi - lo || t.local.scalar_type() != t.dtype ||
+        !t.local.is_contiguous()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "'", name, "': this rank's tensor is not a contiguous ", c10::toString(t.dtype),
+          " tensor of the ", hi - lo, " elements it holds"));
+    }
+    FSDP_ASSIGN_OR_RETURN(staging[k], ReadDcpFlatRange(dir, entry, lo, hi, &stats.bytes_read));
+    stats.bytes_needed += (hi - lo) * static_cast<int64_t>(c10::elementSize(t.dtype));
+  }
+  if (!problems.empty()) return DoesNotFit(dir, metadata, problems);
+  return absl::OkStatus();
+}
+
+// Every rank's outcome (and, under hybrid sharding, every replica's): OK
+// only when every rank staged its parts; else this rank's error, or one
+// naming the ranks that failed.
+absl::Status AgreeOnLoad(Collectives& group, const std::string& dir, const absl::Status& local,
+                         Collectives* replicate_group) {
+  at::Tensor failed = at::empty({group.world_size()}, at::kDouble);
+  group.AllGatherIntoTensor(failed, at::full({1}, local.ok() ? 0.0 : 1.0, at::kDouble))->Wait();
+  std::vector<int> ranks;
+  for (int r = 0; r < group.world_size(); ++r) {
+    if (failed[r].item<double>() != 0) ranks.push_back(r);
+  }
+  if (replicate_group != nullptr) {
+    // Every replica loads or none: the others' groups' outcomes too.
+    at::Tensor any = at::full({1}, ranks.empty() ? 0.0 : 1.0, at::kDouble);
+    replicate_group->AllReduce(any, ReduceOp::kSum)->Wait();
+    if (ranks.empty() && any.item<double>() != 0) {
+      return absl::AbortedError(
+          absl::StrCat(Who(group),
+                       ": nothing was loaded: a rank of another shard group could not load "
+                       "the DCP checkpoint in '",
+                       dir, "'"));
+    }
+  }
+  if (!ranks.empty()) {
+    if (!local.ok()) {
+      return absl::Status(local.code(),
+                          absl::StrCat(Who(group), ": nothing was loaded: ", local.message()));
+    }
+    return absl::AbortedError(absl::StrCat(Who(group), ": nothing was loaded: rank(s) ",
+                                           absl::StrJoin(ranks, ", "),
+                                           " could not load the DCP checkpoint in '", dir, "'"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status LoadShardedDcp(Collectives& group, const std::string& dir,
                             const std::vector<DcpTensorShard>& tensors, ShardedLoadStats* stats,
                             const absl::Status& ready, Collectives* replicate_group) {
@@ -274,95 +402,12 @@ absl::Status LoadShardedDcp(Collectives& group, const std::string& dir,
   ShardedLoadStats local_stats;
   absl::Status local = ready;
   try {
-    if (local.ok()) {
-      absl::StatusOr<DcpMetadata> metadata = ReadDcpMetadata(dir);
-      if (!metadata.ok()) local = metadata.status();
-      std::unordered_map<std::string, const DcpTensorEntry*> by_name;
-      if (metadata.ok()) {
-        for (const DcpTensorEntry& entry : metadata->tensors) by_name[entry.fqn] = &entry;
-      }
-      std::vector<std::string> problems;
-      for (size_t k = 0; local.ok() && k < tensors.size(); ++k) {
-        const DcpTensorShard& t = tensors[k];
-        const std::string name = DcpStoredName(t.path);
-        auto it = by_name.find(name);
-        if (it == by_name.end()) {
-          problems.push_back(absl::StrCat("'", name, "' is missing"));
-          continue;
-        }
-        const DcpTensorEntry& entry = *it->second;
-        if (entry.size != t.shape || entry.dtype != t.dtype) {
-          problems.push_back(absl::StrCat("'", name, "' is ", c10::toString(entry.dtype), " [",
-                                          absl::StrJoin(entry.size, ", "), "] in the checkpoint, ",
-                                          c10::toString(t.dtype), " [",
-                                          absl::StrJoin(t.shape, ", "), "] here"));
-          continue;
-        }
-        int64_t numel = 1;
-        for (int64_t s : t.shape) numel *= s;
-        const int64_t lo = t.sharded ? t.lo : 0, hi = t.sharded ? t.hi : numel;
-        // Checked here, so that copying after the agreement cannot fail.
-        if (!t.local.defined() || t.local.numel() != hi - lo || t.local.scalar_type() != t.dtype ||
-            !t.local.is_contiguous()) {
-          local = absl::InvalidArgumentError(absl::StrCat(
-              "'", name, "': this rank's tensor is not a contiguous ", c10::toString(t.dtype),
-              " tensor of the ", hi - lo, " elements it holds"));
-          break;
-        }
-        absl::StatusOr<at::Tensor> part =
-            ReadDcpFlatRange(dir, entry, lo, hi, &local_stats.bytes_read);
-        if (!part.ok()) {
-          local = part.status();
-          break;
-        }
-        local_stats.bytes_needed += (hi - lo) * static_cast<int64_t>(c10::elementSize(t.dtype));
-        staging[k] = *std::move(part);
-      }
-      if (local.ok() && !problems.empty()) {
-        std::string holds;
-        if (metadata.ok()) {
-          std::vector<std::string> names;
-          for (const DcpTensorEntry& entry : metadata->tensors) {
-            if (names.size() == 4) break;
-            names.push_back(entry.fqn);
-          }
-          holds = absl::StrCat(" (its tensors start: ", absl::StrJoin(names, ", "), ")");
-        }
-        local = absl::InvalidArgumentError(absl::StrCat(
-            "DCP checkpoint '", dir, "' does not fit: ", absl::StrJoin(problems, "; "), holds));
-      }
-    }
+    if (local.ok()) local = StageThisRanksParts(dir, tensors, staging, local_stats);
   } catch (...) {
     local = StatusFromCurrentException();
   }
   try {
-    at::Tensor failed = at::empty({group.world_size()}, at::kDouble);
-    group.AllGatherIntoTensor(failed, at::full({1}, local.ok() ? 0.0 : 1.0, at::kDouble))->Wait();
-    std::vector<int> ranks;
-    for (int r = 0; r < group.world_size(); ++r) {
-      if (failed[r].item<double>() != 0) ranks.push_back(r);
-    }
-    if (replicate_group != nullptr) {
-      // Every replica loads or none: the others' groups' outcomes too.
-      at::Tensor any = at::full({1}, ranks.empty() ? 0.0 : 1.0, at::kDouble);
-      replicate_group->AllReduce(any, ReduceOp::kSum)->Wait();
-      if (ranks.empty() && any.item<double>() != 0) {
-        return absl::AbortedError(
-            absl::StrCat(Who(group),
-                         ": nothing was loaded: a rank of another shard group could not load "
-                         "the DCP checkpoint in '",
-                         dir, "'"));
-      }
-    }
-    if (!ranks.empty()) {
-      if (!local.ok()) {
-        return absl::Status(local.code(),
-                            absl::StrCat(Who(group), ": nothing was loaded: ", local.message()));
-      }
-      return absl::AbortedError(absl::StrCat(Who(group), ": nothing was loaded: rank(s) ",
-                                             absl::StrJoin(ranks, ", "),
-                                             " could not load the DCP checkpoint in '", dir, "'"));
-    }
+    FSDP_RETURN_IF_ERROR(AgreeOnLoad(group, dir, local, replicate_group));
     at::NoGradGuard no_grad;
     for (size_t k = 0; k < tensors.size(); ++k) {
       if (staging[k].defined() && staging[k].numel() > 0) {

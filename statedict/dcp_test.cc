@@ -230,6 +230,45 @@ TEST(Dcp, AMetadataPickleThatWouldRunACommandIsRefusedAndNothingRuns) {
   EXPECT_TRUE(Exists(dir + "/ran"));
 }
 
+DcpItem ItemOf(const std::string& name, at::Tensor value) {
+  DcpItem item;
+  item.path = {DcpPathPart{false, name, 0}};
+  item.value = std::move(value);
+  return item;
+}
+
+std::vector<std::string> TensorNames(const DcpMetadata& metadata) {
+  std::vector<std::string> names;
+  for (const DcpTensorEntry& t : metadata.tensors) names.push_back(t.fqn);
+  return names;
+}
+
+// ReadDcpMetadata keeps the last .metadata it parsed: a checkpoint saved
+// over it, or a .metadata rewritten in place, must be read afresh.
+TEST(Dcp, MetadataIsReadAfreshWhenTheCheckpointChanges) {
+  const std::string dir = TempDir() + "/dcp_changes";
+  const std::string other = TempDir() + "/dcp_changes_other";
+  ASSERT_EQ(RunShell(absl::StrCat("rm -rf '", dir, "' '", other, "'")), 0);
+  ASSERT_TRUE(SaveDcpCheckpoint(dir, {ItemOf("first", at::ones({2, 3}))}).ok());
+  absl::StatusOr<DcpMetadata> read = ReadDcpMetadata(dir);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_THAT(TensorNames(*read), ::testing::ElementsAre("first"));
+  ASSERT_TRUE(ReadDcpMetadata(dir).ok());  // Kept.
+
+  ASSERT_TRUE(SaveDcpCheckpoint(dir, {ItemOf("second", at::ones({4}))}).ok());
+  read = ReadDcpMetadata(dir);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_THAT(TensorNames(*read), ::testing::ElementsAre("second"));
+
+  // The same inode, rewritten.
+  ASSERT_TRUE(
+      SaveDcpCheckpoint(other, {ItemOf("third", at::ones({1})), ItemOf("x", at::ones({1}))}).ok());
+  ASSERT_EQ(RunShell(absl::StrCat("cp '", other, "/.metadata' '", dir, "/.metadata'")), 0);
+  read = ReadDcpMetadata(dir);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_THAT(TensorNames(*read), ::testing::ElementsAre("third", "x"));
+}
+
 TEST(Dcp, ADirectoryWithoutMetadataIsNamed) {
   EXPECT_FALSE(IsDcpDirectory(TempDir()));
   EXPECT_TRUE(IsDcpDirectory(absl::StrCat(kFixtures, "/plain/ckpt")));

@@ -1,12 +1,7 @@
 #include "statedict/torch_file.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cctype>
-#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -25,15 +20,21 @@
 #include "absl/strings/str_join.h"
 #include "base/status.h"
 #include "caffe2/serialize/inline_container.h"
-#include "caffe2/serialize/read_adapter_interface.h"
 #include "statedict/atomic_file.h"
-#include "statedict/crc32.h"
 #include "statedict/restricted_unpickler.h"
+#include "statedict/torch_zip.h"
 #include "torch/csrc/jit/serialization/export.h"
 #include "torch/csrc/jit/serialization/pickler.h"
 
 namespace fsdp {
 namespace {
+
+using torch_zip::ByteRange;
+using torch_zip::ByteRangeAdapter;
+using torch_zip::CheckRecordCrc;
+using torch_zip::CheckRecordSize;
+using torch_zip::ReadZipDirectory;
+using torch_zip::ZipDirectory;
 
 // --- Writing -----------------------------------------------------------------
 
@@ -47,266 +48,6 @@ at::Tensor Compact(const at::Tensor& t) {
 }
 
 // --- Reading -----------------------------------------------------------------
-
-uint64_t Le(const std::string& b, size_t at, int bytes) {
-  uint64_t v = 0;
-  for (int k = 0; k < bytes; ++k) v |= static_cast<uint64_t>(static_cast<uint8_t>(b[at + k])) << (8 * k);
-  return v;
-}
-
-// What the zip central directory records for one entry.
-struct ZipEntry {
-  uint32_t crc = 0;
-  uint64_t compressed_size = 0;
-  uint64_t size = 0;  // Uncompressed.
-};
-
-// The central directory's entries, by name without the archive's top
-// directory ("data/0", "data.pkl"). The reader checks every record against
-// them before reading it: the CRC-32, which libtorch's reader does not
-// check for stored (uncompressed) records, how torch.save stores
-// everything, so a flipped byte would load silently; and the size, before
-// anything is allocated for it. An archive whose every CRC is 0 was written
-// with torch.serialization.set_crc32_options(False) and cannot be checked.
-struct ZipDirectory {
-  uint64_t file_size = 0;
-  std::string prefix;  // The archive's top directory, with its '/'.
-  bool has_crcs = false;
-  std::unordered_map<std::string, ZipEntry> entries;
-};
-
-// Bytes [base, base + size) of an open file: a whole torch.save file, or
-// one embedded in another (Distributed Checkpoint's .distcp files).
-class ByteRange {
- public:
-  static absl::StatusOr<std::shared_ptr<ByteRange>> Open(const std::string& path, uint64_t offset,
-                                                         std::optional<uint64_t> length) {
-    // Non-blocking, so that a FIFO planted where a file should be cannot
-    // block the open; only regular files are read.
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-    if (fd < 0) {
-      return absl::NotFoundError(absl::StrCat("cannot read '", path,
-                                              "' as a torch.save archive: cannot open it (",
-                                              std::strerror(errno), ")"));
-    }
-    auto range = std::shared_ptr<ByteRange>(new ByteRange(fd));
-    struct stat st;
-    if (fstat(fd, &st) != 0) return absl::InternalError(absl::StrCat("cannot stat '", path, "'"));
-    if (!S_ISREG(st.st_mode)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("cannot read '", path, "' as a torch.save archive: not a regular file"));
-    }
-    const uint64_t file_size = static_cast<uint64_t>(st.st_size);
-    const uint64_t size = length.value_or(file_size - std::min(offset, file_size));
-    if (offset > file_size || size > file_size - offset) {
-      return absl::InvalidArgumentError(absl::StrCat("'", path, "' has ", file_size,
-                                                     " bytes, too few for bytes [", offset, ", ",
-                                                     offset + size, ")"));
-    }
-    range->base_ = offset;
-    range->size_ = size;
-    return range;
-  }
-  ~ByteRange() { ::close(fd_); }
-  ByteRange(const ByteRange&) = delete;
-  ByteRange& operator=(const ByteRange&) = delete;
-
-  uint64_t size() const { return size_; }
-  // Reads up to n bytes at pos (clipped to the range); returns how many.
-  size_t Read(uint64_t pos, void* out, size_t n) const {
-    if (pos >= size_) return 0;
-    n = static_cast<size_t>(std::min<uint64_t>(n, size_ - pos));
-    size_t done = 0;
-    while (done < n) {
-      const ssize_t got = ::pread(fd_, static_cast<char*>(out) + done, n - done,
-                                  static_cast<off_t>(base_ + pos + done));
-      if (got < 0 && errno == EINTR) continue;
-      if (got <= 0) break;
-      done += static_cast<size_t>(got);
-    }
-    return done;
-  }
-  bool ReadExactly(uint64_t pos, std::string* out, size_t n) const {
-    out->assign(n, '\0');
-    return Read(pos, &(*out)[0], n) == n;
-  }
-
- private:
-  explicit ByteRange(int fd) : fd_(fd) {}
-  int fd_;
-  uint64_t base_ = 0;
-  uint64_t size_ = 0;
-};
-
-// libtorch's archive reader over a ByteRange.
-class ByteRangeAdapter : public caffe2::serialize::ReadAdapterInterface {
- public:
-  explicit ByteRangeAdapter(std::shared_ptr<const ByteRange> range) : range_(std::move(range)) {}
-  size_t size() const override { return static_cast<size_t>(range_->size()); }
-  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/) const override {
-    return range_->Read(pos, buf, n);
-  }
-
- private:
-  std::shared_ptr<const ByteRange> range_;
-};
-
-// `name` says what the range is in errors ("'x.pt'").
-absl::StatusOr<ZipDirectory> ReadZipDirectory(const ByteRange& in, const std::string& name) {
-  const auto bad = [&](const std::string& what) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot read ", name, " as a torch.save archive: ", what));
-  };
-  const uint64_t size = in.size();
-  const uint64_t tail_size = std::min<uint64_t>(size, 65535 + 22 + 20);
-  std::string tail;
-  if (!in.ReadExactly(size - tail_size, &tail, tail_size)) return bad("cannot read its end");
-  size_t eocd = std::string::npos;
-  for (size_t at = tail_size >= 22 ? tail_size - 22 + 1 : 0; at-- > 0;) {
-    if (Le(tail, at, 4) == 0x06054b50) {
-      eocd = at;
-      break;
-    }
-  }
-  if (eocd == std::string::npos) {
-    // torch.save's format before PyTorch 1.6 (and with
-    // _use_new_zipfile_serialization=False) is a pickle stream that starts
-    // by pickling this magic number (a LONG1 opcode with 10 bytes).
-    static constexpr unsigned char kLegacyMagic[] = {0x80, 0x02, 0x8a, 0x0a, 0x6c, 0xfc, 0x9c,
-                                                     0x46, 0xf9, 0x20, 0x6a, 0xa8, 0x50, 0x19};
-    std::string head;
-    if (in.ReadExactly(0, &head, sizeof(kLegacyMagic)) &&
-        std::memcmp(head.data(), kLegacyMagic, sizeof(kLegacyMagic)) == 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name,
-          " is in torch.save's legacy format (PyTorch before 1.6, or "
-          "_use_new_zipfile_serialization=False), which is not supported: convert it in "
-          "Python with torch.save(torch.load(",
-          name, "), 'NEW.pt')"));
-    }
-    return bad("no zip end-of-central-directory record");
-  }
-  uint64_t entries = Le(tail, eocd + 10, 2);
-  uint64_t dir_size = Le(tail, eocd + 12, 4);
-  uint64_t dir_offset = Le(tail, eocd + 16, 4);
-  if ((entries == 0xffff || dir_offset == 0xffffffff) && eocd >= 20 &&
-      Le(tail, eocd - 20, 4) == 0x07064b50) {  // Zip64 locator -> zip64 record.
-    const uint64_t record = Le(tail, eocd - 20 + 8, 8);
-    std::string z;
-    if (!in.ReadExactly(record, &z, 56) || Le(z, 0, 4) != 0x06064b50) {
-      return bad("broken zip64 end record");
-    }
-    entries = Le(z, 32, 8);
-    dir_size = Le(z, 40, 8);
-    dir_offset = Le(z, 48, 8);
-  }
-  if (dir_offset > size || dir_size > size - dir_offset) {
-    return bad("the zip central directory lies beyond the file");
-  }
-  std::string dir;
-  if (!in.ReadExactly(dir_offset, &dir, dir_size)) {
-    return bad("cannot read the zip central directory");
-  }
-  ZipDirectory directory;
-  directory.file_size = size;
-  size_t at = 0;
-  for (uint64_t e = 0; e < entries; ++e) {
-    if (at + 46 > dir.size() || Le(dir, at, 4) != 0x02014b50) return bad("corrupt zip directory");
-    ZipEntry entry;
-    entry.crc = static_cast<uint32_t>(Le(dir, at + 16, 4));
-    entry.compressed_size = Le(dir, at + 20, 4);
-    entry.size = Le(dir, at + 24, 4);
-    uint64_t local_header = Le(dir, at + 42, 4);
-    const size_t name_len = Le(dir, at + 28, 2), extra_len = Le(dir, at + 30, 2),
-                 comment_len = Le(dir, at + 32, 2);
-    if (at + 46 + name_len > dir.size()) return bad("corrupt zip directory");
-    if (at + 46 + name_len + extra_len > dir.size()) return bad("corrupt zip directory");
-    // Sizes of 4 GiB and more live in the zip64 extra field, in this order.
-    std::string extra = dir.substr(at + 46 + name_len, extra_len);
-    for (size_t x = 0; x + 4 <= extra.size();) {
-      const uint64_t tag = Le(extra, x, 2), len = Le(extra, x + 2, 2);
-      if (x + 4 + len > extra.size()) break;
-      if (tag == 0x0001) {
-        size_t field = x + 4;
-        if (entry.size == 0xffffffff && field + 8 <= x + 4 + len) {
-          entry.size = Le(extra, field, 8);
-          field += 8;
-        }
-        if (entry.compressed_size == 0xffffffff && field + 8 <= x + 4 + len) {
-          entry.compressed_size = Le(extra, field, 8);
-          field += 8;
-        }
-        if (local_header == 0xffffffff && field + 8 <= x + 4 + len) {
-          local_header = Le(extra, field, 8);
-        }
-      }
-      x += 4 + len;
-    }
-    directory.has_crcs = directory.has_crcs || entry.crc != 0;
-    // libtorch's reader names records by the first entry's top directory;
-    // an entry elsewhere, or a name twice, would be checked against one
-    // entry while another is read.
-    const std::string entry_name = dir.substr(at + 46, name_len);
-    const size_t slash = entry_name.find('/');
-    if (slash == std::string::npos) {
-      return bad(absl::StrCat("entry '", entry_name, "' is in no directory"));
-    }
-    if (e == 0) directory.prefix = entry_name.substr(0, slash + 1);
-    if (entry_name.compare(0, directory.prefix.size(), directory.prefix) != 0) {
-      return bad(absl::StrCat("entry '", entry_name, "' is outside the archive's directory '",
-                              directory.prefix, "'"));
-    }
-    if (!directory.entries.emplace(entry_name.substr(slash + 1), entry).second) {
-      return bad(absl::StrCat("entry '", entry_name, "' appears twice"));
-    }
-    // Each entry's local header must agree with the directory. libtorch
-    // 1.13's reader throws from its constructor when one does not, and
-    // then leaks its zip state (the fuzzer's finding), so this is checked
-    // before the reader exists.
-    std::string local;
-    if (!in.ReadExactly(local_header, &local, 30 + name_len) || Le(local, 0, 4) != 0x04034b50 ||
-        Le(local, 26, 2) != name_len || local.compare(30, name_len, entry_name) != 0) {
-      return bad(absl::StrCat("the local header of entry '", entry_name,
-                              "' does not match the zip directory"));
-    }
-    at += 46 + name_len + extra_len + comment_len;
-  }
-  return directory;
-}
-
-// Checks a record's directory entry before anything is allocated for it:
-// it exists, holds `expected_size` bytes when that is known (>= 0), and
-// claims no more than the file could hold (deflate expands at most 1032x).
-absl::Status CheckRecordSize(const ZipDirectory& directory, const std::string& record,
-                             int64_t expected_size) {
-  auto it = directory.entries.find(record);
-  if (it == directory.entries.end()) {
-    return absl::InvalidArgumentError(absl::StrCat("the archive has no record '", record, "'"));
-  }
-  const ZipEntry& entry = it->second;
-  if (expected_size >= 0 && entry.size != static_cast<uint64_t>(expected_size)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("record '", record, "' has ", entry.size, " bytes, expected ", expected_size));
-  }
-  if (entry.compressed_size > directory.file_size ||
-      entry.size > 1032 * entry.compressed_size + 1024) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "record '", record, "' claims ", entry.size, " bytes from ", entry.compressed_size,
-        " stored in a file of ", directory.file_size, ": the file is corrupt"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckRecordCrc(const ZipDirectory& directory, const std::string& record,
-                            const void* bytes, size_t n) {
-  if (!directory.has_crcs) return absl::OkStatus();
-  auto it = directory.entries.find(record);
-  if (it == directory.entries.end() || Crc32(bytes, n) != it->second.crc) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("record '", record, "' fails its CRC-32 check: the file is corrupt"));
-  }
-  return absl::OkStatus();
-}
 
 // The legacy Storage classes through which torch.save's format names a
 // storage's dtype (libtorch's pickler writes "torch.<Type>Storage").

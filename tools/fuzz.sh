@@ -22,7 +22,8 @@ mkdir -p "$out/corpus"
 case "$target" in
   restricted_unpickler) sources=(statedict/restricted_unpickler.cc base/status.cc) ;;
   torch_file|dcp_metadata)
-    sources=(statedict/restricted_unpickler.cc statedict/torch_file.cc statedict/dcp.cc
+    sources=(statedict/restricted_unpickler.cc statedict/torch_file.cc statedict/torch_zip.cc
+             statedict/dcp.cc statedict/dcp_metadata_reader.cc statedict/dcp_writer.cc
              statedict/crc32.cc statedict/atomic_file.cc base/status.cc) ;;
   sharded_manifest)
     # The loader with everything it links (the FSDP core included, as

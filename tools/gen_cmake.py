@@ -17,7 +17,8 @@ files are copied there too. //third_party:libtorch is the hand-written
 fsdp_torch target (CMakeLists.txt); CUDA-only targets are left out.
 
 Tests and testonly targets are built only with BUILD_TESTING (include(CTest)
-in CMakeLists.txt). Every other library is installed and exported as
+in CMakeLists.txt). Every other library but those tagged not_installed (a
+binary's own code, such as the main job's) is installed and exported as
 fsdp_cpp::<target> (find_package(fsdp_cpp CONFIG)), its headers under
 include/<package>/ (the root's //:fsdp_cpp as fsdp_cpp::fsdp_cpp, its header
 under include/); alwayslink libraries ask their consumers' links for
@@ -201,7 +202,8 @@ def generate(rules):
         if data_targets:
             lines.append("add_dependencies(%s %s)"
                          % (target, " ".join(target_name(d) for d in data_targets)))
-        if kind == "cc_library" and not testonly:
+        installed = "not_installed" not in attrs.get("tags", [])
+        if kind == "cc_library" and not testonly and installed:
             headers = [source(h) for h in attrs.get("hdrs", [])]
             lines.append("target_include_directories(%s %s $<INSTALL_INTERFACE:include>)"
                          % (target, "INTERFACE" if scope == "INTERFACE" else "PUBLIC"))
