@@ -96,6 +96,7 @@ std::pair<int64_t, int64_t> DiskUse(const std::string& dir) {
   return {bytes, files};
 }
 
+// The upper median of an even count (the 16th of 30).
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -154,7 +155,6 @@ int RunWorker(int argc, char** argv) {
       // job's run directory makes it); SaveCheckpoint creates its own.
       if (f == Format::kSharded && rank == 0) fs::create_directories(dir);
       save_ms[f].push_back(TimeMs(*comm, [&] { return Save(f, dir, *wrapped, optimizer); }));
-      comm->Barrier();
       kept[f].push_back(dir);
       if (kept[f].size() > 2) {
         if (rank == 0) fs::remove_all(kept[f].front());

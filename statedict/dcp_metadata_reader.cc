@@ -8,13 +8,7 @@
 // it before committing it (statedict/dcp_internal.h).
 #include "statedict/dcp.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
-#include <cstdint>
 #include <fstream>
 #include <iterator>
 #include <map>
@@ -452,45 +446,33 @@ absl::StatusOr<DcpMetadata> ParseDcpMetadata(const std::string& dir, const PyRef
 
 namespace {
 
-// Which .metadata a parse came from: the directory as given (messages name
-// it) and the opened file's identity. A save replaces .metadata by rename,
-// so a new checkpoint's is another inode; an edit changes its times.
-struct MetadataFileId {
-  std::string dir;
-  dev_t device = 0;
-  ino_t inode = 0;
-  off_t size = 0;
-  int64_t mtime_ns = 0, ctime_ns = 0;
-
-  bool operator==(const MetadataFileId& o) const {
-    return dir == o.dir && device == o.device && inode == o.inode && size == o.size &&
-           mtime_ns == o.mtime_ns && ctime_ns == o.ctime_ns;
-  }
-};
-
-int64_t Nanoseconds(const timespec& t) { return int64_t{t.tv_sec} * 1000000000 + t.tv_nsec; }
-
 // Loading one checkpoint reads its .metadata up to three times (the train
 // state, the optimizer's part, the model's part), and unpickling it was
-// most of a DCP load's time (models/checkpoint_format_benchmark_results.md):
-// the last one parsed is kept.
+// most of a DCP load's CPU time (models/checkpoint_format_benchmark_results.md).
+// The last one parsed is kept with the bytes and the directory name it was
+// parsed from (messages name the directory): a read that finds both the
+// same reuses the parse. Keyed by content, not by the file's identity, so
+// that nothing rewritten in place within a timestamp's tick (a fuzzer's
+// inputs, a coarse-grained file system) is taken for what it replaced;
+// reading the file is cheap beside unpickling it.
 class LastParsedMetadata {
  public:
-  std::optional<DcpMetadata> Find(const MetadataFileId& id) {
+  std::optional<DcpMetadata> Find(const std::string& dir, const std::string& bytes) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!id_.has_value() || !(*id_ == id)) return std::nullopt;
+    if (!metadata_.has_value() || dir != dir_ || bytes != bytes_) return std::nullopt;
     return metadata_;
   }
-  void Keep(MetadataFileId id, const DcpMetadata& metadata) {
+  void Keep(const std::string& dir, const std::string& bytes, const DcpMetadata& metadata) {
     std::lock_guard<std::mutex> lock(mu_);
-    id_ = std::move(id);
+    dir_ = dir;
+    bytes_ = bytes;
     metadata_ = metadata;
   }
 
  private:
   std::mutex mu_;
-  std::optional<MetadataFileId> id_;
-  DcpMetadata metadata_;
+  std::string dir_, bytes_;
+  std::optional<DcpMetadata> metadata_;
 };
 
 LastParsedMetadata& MetadataCache() {
@@ -502,38 +484,17 @@ LastParsedMetadata& MetadataCache() {
 
 absl::StatusOr<DcpMetadata> ReadDcpMetadata(const std::string& dir) {
   const std::string path = dir + "/.metadata";
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
     return absl::NotFoundError(absl::StrCat("'", dir, "' is not a DCP checkpoint: no .metadata"));
   }
-  struct stat st {};
-  std::string bytes;
-  bool read_ok = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
-  const MetadataFileId id{dir,         st.st_dev, st.st_ino, st.st_size, Nanoseconds(st.st_mtim),
-                          Nanoseconds(st.st_ctim)};
-  if (read_ok) {
-    if (std::optional<DcpMetadata> kept = MetadataCache().Find(id)) {
-      ::close(fd);
-      return *std::move(kept);
-    }
-    bytes.resize(static_cast<size_t>(st.st_size));
-    size_t done = 0;
-    while (read_ok && done < bytes.size()) {
-      const ssize_t n = ::read(fd, bytes.data() + done, bytes.size() - done);
-      if (n < 0 && errno == EINTR) continue;
-      read_ok = n > 0;
-      if (n > 0) done += static_cast<size_t>(n);
-    }
-  }
-  ::close(fd);
-  if (!read_ok) {
-    return absl::DataLossError(absl::StrCat("DCP checkpoint '", dir, "': .metadata cannot be read"));
-  }
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (std::optional<DcpMetadata> kept = MetadataCache().Find(dir, bytes)) return *std::move(kept);
   FSDP_ASSIGN_OR_RETURN(PyRef root,
                         dcp_internal::UnpickleDcpMetadata(
                             bytes, absl::StrCat("DCP checkpoint '", dir, "': .metadata")));
   FSDP_ASSIGN_OR_RETURN(DcpMetadata metadata, dcp_internal::ParseDcpMetadata(dir, root));
-  MetadataCache().Keep(id, metadata);
+  MetadataCache().Keep(dir, bytes, metadata);
   return metadata;
 }
 

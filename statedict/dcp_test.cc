@@ -244,7 +244,8 @@ std::vector<std::string> TensorNames(const DcpMetadata& metadata) {
 }
 
 // ReadDcpMetadata keeps the last .metadata it parsed: a checkpoint saved
-// over it, or a .metadata rewritten in place, must be read afresh.
+// over it, or a .metadata rewritten in place (even at the same size, within
+// the file system's timestamp resolution), must be read afresh.
 TEST(Dcp, MetadataIsReadAfreshWhenTheCheckpointChanges) {
   const std::string dir = TempDir() + "/dcp_changes";
   const std::string other = TempDir() + "/dcp_changes_other";
@@ -267,6 +268,19 @@ TEST(Dcp, MetadataIsReadAfreshWhenTheCheckpointChanges) {
   read = ReadDcpMetadata(dir);
   ASSERT_TRUE(read.ok()) << read.status();
   EXPECT_THAT(TensorNames(*read), ::testing::ElementsAre("third", "x"));
+
+  // The same size, the same inode, at once.
+  const std::string same_size = TempDir() + "/dcp_changes_same_size";
+  ASSERT_EQ(RunShell(absl::StrCat("rm -rf '", same_size, "'")), 0);
+  ASSERT_TRUE(SaveDcpCheckpoint(dir, {ItemOf("aaaa", at::ones({2}))}).ok());
+  ASSERT_TRUE(SaveDcpCheckpoint(same_size, {ItemOf("bbbb", at::ones({2}))}).ok());
+  read = ReadDcpMetadata(dir);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_THAT(TensorNames(*read), ::testing::ElementsAre("aaaa"));
+  ASSERT_EQ(RunShell(absl::StrCat("cp '", same_size, "/.metadata' '", dir, "/.metadata'")), 0);
+  read = ReadDcpMetadata(dir);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_THAT(TensorNames(*read), ::testing::ElementsAre("bbbb"));
 }
 
 TEST(Dcp, ADirectoryWithoutMetadataIsNamed) {
