@@ -1,4 +1,4 @@
-// What the main job (models/train_gpt_main.cc) decides before any rank
+// What the main job (//models:train_gpt) decides before any rank
 // trains: its FSDP options and wrap policy from the flags, every problem
 // with the flags and the paths they name, which job owns the output
 // directories, and the settings a resumed run takes from its checkpoint.

@@ -1,4 +1,4 @@
-// The main job's flags (models/train_gpt_main.cc), for the files that make
+// The main job's flags (//models:train_gpt), for the files that make
 // it up: definitions and help in train_gpt_flags.cc. A flag's value is read
 // with absl::GetFlag(FLAGS_name); whether the user gave it, with
 // train_gpt::Given("name") (models/train_gpt_checks.h).
