@@ -1,9 +1,9 @@
 // The state of an FSDP model and its optimizer, in the shape PyTorch users
 // know: torch.distributed.checkpoint.state_dict's get/set functions and
 // StateDictOptions, dcp.save / dcp.load, and torch.save / torch.load. These
-// eight functions are the front door for state; the file formats and the
-// per-format functions they are built on (statedict/, optim/) stay
-// available for what this door does not cover (docs/checkpoints.md).
+// eight functions are the package's whole interface to state: the file
+// formats and per-format functions they are built on (statedict/, optim/)
+// are internal, and their headers are not installed (docs/checkpoints.md).
 //
 //   fsdp::TrainState state;
 //   absl::Status loaded = fsdp::LoadCheckpoint("ckpt", *sharded, &optimizer, &state);
@@ -45,8 +45,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "fsdp/fully_shard.h"
-#include "optim/optim_state.h"
-#include "statedict/torch_file.h"
+#include "optim/optim_state_dict.h"
+#include "statedict/state_dict_type.h"
 #include "torch/optim/optimizer.h"
 
 namespace fsdp {

@@ -14,6 +14,7 @@
 #include "checkpoint/agree.h"
 #include "checkpoint/checkpoint.h"
 #include "comm/collectives.h"
+#include "optim/optim_state.h"
 #include "statedict/state_dict.h"
 #include "torch/csrc/jit/serialization/pickle.h"
 

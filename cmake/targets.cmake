@@ -61,7 +61,7 @@ endif()
 # //checkpoint:checkpoint
 add_library(checkpoint_checkpoint SHARED ${PROJECT_SOURCE_DIR}/checkpoint/agree.cc ${PROJECT_SOURCE_DIR}/checkpoint/agree.h ${PROJECT_SOURCE_DIR}/checkpoint/checkpoint.cc ${PROJECT_SOURCE_DIR}/checkpoint/state_dict.cc ${PROJECT_SOURCE_DIR}/checkpoint/checkpoint.h)
 set_target_properties(checkpoint_checkpoint PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/checkpoint)
-target_link_libraries(checkpoint_checkpoint PUBLIC base_fnv1a base_status comm_collectives fsdp_fully_shard optim_dcp_checkpoint optim_optim_state optim_run_checkpoints optim_torch_optim_file optim_training_checkpoint statedict_dcp statedict_dcp_sharded statedict_state_dict statedict_torch_file third_party_absl_base third_party_absl_status fsdp_torch)
+target_link_libraries(checkpoint_checkpoint PUBLIC base_fnv1a base_status comm_collectives fsdp_fully_shard optim_dcp_checkpoint optim_optim_state optim_optim_state_dict optim_run_checkpoints optim_torch_optim_file optim_training_checkpoint statedict_dcp statedict_dcp_sharded statedict_state_dict statedict_state_dict_type statedict_torch_file third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(checkpoint_checkpoint PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS checkpoint_checkpoint EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/checkpoint/checkpoint.h DESTINATION include/checkpoint)
@@ -742,7 +742,6 @@ set_target_properties(optim_dcp_checkpoint PROPERTIES LIBRARY_OUTPUT_DIRECTORY $
 target_link_libraries(optim_dcp_checkpoint PUBLIC optim_optim_state optim_torch_optim_file base_status fsdp_fully_shard statedict_dcp_sharded statedict_state_dict third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(optim_dcp_checkpoint PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS optim_dcp_checkpoint EXPORT fsdp_cpp_targets)
-install(FILES ${PROJECT_SOURCE_DIR}/optim/dcp_checkpoint.h DESTINATION include/optim)
 
 # //optim:flat_shard_optimizers
 add_library(optim_flat_shard_optimizers SHARED ${PROJECT_SOURCE_DIR}/optim/flat_shard_optimizers.cc ${PROJECT_SOURCE_DIR}/optim/flat_shard_optimizers.h)
@@ -768,15 +767,20 @@ set_target_properties(optim_optim_internal PROPERTIES LIBRARY_OUTPUT_DIRECTORY $
 target_link_libraries(optim_optim_internal PUBLIC fsdp_fully_shard third_party_absl_status fsdp_torch)
 target_include_directories(optim_optim_internal PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS optim_optim_internal EXPORT fsdp_cpp_targets)
-install(FILES ${PROJECT_SOURCE_DIR}/optim/optim_internal.h DESTINATION include/optim)
 
 # //optim:optim_state
 add_library(optim_optim_state SHARED ${PROJECT_SOURCE_DIR}/optim/optim_state.cc ${PROJECT_SOURCE_DIR}/optim/optim_state.h)
 set_target_properties(optim_optim_state PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/optim)
-target_link_libraries(optim_optim_state PUBLIC comm_collectives optim_optim_internal base_status fsdp_fully_shard statedict_load_check statedict_state_dict third_party_absl_base third_party_absl_status fsdp_torch)
+target_link_libraries(optim_optim_state PUBLIC comm_collectives optim_optim_internal optim_optim_state_dict base_status fsdp_fully_shard statedict_load_check statedict_state_dict third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(optim_optim_state PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS optim_optim_state EXPORT fsdp_cpp_targets)
-install(FILES ${PROJECT_SOURCE_DIR}/optim/optim_state.h DESTINATION include/optim)
+
+# //optim:optim_state_dict
+add_library(optim_optim_state_dict INTERFACE)
+target_link_libraries(optim_optim_state_dict INTERFACE fsdp_torch)
+target_include_directories(optim_optim_state_dict INTERFACE $<INSTALL_INTERFACE:include>)
+install(TARGETS optim_optim_state_dict EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/optim/optim_state_dict.h DESTINATION include/optim)
 
 # //optim:optim_state_test
 if(BUILD_TESTING)
@@ -794,7 +798,6 @@ set_target_properties(optim_run_checkpoints PROPERTIES LIBRARY_OUTPUT_DIRECTORY 
 target_link_libraries(optim_run_checkpoints PUBLIC statedict_dcp statedict_restricted_unpickler statedict_state_dict third_party_absl_base third_party_absl_status)
 target_include_directories(optim_run_checkpoints PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS optim_run_checkpoints EXPORT fsdp_cpp_targets)
-install(FILES ${PROJECT_SOURCE_DIR}/optim/run_checkpoints.h DESTINATION include/optim)
 
 # //optim:run_checkpoints_test
 if(BUILD_TESTING)
@@ -812,7 +815,6 @@ set_target_properties(optim_torch_optim_file PROPERTIES LIBRARY_OUTPUT_DIRECTORY
 target_link_libraries(optim_torch_optim_file PUBLIC optim_optim_state base_status statedict_dcp statedict_restricted_unpickler statedict_torch_file third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(optim_torch_optim_file PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS optim_torch_optim_file EXPORT fsdp_cpp_targets)
-install(FILES ${PROJECT_SOURCE_DIR}/optim/torch_optim_file.h DESTINATION include/optim)
 
 # //optim:torch_optim_file_test
 if(BUILD_TESTING)
@@ -831,7 +833,6 @@ set_target_properties(optim_training_checkpoint PROPERTIES LIBRARY_OUTPUT_DIRECT
 target_link_libraries(optim_training_checkpoint PUBLIC optim_optim_internal base_status fsdp_fully_shard statedict_state_dict third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(optim_training_checkpoint PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS optim_training_checkpoint EXPORT fsdp_cpp_targets)
-install(FILES ${PROJECT_SOURCE_DIR}/optim/training_checkpoint.h DESTINATION include/optim)
 
 # //optim:training_checkpoint_test
 if(BUILD_TESTING)
@@ -2561,7 +2562,6 @@ set_target_properties(statedict_atomic_file PROPERTIES LIBRARY_OUTPUT_DIRECTORY 
 target_link_libraries(statedict_atomic_file PUBLIC third_party_absl_base third_party_absl_status)
 target_include_directories(statedict_atomic_file PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS statedict_atomic_file EXPORT fsdp_cpp_targets)
-install(FILES ${PROJECT_SOURCE_DIR}/statedict/atomic_file.h DESTINATION include/statedict)
 
 # //statedict:checkpoint_manifest_proto
 add_library(statedict_checkpoint_manifest_proto SHARED ${CMAKE_BINARY_DIR}/statedict/checkpoint_manifest.pb.cc ${CMAKE_BINARY_DIR}/statedict/checkpoint_manifest.pb.h)
@@ -2569,7 +2569,6 @@ set_target_properties(statedict_checkpoint_manifest_proto PROPERTIES LIBRARY_OUT
 target_link_libraries(statedict_checkpoint_manifest_proto PUBLIC third_party_protobuf)
 target_include_directories(statedict_checkpoint_manifest_proto PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS statedict_checkpoint_manifest_proto EXPORT fsdp_cpp_targets)
-install(FILES ${CMAKE_BINARY_DIR}/statedict/checkpoint_manifest.pb.h DESTINATION include/statedict)
 
 # //statedict:checkpoint_manifest_proto_codegen
 add_custom_command(
@@ -2583,7 +2582,6 @@ add_library(statedict_crc32 SHARED ${PROJECT_SOURCE_DIR}/statedict/crc32.cc ${PR
 set_target_properties(statedict_crc32 PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/statedict)
 target_include_directories(statedict_crc32 PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS statedict_crc32 EXPORT fsdp_cpp_targets)
-install(FILES ${PROJECT_SOURCE_DIR}/statedict/crc32.h DESTINATION include/statedict)
 
 # //statedict:dcp
 add_library(statedict_dcp SHARED ${PROJECT_SOURCE_DIR}/statedict/dcp.cc ${PROJECT_SOURCE_DIR}/statedict/dcp_internal.h ${PROJECT_SOURCE_DIR}/statedict/dcp_metadata_reader.cc ${PROJECT_SOURCE_DIR}/statedict/dcp_writer.cc ${PROJECT_SOURCE_DIR}/statedict/dcp.h)
@@ -2591,7 +2589,6 @@ set_target_properties(statedict_dcp PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_
 target_link_libraries(statedict_dcp PUBLIC statedict_atomic_file statedict_restricted_unpickler statedict_torch_file base_status third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(statedict_dcp PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS statedict_dcp EXPORT fsdp_cpp_targets)
-install(FILES ${PROJECT_SOURCE_DIR}/statedict/dcp.h DESTINATION include/statedict)
 
 # //statedict:dcp_sharded
 add_library(statedict_dcp_sharded SHARED ${PROJECT_SOURCE_DIR}/statedict/dcp_sharded.cc ${PROJECT_SOURCE_DIR}/statedict/dcp_sharded.h)
@@ -2599,7 +2596,6 @@ set_target_properties(statedict_dcp_sharded PROPERTIES LIBRARY_OUTPUT_DIRECTORY 
 target_link_libraries(statedict_dcp_sharded PUBLIC statedict_dcp statedict_state_dict base_status comm_collectives fsdp_fully_shard third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(statedict_dcp_sharded PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS statedict_dcp_sharded EXPORT fsdp_cpp_targets)
-install(FILES ${PROJECT_SOURCE_DIR}/statedict/dcp_sharded.h DESTINATION include/statedict)
 
 # //statedict:dcp_sharded_test
 if(BUILD_TESTING)
@@ -2669,7 +2665,6 @@ set_target_properties(statedict_load_check PROPERTIES LIBRARY_OUTPUT_DIRECTORY $
 target_link_libraries(statedict_load_check PUBLIC third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(statedict_load_check PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS statedict_load_check EXPORT fsdp_cpp_targets)
-install(FILES ${PROJECT_SOURCE_DIR}/statedict/load_check.h DESTINATION include/statedict)
 
 # //statedict:restricted_unpickler
 add_library(statedict_restricted_unpickler SHARED ${PROJECT_SOURCE_DIR}/statedict/restricted_unpickler.cc ${PROJECT_SOURCE_DIR}/statedict/restricted_unpickler.h)
@@ -2677,7 +2672,6 @@ set_target_properties(statedict_restricted_unpickler PROPERTIES LIBRARY_OUTPUT_D
 target_link_libraries(statedict_restricted_unpickler PUBLIC base_status third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(statedict_restricted_unpickler PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS statedict_restricted_unpickler EXPORT fsdp_cpp_targets)
-install(FILES ${PROJECT_SOURCE_DIR}/statedict/restricted_unpickler.h DESTINATION include/statedict)
 
 # //statedict:restricted_unpickler_test
 if(BUILD_TESTING)
@@ -2705,7 +2699,6 @@ set_target_properties(statedict_state_dict PROPERTIES LIBRARY_OUTPUT_DIRECTORY $
 target_link_libraries(statedict_state_dict PUBLIC comm_collectives statedict_atomic_file statedict_checkpoint_manifest_proto statedict_crc32 statedict_load_check statedict_torch_file base_status fsdp_fully_shard third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(statedict_state_dict PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS statedict_state_dict EXPORT fsdp_cpp_targets)
-install(FILES ${PROJECT_SOURCE_DIR}/statedict/sharded_checkpoint.h ${PROJECT_SOURCE_DIR}/statedict/state_dict.h DESTINATION include/statedict)
 
 # //statedict:state_dict_test
 if(BUILD_TESTING)
@@ -2717,13 +2710,19 @@ set_tests_properties(//statedict:state_dict_test PROPERTIES TIMEOUT 300 ENVIRONM
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/statedict_state_dict_test")
 endif()
 
+# //statedict:state_dict_type
+add_library(statedict_state_dict_type INTERFACE)
+target_link_libraries(statedict_state_dict_type INTERFACE fsdp_torch)
+target_include_directories(statedict_state_dict_type INTERFACE $<INSTALL_INTERFACE:include>)
+install(TARGETS statedict_state_dict_type EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/statedict/state_dict_type.h DESTINATION include/statedict)
+
 # //statedict:torch_file
 add_library(statedict_torch_file SHARED ${PROJECT_SOURCE_DIR}/statedict/torch_file.cc ${PROJECT_SOURCE_DIR}/statedict/torch_zip.cc ${PROJECT_SOURCE_DIR}/statedict/torch_zip.h ${PROJECT_SOURCE_DIR}/statedict/torch_file.h)
 set_target_properties(statedict_torch_file PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/statedict)
-target_link_libraries(statedict_torch_file PUBLIC statedict_atomic_file statedict_crc32 statedict_restricted_unpickler base_status third_party_absl_base third_party_absl_status fsdp_torch)
+target_link_libraries(statedict_torch_file PUBLIC statedict_atomic_file statedict_crc32 statedict_restricted_unpickler statedict_state_dict_type base_status third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(statedict_torch_file PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS statedict_torch_file EXPORT fsdp_cpp_targets)
-install(FILES ${PROJECT_SOURCE_DIR}/statedict/torch_file.h DESTINATION include/statedict)
 
 # //statedict:torch_file_test
 if(BUILD_TESTING)

@@ -37,30 +37,12 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "fsdp/fully_shard.h"
+#include "optim/optim_state_dict.h"
 #include "statedict/state_dict.h"
 #include "torch/nn/module.h"
 #include "torch/optim/optimizer.h"
 
 namespace fsdp {
-
-struct ParamOptimState {
-  std::map<std::string, at::Tensor> tensors;  // Elementwise: the parameter's full shape.
-  std::map<std::string, c10::IValue> values;  // Everything else (step counts, ...).
-};
-
-struct ParamGroupState {
-  std::vector<std::string> params;  // FQNs, in the group's order.
-  // lr, betas, weight_decay, ...: the optimizer's own (all of them when
-  // gathered; a load needs every one the optimizer has), and for Adam and
-  // AdamW PyTorch's decoupled_weight_decay (false, true), which a load
-  // checks against the optimizer's class where weight decay is on.
-  std::map<std::string, c10::IValue> options;
-};
-
-struct OptimStateDict {
-  std::vector<std::pair<std::string, ParamOptimState>> state;  // Parameters with state.
-  std::vector<ParamGroupState> param_groups;
-};
 
 // Every rank must call. `options` as for the model's FULL state dict
 // (statedict/state_dict.h): with rank0_only, ranks other than 0 get an

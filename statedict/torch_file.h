@@ -27,12 +27,9 @@
 #include "absl/status/statusor.h"
 #include "c10/core/ScalarType.h"
 #include "statedict/restricted_unpickler.h"
+#include "statedict/state_dict_type.h"
 
 namespace fsdp {
-
-// An ordered state dict: names (FQNs) and tensors. A tensor may appear
-// under several names (tied parameters); the file then stores it once.
-using StateDict = std::vector<std::pair<std::string, at::Tensor>>;
 
 // Writes `state` as a dict {name: tensor}, readable by torch.load. Tensors
 // must be on CPU (the caller offloads) and of a dtype the format names with

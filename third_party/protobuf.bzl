@@ -5,7 +5,7 @@ repository, which cannot be fetched here; protoc and libprotobuf from Debian
 do the same job through a genrule.
 """
 
-def fsdp_cc_proto_library(name, src, deps = [], visibility = None, testonly = False):
+def fsdp_cc_proto_library(name, src, deps = [], visibility = None, testonly = False, tags = []):
     """Generates <src>.pb.{h,cc} with /usr/bin/protoc and wraps them in a cc_library.
 
     Args:
@@ -14,6 +14,8 @@ def fsdp_cc_proto_library(name, src, deps = [], visibility = None, testonly = Fa
       deps: other fsdp_cc_proto_library targets whose .proto files src imports.
       visibility: visibility of the cc_library.
       testonly: as for any rule.
+      tags: the cc_library's (tools/gen_cmake.py reads "internal" and
+        "not_installed").
     """
     base = src[:-len(".proto")]
 
@@ -38,4 +40,5 @@ def fsdp_cc_proto_library(name, src, deps = [], visibility = None, testonly = Fa
         deps = deps + ["//third_party:protobuf"],
         testonly = testonly,
         visibility = visibility,
+        tags = tags,
     )

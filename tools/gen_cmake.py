@@ -21,8 +21,12 @@ in CMakeLists.txt). Every other library but those tagged not_installed (a
 binary's own code, such as the main job's) is installed and exported as
 fsdp_cpp::<target> (find_package(fsdp_cpp CONFIG)), its headers under
 include/<package>/ (the root's //:fsdp_cpp as fsdp_cpp::fsdp_cpp, its header
-under include/); alwayslink libraries ask their consumers' links for
---no-as-needed, which keeps the static initializers they register with.
+under include/) unless it is tagged internal: a building block the public
+libraries link (the file formats behind checkpoint/checkpoint.h), whose
+library is installed and whose headers are not, so that a consumer's
+compiler cannot reach a function the public headers do not declare;
+alwayslink libraries ask their consumers' links for --no-as-needed, which
+keeps the static initializers they register with.
 
 Usage: tools/gen_cmake.py [--check]
 """
@@ -210,7 +214,7 @@ def generate(rules):
             if attrs.get("alwayslink") == "true":
                 lines.append("target_link_options(%s INTERFACE LINKER:--no-as-needed)" % target)
             lines.append("install(TARGETS %s EXPORT fsdp_cpp_targets)" % target)
-            if headers:
+            if headers and "internal" not in attrs.get("tags", []):
                 lines.append("install(FILES %s DESTINATION include/%s)"
                              % (" ".join(headers), package))
         if kind == "cc_test":

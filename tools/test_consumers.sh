@@ -68,6 +68,19 @@ if ! torch_dir=$("$FSDP_TORCH_VENV/bin/python" -c \
   exit 1
 fi
 cmake --install "$build" --prefix "$work/prefix" >"$work/install.log"
+# The package installs only its public headers (tools/gen_cmake.py: those of
+# libraries tagged internal stay behind); one that includes a header left
+# behind would break every consumer that includes it.
+missing=$(cd "$work/prefix/include" && find . -name '*.h' -exec \
+            sed -n 's|^#include "\([a-z_]*/[^"]*\)".*|\1|p' {} + | sort -u |
+          while read -r header; do
+            if [[ -e "$repo/$header" && ! -e "$header" ]]; then echo "$header"; fi
+          done)
+if [[ -n "$missing" ]]; then
+  echo "test_consumers: installed headers include headers the package does not install:" >&2
+  echo "$missing" >&2
+  exit 1
+fi
 source tools/ccache_launcher.sh
 mkdir -p "$work/cmake-src"
 cp testing/consumers/CMakeLists.txt "$work/train.cc" "$work/cmake-src/"
