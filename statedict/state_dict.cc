@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -24,14 +25,15 @@ using statedict_internal::Placements;
 using statedict_internal::PlacementsOf;
 
 // Checks `state` against the module's tensors (`expected`, with the shape
-// and dtype each key must have) and returns, per expected key, the tensor
-// to load.
-absl::StatusOr<std::vector<at::Tensor>> MatchStateDict(
-    const std::string& who, const StateDict& expected,
-    const std::vector<std::vector<int64_t>>& shapes, const StateDict& state,
-    const LoadFullStateDictOptions& options = {}) {
+// and dtype each key must have), adding every problem to `check`, and
+// returns per expected key the tensor to load (undefined where a problem,
+// or an allowed absence, leaves none). FULL, LOCAL and plain-module loads
+// all check their keys here.
+std::vector<at::Tensor> MatchStateDict(LoadCheck& check, const StateDict& expected,
+                                       const std::vector<std::vector<int64_t>>& shapes,
+                                       const StateDict& state,
+                                       const LoadFullStateDictOptions& options = {}) {
   std::unordered_map<std::string, const at::Tensor*> given;
-  LoadCheck check;
   for (const auto& [name, tensor] : state) {
     if (!given.emplace(name, &tensor).second) {
       check.Problem(absl::StrCat(LoadCheck::Quoted(name), " appears twice"));
@@ -71,9 +73,11 @@ absl::StatusOr<std::vector<at::Tensor>> MatchStateDict(
   for (const auto& [name, tensor] : state) {
     if (given.count(name) != 0 && !options.ignore_unexpected) check.NotInModel(name);
   }
-  FSDP_RETURN_IF_ERROR(
-      check.ToStatus(absl::StrCat(who, ": cannot load the state dict (nothing was changed)")));
   return values;
+}
+
+absl::Status CannotLoad(const LoadCheck& check, const std::string& who, const char* what) {
+  return check.ToStatus(absl::StrCat(who, ": cannot load the ", what, " (nothing was changed)"));
 }
 
 // LOCAL: per unit, "<unit>.flat_param" (this rank's shard as it is) and
@@ -194,11 +198,11 @@ absl::Status LoadFullStateDict(FullyShardedModel& model, const StateDict& state,
                          ? tensor.sizes().vec()
                          : it->second.handle->params_info()[it->second.entry].shape);
   }
-  FSDP_ASSIGN_OR_RETURN(
-      std::vector<at::Tensor> values,
-      MatchStateDict(absl::StrCat("rank ", model.group().rank(), " of ",
-                                  model.group().world_size()),
-                     named, shapes, state, options));
+  LoadCheck check;
+  const std::vector<at::Tensor> values = MatchStateDict(check, named, shapes, state, options);
+  FSDP_RETURN_IF_ERROR(CannotLoad(
+      check, absl::StrCat("rank ", model.group().rank(), " of ", model.group().world_size()),
+      "state dict"));
   at::NoGradGuard no_grad;
   for (size_t k = 0; k < named.size(); ++k) {
     if (!values[k].defined()) continue;  // Missing, as options allow: kept.
@@ -240,69 +244,59 @@ absl::StatusOr<StateDict> LocalStateDict(const FullyShardedModel& model) {
 
 absl::Status LoadLocalStateDict(FullyShardedModel& model, const StateDict& state) {
   FSDP_RETURN_IF_ERROR(model.RequireIdle("loading a LOCAL state dict"));
-  const std::string who =
-      absl::StrCat("rank ", model.group().rank(), " of ", model.group().world_size());
-  std::unordered_map<std::string, const at::Tensor*> given;
-  for (const auto& [name, tensor] : state) given[name] = &tensor;
   LoadCheck check;
-  std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (target, source)
+  // A unit saved in another layout is reported once, by its layout, rather
+  // than as a shard of the wrong shape: both its keys leave the key check.
+  std::set<std::string> other_layout;
+  StateDict expected;  // Each unit's shard and layout, then buffers and ignored parameters.
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<bool> is_layout;  // Compared, never copied.
   for (const auto& unit : model.units()) {
     const FlatParamHandle* handle = unit->handle();
     if (handle == nullptr) continue;
     const std::string key = LocalKey(*unit);
-    auto flat = given.find(key);
-    auto layout = given.find(key + "_layout");
-    if (flat == given.end() || layout == given.end()) {
-      // The half that is there belongs to the model: missing, not extra.
-      if (flat == given.end()) check.Missing(key);
-      if (layout == given.end()) check.Missing(key + "_layout");
-      if (flat != given.end()) given.erase(flat);
-      if (layout != given.end()) given.erase(layout);
-      continue;
-    }
     const at::Tensor mine = LocalLayout(model, *handle);
-    const at::Tensor& theirs = *layout->second;
-    const at::Tensor& shard = *flat->second;
-    given.erase(flat);
-    given.erase(layout);
-    if (!theirs.defined() || theirs.scalar_type() != at::kLong || !at::equal(theirs, mine)) {
-      check.Problem(absl::StrCat(
-          LoadCheck::Quoted(key), " was saved as ",
-          theirs.defined() ? DescribeLayout(theirs) : std::string("nothing"), ", but here it is ",
-          DescribeLayout(mine),
-          "; a LOCAL state dict loads only into the same layout (use FULL or a SHARDED "
-          "checkpoint to change the world size or wrapping)"));
-      continue;
+    auto saved = std::find_if(state.begin(), state.end(),
+                              [&](const auto& entry) { return entry.first == key + "_layout"; });
+    if (saved != state.end()) {
+      const at::Tensor& theirs = saved->second;
+      if (!theirs.defined() || theirs.scalar_type() != at::kLong || !at::equal(theirs, mine)) {
+        check.Problem(absl::StrCat(
+            LoadCheck::Quoted(key), " was saved as ",
+            theirs.defined() ? DescribeLayout(theirs) : std::string("nothing"),
+            ", but here it is ", DescribeLayout(mine),
+            "; a LOCAL state dict loads only into the same layout (use FULL or a SHARDED "
+            "checkpoint to change the world size or wrapping)"));
+        other_layout.insert({key, key + "_layout"});
+        continue;
+      }
     }
-    const std::string subject = LoadCheck::Quoted(key);
-    if (check.ShapeMatches(subject, shard.sizes(), handle->local_shard().sizes()) &&
-        check.DtypeMatches(subject, shard.scalar_type(), handle->local_shard().scalar_type())) {
-      copies.emplace_back(handle->local_shard(), shard);
-    }
+    expected.emplace_back(key, handle->local_shard());
+    shapes.push_back(handle->local_shard().sizes().vec());
+    is_layout.push_back(false);
+    expected.emplace_back(key + "_layout", mine);
+    shapes.push_back(mine.sizes().vec());
+    is_layout.push_back(true);
   }
   const Placements placements = PlacementsOf(model);
   for (const auto& [name, tensor] : NamedTensors(model.units().front()->module())) {
     if (placements.count(tensor.unsafeGetTensorImpl()) != 0) continue;
-    auto it = given.find(name);
-    if (it == given.end()) {
-      check.Missing(name);
-      continue;
-    }
-    const at::Tensor& value = *it->second;
-    given.erase(it);
-    const std::string subject = LoadCheck::Quoted(name);
-    if (check.ShapeMatches(subject, value.sizes(), tensor.sizes()) &&
-        check.DtypeMatches(subject, value.scalar_type(), tensor.scalar_type())) {
-      copies.emplace_back(tensor, value);
-    }
+    expected.emplace_back(name, tensor);
+    shapes.push_back(tensor.sizes().vec());
+    is_layout.push_back(false);
   }
-  for (const auto& [name, tensor] : state) {
-    if (given.count(name) != 0) check.NotInModel(name);
+  StateDict checked;
+  for (const auto& entry : state) {
+    if (other_layout.count(entry.first) == 0) checked.push_back(entry);
   }
-  FSDP_RETURN_IF_ERROR(check.ToStatus(
-      absl::StrCat(who, ": cannot load the LOCAL state dict (nothing was changed)")));
+  const std::vector<at::Tensor> values = MatchStateDict(check, expected, shapes, checked);
+  FSDP_RETURN_IF_ERROR(CannotLoad(
+      check, absl::StrCat("rank ", model.group().rank(), " of ", model.group().world_size()),
+      "LOCAL state dict"));
   at::NoGradGuard no_grad;
-  for (auto& [target, source] : copies) target.copy_(source);
+  for (size_t k = 0; k < expected.size(); ++k) {
+    if (!is_layout[k]) expected[k].second.copy_(values[k]);
+  }
   return absl::OkStatus();
 }
 
@@ -323,8 +317,9 @@ absl::Status LoadModuleStateDict(torch::nn::Module& module, const StateDict& sta
   const StateDict named = NamedTensors(module);
   std::vector<std::vector<int64_t>> shapes;
   for (const auto& [name, tensor] : named) shapes.push_back(tensor.sizes().vec());
-  FSDP_ASSIGN_OR_RETURN(std::vector<at::Tensor> values,
-                        MatchStateDict(module.name(), named, shapes, state));
+  LoadCheck check;
+  const std::vector<at::Tensor> values = MatchStateDict(check, named, shapes, state);
+  FSDP_RETURN_IF_ERROR(CannotLoad(check, module.name(), "state dict"));
   at::NoGradGuard no_grad;
   for (size_t k = 0; k < named.size(); ++k) named[k].second.copy_(values[k]);
   return absl::OkStatus();
