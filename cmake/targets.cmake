@@ -365,12 +365,12 @@ file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_fsdp_options_test")
 endif()
 
 # //fsdp:fully_shard
-add_library(fsdp_fully_shard SHARED ${PROJECT_SOURCE_DIR}/fsdp/fully_shard.cc ${PROJECT_SOURCE_DIR}/fsdp/unit_forward.cc ${PROJECT_SOURCE_DIR}/fsdp/utilities.cc ${PROJECT_SOURCE_DIR}/fsdp/fully_shard.h ${PROJECT_SOURCE_DIR}/fsdp/unit_forward.h ${PROJECT_SOURCE_DIR}/fsdp/utilities.h)
+add_library(fsdp_fully_shard SHARED ${PROJECT_SOURCE_DIR}/fsdp/fully_shard.cc ${PROJECT_SOURCE_DIR}/fsdp/shard_placement.cc ${PROJECT_SOURCE_DIR}/fsdp/unit_forward.cc ${PROJECT_SOURCE_DIR}/fsdp/utilities.cc ${PROJECT_SOURCE_DIR}/fsdp/fully_shard.h ${PROJECT_SOURCE_DIR}/fsdp/shard_placement.h ${PROJECT_SOURCE_DIR}/fsdp/unit_forward.h ${PROJECT_SOURCE_DIR}/fsdp/utilities.h)
 set_target_properties(fsdp_fully_shard PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
 target_link_libraries(fsdp_fully_shard PUBLIC fsdp_activation_checkpointing fsdp_cross_rank_checks fsdp_flat_param_handle fsdp_fsdp_options fsdp_unit_init fsdp_unit_registry fsdp_unit_scheduler fsdp_wrap_plan base_status comm_collectives policies_wrap_policy third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(fsdp_fully_shard PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS fsdp_fully_shard EXPORT fsdp_cpp_targets)
-install(FILES ${PROJECT_SOURCE_DIR}/fsdp/fully_shard.h ${PROJECT_SOURCE_DIR}/fsdp/unit_forward.h ${PROJECT_SOURCE_DIR}/fsdp/utilities.h DESTINATION include/fsdp)
+install(FILES ${PROJECT_SOURCE_DIR}/fsdp/fully_shard.h ${PROJECT_SOURCE_DIR}/fsdp/shard_placement.h ${PROJECT_SOURCE_DIR}/fsdp/unit_forward.h ${PROJECT_SOURCE_DIR}/fsdp/utilities.h DESTINATION include/fsdp)
 
 # //fsdp:fully_shard_test
 if(BUILD_TESTING)
@@ -458,6 +458,16 @@ target_link_libraries(fsdp_runtime_streams_test PRIVATE fsdp_runtime_streams thi
 add_test(NAME //fsdp:runtime_streams_test COMMAND fsdp_runtime_streams_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//fsdp:runtime_streams_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_runtime_streams_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_runtime_streams_test")
+endif()
+
+# //fsdp:shard_placement_test
+if(BUILD_TESTING)
+add_executable(fsdp_shard_placement_test ${PROJECT_SOURCE_DIR}/fsdp/shard_placement_test.cc)
+set_target_properties(fsdp_shard_placement_test PROPERTIES OUTPUT_NAME shard_placement_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
+target_link_libraries(fsdp_shard_placement_test PRIVATE fsdp_fully_shard fsdp_test_models comm_collectives testing_multi_rank third_party_gtest_main fsdp_torch)
+add_test(NAME //fsdp:shard_placement_test COMMAND fsdp_shard_placement_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//fsdp:shard_placement_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_shard_placement_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_shard_placement_test")
 endif()
 
 # //fsdp:sync_module_states_test

@@ -5,6 +5,7 @@
 
 #include "ATen/ATen.h"
 #include "absl/strings/str_cat.h"
+#include "fsdp/shard_placement.h"
 
 namespace fsdp::optim_internal {
 namespace {
@@ -124,35 +125,20 @@ void WriteOptions(torch::optim::OptimizerOptions& options,
 }
 
 Places PlacesOf(const torch::nn::Module& root, const FullyShardedModel* model) {
-  std::unordered_map<const void*, std::pair<const FlatParamHandle*, size_t>> in_handle;
-  if (model != nullptr) {
-    for (const auto& unit : model->units()) {
-      if (unit->handle() == nullptr) continue;
-      for (size_t i = 0; i < unit->handle()->entries().size(); ++i) {
-        in_handle[unit->handle()->entries()[i].param.unsafeGetTensorImpl()] = {unit->handle(), i};
-      }
-    }
-  }
+  const ShardPlacements placements =
+      model != nullptr ? ShardPlacementsOf(*model) : ShardPlacements{};
   Places places;
   for (const auto& item : root.named_parameters(/*recurse=*/true)) {
     const void* impl = item.value().unsafeGetTensorImpl();
     if (places.count(impl) != 0) continue;  // Tied: the first name.
+    const ShardPlacement p = PlacementOf(placements, item.value());
     ParamPlace place;
     place.fqn = item.key();
     place.param = item.value();
-    auto it = in_handle.find(impl);
-    if (it != in_handle.end()) {
-      const FlatParamInfo& info = it->second.first->params_info()[it->second.second];
-      place.handle = it->second.first;
-      place.entry = it->second.second;
-      place.full_shape = info.shape;
-      place.sharded = place.handle->uses_sharded_views();
-      place.lo = place.sharded ? info.shard_offset : 0;
-      place.hi = place.sharded ? info.shard_offset + info.shard_numel : info.numel;
-    } else {
-      place.full_shape = item.value().sizes().vec();
-      place.hi = item.value().numel();
-    }
+    place.full_shape = p.full_shape;
+    place.sharded = p.sharded;
+    place.lo = p.lo;
+    place.hi = p.hi;
     places.emplace(impl, std::move(place));
   }
   return places;

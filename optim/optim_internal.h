@@ -45,14 +45,14 @@ std::map<std::string, c10::IValue> OptionsOf(const torch::optim::OptimizerOption
 void WriteOptions(torch::optim::OptimizerOptions& options,
                   const std::map<std::string, c10::IValue>& values);
 
+// A parameter of the optimizer and where it lives on this rank (the
+// core's ShardPlacement, fsdp/shard_placement.h).
 struct ParamPlace {
   std::string fqn;
-  at::Tensor param;                         // The optimizer's (local) parameter.
+  at::Tensor param;  // The optimizer's (local) parameter.
   std::vector<int64_t> full_shape;
-  const FlatParamHandle* handle = nullptr;  // Null: the local parameter is whole.
-  size_t entry = 0;
   bool sharded = false;
-  int64_t lo = 0, hi = 0;                   // Local elements of the flattened parameter.
+  int64_t lo = 0, hi = 0;  // Local elements of the flattened parameter.
 };
 using Places = std::unordered_map<const void*, ParamPlace>;  // By TensorImpl.
 

@@ -29,16 +29,4 @@ StateDict NamedTensors(const torch::nn::Module& module) {
   return out;
 }
 
-Placements PlacementsOf(const FullyShardedModel& model) {
-  Placements placements;
-  for (const auto& unit : model.units()) {
-    FlatParamHandle* handle = unit->handle();
-    if (handle == nullptr) continue;
-    for (size_t i = 0; i < handle->entries().size(); ++i) {
-      placements[handle->entries()[i].param.unsafeGetTensorImpl()] = {handle, i};
-    }
-  }
-  return placements;
-}
-
 }  // namespace fsdp::statedict_internal

@@ -29,14 +29,13 @@
 #include "statedict/checkpoint_manifest.pb.h"
 #include "statedict/crc32.h"
 #include "statedict/load_check.h"
+#include "fsdp/shard_placement.h"
 #include "statedict/model_tensors.h"
 
 namespace fsdp {
 namespace {
 
 using statedict_internal::NamedTensors;
-using statedict_internal::Placements;
-using statedict_internal::PlacementsOf;
 
 constexpr char kFormat[] = "fsdp_cpp.sharded.v1";
 constexpr char kManifest[] = "manifest.pb";
@@ -436,7 +435,7 @@ absl::Status WriteManifest(const std::string& dir, uint64_t id, int world,
 }  // namespace
 
 std::vector<CheckpointTensor> ModelCheckpointTensors(const FullyShardedModel& model) {
-  const Placements placements = PlacementsOf(model);
+  const ShardPlacements placements = ShardPlacementsOf(model);
   std::vector<CheckpointTensor> out;
   std::unordered_map<const void*, size_t> seen;
   for (const auto& [name, tensor] : NamedTensors(model.units().front()->module())) {
@@ -446,23 +445,15 @@ std::vector<CheckpointTensor> ModelCheckpointTensors(const FullyShardedModel& mo
       continue;
     }
     seen.emplace(tensor.unsafeGetTensorImpl(), out.size());
+    const ShardPlacement p = PlacementOf(placements, tensor);
     CheckpointTensor t;
     t.fqn = name;
     t.dtype = tensor.scalar_type();
-    auto p = placements.find(tensor.unsafeGetTensorImpl());
-    if (p != placements.end()) {
-      const FlatParamHandle& handle = *p->second.handle;
-      const FlatParamInfo& info = handle.params_info()[p->second.entry];
-      t.shape = info.shape;
-      t.sharded = handle.uses_sharded_views();
-      t.local = handle.LocalShardOf(p->second.entry).reshape({-1});
-      t.lo = t.sharded ? info.shard_offset : 0;
-      t.hi = t.sharded ? info.shard_offset + info.shard_numel : info.numel;
-    } else {
-      t.shape = tensor.sizes().vec();
-      t.local = tensor.detach().reshape({-1});
-      t.hi = tensor.numel();
-    }
+    t.shape = p.full_shape;
+    t.sharded = p.sharded;
+    t.lo = p.lo;
+    t.hi = p.hi;
+    t.local = p.local;
     out.push_back(std::move(t));
   }
   return out;

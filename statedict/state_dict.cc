@@ -15,14 +15,13 @@
 #include "c10/core/GradMode.h"
 #include "comm/collectives.h"
 #include "statedict/load_check.h"
+#include "fsdp/shard_placement.h"
 #include "statedict/model_tensors.h"
 
 namespace fsdp {
 namespace {
 
 using statedict_internal::NamedTensors;
-using statedict_internal::Placements;
-using statedict_internal::PlacementsOf;
 
 // Checks `state` against the module's tensors (`expected`, with the shape
 // and dtype each key must have), adding every problem to `check`, and
@@ -128,7 +127,7 @@ absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model,
   FSDP_RETURN_IF_ERROR(model.RequireIdle("FULL state dict"));
   CollectiveLabel label(model.group(), model.replicate_group(), "", "FULL state dict");
   const StateDict named = NamedTensors(model.units().front()->module());
-  const Placements placements = PlacementsOf(model);
+  const ShardPlacements placements = ShardPlacementsOf(model);
   const bool keep = !options.rank0_only || model.group().rank() == 0;
   std::vector<at::Tensor> values(named.size());
   std::unordered_map<const void*, at::Tensor> copies;  // Tied names share one copy.
@@ -156,8 +155,8 @@ absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model,
   try {
     at::NoGradGuard no_grad;
     UnitScheduler& scheduler = model.scheduler();
-    for (const auto& unit : model.units()) {
-      FlatParamHandle* handle = unit->handle();
+    for (size_t u = 0; u < model.units().size(); ++u) {
+      FlatParamHandle* handle = model.units()[u]->handle();
       if (handle == nullptr) continue;
       scheduler.Move(*handle, HandleTrainingState::kIdle, HandleTrainingState::kSummonFullParams);
       scheduler.Unshard(*handle, "FULL state dict");
@@ -168,7 +167,7 @@ absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model,
       if (keep) {
         for (size_t k = 0; k < named.size(); ++k) {
           auto it = placements.find(named[k].second.unsafeGetTensorImpl());
-          if (it != placements.end() && it->second.handle == handle) {
+          if (it != placements.end() && it->second.unit == static_cast<int>(u)) {
             values[k] = copy_of(named[k].second);
           }
         }
@@ -190,13 +189,10 @@ absl::Status LoadFullStateDict(FullyShardedModel& model, const StateDict& state,
   FSDP_RETURN_IF_ERROR(model.RequireIdle("loading a FULL state dict"));
   CollectiveLabel label(model.group(), model.replicate_group(), "", "loading a FULL state dict");
   const StateDict named = NamedTensors(model.units().front()->module());
-  const Placements placements = PlacementsOf(model);
+  const ShardPlacements placements = ShardPlacementsOf(model);
   std::vector<std::vector<int64_t>> shapes;
   for (const auto& [name, tensor] : named) {
-    auto it = placements.find(tensor.unsafeGetTensorImpl());
-    shapes.push_back(it == placements.end()
-                         ? tensor.sizes().vec()
-                         : it->second.handle->params_info()[it->second.entry].shape);
+    shapes.push_back(PlacementOf(placements, tensor).full_shape);
   }
   LoadCheck check;
   const std::vector<at::Tensor> values = MatchStateDict(check, named, shapes, state, options);
@@ -207,18 +203,11 @@ absl::Status LoadFullStateDict(FullyShardedModel& model, const StateDict& state,
   for (size_t k = 0; k < named.size(); ++k) {
     if (!values[k].defined()) continue;  // Missing, as options allow: kept.
     const at::Tensor& target = named[k].second;
-    auto it = placements.find(target.unsafeGetTensorImpl());
-    if (it == placements.end()) {
-      target.copy_(values[k]);
-      continue;
-    }
-    const FlatParamHandle& handle = *it->second.handle;
-    const FlatParamInfo& info = handle.params_info()[it->second.entry];
-    at::Tensor shard = handle.LocalShardOf(it->second.entry);
-    if (!handle.uses_sharded_views()) {
-      shard.copy_(values[k]);
-    } else if (info.shard_numel > 0) {
-      shard.copy_(values[k].reshape({-1}).narrow(0, info.shard_offset, info.shard_numel));
+    const ShardPlacement p = PlacementOf(placements, target);
+    if (p.unit < 0) {
+      target.copy_(values[k]);  // Whole, and possibly not contiguous.
+    } else if (p.hi > p.lo) {
+      p.local.copy_(values[k].reshape({-1}).narrow(0, p.lo, p.hi - p.lo));
     }
   }
   return absl::OkStatus();
@@ -233,7 +222,7 @@ absl::StatusOr<StateDict> LocalStateDict(const FullyShardedModel& model) {
     out.emplace_back(LocalKey(*unit), handle->local_shard().detach().clone());
     out.emplace_back(LocalKey(*unit) + "_layout", LocalLayout(model, *handle));
   }
-  const Placements placements = PlacementsOf(model);
+  const ShardPlacements placements = ShardPlacementsOf(model);
   for (const auto& [name, tensor] : NamedTensors(model.units().front()->module())) {
     if (placements.count(tensor.unsafeGetTensorImpl()) == 0) {
       out.emplace_back(name, tensor.detach().clone());
@@ -278,7 +267,7 @@ absl::Status LoadLocalStateDict(FullyShardedModel& model, const StateDict& state
     shapes.push_back(mine.sizes().vec());
     is_layout.push_back(true);
   }
-  const Placements placements = PlacementsOf(model);
+  const ShardPlacements placements = ShardPlacementsOf(model);
   for (const auto& [name, tensor] : NamedTensors(model.units().front()->module())) {
     if (placements.count(tensor.unsafeGetTensorImpl()) != 0) continue;
     expected.emplace_back(name, tensor);

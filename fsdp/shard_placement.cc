@@ -1,0 +1,37 @@
+#include "fsdp/shard_placement.h"
+
+#include "fsdp/flat_param_handle.h"
+
+namespace fsdp {
+
+ShardPlacements ShardPlacementsOf(const FullyShardedModel& model) {
+  ShardPlacements placements;
+  for (size_t u = 0; u < model.units().size(); ++u) {
+    const FlatParamHandle* handle = model.units()[u]->handle();
+    if (handle == nullptr) continue;
+    for (size_t i = 0; i < handle->entries().size(); ++i) {
+      const FlatParamInfo& info = handle->params_info()[i];
+      ShardPlacement p;
+      p.full_shape = info.shape;
+      p.sharded = handle->uses_sharded_views();
+      p.lo = p.sharded ? info.shard_offset : 0;
+      p.hi = p.sharded ? info.shard_offset + info.shard_numel : info.numel;
+      p.local = handle->LocalShardOf(i).reshape({-1});
+      p.unit = static_cast<int>(u);
+      placements.emplace(handle->entries()[i].param.unsafeGetTensorImpl(), std::move(p));
+    }
+  }
+  return placements;
+}
+
+ShardPlacement PlacementOf(const ShardPlacements& placements, const at::Tensor& tensor) {
+  auto it = placements.find(tensor.unsafeGetTensorImpl());
+  if (it != placements.end()) return it->second;
+  ShardPlacement whole;
+  whole.full_shape = tensor.sizes().vec();
+  whole.hi = tensor.numel();
+  whole.local = tensor.detach().reshape({-1});
+  return whole;
+}
+
+}  // namespace fsdp

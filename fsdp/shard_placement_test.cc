@@ -1,0 +1,87 @@
+#include "fsdp/shard_placement.h"
+
+#include <vector>
+
+#include "ATen/ATen.h"
+#include "comm/collectives.h"
+#include "fsdp/test_models.h"
+#include "gtest/gtest.h"
+#include "testing/multi_rank.h"
+
+namespace fsdp {
+namespace {
+
+using testing::BlockImpl;
+using testing::Net;
+using testing::RunOnThreadRanks;
+
+class ShardPlacementTest : public ::testing::TestWithParam<ShardingStrategy> {};
+
+// The ranks' pieces of every parameter tile its full tensor exactly once
+// (once per rank under NO_SHARD), each piece is the unwrapped model's
+// elements [lo, hi), and writing into `local` writes the model's shard.
+TEST_P(ShardPlacementTest, TheRanksPiecesAreTheFullTensorsAndViewTheShards) {
+  constexpr int kWorld = 3;
+  Net reference;
+  std::vector<std::pair<std::string, at::Tensor>> full;
+  for (const auto& item : reference->named_parameters()) {
+    full.emplace_back(item.key(), item.value().detach().reshape({-1}).clone());
+  }
+  std::vector<std::vector<ShardPlacement>> seen(kWorld);
+  absl::Status status = RunOnThreadRanks(kWorld, [&](Collectives& comm) {
+    Net model;
+    FsdpOptions options;
+    options.strategy = GetParam();
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+    const ShardPlacements placements = ShardPlacementsOf(**wrapped);
+    for (const auto& [name, flat] : full) {
+      const at::Tensor param = model->named_parameters()[name];
+      const ShardPlacement p = PlacementOf(placements, param);
+      ASSERT_GE(p.unit, 0) << name;
+      EXPECT_EQ(p.sharded, GetParam() != ShardingStrategy::kNoShard) << name;
+      ASSERT_EQ(p.local.dim(), 1);
+      ASSERT_EQ(p.local.numel(), p.hi - p.lo) << name;
+      EXPECT_TRUE(at::equal(p.local, flat.narrow(0, p.lo, p.hi - p.lo))) << name;
+      seen[comm.rank()].push_back(p);
+    }
+    // Writing through `local` is writing the shard the unit trains.
+    const ShardPlacement head = PlacementOf(placements, model->named_parameters()["head.weight"]);
+    head.local.fill_(7);
+    const at::Tensor again = PlacementOf(ShardPlacementsOf(**wrapped),
+                                         model->named_parameters()["head.weight"]).local;
+    EXPECT_TRUE(at::equal(again, at::full_like(again, 7)));
+  });
+  ASSERT_TRUE(status.ok()) << status;
+  for (size_t k = 0; k < full.size(); ++k) {
+    std::vector<int> covered(full[k].second.numel(), 0);
+    for (int r = 0; r < kWorld; ++r) {
+      for (int64_t i = seen[r][k].lo; i < seen[r][k].hi; ++i) ++covered[i];
+    }
+    const int times = GetParam() == ShardingStrategy::kNoShard ? kWorld : 1;
+    for (int64_t i = 0; i < full[k].second.numel(); ++i) {
+      ASSERT_EQ(covered[i], times) << full[k].first << " element " << i;
+    }
+  }
+}
+
+TEST(ShardPlacement, ATensorNoUnitHoldsIsWhole) {
+  const at::Tensor buffer = at::arange(6, at::kFloat).reshape({2, 3});
+  const ShardPlacement p = PlacementOf(ShardPlacements{}, buffer);
+  EXPECT_EQ(p.unit, -1);
+  EXPECT_FALSE(p.sharded);
+  EXPECT_EQ(p.lo, 0);
+  EXPECT_EQ(p.hi, 6);
+  EXPECT_EQ(p.full_shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_TRUE(at::equal(p.local, buffer.reshape({-1})));
+}
+
+INSTANTIATE_TEST_SUITE_P(Strategies, ShardPlacementTest,
+                         ::testing::Values(ShardingStrategy::kFullShard,
+                                           ShardingStrategy::kShardGradOp,
+                                           ShardingStrategy::kNoShard),
+                         [](const auto& info) { return ShardingStrategyName(info.param); });
+
+}  // namespace
+}  // namespace fsdp
