@@ -12,6 +12,8 @@
 
 #include "ATen/ATen.h"
 #include "absl/strings/str_cat.h"
+#include "comm/gloo_collectives.h"
+#include "comm/hybrid_groups.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
@@ -21,6 +23,7 @@
 #include "optim/training_checkpoint.h"
 #include "statedict/state_dict.h"
 #include "testing/multi_rank.h"
+#include "torch/csrc/distributed/c10d/HashStore.hpp"
 #include "torch/optim/adamw.h"
 
 namespace fsdp {
@@ -45,9 +48,10 @@ struct Trainer {
   std::unique_ptr<FullyShardedModel> fsdp;
   std::unique_ptr<torch::optim::AdamW> optimizer;
 
-  explicit Trainer(Collectives& comm, bool freeze_head = false) {
+  explicit Trainer(Collectives& comm, bool freeze_head = false, const FsdpOptions& options = {}) {
     if (freeze_head) model->head->weight.requires_grad_(false);
-    fsdp = FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>()).value();
+    fsdp = FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>())
+               .value();
     std::vector<at::Tensor> trainable;
     for (const at::Tensor& p : UniqueParameters(*model)) {
       if (p.requires_grad()) trainable.push_back(p);
@@ -250,6 +254,56 @@ TEST(StateDictOptions, SetLoadsFromEveryRankOrFromRank0) {
     });
     EXPECT_TRUE(second.ok()) << second;
   }
+}
+
+// Under hybrid sharding "rank 0" is the first replica's shard rank 0: the
+// other replicas' shard ranks 0 pass nothing too, and must still load it.
+TEST(StateDictOptions, FromRank0ReachesEveryReplicaUnderHybridSharding) {
+  StateDict saved;
+  OptimStateDict saved_optim;
+  absl::Status first = RunOnThreadRanks(2, [&](Collectives& comm) {
+    Trainer t(comm);
+    t.Step(comm, 0);
+    StateDict state = GetModelStateDict(*t.fsdp).value();
+    OptimStateDict optim = GetOptimizerStateDict(*t.fsdp, *t.optimizer).value();
+    if (comm.rank() == 0) {
+      saved = state;
+      saved_optim = optim;
+    }
+  });
+  ASSERT_TRUE(first.ok()) << first;
+  const HybridShardLayout layout = HybridShardLayout::Create(4, 2).value();
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  absl::Status second = RunOnThreadRanks(4, [&](Collectives& world) {
+    GlooOptions gloo;
+    gloo.hostname = "127.0.0.1";
+    gloo.timeout = std::chrono::seconds(60);
+    auto groups = CreateHybridShardCollectives(world.rank(), layout, gloo.group_name,
+                                               GlooGroupConnector(store, gloo));
+    ASSERT_TRUE(groups.ok()) << groups.status();
+    FsdpOptions options;
+    options.strategy = ShardingStrategy::kHybridShard;
+    options.replicate_group = groups->replicate.get();
+    Trainer t(*groups->shard, /*freeze_head=*/false, options);
+    StateDictOptions from_rank0;
+    from_rank0.broadcast_from_rank0 = true;
+    const bool give = world.rank() == 0;
+    absl::Status model = SetModelStateDict(*t.fsdp, give ? saved : StateDict{}, from_rank0);
+    ASSERT_TRUE(model.ok()) << "rank " << world.rank() << ": " << model;
+    absl::Status optim = SetOptimizerStateDict(
+        *t.fsdp, *t.optimizer, give ? saved_optim : OptimStateDict{}, from_rank0);
+    ASSERT_TRUE(optim.ok()) << "rank " << world.rank() << ": " << optim;
+    ExpectSameStateDict(GetModelStateDict(*t.fsdp).value(), saved);
+    const OptimStateDict got = GetOptimizerStateDict(*t.fsdp, *t.optimizer).value();
+    ASSERT_EQ(got.state.size(), saved_optim.state.size());
+    for (size_t i = 0; i < got.state.size(); ++i) {
+      for (const auto& [name, tensor] : saved_optim.state[i].second.tensors) {
+        EXPECT_TRUE(at::equal(got.state[i].second.tensors.at(name), tensor))
+            << "rank " << world.rank() << ": " << got.state[i].first << " " << name;
+      }
+    }
+  });
+  EXPECT_TRUE(second.ok()) << second;
 }
 
 // strict: a missing entry is refused by name and nothing changes. Not

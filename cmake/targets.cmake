@@ -70,7 +70,7 @@ install(FILES ${PROJECT_SOURCE_DIR}/checkpoint/checkpoint.h DESTINATION include/
 if(BUILD_TESTING)
 add_executable(checkpoint_checkpoint_test ${PROJECT_SOURCE_DIR}/checkpoint/checkpoint_test.cc)
 set_target_properties(checkpoint_checkpoint_test PROPERTIES OUTPUT_NAME checkpoint_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/checkpoint ENABLE_EXPORTS ON)
-target_link_libraries(checkpoint_checkpoint_test PRIVATE checkpoint_checkpoint comm_collectives fsdp_fully_shard fsdp_test_models fsdp_test_util optim_dcp_checkpoint optim_training_checkpoint statedict_state_dict testing_multi_rank third_party_absl_base third_party_gtest_main fsdp_torch)
+target_link_libraries(checkpoint_checkpoint_test PRIVATE checkpoint_checkpoint comm_collectives comm_gloo_collectives comm_hybrid_groups fsdp_fully_shard fsdp_test_models fsdp_test_util optim_dcp_checkpoint optim_training_checkpoint statedict_state_dict testing_multi_rank third_party_absl_base third_party_c10d_gloo third_party_gtest_main fsdp_torch)
 add_test(NAME //checkpoint:checkpoint_test COMMAND checkpoint_checkpoint_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//checkpoint:checkpoint_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/checkpoint_checkpoint_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/checkpoint_checkpoint_test")

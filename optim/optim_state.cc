@@ -425,16 +425,22 @@ absl::Status LoadFullOptimStateDictFromRank0(FullyShardedModel& model,
   // when they run the same program) return without communicating.
   FSDP_RETURN_IF_ERROR(model.RequireIdle("loading a FULL optimizer state dict"));
   Collectives& group = model.group();
-  CollectiveLabel label(group, model.replicate_group(), "",
-                        "loading a FULL optimizer state dict from rank 0");
+  Collectives* replicas = model.replicate_group();
+  CollectiveLabel label(group, replicas, "", "loading a FULL optimizer state dict from rank 0");
   absl::Status local;
   try {
-    std::string bytes = group.rank() == 0 ? Serialize(state) : std::string();
+    // Under hybrid sharding rank 0 is its shard group's rank 0 in the first
+    // replica: the dict crosses the replicate groups first (only the shard
+    // groups' ranks 0 carry bytes), then each shard group.
+    const bool global_rank0 = group.rank() == 0 && (replicas == nullptr || replicas->rank() == 0);
+    std::string bytes = global_rank0 ? Serialize(state) : std::string();
+    if (replicas != nullptr) BroadcastBytes(*replicas, bytes, 0);
     BroadcastBytes(group, bytes, 0);
-    local = LoadFullOptimStateDict(model, optimizer, group.rank() == 0 ? state : Deserialize(bytes));
+    local = LoadFullOptimStateDict(model, optimizer, global_rank0 ? state : Deserialize(bytes));
     // Every rank learns whether every rank loaded.
     at::Tensor failed = at::full({1}, local.ok() ? 0.0 : 1.0, at::kDouble);
     group.AllReduce(failed, ReduceOp::kSum)->Wait();
+    if (replicas != nullptr) replicas->AllReduce(failed, ReduceOp::kSum)->Wait();
     if (local.ok() && failed.item<double>() > 0) {
       return absl::AbortedError(absl::StrCat(
           "rank ", group.rank(), " of ", group.world_size(),

@@ -58,7 +58,8 @@ absl::Status LoadFullOptimStateDict(FullyShardedModel& model, torch::optim::Opti
                                     const OptimStateDict& state);
 // Only rank 0 holds the dict (PyTorch's scatter_full_optim_state_dict):
 // it is broadcast, and every rank loads its shard; `state` is read on rank 0
-// only. The error of a rank that cannot load is every rank's.
+// only (under hybrid sharding, the first replica's: rank 0 of both groups).
+// The error of a rank that cannot load is every rank's.
 absl::Status LoadFullOptimStateDictFromRank0(FullyShardedModel& model,
                                              torch::optim::Optimizer& optimizer,
                                              const OptimStateDict& state);
