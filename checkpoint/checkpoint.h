@@ -130,8 +130,8 @@ absl::Status SaveTorchFile(const std::string& path, const OptimStateDict& state)
 // Reads a torch.save file without executing anything in it: a dict of
 // tensors (StateDict, the default) or an optimizer's state dict keyed by
 // FQN (OptimStateDict; one keyed by parameter index, a plain
-// Optimizer.state_dict(), needs the FQNs of the indices:
-// optim/torch_optim_file.h). `entry` selects a nested dict ("model" of
+// Optimizer.state_dict(), is refused: rekey it in Python with
+// get_optimizer_state_dict). `entry` selects a nested dict ("model" of
 // {"model": ..., "optimizer": ...}); "" the top level.
 template <typename T = StateDict>
 absl::StatusOr<T> LoadTorchFile(const std::string& path, const std::string& entry = "");

@@ -21,6 +21,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "optim/training_checkpoint.h"
+#include "statedict/sharded_checkpoint.h"
 #include "statedict/state_dict.h"
 #include "testing/multi_rank.h"
 #include "torch/csrc/distributed/c10d/HashStore.hpp"
@@ -304,6 +305,30 @@ TEST(StateDictOptions, FromRank0ReachesEveryReplicaUnderHybridSharding) {
     }
   });
   EXPECT_TRUE(second.ok()) << second;
+}
+
+// A buffer that is not contiguous cannot be viewed flat: saving works, and
+// loading it back is refused by name in both sharded formats rather than
+// silently leaving it as it was.
+TEST(Checkpoint, ABufferThatIsNotContiguousIsRefusedOnLoadByName) {
+  const std::string dcp = Dir("non_contiguous_dcp");
+  const std::string sharded = Dir("non_contiguous_sharded");
+  mkdir(sharded.c_str(), 0755);
+  absl::Status run = RunOnThreadRanks(2, [&](Collectives& comm) {
+    Net model;
+    model->register_buffer("transposed", at::arange(12, at::kFloat).reshape({4, 3}).t());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>()).value();
+    ASSERT_TRUE(SaveCheckpoint(dcp, *wrapped).ok());
+    ASSERT_TRUE(SaveShardedCheckpoint(*wrapped, sharded).ok());
+    for (const std::string& dir : {dcp, sharded}) {
+      absl::Status loaded = LoadCheckpoint(dir, *wrapped);
+      ASSERT_FALSE(loaded.ok()) << dir;
+      EXPECT_THAT(std::string(loaded.message()), HasSubstr("transposed' is not contiguous in the model"))
+          << dir;
+    }
+  });
+  EXPECT_TRUE(run.ok()) << run;
 }
 
 // strict: a missing entry is refused by name and nothing changes. Not

@@ -48,11 +48,14 @@ std::set<std::string> ModelEntryNames(const FullyShardedModel& model) {
   return names;
 }
 
-// Rank 0's state dict on every rank of `group`, in its order; or rank 0's
-// error in making it transportable, on every rank.
-absl::StatusOr<StateDict> BroadcastStateDict(Collectives& group, const StateDict& state) {
+// Rank 0's state dict on every rank of the job, in its order; or rank 0's
+// error in making it transportable, on every rank. Every rank takes part in
+// every broadcast, whatever it carries.
+absl::StatusOr<StateDict> BroadcastFromRank0(FullyShardedModel& model, const StateDict& state) {
+  Collectives* replicas = model.replicate_group();
+  const bool rank0 = model.group().rank() == 0 && (replicas == nullptr || replicas->rank() == 0);
   std::string bytes;
-  if (group.rank() == 0) {
+  if (rank0) {
     try {
       c10::impl::GenericList entries(c10::AnyType::get());
       for (const auto& [name, tensor] : state) {
@@ -66,12 +69,12 @@ absl::StatusOr<StateDict> BroadcastStateDict(Collectives& group, const StateDict
       bytes = absl::StrCat("E", StatusFromCurrentException().message());
     }
   }
-  BroadcastBytes(group, bytes, 0);
+  BroadcastBytesFromRank0(model.group(), replicas, bytes);
   if (bytes.empty() || bytes[0] != 'P') {
     return absl::InvalidArgumentError(absl::StrCat(
         "rank 0's state dict could not be broadcast: ", bytes.empty() ? "" : bytes.substr(1)));
   }
-  if (group.rank() == 0) return state;
+  if (rank0) return state;
   const c10::IValue root = torch::jit::pickle_load(std::vector<char>(bytes.begin() + 1, bytes.end()));
   StateDict received;
   for (const c10::IValue& entry : root.toListRef()) {
@@ -79,17 +82,6 @@ absl::StatusOr<StateDict> BroadcastStateDict(Collectives& group, const StateDict
     received.emplace_back(parts[0].toStringRef(), parts[1].toTensor());
   }
   return received;
-}
-
-// Rank 0's dict on every rank of the job: under hybrid sharding first to
-// the other replicas' rank 0s (the replicate group of the shard groups'
-// rank 0), then within each shard group.
-absl::StatusOr<StateDict> BroadcastFromRank0(FullyShardedModel& model, const StateDict& state) {
-  StateDict from_rank0 = state;
-  if (Collectives* replicas = model.replicate_group()) {
-    FSDP_ASSIGN_OR_RETURN(from_rank0, BroadcastStateDict(*replicas, from_rank0));
-  }
-  return BroadcastStateDict(model.group(), from_rank0);
 }
 
 // What identifies a state dict's entries: names, shapes and dtypes.

@@ -401,6 +401,11 @@ void BroadcastBytes(Collectives& group, std::string& bytes, int root) {
   bytes.assign(static_cast<const char*>(payload.data_ptr()), size);
 }
 
+void BroadcastBytesFromRank0(Collectives& group, Collectives* replicate, std::string& bytes) {
+  if (replicate != nullptr) BroadcastBytes(*replicate, bytes, 0);
+  BroadcastBytes(group, bytes, 0);
+}
+
 std::vector<std::string> AllGatherBytes(Collectives& group, const std::string& mine) {
   const int world = group.world_size();
   at::Tensor lengths = at::empty({world}, at::kDouble);

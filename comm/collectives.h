@@ -272,6 +272,10 @@ class CollectiveLabel {
 // without arithmetic). Every rank of the group must call it. Throws
 // c10::Error as the collectives do.
 void BroadcastBytes(Collectives& group, std::string& bytes, int root);
+// The bytes of the job's rank 0 (rank 0 of `group` and, under hybrid
+// sharding, of `replicate`) on every rank of both: across the replicate
+// groups first, then within each group. Every rank of both calls.
+void BroadcastBytesFromRank0(Collectives& group, Collectives* replicate, std::string& bytes);
 
 // Every rank's `mine`, in rank order, on every rank (two all-gathers, the
 // bytes carried as BroadcastBytes carries them).

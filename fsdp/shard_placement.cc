@@ -30,7 +30,8 @@ ShardPlacement PlacementOf(const ShardPlacements& placements, const at::Tensor& 
   ShardPlacement whole;
   whole.full_shape = tensor.sizes().vec();
   whole.hi = tensor.numel();
-  whole.local = tensor.detach().reshape({-1});
+  whole.in_place = tensor.is_contiguous();
+  whole.local = whole.in_place ? tensor.detach().view({-1}) : tensor.detach().reshape({-1});
   return whole;
 }
 

@@ -7,6 +7,9 @@
 // `local` views them there (1-D, contiguous), so writing into it loads
 // them. Under NO_SHARD, and for tensors no unit holds (buffers, ignored
 // parameters), the rank holds the whole tensor: sharded false, [0, numel).
+// A tensor no unit holds that is not contiguous (a transpose kept as a
+// buffer) cannot be viewed flat: its `local` is a copy, and `in_place`
+// false tells loaders to refuse it rather than load nothing.
 #ifndef FSDP_FSDP_SHARD_PLACEMENT_H_
 #define FSDP_FSDP_SHARD_PLACEMENT_H_
 
@@ -21,10 +24,12 @@ namespace fsdp {
 
 struct ShardPlacement {
   std::vector<int64_t> full_shape;
-  bool sharded = false;    // Else this rank holds all of it.
-  int64_t lo = 0, hi = 0;  // This rank's elements of the flattened tensor.
-  at::Tensor local;        // Those elements, 1-D, in the model's own storage.
-  int unit = -1;           // model.units()[unit] holds it; -1: no unit does.
+  bool sharded = false;  // Else this rank holds all of it.
+  int64_t lo = 0;        // This rank's elements of the flattened tensor: [lo, hi).
+  int64_t hi = 0;
+  at::Tensor local;       // Those elements, 1-D, in the model's own storage...
+  bool in_place = true;   // ...unless false: a copy.
+  int unit = -1;          // model.units()[unit] holds it; -1: no unit does.
 };
 
 // Keyed by the TensorImpl of the module's parameter (what named_parameters

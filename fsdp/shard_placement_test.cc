@@ -40,6 +40,14 @@ TEST_P(ShardPlacementTest, TheRanksPiecesAreTheFullTensorsAndViewTheShards) {
       const at::Tensor param = model->named_parameters()[name];
       const ShardPlacement p = PlacementOf(placements, param);
       ASSERT_GE(p.unit, 0) << name;
+      ASSERT_LT(p.unit, static_cast<int>((*wrapped)->units().size())) << name;
+      bool held = false;
+      for (const auto& entry : (*wrapped)->units()[p.unit]->handle()->entries()) {
+        held |= entry.param.unsafeGetTensorImpl() == param.unsafeGetTensorImpl();
+      }
+      EXPECT_TRUE(held) << name << " is not in unit " << p.unit;
+      ASSERT_LE(p.hi, flat.numel()) << name;
+      ASSERT_LE(p.lo, p.hi) << name;
       EXPECT_EQ(p.sharded, GetParam() != ShardingStrategy::kNoShard) << name;
       ASSERT_EQ(p.local.dim(), 1);
       ASSERT_EQ(p.local.numel(), p.hi - p.lo) << name;
@@ -54,6 +62,7 @@ TEST_P(ShardPlacementTest, TheRanksPiecesAreTheFullTensorsAndViewTheShards) {
     EXPECT_TRUE(at::equal(again, at::full_like(again, 7)));
   });
   ASSERT_TRUE(status.ok()) << status;
+  for (int r = 0; r < kWorld; ++r) ASSERT_EQ(seen[r].size(), full.size());
   for (size_t k = 0; k < full.size(); ++k) {
     std::vector<int> covered(full[k].second.numel(), 0);
     for (int r = 0; r < kWorld; ++r) {
@@ -66,7 +75,7 @@ TEST_P(ShardPlacementTest, TheRanksPiecesAreTheFullTensorsAndViewTheShards) {
   }
 }
 
-TEST(ShardPlacement, ATensorNoUnitHoldsIsWhole) {
+TEST(ShardPlacement, ATensorNoUnitHoldsIsWholeAndInPlaceOnlyWhenContiguous) {
   const at::Tensor buffer = at::arange(6, at::kFloat).reshape({2, 3});
   const ShardPlacement p = PlacementOf(ShardPlacements{}, buffer);
   EXPECT_EQ(p.unit, -1);
@@ -74,7 +83,13 @@ TEST(ShardPlacement, ATensorNoUnitHoldsIsWhole) {
   EXPECT_EQ(p.lo, 0);
   EXPECT_EQ(p.hi, 6);
   EXPECT_EQ(p.full_shape, (std::vector<int64_t>{2, 3}));
-  EXPECT_TRUE(at::equal(p.local, buffer.reshape({-1})));
+  EXPECT_TRUE(p.in_place);
+  p.local.fill_(3);
+  EXPECT_TRUE(at::equal(buffer, at::full({2, 3}, 3.0f)));
+  const at::Tensor transposed = at::arange(6, at::kFloat).reshape({2, 3}).t();
+  const ShardPlacement q = PlacementOf(ShardPlacements{}, transposed);
+  EXPECT_FALSE(q.in_place);
+  EXPECT_TRUE(at::equal(q.local, transposed.reshape({-1})));
 }
 
 INSTANTIATE_TEST_SUITE_P(Strategies, ShardPlacementTest,

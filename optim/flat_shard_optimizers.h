@@ -29,9 +29,8 @@
 // kernels (which assume dense tensors of one dtype).
 //
 // State. Each parameter's state is libtorch's AdamWParamState /
-// SGDParamState, keyed by the parameter as libtorch keys it, so the FULL and
-// SHARDED optimizer state dicts and training checkpoints (optim/) work
-// unchanged, and state moves both ways between these optimizers and
+// SGDParamState, keyed by the parameter as libtorch keys it, so optimizer
+// state dicts and checkpoints (checkpoint/checkpoint.h) work unchanged, and state moves both ways between these optimizers and
 // libtorch's. Its tensors are views of one flat buffer per run and state
 // key: the step updates the buffer. A state that is not such a view (loaded
 // by Optimizer::load, replaced by the caller, or the run's layout changed)

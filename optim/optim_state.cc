@@ -430,13 +430,31 @@ absl::Status LoadFullOptimStateDictFromRank0(FullyShardedModel& model,
   absl::Status local;
   try {
     // Under hybrid sharding rank 0 is its shard group's rank 0 in the first
-    // replica: the dict crosses the replicate groups first (only the shard
-    // groups' ranks 0 carry bytes), then each shard group.
+    // replica. Every rank takes part in every collective below, whatever
+    // failed before it: a rank that skipped one would leave the others
+    // waiting.
     const bool global_rank0 = group.rank() == 0 && (replicas == nullptr || replicas->rank() == 0);
-    std::string bytes = global_rank0 ? Serialize(state) : std::string();
-    if (replicas != nullptr) BroadcastBytes(*replicas, bytes, 0);
-    BroadcastBytes(group, bytes, 0);
-    local = LoadFullOptimStateDict(model, optimizer, global_rank0 ? state : Deserialize(bytes));
+    std::string bytes;
+    if (global_rank0) {
+      try {
+        bytes = "P" + Serialize(state);
+      } catch (...) {
+        bytes = absl::StrCat("E", StatusFromCurrentException().message());
+      }
+    }
+    BroadcastBytesFromRank0(group, replicas, bytes);
+    if (bytes.empty() || bytes[0] != 'P') {
+      local = absl::InvalidArgumentError(
+          absl::StrCat("rank 0's optimizer state could not be broadcast: ",
+                       bytes.empty() ? "" : bytes.substr(1)));
+    } else {
+      try {
+        local = LoadFullOptimStateDict(model, optimizer,
+                                       global_rank0 ? state : Deserialize(bytes.substr(1)));
+      } catch (...) {
+        local = StatusFromCurrentException();
+      }
+    }
     // Every rank learns whether every rank loaded.
     at::Tensor failed = at::full({1}, local.ok() ? 0.0 : 1.0, at::kDouble);
     group.AllReduce(failed, ReduceOp::kSum)->Wait();
@@ -444,6 +462,7 @@ absl::Status LoadFullOptimStateDictFromRank0(FullyShardedModel& model,
     if (local.ok() && failed.item<double>() > 0) {
       return absl::AbortedError(absl::StrCat(
           "rank ", group.rank(), " of ", group.world_size(),
+          replicas != nullptr ? absl::StrCat(" in replica ", replicas->rank()) : std::string(),
           ": another rank could not load the optimizer state from rank 0 (its error says why); "
           "this rank did, so the ranks now disagree: load again or restart"));
     }

@@ -343,6 +343,9 @@ absl::Status StageThisRanksParts(const std::string& dir,
     int64_t numel = 1;
     for (int64_t s : t.shape) numel *= s;
     const int64_t lo = t.sharded ? t.lo : 0, hi = t.sharded ? t.hi : numel;
+    if (!t.in_place) {
+      return absl::InvalidArgumentError(NotLoadableInPlace(name));
+    }
     // Checked here, so that copying after the agreement cannot fail.
     if (!t.local.defined() || t.local.numel() != hi - lo || t.local.scalar_type() != t.dtype ||
         !t.local.is_contiguous()) {
@@ -437,6 +440,7 @@ std::vector<DcpTensorShard> ModelDcpShards(const FullyShardedModel& model, const
       shard.lo = t.lo;
       shard.hi = t.hi;
       shard.local = t.local;
+      shard.in_place = t.in_place;
       out.push_back(std::move(shard));
     }
   }

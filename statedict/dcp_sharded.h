@@ -49,8 +49,10 @@ struct DcpTensorShard {
   bool sharded = false;
   int64_t lo = 0, hi = 0;
   // Saving: read from it (any device). Loading: written into it, so it
-  // must be contiguous (a view of the model's own storage).
+  // must be contiguous and, with in_place, a view of the model's own
+  // storage (a load refuses a copy: CheckpointTensor).
   at::Tensor local;
+  bool in_place = true;
 };
 
 // Every rank of `group` calls with its shards of the same tensors, in the

@@ -25,11 +25,11 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
+#include "fsdp/shard_placement.h"
 #include "statedict/atomic_file.h"
 #include "statedict/checkpoint_manifest.pb.h"
 #include "statedict/crc32.h"
 #include "statedict/load_check.h"
-#include "fsdp/shard_placement.h"
 #include "statedict/model_tensors.h"
 
 namespace fsdp {
@@ -454,6 +454,7 @@ std::vector<CheckpointTensor> ModelCheckpointTensors(const FullyShardedModel& mo
     t.lo = p.lo;
     t.hi = p.hi;
     t.local = p.local;
+    t.in_place = p.in_place;
     out.push_back(std::move(t));
   }
   return out;
@@ -534,6 +535,12 @@ absl::Status SaveCheckpointTensors(Collectives& group, const std::string& dir,
   }
 }
 
+std::string NotLoadableInPlace(const std::string& name) {
+  return absl::StrCat("'", name, "' is not contiguous in the model (a transposed or strided "
+                      "view), so a checkpoint cannot load into its storage; make it contiguous "
+                      "(register .contiguous()) before loading");
+}
+
 absl::StatusOr<CheckpointMetadata> ReadCheckpointMetadata(const std::string& dir) {
   FSDP_ASSIGN_OR_RETURN(const checkpoint::CheckpointManifest manifest, ReadManifest(dir));
   // A manifest whose shard files are gone (removed by hand, or by another
@@ -564,11 +571,16 @@ absl::Status LoadCheckpointTensors(Collectives& group, const std::string& dir,
   std::vector<at::Tensor> staging(tensors.size());
   ShardedLoadStats local_stats;
   absl::Status local;
+  for (const CheckpointTensor& t : tensors) {
+    if (!t.in_place && local.ok()) local = absl::InvalidArgumentError(NotLoadableInPlace(t.fqn));
+  }
   try {
-    absl::StatusOr<checkpoint::CheckpointManifest> manifest = ReadManifest(dir);
-    local = manifest.ok()
-                ? ReadLocalState(dir, *manifest, tensors, ignore_prefixes, staging, local_stats)
-                : manifest.status();
+    if (local.ok()) {
+      absl::StatusOr<checkpoint::CheckpointManifest> manifest = ReadManifest(dir);
+      local = manifest.ok()
+                  ? ReadLocalState(dir, *manifest, tensors, ignore_prefixes, staging, local_stats)
+                  : manifest.status();
+    }
   } catch (...) {
     local = StatusFromCurrentException();
   }

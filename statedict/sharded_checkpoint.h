@@ -64,7 +64,8 @@ struct CheckpointTensor {
   at::ScalarType dtype = at::kFloat;
   bool sharded = false;
   int64_t lo = 0, hi = 0;
-  at::Tensor local;  // Saving: read from it. Loading: written into it.
+  at::Tensor local;  // Saving: read from it. Loading: written into it...
+  bool in_place = true;  // ...so a load refuses one that is a copy (ShardPlacement).
 };
 
 struct ShardedLoadStats {
@@ -110,6 +111,9 @@ absl::Status LoadCheckpointTensors(Collectives& group, const std::string& dir,
 // manifest is damaged or a shard file is missing or of another size, naming
 // the file.
 absl::StatusOr<CheckpointMetadata> ReadCheckpointMetadata(const std::string& dir);
+
+// Why a load refuses `name`, a tensor no unit holds that is not contiguous.
+std::string NotLoadableInPlace(const std::string& name);
 
 }  // namespace fsdp
 

@@ -14,8 +14,8 @@
 #include "base/status.h"
 #include "c10/core/GradMode.h"
 #include "comm/collectives.h"
-#include "statedict/load_check.h"
 #include "fsdp/shard_placement.h"
+#include "statedict/load_check.h"
 #include "statedict/model_tensors.h"
 
 namespace fsdp {
@@ -27,7 +27,7 @@ using statedict_internal::NamedTensors;
 // and dtype each key must have), adding every problem to `check`, and
 // returns per expected key the tensor to load (undefined where a problem,
 // or an allowed absence, leaves none). FULL, LOCAL and plain-module loads
-// all check their keys here.
+// all check their keys here (LOCAL compares each unit's layout first).
 std::vector<at::Tensor> MatchStateDict(LoadCheck& check, const StateDict& expected,
                                        const std::vector<std::vector<int64_t>>& shapes,
                                        const StateDict& state,
