@@ -638,6 +638,13 @@ set_tests_properties(//models:gpt_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/models_gpt_test")
 endif()
 
+# //models:job_start_in_fork
+if(BUILD_TESTING)
+add_library(models_job_start_in_fork SHARED ${PROJECT_SOURCE_DIR}/models/job_start_in_fork.cc ${PROJECT_SOURCE_DIR}/models/job_start_in_fork.h)
+set_target_properties(models_job_start_in_fork PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models)
+target_link_libraries(models_job_start_in_fork PUBLIC models_job_test_util models_train_gpt_job third_party_absl_base third_party_absl_flags)
+endif()
+
 # //models:job_test_util
 if(BUILD_TESTING)
 add_library(models_job_test_util SHARED ${PROJECT_SOURCE_DIR}/models/job_test_util.cc ${PROJECT_SOURCE_DIR}/models/job_test_util.h)
@@ -685,7 +692,7 @@ target_link_libraries(models_train_gpt PRIVATE models_train_gpt_job base_status 
 if(BUILD_TESTING)
 add_executable(models_train_gpt_bad_input_test ${PROJECT_SOURCE_DIR}/models/train_gpt_bad_input_test.cc)
 set_target_properties(models_train_gpt_bad_input_test PROPERTIES OUTPUT_NAME train_gpt_bad_input_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
-target_link_libraries(models_train_gpt_bad_input_test PRIVATE models_job_test_util testing_torch_python third_party_absl_base third_party_gtest_main)
+target_link_libraries(models_train_gpt_bad_input_test PRIVATE models_job_start_in_fork models_job_test_util testing_torch_python third_party_absl_base third_party_gtest_main)
 configure_file(${PROJECT_SOURCE_DIR}/models/gpt_interop.py "${CMAKE_BINARY_DIR}/models/gpt_interop.py" COPYONLY)
 configure_file(${PROJECT_SOURCE_DIR}/models/replay_gpt.py "${CMAKE_BINARY_DIR}/models/replay_gpt.py" COPYONLY)
 add_dependencies(models_train_gpt_bad_input_test models_train_gpt comm_launch)
@@ -715,7 +722,7 @@ target_link_libraries(models_train_gpt_job PUBLIC models_gpt models_output_paths
 if(BUILD_TESTING)
 add_executable(models_train_gpt_misuse_test ${PROJECT_SOURCE_DIR}/models/train_gpt_misuse_test.cc)
 set_target_properties(models_train_gpt_misuse_test PROPERTIES OUTPUT_NAME train_gpt_misuse_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
-target_link_libraries(models_train_gpt_misuse_test PRIVATE models_job_test_util third_party_absl_base third_party_gtest_main)
+target_link_libraries(models_train_gpt_misuse_test PRIVATE models_job_start_in_fork models_job_test_util third_party_absl_base third_party_gtest_main)
 add_dependencies(models_train_gpt_misuse_test models_train_gpt comm_launch)
 add_test(NAME //models:train_gpt_misuse_test COMMAND models_train_gpt_misuse_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//models:train_gpt_misuse_test PROPERTIES TIMEOUT 900 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/models_train_gpt_misuse_test")

@@ -15,6 +15,7 @@
 #include "absl/strings/str_replace.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "models/job_start_in_fork.h"
 #include "models/job_test_util.h"
 #include "testing/torch_python.h"
 
@@ -25,6 +26,7 @@ using ::models::testing::Exists;
 using ::models::testing::LossesOf;
 using ::models::testing::ReadText;
 using ::models::testing::RunCommand;
+using ::models::testing::StartJobInFork;
 using ::models::testing::TempDir;
 using ::testing::HasSubstr;
 
@@ -32,16 +34,20 @@ constexpr char kTrainGpt[] = "models/train_gpt";
 constexpr char kLaunch[] = "comm/launch";
 
 // Each bad flag of the main job and of the launcher is refused with an error
-// naming it and the valid values, before any rank starts.
+// naming it and the valid values, before any rank starts. Each is checked
+// through main()'s path in a fork of this process; a few, one of each kind,
+// are launched as well, and a flag absl cannot parse only is.
 TEST(TrainGpt, BadFlagsAreRefusedNamingTheProblem) {
+  enum Check { kForked, kAlsoLaunched, kOnlyLaunched };
   struct BadFlags {
     std::string flags;
     int exit_code;
     std::string message;
+    Check check = kForked;
   };
   const std::string dir = TempDir("bad_flags");
   const std::vector<BadFlags> cases = {
-      {"--world_size=0", 2, "--world_size=0: must be >= 1"},
+      {"--world_size=0", 2, "--world_size=0: must be >= 1", kAlsoLaunched},
       {"--steps=0", 2, "--steps=0: must be >= 1"},
       {"--batch_size=0", 2, "--batch_size=0: must be >= 1"},
       {"--n_head=0", 2, "--n_head=0: must be >= 1"},
@@ -87,8 +93,9 @@ TEST(TrainGpt, BadFlagsAreRefusedNamingTheProblem) {
       {"--backward_prefetch=sideways", 2,
        "--backward_prefetch=sideways: expected none, backward_pre or backward_post"},
       {"--wrap_policy=nonsense", 2, "no policy named 'nonsense' (registered: "},
-      {"--policy_plugin=/nonexistent.so", 2, "cannot load wrap policy plugin '/nonexistent.so'"},
-      {"--steps=abc", 1, "Illegal value 'abc' specified for flag 'steps'"},
+      {"--policy_plugin=/nonexistent.so", 2, "cannot load wrap policy plugin '/nonexistent.so'",
+       kAlsoLaunched},
+      {"--steps=abc", 1, "Illegal value 'abc' specified for flag 'steps'", kOnlyLaunched},
       {"--device=tpu", 2, "--device=tpu: must be cpu, cuda or cuda:N"},
       {"--data=" + dir + "/none", 2, "--data=" + dir + "/none: not a readable file"},
       {"--data=" + dir + "/file", 2,
@@ -130,11 +137,13 @@ TEST(TrainGpt, BadFlagsAreRefusedNamingTheProblem) {
        "--overwrite_checkpoints: only for a new run (no --resume) with --checkpoint_dir"},
       {"--resume --checkpoint_dir=" + dir + "/none", 2,
        "--checkpoint_dir=" + dir + "/none: no complete checkpoint to resume from in '" + dir +
-           "/none'"},
+           "/none'",
+       kAlsoLaunched},
       // Output paths are created and test-written before anything runs
       // (a regular file where a directory must be: even root cannot).
       {"--checkpoint_dir=" + dir + "/file/ckpt", 2,
-       "--checkpoint_dir=" + dir + "/file/ckpt: cannot create '" + dir + "/file': Not a directory"},
+       "--checkpoint_dir=" + dir + "/file/ckpt: cannot create '" + dir + "/file': Not a directory",
+       kAlsoLaunched},
       {"--export_state_dict=" + dir + "/file/final.pt", 2,
        "--export_state_dict=" + dir + "/file/final.pt: cannot create '" + dir +
            "/file': Not a directory"},
@@ -154,25 +163,33 @@ TEST(TrainGpt, BadFlagsAreRefusedNamingTheProblem) {
        "--record_batches=" + dir + "/file/b.pt: cannot create '" + dir + "/file': Not a directory"},
   };
   ASSERT_EQ(std::system(absl::StrCat("touch '", dir, "/file'").c_str()), 0);
-  // The sweep's table (docs/main_job.md, "Bad input"): flag, message, exit code,
-  // time to fail.
+  // The sweep's table (docs/main_job.md, "Bad input"): flag, exit code,
+  // time to fail without the launch, message.
   std::string table = "| flags | exit | time | message |\n|---|---|---|---|\n";
   for (const BadFlags& bad : cases) {
     SCOPED_TRACE(bad.flags);
+    const std::string flags = absl::StrCat("--steps=3 --print_plan=false ", bad.flags);
+    if (bad.check != kForked) {
+      const CommandResult run = RunCommand(absl::StrCat(kTrainGpt, " ", flags));
+      EXPECT_EQ(run.exit_code, bad.exit_code) << run.output;
+      EXPECT_THAT(run.output, HasSubstr(bad.message));
+      // Refused before any rank started.
+      EXPECT_THAT(run.output, ::testing::Not(HasSubstr("launched")));
+    }
+    if (bad.check == kOnlyLaunched) continue;
     const auto start = std::chrono::steady_clock::now();
-    const CommandResult run =
-        RunCommand(absl::StrCat(kTrainGpt, " --steps=3 --print_plan=false ", bad.flags));
+    const CommandResult run = StartJobInFork(flags);
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    // Refused by StartJob, so before any rank started.
     EXPECT_EQ(run.exit_code, bad.exit_code) << run.output;
     EXPECT_THAT(run.output, HasSubstr(bad.message));
-    // Refused before any rank started.
-    EXPECT_THAT(run.output, ::testing::Not(HasSubstr("launched")));
     std::string shown = run.output.substr(0, run.output.find('\n'));
     absl::StrReplaceAll({{dir, "DIR"}, {"|", "\\|"}}, &shown);
-    std::string flags = bad.flags;
-    absl::StrReplaceAll({{dir, "DIR"}}, &flags);
-    table += absl::StrFormat("| `%s` | %d | %.1f s | %s |\n", flags, run.exit_code, seconds, shown);
+    std::string shown_flags = bad.flags;
+    absl::StrReplaceAll({{dir, "DIR"}}, &shown_flags);
+    table += absl::StrFormat("| `%s` | %d | %.3f s | %s |\n", shown_flags, run.exit_code,
+                             seconds, shown);
   }
   std::printf("%s", table.c_str());
   const std::vector<BadFlags> launcher_cases = {
