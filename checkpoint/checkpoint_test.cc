@@ -47,7 +47,8 @@ struct Trainer {
 
   explicit Trainer(Collectives& comm, bool freeze_head = false) {
     if (freeze_head) model->head->weight.requires_grad_(false);
-    fsdp = FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>()).value();
+    fsdp =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>()).value();
     std::vector<at::Tensor> trainable;
     for (const at::Tensor& p : UniqueParameters(*model)) {
       if (p.requires_grad()) trainable.push_back(p);
