@@ -79,7 +79,7 @@ endif()
 # //comm:collectives
 add_library(comm_collectives SHARED ${PROJECT_SOURCE_DIR}/comm/collectives.cc ${PROJECT_SOURCE_DIR}/comm/fingerprint.cc ${PROJECT_SOURCE_DIR}/comm/collectives.h ${PROJECT_SOURCE_DIR}/comm/fingerprint.h)
 set_target_properties(comm_collectives PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm)
-target_link_libraries(comm_collectives PUBLIC base_fnv1a third_party_absl_base third_party_absl_status fsdp_torch)
+target_link_libraries(comm_collectives PUBLIC comm_work_result base_fnv1a third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(comm_collectives PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS comm_collectives EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/comm/collectives.h ${PROJECT_SOURCE_DIR}/comm/fingerprint.h DESTINATION include/comm)
@@ -109,7 +109,7 @@ endif()
 # //comm:gloo_collectives
 add_library(comm_gloo_collectives SHARED ${PROJECT_SOURCE_DIR}/comm/gloo_collectives.cc ${PROJECT_SOURCE_DIR}/comm/gloo_collectives.h)
 set_target_properties(comm_gloo_collectives PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm)
-target_link_libraries(comm_gloo_collectives PUBLIC comm_collectives comm_store_fingerprint_exchange base_status third_party_absl_base third_party_absl_status third_party_c10d_gloo fsdp_torch)
+target_link_libraries(comm_gloo_collectives PUBLIC comm_collectives comm_store_fingerprint_exchange comm_work_result base_status third_party_absl_base third_party_absl_status third_party_c10d_gloo fsdp_torch)
 target_include_directories(comm_gloo_collectives PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS comm_gloo_collectives EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/comm/gloo_collectives.h DESTINATION include/comm)
@@ -245,6 +245,23 @@ add_dependencies(comm_store_fingerprint_exchange_test comm_launch)
 add_test(NAME //comm:store_fingerprint_exchange_test COMMAND comm_store_fingerprint_exchange_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//comm:store_fingerprint_exchange_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/comm_store_fingerprint_exchange_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/comm_store_fingerprint_exchange_test")
+endif()
+
+# //comm:work_result
+add_library(comm_work_result INTERFACE)
+target_link_libraries(comm_work_result INTERFACE fsdp_torch)
+target_include_directories(comm_work_result INTERFACE $<INSTALL_INTERFACE:include>)
+install(TARGETS comm_work_result EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/comm/work_result.h DESTINATION include/comm)
+
+# //comm:work_result_test
+if(BUILD_TESTING)
+add_executable(comm_work_result_test ${PROJECT_SOURCE_DIR}/comm/work_result_test.cc)
+set_target_properties(comm_work_result_test PROPERTIES OUTPUT_NAME work_result_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm ENABLE_EXPORTS ON)
+target_link_libraries(comm_work_result_test PRIVATE comm_work_result third_party_gtest_main fsdp_torch)
+add_test(NAME //comm:work_result_test COMMAND comm_work_result_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//comm:work_result_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/comm_work_result_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/comm_work_result_test")
 endif()
 
 # //fsdp:activation_checkpointing
