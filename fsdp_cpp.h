@@ -6,8 +6,8 @@
 //   wrapping            fsdp::FullyShardedModel::Wrap, fsdp::FsdpOptions,
 //                       wrap policies, fsdp::UnitModule (fsdp/fully_shard.h,
 //                       fsdp/unit_module.h, policies/wrap_policy.h)
-//   between steps       NoSync, SummonFullParams, UniqueParameters,
-//                       ClipGradNorm (fsdp/utilities.h)
+//   between steps       NoSync, SummonFullParams, ClipGradNorm, Apply,
+//                       UniqueParameters (fsdp/utilities.h)
 //   state               Get/SetModelStateDict, Get/SetOptimizerStateDict,
 //                       Save/LoadCheckpoint, Save/LoadTorchFile
 //                       (checkpoint/checkpoint.h)

@@ -51,7 +51,7 @@ struct Trainer {
 
   explicit Trainer(Collectives& comm, bool freeze_head = false, const FsdpOptions& options = {}) {
     if (freeze_head) model->head->weight.requires_grad_(false);
-    fsdp = FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>())
+    fsdp = FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>())
                .value();
     std::vector<at::Tensor> trainable;
     for (const at::Tensor& p : UniqueParameters(*model)) {
@@ -318,7 +318,7 @@ TEST(Checkpoint, ABufferThatIsNotContiguousIsRefusedOnLoadByName) {
     Net model;
     model->register_buffer("transposed", at::arange(12, at::kFloat).reshape({4, 3}).t());
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>()).value();
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>()).value();
     ASSERT_TRUE(SaveCheckpoint(dcp, *wrapped).ok());
     ASSERT_TRUE(SaveShardedCheckpoint(*wrapped, sharded).ok());
     for (const std::string& dir : {dcp, sharded}) {

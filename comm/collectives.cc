@@ -9,6 +9,7 @@
 #include "ATen/ATen.h"
 #include "absl/strings/str_cat.h"
 #include "c10/util/Exception.h"
+#include "comm/work_result.h"
 
 namespace fsdp {
 namespace {
@@ -121,39 +122,26 @@ class ExplainedWork final : public CollectiveWork {
   ~ExplainedWork() override = default;
 
   void Wait() override {
-    if (done_) {
-      TORCH_CHECK(error_.empty(), error_);
-      return;
-    }
-    done_ = true;
-    try {
-      work_->Wait();
-    } catch (const c10::Error& e) {
-      error_ = e.msg();
-    } catch (const std::exception& e) {
-      error_ = e.what();
-    }
-    work_.reset();
-    if (!error_.empty()) {
-      std::string cause = error_.substr(0, error_.find('\n'));
+    result_.Wait([this] {
+      const std::string error = ErrorMessageOf([this] { work_->Wait(); });
+      work_.reset();
+      if (error.empty()) return error;
+      std::string cause = error.substr(0, error.find('\n'));
       // "<who>: <op> failed: <why>": the record says who and what.
       if (const size_t failed = cause.find(" failed: "); failed != std::string::npos) {
         cause = cause.substr(failed + 9);
       }
-      error_ = absl::StrCat(
-          error_, "\n",
-          group_->ExplainFailure(
-              absl::StrCat("failed in ", DescribeRecord(record_), ": ", cause)));
-    }
-    TORCH_CHECK(error_.empty(), error_);
+      return absl::StrCat(error, "\n",
+                          group_->ExplainFailure(absl::StrCat(
+                              "failed in ", DescribeRecord(record_), ": ", cause)));
+    });
   }
 
  private:
   Collectives* group_;
   CollectiveRecord record_;
   std::unique_ptr<CollectiveWork> work_;
-  bool done_ = false;
-  std::string error_;
+  WorkResult result_;
 };
 
 Collectives::Collectives(int rank, int world_size)
@@ -376,15 +364,8 @@ void Collectives::Barrier() {
     DoBarrier();
     return;
   }
-  std::string error;
-  try {
-    DoBarrier();
-    return;
-  } catch (const c10::Error& e) {
-    error = e.msg();
-  } catch (const std::exception& e) {
-    error = e.what();
-  }
+  const std::string error = ErrorMessageOf([this] { DoBarrier(); });
+  if (error.empty()) return;
   TORCH_CHECK(false, error, "\n",
               ExplainFailure(absl::StrCat("failed in ", DescribeRecord(record), ": ",
                                           error.substr(0, error.find('\n')))));

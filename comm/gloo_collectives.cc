@@ -18,6 +18,7 @@
 #include "base/status.h"
 #include "c10/util/Exception.h"
 #include "comm/store_fingerprint_exchange.h"
+#include "comm/work_result.h"
 #include "torch/csrc/distributed/c10d/PrefixStore.hpp"
 #include "torch/csrc/distributed/c10d/ProcessGroupGloo.hpp"
 
@@ -135,7 +136,7 @@ class GlooWork final : public CollectiveWork {
       : what_(std::move(what)), work_(std::move(work)), finish_(std::move(finish)) {}
 
   ~GlooWork() override {
-    if (done_) return;
+    if (result_.done()) return;
     try {
       Wait();
     } catch (...) {
@@ -144,42 +145,21 @@ class GlooWork final : public CollectiveWork {
   }
 
   void Wait() override {
-    if (done_) {
-      // A failed work stays failed: its output is not valid.
-      TORCH_CHECK(error_.empty(), error_);
-      return;
-    }
-    done_ = true;
-    try {
-      work_->wait();
-    } catch (const std::exception& e) {
-      error_ = absl::StrCat(what_, " failed: ", StripBacktrace(e));
-    }
-    work_.reset();  // c10d's work holds the staging buffers too.
-    if (error_.empty() && finish_) {
-      try {
-        finish_();
-      } catch (const std::exception& e) {
-        error_ = StripBacktrace(e);
-      }
-    }
-    finish_ = nullptr;  // Releases the staging buffers it held.
-    TORCH_CHECK(error_.empty(), error_);
+    result_.Wait([this] {
+      std::string error = ErrorMessageOf([this] { work_->wait(); });
+      if (!error.empty()) error = absl::StrCat(what_, " failed: ", error);
+      work_.reset();  // c10d's work holds the staging buffers too.
+      if (error.empty() && finish_) error = ErrorMessageOf(finish_);
+      finish_ = nullptr;  // Releases the staging buffers it held.
+      return error;
+    });
   }
 
  private:
-  static std::string StripBacktrace(const std::exception& e) {
-    if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
-      return c10_error->msg();
-    }
-    return e.what();
-  }
-
   std::string what_;
   c10::intrusive_ptr<c10d::Work> work_;
   std::function<void()> finish_;
-  bool done_ = false;
-  std::string error_;  // Set when the work failed.
+  WorkResult result_;
 };
 
 // NOTE [Collective headers]

@@ -486,7 +486,7 @@ TEST_P(ActivationCheckpointingUnderFsdp, TrainsBitForBitWithTheSameCollectives) 
         options.limit_all_gathers = false;
       }
       auto wrapped =
-          FullyShardedModel::Wrap(net.ptr(), comm, options, SelectModulesOfType<CkBlockImpl>());
+          FullyShardedModel::Wrap(net.ptr(), comm, options, *ModuleTypePolicy::Of<CkBlockImpl>());
       EXPECT_TRUE(wrapped.ok()) << wrapped.status();
       if (checkpoint) {
         EXPECT_TRUE(CheckpointBlocks(*net).ok());
@@ -557,7 +557,8 @@ INSTANTIATE_TEST_SUITE_P(Cases, ActivationCheckpointingUnderFsdp, ::testing::Val
 TEST(ActivationCheckpointingUnderFsdp, ARegionContainingAUnitIsRefusedInForward) {
   absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
     CkNet net;
-    auto wrapped = FullyShardedModel::Wrap(net.ptr(), comm, {}, SelectModulesOfType<CkBlockImpl>());
+    auto wrapped =
+        FullyShardedModel::Wrap(net.ptr(), comm, {}, *ModuleTypePolicy::Of<CkBlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     auto body = [&](const std::vector<at::Tensor>& in) {
       return std::vector<at::Tensor>{net->forward(in[0])};

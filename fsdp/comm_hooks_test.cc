@@ -55,7 +55,7 @@ TrainingRun Train(ShardingStrategy strategy, int steps, const MakeHook& make_hoo
                 FsdpOptions options;
                 options.strategy = strategy;
                 auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
-                                                       SelectModulesOfType<BlockImpl>());
+                                                       *ModuleTypePolicy::Of<BlockImpl>());
                 ASSERT_TRUE(wrapped.ok());
                 if (std::shared_ptr<CommHook> hook = make_hook()) {
                   ASSERT_TRUE((*wrapped)->RegisterCommHook(hook).ok());
@@ -197,7 +197,7 @@ TEST(CommHooks, AGradientDivideFactorReplacesTheAverage) {
                     options.strategy = strategy;
                     if (summed == 1) options.gradient_divide_factor = 1.0;
                     auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
-                                                           SelectModulesOfType<BlockImpl>());
+                                                           *ModuleTypePolicy::Of<BlockImpl>());
                     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
                     const int64_t rows = kGlobalBatch / kWorld;
                     at::mse_loss(model->forward(Inputs(0, 0).narrow(0, comm.rank() * rows, rows)),
@@ -222,7 +222,7 @@ TEST(CommHooks, MisuseIsRefusedByName) {
   ASSERT_TRUE(RunOnThreadRanks(kWorld, [](Collectives& comm) {
                 Net model;
                 auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {},
-                                                       SelectModulesOfType<BlockImpl>());
+                                                       *ModuleTypePolicy::Of<BlockImpl>());
                 ASSERT_TRUE(wrapped.ok());
                 FullyShardedModel& fsdp = **wrapped;
                 EXPECT_THAT(fsdp.RegisterCommHook(nullptr).message(),
@@ -235,7 +235,7 @@ TEST(CommHooks, MisuseIsRefusedByName) {
   ASSERT_TRUE(RunOnThreadRanks(kWorld, [](Collectives& comm) {
                 Net model;
                 auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {},
-                                                       SelectModulesOfType<BlockImpl>());
+                                                       *ModuleTypePolicy::Of<BlockImpl>());
                 ASSERT_TRUE(wrapped.ok());
                 model->forward(Inputs(0, 0)).sum().backward();
                 EXPECT_THAT((*wrapped)->RegisterCommHook(std::make_shared<DefaultCommHook>())
@@ -256,7 +256,7 @@ TEST(CommHooks, MisuseIsRefusedByName) {
                 options.strategy = ShardingStrategy::kHybridShard;
                 options.replicate_group = groups->replicate.get();
                 auto wrapped = FullyShardedModel::Wrap(model.ptr(), *groups->shard, options,
-                                                       SelectModulesOfType<BlockImpl>());
+                                                       *ModuleTypePolicy::Of<BlockImpl>());
                 ASSERT_TRUE(wrapped.ok());
                 EXPECT_THAT(
                     (*wrapped)->RegisterCommHook(std::make_shared<DefaultCommHook>()).message(),

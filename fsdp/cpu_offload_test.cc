@@ -110,7 +110,7 @@ Trajectory TrainSharded(const OffloadCase& c, bool offload) {
     }
     Net model;
     auto wrapped = FullyShardedModel::Wrap(model.ptr(), *shard_group, options,
-                                           SelectModulesOfType<BlockImpl>());
+                                           *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     FullyShardedModel& fsdp = **wrapped;
     auto optimizer = MakeOptimizer(c.optim, model->parameters());
@@ -145,7 +145,7 @@ Trajectory TrainSharded(const OffloadCase& c, bool offload) {
           }
         }
       }
-      if (c.clip) run.norms.push_back(fsdp.ClipGradNorm(kMaxNorm).value().item<double>());
+      if (c.clip) run.norms.push_back(ClipGradNorm(fsdp, kMaxNorm).value().item<double>());
       optimizer->step();
       optimizer->zero_grad();
       comm.AllReduce(loss_sum, ReduceOp::kAvg)->Wait();
@@ -225,7 +225,7 @@ TEST(CpuOffload, ComputesOnTheDeviceCopyAndSummonWritesBackToTheHost) {
                   options.strategy = strategy;
                   options.offload_params = true;
                   auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
-                                                         SelectModulesOfType<BlockImpl>());
+                                                         *ModuleTypePolicy::Of<BlockImpl>());
                   ASSERT_TRUE(wrapped.ok()) << wrapped.status();
                   FullyShardedModel& fsdp = **wrapped;
                   const FlatParamHandle& block0 =

@@ -73,7 +73,7 @@ Trained Train(const FsdpOptions* fsdp_options, const NcclOptions& nccl = {}) {
   if (fsdp_options != nullptr) {
     group = CreateNcclCollectives(c10::make_intrusive<c10d::HashStore>(), 0, 1, 0, nccl).value();
     wrapped = FullyShardedModel::Wrap(model.ptr(), *group, *fsdp_options,
-                                      SelectModulesOfType<BlockImpl>())
+                                      *ModuleTypePolicy::Of<BlockImpl>())
                   .value();
   }
   auto optimizer = MakeOptimizer(Optim::kAdam, model->parameters());
@@ -157,7 +157,7 @@ TEST(CudaFsdp, DeviceIdWithOffloadWrapsUnitByUnit) {
   c10::cuda::CUDACachingAllocator::resetPeakStats(0);
   const int64_t before = DeviceBytesAllocated();
   auto wrapped =
-      FullyShardedModel::Wrap(model.ptr(), *group, options, SelectModulesOfType<WideBlockImpl>());
+      FullyShardedModel::Wrap(model.ptr(), *group, options, *ModuleTypePolicy::Of<WideBlockImpl>());
   ASSERT_TRUE(wrapped.ok()) << wrapped.status();
   const int64_t peak =
       c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].peak - before;
@@ -211,7 +211,7 @@ TEST(CudaFsdp, RateLimiterBoundsTheFullParametersInFlight) {
     FsdpOptions options;
     options.limit_all_gathers = limit;
     auto wrapped = FullyShardedModel::Wrap(model.ptr(), *group, options,
-                                           SelectModulesOfType<AddressRecordingBlockImpl>())
+                                           *ModuleTypePolicy::Of<AddressRecordingBlockImpl>())
                        .value();
     at::NoGradGuard no_grad;  // Every unit reshards after its forward.
     const at::Tensor x = at::ones({2, 1024}, at::TensorOptions().device(kCuda));
@@ -253,7 +253,7 @@ TEST(CudaFsdp, UnshardSeesShardUpdatesStillQueuedOnTheComputeStream) {
     options.strategy = strategy;
     options.mixed_precision.param_dtype = DType::kBFloat16;  // NO_SHARD then copies too.
     auto wrapped = FullyShardedModel::Wrap(model.ptr(), *group, options,
-                                           SelectModulesOfType<WideBlockImpl>())
+                                           *ModuleTypePolicy::Of<WideBlockImpl>())
                        .value();
     at::NoGradGuard no_grad;
     // In the compute dtype: nothing here asks FSDP to cast forward inputs.
@@ -284,7 +284,7 @@ TEST(CudaFsdp, AnUnshardAheadOfAQueuedShardUpdateIsGatheredAgain) {
     if (config == 1) options.mixed_precision.param_dtype = DType::kBFloat16;
     options.offload_params = config == 2;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), *group, options, SelectModulesOfType<BlockImpl>())
+        FullyShardedModel::Wrap(model.ptr(), *group, options, *ModuleTypePolicy::Of<BlockImpl>())
             .value();
     at::NoGradGuard no_grad;
     const at::Tensor x = Inputs(0, 0).to(kCuda);
@@ -327,7 +327,7 @@ TEST(CudaFsdp, OffloadedShardsArePinnedHostMemory) {
   FsdpOptions options;
   options.offload_params = true;
   auto wrapped =
-      FullyShardedModel::Wrap(model.ptr(), *group, options, SelectModulesOfType<BlockImpl>())
+      FullyShardedModel::Wrap(model.ptr(), *group, options, *ModuleTypePolicy::Of<BlockImpl>())
           .value();
   for (const auto& unit : wrapped->units()) {
     const FlatParamHandle& h = *unit->handle();
@@ -357,7 +357,7 @@ RankRun TrainRank(Collectives& group, const FsdpOptions& options, c10::Device de
   FsdpOptions on_device = options;
   if (device.is_cuda()) on_device.device_id = device;
   auto wrapped =
-      FullyShardedModel::Wrap(model.ptr(), group, on_device, SelectModulesOfType<BlockImpl>())
+      FullyShardedModel::Wrap(model.ptr(), group, on_device, *ModuleTypePolicy::Of<BlockImpl>())
           .value();
   auto optimizer = MakeOptimizer(Optim::kAdam, model->parameters());
   const int64_t rows = kGlobalBatch / group.world_size();

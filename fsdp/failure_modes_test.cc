@@ -80,8 +80,8 @@ at::Tensor TrainChain(Collectives& group, int steps, const FsdpOptions& options,
   g_in_block_forward = nullptr;
   g_after_block_backward = nullptr;
   Chain chain;
-  auto wrapped = FullyShardedModel::Wrap(chain.ptr(), group, options,
-                                         SelectModulesOfType<BlockImpl>());
+  auto wrapped =
+      FullyShardedModel::Wrap(chain.ptr(), group, options, *ModuleTypePolicy::Of<BlockImpl>());
   TORCH_CHECK(wrapped.ok(), wrapped.status().ToString());
   torch::optim::SGD sgd(UniqueParameters(*chain), torch::optim::SGDOptions(0.1));
   const int rows = 6 / group.world_size();
@@ -210,7 +210,7 @@ TEST(FailureModes, AFailedSummonLeavesEveryUnitIdleAndResharded) {
                 Chain chain;
                 FaultInjectingCollectives faulty(comm);
                 auto wrapped = FullyShardedModel::Wrap(chain.ptr(), faulty, {},
-                                                       SelectModulesOfType<BlockImpl>());
+                                                       *ModuleTypePolicy::Of<BlockImpl>());
                 ASSERT_TRUE(wrapped.ok()) << wrapped.status();
                 faulty.Inject({.kind = FaultKind::kFail, .op = CollectiveOp::kAllGather,
                                .unit = "blocks.1", .phase = "summon_full_params"});

@@ -166,7 +166,7 @@ TEST_P(FrozenAndTrainableInOneUnit, MatchesLocalTrainingAndReducesOnlyTrainableB
     options.offload_params = c.offload_params;
     if (c.float32_compute) options.mixed_precision.param_dtype = DType::kFloat32;
     auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
-                                           SelectModulesOfType<UnitModuleImpl>());
+                                           *ModuleTypePolicy::Of<UnitModuleImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     FullyShardedModel& fsdp = **wrapped;
     ASSERT_EQ(fsdp.units().size(), 3u);
@@ -271,8 +271,8 @@ TEST_P(FrozenAndTrainableInOneUnit, MatchesLocalTrainingAndReducesOnlyTrainableB
 TEST(FrozenAndTrainable, ChangingRequiresGradAfterWrappingIsAnError) {
   absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
     auto model = UnitModel();
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {},
-                                           SelectModulesOfType<UnitModuleImpl>());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<UnitModuleImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     const at::Tensor x = Inputs(0).narrow(0, comm.rank() * 3, 3);
     const at::Tensor head_weight = model->named_parameters()["2.weight"];

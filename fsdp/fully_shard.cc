@@ -36,10 +36,18 @@ class AccumulatorPostHook final : public torch::autograd::FunctionPostHook {
 
 }  // namespace
 
-void DeferParameterAllocation(torch::nn::Module& module) {
+absl::Status DeferParameterAllocation(torch::nn::Module& module) {
+  // Every parameter is checked before any is released.
+  for (const auto& item : module.named_parameters()) {
+    const at::Tensor& t = item.value();
+    if (!t.device().is_cpu() || !t.is_contiguous()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("DeferParameterAllocation: parameter '", item.key(), "' is ",
+                       t.device().is_cpu() ? "not contiguous" : "not on the CPU",
+                       "; parameters must be contiguous CPU tensors"));
+    }
+  }
   for (const at::Tensor& t : module.parameters()) {
-    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "DeferParameterAllocation: ",
-                "parameters must be contiguous CPU tensors");
     at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), 0);
   }
   for (const at::Tensor& t : module.buffers()) {
@@ -47,6 +55,7 @@ void DeferParameterAllocation(torch::nn::Module& module) {
       at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), 0);
     }
   }
+  return absl::OkStatus();
 }
 
 absl::Status FullyShardedModel::RequireIdle(const std::string& what) const {
@@ -495,43 +504,43 @@ absl::StatusOr<std::vector<FsdpUnit*>> FullyShardedModel::UnitsOf(const char* ca
   return units;
 }
 
-absl::Status FullyShardedModel::SetRequiresGradientSync(const torch::nn::Module& module,
-                                                        bool requires_sync, bool recurse) {
+absl::Status FullyShardedModel::SetRequiresGradientSync(
+    const torch::nn::Module& module, const RequiresGradientSyncOptions& options) {
   FSDP_RETURN_IF_ERROR(RequireIdle("SetRequiresGradientSync"));
   FSDP_ASSIGN_OR_RETURN(std::vector<FsdpUnit*> units,
-                        UnitsOf("SetRequiresGradientSync", module, recurse));
-  for (FsdpUnit* unit : units) unit->requires_gradient_sync_ = requires_sync;
+                        UnitsOf("SetRequiresGradientSync", module, options.recurse));
+  for (FsdpUnit* unit : units) unit->requires_gradient_sync_ = options.requires_gradient_sync;
   return absl::OkStatus();
 }
 
 absl::Status FullyShardedModel::SetRequiresAllReduce(const torch::nn::Module& module,
-                                                     bool requires_all_reduce, bool recurse) {
+                                                     const RequiresAllReduceOptions& options) {
   FSDP_RETURN_IF_ERROR(RequireIdle("SetRequiresAllReduce"));
   FSDP_ASSIGN_OR_RETURN(std::vector<FsdpUnit*> units,
-                        UnitsOf("SetRequiresAllReduce", module, recurse));
-  for (FsdpUnit* unit : units) unit->requires_all_reduce_ = requires_all_reduce;
+                        UnitsOf("SetRequiresAllReduce", module, options.recurse));
+  for (FsdpUnit* unit : units) unit->requires_all_reduce_ = options.requires_all_reduce;
   return absl::OkStatus();
 }
 
-absl::Status FullyShardedModel::SetReshardAfterBackward(const torch::nn::Module& module,
-                                                        bool reshard_after_backward, bool recurse) {
+absl::Status FullyShardedModel::SetReshardAfterBackward(
+    const torch::nn::Module& module, const ReshardAfterBackwardOptions& options) {
   FSDP_RETURN_IF_ERROR(RequireIdle("SetReshardAfterBackward"));
   FSDP_ASSIGN_OR_RETURN(std::vector<FsdpUnit*> units,
-                        UnitsOf("SetReshardAfterBackward", module, recurse));
-  for (FsdpUnit* unit : units) unit->reshard_after_backward_ = reshard_after_backward;
+                        UnitsOf("SetReshardAfterBackward", module, options.recurse));
+  for (FsdpUnit* unit : units) unit->reshard_after_backward_ = options.reshard_after_backward;
   return absl::OkStatus();
 }
 
-absl::Status FullyShardedModel::SetGradientDivideFactor(const torch::nn::Module& module,
-                                                        std::optional<double> factor,
-                                                        bool recurse) {
+absl::Status FullyShardedModel::SetGradientDivideFactor(
+    const torch::nn::Module& module, const GradientDivideFactorOptions& options) {
+  const std::optional<double> factor = options.factor;
   FSDP_RETURN_IF_ERROR(RequireIdle("SetGradientDivideFactor"));
   if (factor && !(*factor > 0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("SetGradientDivideFactor: the factor must be positive, got ", *factor));
   }
   FSDP_ASSIGN_OR_RETURN(std::vector<FsdpUnit*> units,
-                        UnitsOf("SetGradientDivideFactor", module, recurse));
+                        UnitsOf("SetGradientDivideFactor", module, options.recurse));
   for (FsdpUnit* unit : units) {
     if (unit->handle_ != nullptr) unit->handle_->SetGradientDivideFactor(factor);
   }

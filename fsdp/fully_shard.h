@@ -12,7 +12,7 @@
 //   };
 //
 //   auto wrapped = fsdp::FullyShardedModel::Wrap(
-//       model.ptr(), group, options, fsdp::SelectModulesOfType<BlockImpl>());
+//       model.ptr(), group, options, *fsdp::ModuleTypePolicy::Of<BlockImpl>());
 //   torch::optim::AdamW optimizer(fsdp::UniqueParameters(*model), ...);  // the shards
 //   ... loss = ...model->forward(x)...; loss.backward(); optimizer.step(); ...
 //
@@ -26,12 +26,13 @@
 // whose parameters went unused and resets every state to IDLE.
 //
 // The forward scope is fsdp/unit_forward.h; the between-steps utilities
-// (NoSync, SummonFullParams, UniqueParameters) are fsdp/utilities.h, beside
-// the definitions of the members ClipGradNorm and Apply.
+// (NoSync, SummonFullParams, ClipGradNorm, Apply, UniqueParameters) are
+// fsdp/utilities.h.
 // Traversal: FullyShardedModel::units() (PyTorch's fsdp_modules, pre-order,
 // root first), GetModuleUnit(module) (the registry) and FsdpUnit::is_root().
 //
-// Errors: every function called between steps (Wrap, ClipGradNorm, Apply,
+// Errors: every function called before or between steps
+// (DeferParameterAllocation, Wrap, the Set* controls, ClipGradNorm, Apply,
 // RegisterCommHook, and the state dicts in statedict/ and optim/) returns
 // an absl::Status: kFailedPrecondition in the wrong state, naming it. The
 // scopes NoSync and SummonFullParams, whose constructors cannot return one,
@@ -43,16 +44,14 @@
 #include <cstdint>
 #include <functional>
 #include <map>
-#include <optional>
-#include <utility>
 #include <memory>
+#include <optional>
 #include <string>
-#include <typeinfo>
+#include <utility>
 #include <vector>
 
 #include "ATen/core/Tensor.h"
 #include "absl/status/statusor.h"
-#include "c10/util/Type.h"
 #include "comm/collectives.h"
 #include "fsdp/comm_hooks.h"
 #include "fsdp/flat_param_handle.h"
@@ -66,19 +65,6 @@
 
 namespace fsdp {
 
-
-// A wrap policy (policies/wrap_policy.h) choosing every submodule whose
-// dynamic type is T (or derives from it): the C++-typed counterpart of the
-// registry's "module:<name>" policy.
-template <typename T>
-LambdaPolicy SelectModulesOfType() {
-  return LambdaPolicy(
-      [](const std::string&, const torch::nn::Module& module) {
-        return dynamic_cast<const T*>(&module) != nullptr;
-      },
-      {}, std::string("modules of type ") + c10::demangle_type<T>());
-}
-
 // Releases the memory of every parameter and buffer of `module` and its
 // submodules, keeping their shapes, dtypes and identities, so that Wrap
 // allocates and initializes them unit by unit (FsdpOptions::param_init_fn)
@@ -86,7 +72,41 @@ LambdaPolicy SelectModulesOfType() {
 // right after building it. This is the libtorch 1.13 stand-in for PyTorch's
 // meta-device construction (libtorch 1.13 cannot move a parameter from the
 // meta device to CPU in place). Until Wrap, the module must not be used.
-void DeferParameterAllocation(torch::nn::Module& module);
+// kInvalidArgument, naming the parameter and leaving the module untouched,
+// unless every parameter is a contiguous CPU tensor.
+absl::Status DeferParameterAllocation(torch::nn::Module& module);
+
+// The arguments of FullyShardedModel's per-unit setters, one aggregate each
+// (FSDP2's set_requires_gradient_sync(requires_gradient_sync, *, recurse=True)
+// and its siblings, with the same names), so that a call says what it sets:
+//
+//   fsdp.SetRequiresGradientSync(block, {.requires_gradient_sync = false});
+//   fsdp.SetReshardAfterBackward(*model, {.reshard_after_backward = false,
+//                                         .recurse = false});
+//
+// Designated initializers are C++20; GCC and Clang accept them in C++17 as
+// an extension, warning only under -Wpedantic (the Bazel build's C++17 has
+// none), as SummonOptions' and StateDictOptions' callers do. Each default is
+// a unit's state after Wrap, so a field left out means that state:
+// `{.recurse = false}` alone sets one unit back to it.
+// `recurse`: `module`'s unit and every unit in its subtree (true), or that
+// unit alone (false).
+struct RequiresGradientSyncOptions {
+  bool requires_gradient_sync = true;
+  bool recurse = true;
+};
+struct RequiresAllReduceOptions {
+  bool requires_all_reduce = true;
+  bool recurse = true;
+};
+struct ReshardAfterBackwardOptions {
+  bool reshard_after_backward = true;
+  bool recurse = true;
+};
+struct GradientDivideFactorOptions {
+  std::optional<double> factor;  // nullopt: the average (FsdpOptions).
+  bool recurse = true;
+};
 
 // Where the whole model is (per FSDP state in PyTorch's terms).
 enum class ModelTrainingState { kIdle, kForwardBackward };
@@ -205,14 +225,6 @@ class FullyShardedModel {
   // units: what the memory tests sample.
   int64_t FullParamBytes() const;
 
-  // Scales every gradient of the model so that their joint norm (of the
-  // unsharded gradients, `norm_type` >= 1 or infinity) is at most
-  // `max_norm`, as torch::nn::utils::clip_grad_norm_ does on the unwrapped
-  // model, and returns that norm before clipping; every rank of the group
-  // must call it. kFailedPrecondition unless IDLE with gradients reduced
-  // (not inside NoSync); kInvalidArgument for a bad norm_type or max_norm.
-  absl::StatusOr<at::Tensor> ClipGradNorm(double max_norm, double norm_type = 2.0);
-
   // FSDP2's set_modules_to_forward_prefetch / set_modules_to_backward_
   // prefetch: when `unit_module`'s forward (backward) starts, right after its
   // own all-gather, the all-gathers of `modules`' units are issued in that
@@ -235,38 +247,38 @@ class FullyShardedModel {
                                             const std::vector<const torch::nn::Module*>& modules);
 
   // FSDP2's set_requires_gradient_sync, a persistent NoSync per unit: while
-  // false for a unit, its backward passes keep full gradients in .grad and
-  // add to them without communicating, and the first backward after it is
-  // true again reduces their sum. `module` is the root or a wrapped module;
-  // with `recurse`, every unit in its subtree is set too. Every rank must
-  // set the same units alike (a rank that reduces where another does not
-  // fails at the collective headers). kFailedPrecondition unless IDLE;
+  // requires_gradient_sync is false for a unit, its backward passes keep
+  // full gradients in .grad and add to them without communicating, and the
+  // first backward after it is true again reduces their sum. `module` is the
+  // root or a wrapped module; with `recurse`, every unit in its subtree is
+  // set too. Every rank must set the same units alike (a rank that reduces
+  // where another does not fails at the collective headers). kFailedPrecondition unless IDLE;
   // kNotFound when `module` is not a unit of this model.
-  absl::Status SetRequiresGradientSync(const torch::nn::Module& module, bool requires_sync,
-                                       bool recurse = true);
+  absl::Status SetRequiresGradientSync(const torch::nn::Module& module,
+                                       const RequiresGradientSyncOptions& options);
 
   // FSDP2's set_requires_all_reduce, for hybrid sharding's gradient
-  // accumulation: while false for a unit, its backward passes reduce-scatter
-  // within the shard group but leave out the all-reduce across the replicate
-  // group, keeping the shard group's sum aside (none of it reaches .grad);
-  // the next backward that reduces with it true again adds that sum to its
-  // own before its all-reduce, so the accumulated gradient crosses the
-  // replicate group once. The kept sum is in the reduction's dtype
+  // accumulation: while requires_all_reduce is false for a unit, its
+  // backward passes reduce-scatter within the shard group but leave out the
+  // all-reduce across the replicate group, keeping the shard group's sum
+  // aside (none of it reaches .grad); the next backward that reduces with it
+  // true again adds that sum to its own before its all-reduce, so the
+  // accumulated gradient crosses the replicate group once. The kept sum is in the reduction's dtype
   // (MixedPrecision::reduce_dtype) and nothing clears it but that
   // all-reduce: zero_grad does not, and ClipGradNorm refuses while one is
   // kept. Without a replicate group it changes nothing. `module` and
   // `recurse`, the errors, and that every rank must set the same units
   // alike: as SetRequiresGradientSync.
-  absl::Status SetRequiresAllReduce(const torch::nn::Module& module, bool requires_all_reduce,
-                                    bool recurse = true);
+  absl::Status SetRequiresAllReduce(const torch::nn::Module& module,
+                                    const RequiresAllReduceOptions& options);
 
   // FSDP2's set_reshard_after_backward, for gradient accumulation: while
-  // false for a unit, a backward pass that leaves its gradients unreduced
-  // (SetRequiresGradientSync(false), NoSync) or that it has none for (all
-  // its parameters frozen) keeps its full parameters aside, so that the
-  // next forward needs no all-gather for it (nor its backward, unless the
-  // forward reshards it: FULL_SHARD). A backward that reduces its
-  // gradients reshards it: the optimizer steps the shards next.
+  // reshard_after_backward is false for a unit, a backward pass that leaves
+  // its gradients unreduced (requires_gradient_sync false, NoSync) or that
+  // it has none for (all its parameters frozen) keeps its full parameters
+  // aside, so that the next forward needs no all-gather for it (nor its
+  // backward, unless the forward reshards it: FULL_SHARD). A backward that
+  // reduces its gradients reshards it: the optimizer steps the shards next.
   // Kept full parameters (here and from Unshard) differ from FSDP2's in two
   // ways. Between steps the parameters point at their shards all the same,
   // so optimizers, state dicts and checkpoints see what they always see.
@@ -279,16 +291,16 @@ class FullyShardedModel {
   // precision). `module`, `recurse`, the
   // errors, and that every rank must set the same units alike: as
   // SetRequiresGradientSync.
-  absl::Status SetReshardAfterBackward(const torch::nn::Module& module, bool reshard_after_backward,
-                                       bool recurse = true);
+  absl::Status SetReshardAfterBackward(const torch::nn::Module& module,
+                                       const ReshardAfterBackwardOptions& options);
 
-  // FSDP2's set_gradient_divide_factor per unit: FsdpOptions::
-  // gradient_divide_factor for `module`'s unit (and with `recurse` every
+  // FSDP2's set_gradient_divide_factor per unit: `factor` becomes
+  // FsdpOptions::gradient_divide_factor for `module`'s unit (and with `recurse` every
   // unit in its subtree) from its next reduction on; nullopt restores the
   // average. kInvalidArgument unless positive; otherwise as
   // SetRequiresGradientSync.
   absl::Status SetGradientDivideFactor(const torch::nn::Module& module,
-                                       std::optional<double> factor, bool recurse = true);
+                                       const GradientDivideFactorOptions& options);
 
   // FSDP2's unshard(async_op=True): issues the all-gather of `module`'s
   // unit alone (not its subtree), in the dtype its forward computes in and
@@ -323,18 +335,16 @@ class FullyShardedModel {
   // (MixedPrecision); nullopt for buffers Wrap did not cast.
   std::optional<at::ScalarType> BufferFullPrecisionDtype(const at::Tensor& buffer) const;
 
-  // Calls `fn` on every module of the model (children before parents, root
-  // last, as torch::nn::Module::apply) with the full parameters in place and
-  // writes in-place changes back to the shards: for initialization after
-  // wrapping. Every rank must call it with the same `fn`. kFailedPrecondition
-  // unless IDLE; an exception `fn` throws comes back as the status.
-  absl::Status Apply(const std::function<void(torch::nn::Module&)>& fn);
-
  private:
   friend class UnitForward;
   friend class NoSync;
   friend class SummonFullParams;
   friend class UnshardHandle;
+  // The between-steps utilities of fsdp/utilities.h.
+  friend absl::StatusOr<at::Tensor> ClipGradNorm(FullyShardedModel& model, double max_norm,
+                                                 double norm_type);
+  friend absl::Status Apply(FullyShardedModel& model,
+                            const std::function<void(torch::nn::Module&)>& fn);
   FullyShardedModel(std::shared_ptr<torch::nn::Module> root, Collectives& group,
                     const FsdpOptions& options);
 
@@ -347,8 +357,6 @@ class FullyShardedModel {
   // kept full parameters whose shard was written on any rank since
   // (SetReshardAfterBackward).
   void ValidateKeptFullParams();
-  // ClipGradNorm after its checks.
-  at::Tensor ClipCheckedGradNorm(double max_norm, double norm_type);
   // Throws naming the parameter when one's requires_grad changed since Wrap.
   void CheckTrainableAsWrapped(const FsdpUnit& unit) const;
   // Puts PostBackward on the accumulators this forward's graph uses.
@@ -359,7 +367,7 @@ class FullyShardedModel {
   void FinishBackward();
   void ReduceOrKeep(FsdpUnit& unit);
   // After the unit's backward: frees its full parameters unless
-  // SetReshardAfterBackward(false) keeps them.
+  // SetReshardAfterBackward's reshard_after_backward = false keeps them.
   void ReshardAfterBackward(FsdpUnit& unit);
   // "backward" for an all-gather that serves backward, else "forward".
   std::string UnshardPhase(const FlatParamHandle& handle) const;

@@ -103,9 +103,10 @@ TEST_P(FullyShardParity, MatchesLocalTraining) {
     options.strategy = c.strategy;
     options.backward_prefetch = c.backward_prefetch;
     options.forward_prefetch = c.forward_prefetch;
-    const LambdaPolicy per_block = SelectModulesOfType<BlockImpl>();
+    const std::unique_ptr<ModuleTypePolicy> per_block = ModuleTypePolicy::Of<BlockImpl>();
     const LambdaPolicy none([](const std::string&, const torch::nn::Module&) { return false; });
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options, c.flat ? none : per_block);
+    auto wrapped = FullyShardedModel::Wrap(
+        model.ptr(), comm, options, c.flat ? none : static_cast<const WrapPolicy&>(*per_block));
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     FullyShardedModel& fsdp = **wrapped;
     const int64_t units = c.flat ? 1 : 4;  // The root (head) and three blocks.
@@ -264,8 +265,8 @@ TEST_P(FullyShardUtilities, MatchLocalTraining) {
     Net model;
     FsdpOptions options;
     options.strategy = c.strategy;
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
-                                           SelectModulesOfType<BlockImpl>());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     FullyShardedModel& fsdp = **wrapped;
     auto optimizer = MakeOptimizer(Optim::kSgdMomentum, model->parameters());
@@ -291,7 +292,7 @@ TEST_P(FullyShardUtilities, MatchLocalTraining) {
         loss_sum += loss.detach();
       }
       if (c.clip_norm_type != 0) {
-        const double norm = fsdp.ClipGradNorm(kMaxNorm, c.clip_norm_type).value().item<double>();
+        const double norm = ClipGradNorm(fsdp, kMaxNorm, c.clip_norm_type).value().item<double>();
         EXPECT_NEAR(norm, expected.grad_norms[step], 1e-5 * expected.grad_norms[step])
             << "step " << step;
       }
@@ -324,7 +325,7 @@ TEST(FullyShard, RequiresGradientSyncPerUnitMatchesAccumulation) {
     absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
       Net model;
       auto wrapped =
-          FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+          FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
       ASSERT_TRUE(wrapped.ok()) << wrapped.status();
       FullyShardedModel& fsdp = **wrapped;
       const torch::nn::Module& target =
@@ -333,7 +334,8 @@ TEST(FullyShard, RequiresGradientSyncPerUnitMatchesAccumulation) {
       const int64_t rows = kGlobalBatch / 2;
       for (int step = 0; step < kSteps; ++step) {
         for (int micro = 0; micro < 2; ++micro) {
-          ASSERT_TRUE(fsdp.SetRequiresGradientSync(target, micro == 1).ok());
+          ASSERT_TRUE(
+              fsdp.SetRequiresGradientSync(target, {.requires_gradient_sync = micro == 1}).ok());
           comm.ResetCounters();
           at::Tensor x = Inputs(step, micro).narrow(0, comm.rank() * rows, rows);
           at::Tensor y = Targets(step, micro).narrow(0, comm.rank() * rows, rows);
@@ -347,7 +349,17 @@ TEST(FullyShard, RequiresGradientSyncPerUnitMatchesAccumulation) {
       }
       for (const auto& unit : fsdp.units()) EXPECT_TRUE(unit->requires_gradient_sync());
       torch::nn::Linear stranger(2, 2);
-      EXPECT_EQ(fsdp.SetRequiresGradientSync(*stranger, false).code(), absl::StatusCode::kNotFound);
+      EXPECT_EQ(fsdp.SetRequiresGradientSync(*stranger, {.requires_gradient_sync = false}).code(),
+                absl::StatusCode::kNotFound);
+      // Without recurse the root's unit alone is set; the defaults set it back.
+      ASSERT_TRUE(
+          fsdp.SetRequiresGradientSync(*model, {.requires_gradient_sync = false, .recurse = false})
+              .ok());
+      for (const auto& unit : fsdp.units()) {
+        EXPECT_EQ(unit->requires_gradient_sync(), !unit->is_root()) << unit->fqn();
+      }
+      ASSERT_TRUE(fsdp.SetRequiresGradientSync(*model, {}).ok());
+      for (const auto& unit : fsdp.units()) EXPECT_TRUE(unit->requires_gradient_sync());
       SummonFullParams full(fsdp);
       for (const auto& item : model->named_parameters()) {
         const at::Tensor& want = expected.params.at(item.key());
@@ -395,20 +407,20 @@ TEST(FullyShard, ClipGradNormAndNoSyncRefuseMisuse) {
   absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
     Net model;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     FullyShardedModel& fsdp = **wrapped;
     {
       NoSync no_sync(fsdp);
       at::mse_loss(model->forward(Inputs(0, 0)), Targets(0, 0)).backward();
-      const auto inside = fsdp.ClipGradNorm(1.0);
+      const auto inside = ClipGradNorm(fsdp, 1.0);
       EXPECT_EQ(inside.status().code(), absl::StatusCode::kFailedPrecondition);
       EXPECT_THAT(inside.status().message(), HasSubstr("ClipGradNorm inside NoSync"));
     }
-    const auto bad_norm = fsdp.ClipGradNorm(1.0, 0.5);
+    const auto bad_norm = ClipGradNorm(fsdp, 1.0, 0.5);
     EXPECT_EQ(bad_norm.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(bad_norm.status().message(), HasSubstr("norm_type 0.5 must be >= 1 or infinity"));
-    const auto bad_max = fsdp.ClipGradNorm(-1.0);
+    const auto bad_max = ClipGradNorm(fsdp, -1.0);
     EXPECT_EQ(bad_max.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(bad_max.status().message(), HasSubstr("max_norm -1 must be >= 0"));
   });
@@ -420,7 +432,7 @@ TEST(SummonFullParams, ShowsFullParametersAndWritesBack) {
     Net reference;
     Net model;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     FullyShardedModel& fsdp = **wrapped;
     auto ref_params = reference->named_parameters();
@@ -483,7 +495,7 @@ TEST(SummonFullParams, WithGradsShowsTheUnshardedGradients) {
   absl::Status status = RunOnThreadRanks(4, [&](Collectives& comm) {
     Net model;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     const int64_t rows = kGlobalBatch / comm.world_size();
     at::mse_loss(model->forward(Inputs(0, 0).narrow(0, comm.rank() * rows, rows)),
@@ -510,7 +522,7 @@ TEST(SummonFullParams, RefusesMisuse) {
   absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
     Net model;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     SummonOptions both;
     both.rank0_only = true;
@@ -566,7 +578,7 @@ TEST(FullyShard, DifferentUnitOrderAcrossRanksIsNamedOnEveryRank) {
     absl::Status status = RunOnThreadRanks(3, [&](Collectives& comm) {
       RankOrderedNet model(comm.rank());
       auto wrapped =
-          FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+          FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
       ASSERT_TRUE(wrapped.ok()) << wrapped.status();
       try {
         model->forward(at::ones({2, 6}));
@@ -602,10 +614,10 @@ TEST(FullyShard, ApplyInitializesThroughTheShards) {
   absl::Status status = RunOnThreadRanks(3, [](Collectives& comm) {
     Net model;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     int visited = 0;
-    const absl::Status applied = (*wrapped)->Apply([&](torch::nn::Module& module) {
+    const absl::Status applied = Apply(**wrapped, [&](torch::nn::Module& module) {
       ++visited;
       if (auto* linear = dynamic_cast<torch::nn::LinearImpl*>(&module)) {
         linear->weight.fill_(0.125);
@@ -615,12 +627,11 @@ TEST(FullyShard, ApplyInitializesThroughTheShards) {
     ASSERT_TRUE(applied.ok()) << applied;
     {
       SummonFullParams full(**wrapped);
-      EXPECT_EQ((*wrapped)->Apply([](torch::nn::Module&) {}).code(),
+      EXPECT_EQ(Apply(**wrapped, [](torch::nn::Module&) {}).code(),
                 absl::StatusCode::kFailedPrecondition);
     }
-    const absl::Status thrown = (*wrapped)->Apply([](torch::nn::Module&) {
-      TORCH_CHECK(false, "an initializer that fails");
-    });
+    const absl::Status thrown = Apply(
+        **wrapped, [](torch::nn::Module&) { TORCH_CHECK(false, "an initializer that fails"); });
     EXPECT_THAT(thrown.message(), HasSubstr("an initializer that fails"));
     EXPECT_TRUE((*wrapped)->RequireIdle("after a failed Apply").ok());
     EXPECT_EQ(visited, 9);  // The root, the ModuleList, 3 blocks, their Linears, the head.
@@ -667,7 +678,7 @@ TEST(FullyShard, BlocksInsideSequentialAreUnits) {
   absl::Status status = RunOnThreadRanks(3, [&](Collectives& comm) {
     SequentialNet model;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     EXPECT_EQ((*wrapped)->units().size(), 4u);
     EXPECT_EQ((*wrapped)->units()[1]->fqn(), "body.0");
@@ -700,8 +711,8 @@ TEST(FullyShard, ParameterNamesAndIdentityAreThoseOfTheUnwrappedModel) {
       names_before.push_back(item.key());
       impls_before.push_back(item.value().unsafeGetTensorImpl());
     }
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {},
-                                           SelectModulesOfType<BlockImpl>());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     std::vector<std::string> names_after;
     std::vector<const void*> impls_after;
@@ -721,9 +732,8 @@ TEST(FullyShard, ParameterNamesAndIdentityAreThoseOfTheUnwrappedModel) {
 TEST(FullyShard, SelectingAModuleFsdpCannotHookIsAnErrorNamingIt) {
   absl::Status status = RunOnThreadRanks(1, [](Collectives& comm) {
     Net model;
-    auto wrapped = FullyShardedModel::Wrap(
-        model.ptr(), comm, {},
-        SelectModulesOfType<torch::nn::LinearImpl>());
+    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {},
+                                           *ModuleTypePolicy::Of<torch::nn::LinearImpl>());
     ASSERT_FALSE(wrapped.ok());
     EXPECT_THAT(std::string(wrapped.status().message()),
                 ::testing::ContainsRegex("chose module 'blocks.0.fc' \\([^)]*Linear[^)]*\\) "
@@ -749,7 +759,7 @@ TEST(FullyShard, RootWithOwnParametersMustBeHookable) {
   absl::Status status = RunOnThreadRanks(1, [](Collectives& comm) {
     PlainRoot model;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_FALSE(wrapped.ok());
     EXPECT_THAT(wrapped.status().message(),
                 HasSubstr("holds parameters of its own ('scale', ...) but FSDP cannot hook "
@@ -768,7 +778,7 @@ TEST(FullyShard, FailedWrapLeavesTheModelUntouched) {
     std::vector<at::Tensor> before;
     for (const auto& p : model->parameters()) before.push_back(p.detach().clone());
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_FALSE(wrapped.ok());
     EXPECT_THAT(wrapped.status().message(),
                 HasSubstr("unit 'blocks.2' on rank " + std::to_string(comm.rank()) +
@@ -786,10 +796,10 @@ TEST(FullyShard, FailedWrapLeavesTheModelUntouched) {
 TEST(FullyShard, WrappingTwiceIsAnError) {
   absl::Status status = RunOnThreadRanks(1, [](Collectives& comm) {
     Net model;
-    auto first = FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    auto first = FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(first.ok()) << first.status();
     auto second =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     EXPECT_EQ(second.status().code(), absl::StatusCode::kAlreadyExists);
     EXPECT_THAT(second.status().message(), HasSubstr("is already part of a wrapped model"));
   });
@@ -802,7 +812,7 @@ TEST(FullyShard, BadOptionsAreRefusedAtWrap) {
     FsdpOptions options;
     options.verify_collectives_every = -1;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
     EXPECT_EQ(wrapped.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(wrapped.status().message(),
                 HasSubstr("FsdpOptions::verify_collectives_every must be >= 0 (0: never), "
@@ -811,7 +821,7 @@ TEST(FullyShard, BadOptionsAreRefusedAtWrap) {
     FsdpOptions zero_divide;
     zero_divide.gradient_divide_factor = 0.0;
     wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, zero_divide, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, zero_divide, *ModuleTypePolicy::Of<BlockImpl>());
     EXPECT_THAT(wrapped.status().message(),
                 HasSubstr("FsdpOptions::gradient_divide_factor must be positive, got 0"));
   });
@@ -842,9 +852,8 @@ TORCH_MODULE(Tied);
 TEST(FullyShard, SharedParameterGoesToTheLowestUnitHoldingAllItsUsers) {
   absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
     Tied model;
-    auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {},
-                                SelectModulesOfType<SharedWeightBlockImpl>());
+    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {},
+                                           *ModuleTypePolicy::Of<SharedWeightBlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     const WrapPlan& plan = (*wrapped)->plan();
     ASSERT_EQ(plan.units.size(), 3u);
@@ -865,7 +874,7 @@ TEST(FullyShard, NoGradForwardLeavesNothingUnsharded) {
     FsdpOptions options;
     options.strategy = ShardingStrategy::kShardGradOp;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     {
       torch::NoGradGuard no_grad;
@@ -1036,8 +1045,10 @@ TEST(FullyShard, DifferentWrapPlansAcrossRanksAreNamedAtTheFirstForward) {
   absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
     Net model;
     const LambdaPolicy flat([](const std::string&, const torch::nn::Module&) { return false; });
+    const std::unique_ptr<ModuleTypePolicy> per_block = ModuleTypePolicy::Of<BlockImpl>();
     auto wrapped = FullyShardedModel::Wrap(
-        model.ptr(), comm, {}, comm.rank() == 0 ? SelectModulesOfType<BlockImpl>() : flat);
+        model.ptr(), comm, {},
+        comm.rank() == 0 ? static_cast<const WrapPolicy&>(*per_block) : flat);
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     try {
       model->forward(at::ones({2, 7}));
@@ -1060,7 +1071,7 @@ TEST(FullyShard, DifferentOptionsAcrossRanksAreNamedAtTheFirstForward) {
     FsdpOptions options;
     options.forward_prefetch = comm.rank() == 1;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     try {
       model->forward(at::ones({2, 7}));
@@ -1093,7 +1104,7 @@ TEST(FullyShard, GradientBeforeItsUnitsPreBackwardIsNamed) {
     FsdpOptions options;
     options.strategy = ShardingStrategy::kShardGradOp;  // Full parameters until backward.
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     at::Tensor loss = model->forward(at::ones({2, 7}));
     try {

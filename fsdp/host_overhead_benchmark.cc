@@ -141,8 +141,8 @@ void BM_HostOverhead(benchmark::State& state, ShardingStrategy strategy) {
     InstantCollectives group;
     FsdpOptions options;
     options.strategy = strategy;
-    auto wrapped = ValueOrThrow(
-        FullyShardedModel::Wrap(model.ptr(), group, options, SelectModulesOfType<TinyBlockImpl>()));
+    auto wrapped = ValueOrThrow(FullyShardedModel::Wrap(model.ptr(), group, options,
+                                                        *ModuleTypePolicy::Of<TinyBlockImpl>()));
     Report(state, base, TimePasses(model));
   }
 }

@@ -99,7 +99,7 @@ TEST_P(HybridShardParity, MatchesLocalTrainingAndTalksAcrossGroupsOnlyToReduce) 
     options.strategy = c.strategy;
     options.replicate_group = &replicate;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), shard, options, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), shard, options, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     FullyShardedModel& fsdp = **wrapped;
     auto optimizer = MakeSgd(model->parameters());
@@ -191,9 +191,9 @@ TEST(HybridShard, RequiresAllReduceFalseDefersTheSumAcrossGroups) {
     options.replicate_group = &replicate;
     Net deferred, reference;
     auto wrapped_deferred =
-        FullyShardedModel::Wrap(deferred.ptr(), shard, options, SelectModulesOfType<BlockImpl>());
-    auto wrapped_reference =
-        FullyShardedModel::Wrap(reference.ptr(), shard, options, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(deferred.ptr(), shard, options, *ModuleTypePolicy::Of<BlockImpl>());
+    auto wrapped_reference = FullyShardedModel::Wrap(reference.ptr(), shard, options,
+                                                     *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped_deferred.ok() && wrapped_reference.ok());
     const int64_t rows = kGlobalBatch / 4;
     auto backward = [&](Net& model, int micro) {
@@ -203,7 +203,8 @@ TEST(HybridShard, RequiresAllReduceFalseDefersTheSumAcrossGroups) {
     };
     for (int micro = 0; micro < 3; ++micro) backward(reference, micro);
 
-    ASSERT_TRUE((*wrapped_deferred)->SetRequiresAllReduce(*deferred, false).ok());
+    ASSERT_TRUE(
+        (*wrapped_deferred)->SetRequiresAllReduce(*deferred, {.requires_all_reduce = false}).ok());
     replicate.ResetCounters();
     for (int micro = 0; micro < 2; ++micro) backward(deferred, micro);
     EXPECT_EQ(replicate.counters().Calls(CollectiveOp::kAllReduce), 0);
@@ -211,10 +212,11 @@ TEST(HybridShard, RequiresAllReduceFalseDefersTheSumAcrossGroups) {
     for (const auto& unit : (*wrapped_deferred)->units()) {
       EXPECT_TRUE(unit->handle()->has_partial_reduction()) << unit->fqn();
     }
-    const absl::StatusOr<at::Tensor> clipped = (*wrapped_deferred)->ClipGradNorm(1.0);
+    const absl::StatusOr<at::Tensor> clipped = ClipGradNorm(**wrapped_deferred, 1.0);
     EXPECT_EQ(clipped.status().code(), absl::StatusCode::kFailedPrecondition);
     EXPECT_THAT(std::string(clipped.status().message()), HasSubstr("requires_all_reduce false"));
-    ASSERT_TRUE((*wrapped_deferred)->SetRequiresAllReduce(*deferred, true).ok());
+    ASSERT_TRUE(
+        (*wrapped_deferred)->SetRequiresAllReduce(*deferred, {.requires_all_reduce = true}).ok());
     backward(deferred, 2);
     EXPECT_EQ(replicate.counters().Calls(CollectiveOp::kAllReduce), 4);  // Root and three blocks.
     for (const auto& unit : (*wrapped_deferred)->units()) {
@@ -229,7 +231,8 @@ TEST(HybridShard, RequiresAllReduceFalseDefersTheSumAcrossGroups) {
           << (got[i].grad() - want[i].grad()).abs().max().item<float>();
     }
     // A unit that is not one is refused by name.
-    const absl::Status refused = (*wrapped_deferred)->SetRequiresAllReduce(*deferred->head, false);
+    const absl::Status refused =
+        (*wrapped_deferred)->SetRequiresAllReduce(*deferred->head, {.requires_all_reduce = false});
     EXPECT_EQ(refused.code(), absl::StatusCode::kNotFound);
     EXPECT_THAT(std::string(refused.message()), HasSubstr("SetRequiresAllReduce: module"));
   });
@@ -299,14 +302,14 @@ TEST_P(DeferredAllReduce, FirstMicroBatchDeferredMatchesTwoThatAllReduce) {
     };
     for (int micro = 0; micro < 2; ++micro) backward(reference, micro);
 
-    ASSERT_TRUE(fsdp.SetRequiresAllReduce(*deferred, false).ok());
+    ASSERT_TRUE(fsdp.SetRequiresAllReduce(*deferred, {.requires_all_reduce = false}).ok());
     replicate.ResetCounters();
     backward(deferred, 0);
     EXPECT_EQ(replicate.counters().Calls(CollectiveOp::kAllReduce), 0);
     for (const auto& unit : fsdp.units()) {
       EXPECT_TRUE(unit->handle()->has_partial_reduction()) << unit->fqn();
     }
-    ASSERT_TRUE(fsdp.SetRequiresAllReduce(*deferred, true).ok());
+    ASSERT_TRUE(fsdp.SetRequiresAllReduce(*deferred, {.requires_all_reduce = true}).ok());
     backward(deferred, 1);
     EXPECT_EQ(replicate.counters().Calls(CollectiveOp::kAllReduce), 4);
     for (const auto& unit : fsdp.units()) {
@@ -362,14 +365,14 @@ TEST(HybridShard, NeedsAReplicateGroupExactlyWithAHybridStrategy) {
                 FsdpOptions options;
                 options.strategy = ShardingStrategy::kHybridShard;
                 auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
-                                                       SelectModulesOfType<BlockImpl>());
+                                                       *ModuleTypePolicy::Of<BlockImpl>());
                 EXPECT_THAT(wrapped.status().message(),
                             HasSubstr("FsdpOptions::replicate_group is not set but the "
                                       "strategy is HYBRID_SHARD"));
                 options.strategy = ShardingStrategy::kFullShard;
                 options.replicate_group = &comm;
                 wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
-                                                  SelectModulesOfType<BlockImpl>());
+                                                  *ModuleTypePolicy::Of<BlockImpl>());
                 EXPECT_THAT(wrapped.status().message(),
                             HasSubstr("replicate_group is set but the strategy is FULL_SHARD"));
               }).ok());
@@ -418,8 +421,8 @@ TEST(PostForwardGroup, BackwardGathersWithinTheGroupAndChangesNoNumber) {
         options.mixed_precision.param_dtype = param_dtype;
         options.offload_params = config.offload_params;
         if (post == 1) options.post_forward_group = &pair;
-        auto wrapped =
-            FullyShardedModel::Wrap(model.ptr(), world, options, SelectModulesOfType<BlockImpl>());
+        auto wrapped = FullyShardedModel::Wrap(model.ptr(), world, options,
+                                               *ModuleTypePolicy::Of<BlockImpl>());
         ASSERT_TRUE(wrapped.ok()) << wrapped.status();
         FullyShardedModel& fsdp = **wrapped;
         int64_t held_between = 0;  // What the units should hold after forward.
@@ -475,7 +478,7 @@ TEST(PostForwardGroup, AGroupOfOtherRanksIsRefusedOnEveryRank) {
     FsdpOptions whole;
     whole.post_forward_group = &world;  // k = W: nothing to save.
     auto refused =
-        FullyShardedModel::Wrap(model.ptr(), world, whole, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), world, whole, *ModuleTypePolicy::Of<BlockImpl>());
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(refused.status().message(), HasSubstr("1 < k < 4"));
     GlooOptions gloo;
@@ -487,7 +490,7 @@ TEST(PostForwardGroup, AGroupOfOtherRanksIsRefusedOnEveryRank) {
     FsdpOptions options;
     options.post_forward_group = pair->get();
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), world, options, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), world, options, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     try {
       model->forward(Inputs(0, 0));
@@ -536,7 +539,7 @@ TEST(PostForwardGroup, AForwardWithoutBackwardKeepsNoPieces) {
         options.post_forward_group = groups->shard.get();
       }
       auto wrapped =
-          FullyShardedModel::Wrap(model, world, options, SelectModulesOfType<BlockImpl>());
+          FullyShardedModel::Wrap(model, world, options, *ModuleTypePolicy::Of<BlockImpl>());
       ASSERT_TRUE(wrapped.ok()) << wrapped.status();
       at::Tensor out = model->forward(Inputs(0, 0));
       EXPECT_FALSE(out.requires_grad());

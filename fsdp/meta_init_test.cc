@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "base/status.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/unit_forward.h"
 #include "fsdp/utilities.h"
@@ -49,7 +50,7 @@ struct TowerImpl : torch::nn::Module, ShardableModule {
     blocks = register_module("blocks", torch::nn::ModuleList());
     for (int i = 0; i < kBlocks; ++i) {
       WideBlock block;
-      if (deferred) DeferParameterAllocation(*block);
+      if (deferred) ThrowIfError(DeferParameterAllocation(*block));
       blocks->push_back(block);
     }
   }
@@ -105,15 +106,15 @@ TEST(MetaInit, MaterializesUnitByUnitAndMatchesEagerInitialization) {
   absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
                 Tower eager(/*deferred=*/false);
                 InitEagerly(*eager);
-                auto eager_fsdp = FullyShardedModel::Wrap(
-                    eager.ptr(), comm, {}, SelectModulesOfType<WideBlockImpl>());
+                auto eager_fsdp = FullyShardedModel::Wrap(eager.ptr(), comm, {},
+                                                          *ModuleTypePolicy::Of<WideBlockImpl>());
                 ASSERT_TRUE(eager_fsdp.ok());
                 Tower meta(/*deferred=*/true);
                 EXPECT_EQ(meta->blocks[0]->as<WideBlockImpl>()->fc->weight.storage().nbytes(), 0u);
                 FsdpOptions options;
                 options.param_init_fn = InitLinear;
                 auto meta_fsdp = FullyShardedModel::Wrap(meta.ptr(), comm, options,
-                                                         SelectModulesOfType<WideBlockImpl>());
+                                                         *ModuleTypePolicy::Of<WideBlockImpl>());
                 ASSERT_TRUE(meta_fsdp.ok()) << meta_fsdp.status();
                 const at::Tensor x = at::sin(at::arange(3 * kWidth, at::kFloat)).view({3, kWidth});
                 {
@@ -130,11 +131,21 @@ TEST(MetaInit, MaterializesUnitByUnitAndMatchesEagerInitialization) {
   EXPECT_TRUE(status.ok()) << status;
 }
 
+// A parameter that cannot be released is named, and nothing is released.
+TEST(MetaInit, DeferringANonContiguousParameterIsRefusedByName) {
+  WideBlock block;
+  block->register_parameter("transposed", at::ones({4, 2}).t());
+  const absl::Status status = DeferParameterAllocation(*block);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("parameter 'transposed' is not contiguous"));
+  for (const at::Tensor& p : block->parameters()) EXPECT_GT(p.storage().nbytes(), 0u);
+}
+
 TEST(MetaInit, WithoutParamInitFnDeferredParametersAreNamed) {
   absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
                 Tower meta(/*deferred=*/true);
                 auto wrapped = FullyShardedModel::Wrap(meta.ptr(), comm, {},
-                                                       SelectModulesOfType<WideBlockImpl>());
+                                                       *ModuleTypePolicy::Of<WideBlockImpl>());
                 EXPECT_THAT(wrapped.status().message(),
                             HasSubstr("parameter 'blocks.0.fc.weight' is deferred "
                                       "(DeferParameterAllocation); set "
@@ -149,15 +160,15 @@ TEST(MetaInit, DeviceIdOnTheHostMatchesEagerInitialization) {
   absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
                 Tower eager(/*deferred=*/false);
                 InitEagerly(*eager);
-                auto eager_fsdp = FullyShardedModel::Wrap(
-                    eager.ptr(), comm, {}, SelectModulesOfType<WideBlockImpl>());
+                auto eager_fsdp = FullyShardedModel::Wrap(eager.ptr(), comm, {},
+                                                          *ModuleTypePolicy::Of<WideBlockImpl>());
                 ASSERT_TRUE(eager_fsdp.ok());
                 Tower meta(/*deferred=*/true);
                 FsdpOptions options;
                 options.param_init_fn = InitLinear;
                 options.device_id = c10::Device(c10::DeviceType::CPU);
                 auto meta_fsdp = FullyShardedModel::Wrap(meta.ptr(), comm, options,
-                                                         SelectModulesOfType<WideBlockImpl>());
+                                                         *ModuleTypePolicy::Of<WideBlockImpl>());
                 ASSERT_TRUE(meta_fsdp.ok()) << meta_fsdp.status();
                 SummonFullParams a(**meta_fsdp, {false}), b(**eager_fsdp, {false});
                 const auto want = eager->named_parameters();
@@ -186,7 +197,7 @@ TEST(MetaInit, DeviceIdMustNameOneDevice) {
                   FsdpOptions options;
                   options.device_id = c10::Device(device);
                   auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
-                                                         SelectModulesOfType<WideBlockImpl>());
+                                                         *ModuleTypePolicy::Of<WideBlockImpl>());
                   EXPECT_EQ(wrapped.status().code(), absl::StatusCode::kInvalidArgument);
                   EXPECT_THAT(wrapped.status().message(),
                               HasSubstr(std::string("FsdpOptions::device_id must name a device "
@@ -205,7 +216,7 @@ TEST(MetaInit, DeviceIdThisBuildCannotReachIsRefusedBeforeAnyMove) {
                 FsdpOptions options;
                 options.device_id = c10::Device("cuda:0");
                 auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
-                                                       SelectModulesOfType<WideBlockImpl>());
+                                                       *ModuleTypePolicy::Of<WideBlockImpl>());
                 EXPECT_THAT(wrapped.status().message(),
                             HasSubstr("cannot compute on cuda:0"));
                 ExpectUnwrapped(*model);
@@ -236,7 +247,7 @@ TEST(MetaInit, PeakMemoryDuringWrapStaysNearAShardAndOneUnit) {
                   Tower model(/*deferred=*/false);
                   InitEagerly(*model);
                   auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {},
-                                                         SelectModulesOfType<WideBlockImpl>());
+                                                         *ModuleTypePolicy::Of<WideBlockImpl>());
                   ASSERT_TRUE(wrapped.ok());
                 });
                 const double meta_growth = PeakGrowthMiB([&] {
@@ -244,7 +255,7 @@ TEST(MetaInit, PeakMemoryDuringWrapStaysNearAShardAndOneUnit) {
                   FsdpOptions options;
                   options.param_init_fn = InitLinear;
                   auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
-                                                         SelectModulesOfType<WideBlockImpl>());
+                                                         *ModuleTypePolicy::Of<WideBlockImpl>());
                   ASSERT_TRUE(wrapped.ok()) << wrapped.status();
                 });
                 // Into a file the parent prints (rank processes log apart).

@@ -123,7 +123,7 @@ TEST_P(MixedPrecisionParity, MatchesALocalReferenceWithTheSameCasts) {
                 options.mixed_precision.param_dtype = c.param_dtype;
                 options.mixed_precision.reduce_dtype = c.reduce_dtype;
                 auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
-                                                       SelectModulesOfType<BlockImpl>());
+                                                       *ModuleTypePolicy::Of<BlockImpl>());
                 ASSERT_TRUE(wrapped.ok()) << wrapped.status();
                 FullyShardedModel& fsdp = **wrapped;
                 auto optimizer = MakeSgd(model->parameters());
@@ -241,7 +241,7 @@ TEST(MixedPrecision, KeepLowPrecisionGradsLeavesReducedGradientsInReduceDtype) {
                 options.mixed_precision.param_dtype = DType::kBFloat16;
                 options.mixed_precision.keep_low_precision_grads = true;
                 auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
-                                                       SelectModulesOfType<BlockImpl>());
+                                                       *ModuleTypePolicy::Of<BlockImpl>());
                 ASSERT_TRUE(wrapped.ok());
                 RankLoss(model->forward(RankInputs(0, comm.rank())), 0, comm.rank()).backward();
                 for (const at::Tensor& p : model->parameters()) {
@@ -321,7 +321,7 @@ TEST(MixedPrecision, OutputDtypeCastsWhatUnitsReturnAndTrainsAsAnExplicitCast) {
         options.mixed_precision.output_dtype = DType::kFloat32;
       }
       auto wrapped =
-          FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
+          FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
       ASSERT_TRUE(wrapped.ok()) << wrapped.status();
       auto sgd = MakeSgd(model->parameters());
       Trajectory& run = runs[with_output_dtype];
@@ -357,7 +357,7 @@ TEST(MixedPrecision, BufferDtypeCastsFloatingBuffersAndRemembersTheirDtype) {
                 FsdpOptions options;
                 options.mixed_precision.buffer_dtype = DType::kBFloat16;
                 auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
-                                                       SelectModulesOfType<BlockImpl>());
+                                                       *ModuleTypePolicy::Of<BlockImpl>());
                 ASSERT_TRUE(wrapped.ok()) << wrapped.status();
                 const at::Tensor scale = model->named_buffers()["scale"];
                 const at::Tensor steps = model->named_buffers()["steps"];

@@ -82,7 +82,7 @@ void TrainWrappedAndCompare(Net& model, FullyShardedModel& fsdp, Collectives& co
     loss.backward();
     if (check_step) check_step(step, comm.counters());
     if (!expected.norms.empty()) {
-      const double norm = fsdp.ClipGradNorm(kMaxNorm).value().item<double>();
+      const double norm = ClipGradNorm(fsdp, kMaxNorm).value().item<double>();
       EXPECT_NEAR(norm, expected.norms[step], 1e-5 * expected.norms[step]) << "step " << step;
     }
     optimizer->step();
@@ -218,8 +218,8 @@ TEST(PolicyWrap, FrozenUnitIsNeverReducedAndStaysUnchanged) {
   absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
     Net model;
     freeze_block0(model);
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {},
-                                           SelectModulesOfType<BlockImpl>());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     EXPECT_EQ((*wrapped)->plan().units[1].trainable_numel, 0);
     EXPECT_THAT((*wrapped)->plan().ToString(), HasSubstr("FULL_SHARD, frozen, 2 params"));
@@ -253,8 +253,8 @@ TEST(PolicyWrap, IgnoredModuleIsNeitherShardedNorReduced) {
     Net model;
     FsdpOptions options;
     options.ignored_modules = {model->blocks[1].get()};
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
-                                           SelectModulesOfType<BlockImpl>());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     std::vector<std::string> fqns;
     for (const auto& unit : (*wrapped)->units()) fqns.push_back(unit->fqn());
@@ -283,8 +283,7 @@ TEST(PolicyWrap, SubtreeWrappedByAnotherModelIsLeftAlone) {
     Net model;
     auto inner = FullyShardedModel::Wrap(model->blocks[0], comm, {}, NoUnitsPolicy());
     ASSERT_TRUE(inner.ok()) << inner.status();
-    auto outer = FullyShardedModel::Wrap(model.ptr(), comm, {},
-                                         SelectModulesOfType<BlockImpl>());
+    auto outer = FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(outer.ok()) << outer.status();
     EXPECT_THAT((*outer)->plan().left_alone, ElementsAre("blocks.0"));
     std::vector<std::string> fqns;

@@ -172,8 +172,8 @@ struct TrainingRecord {
 };
 TrainingRecord TrainTwoSteps(Collectives& group, EventLog& log, FsdpOptions options) {
   LoggedNet model;
-  auto wrapped =
-      FullyShardedModel::Wrap(model.ptr(), group, options, SelectModulesOfType<LoggedBlockImpl>());
+  auto wrapped = FullyShardedModel::Wrap(model.ptr(), group, options,
+                                         *ModuleTypePolicy::Of<LoggedBlockImpl>());
   TORCH_CHECK(wrapped.ok(), wrapped.status().ToString());
   torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
   const int world =
@@ -358,8 +358,8 @@ TEST(ReductionOverlap, AReductionThatFailsAtTheEndOfBackwardLeavesTheModelUsable
                                    .op = CollectiveOp::kReduceScatter,
                                    .unit = "blocks.0"});
                     LoggedNet model;
-                    auto wrapped = FullyShardedModel::Wrap(model.ptr(), faulty, {},
-                                                           SelectModulesOfType<LoggedBlockImpl>());
+                    auto wrapped = FullyShardedModel::Wrap(
+                        model.ptr(), faulty, {}, *ModuleTypePolicy::Of<LoggedBlockImpl>());
                     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
                     const int64_t rows = kGlobalBatch / 2;
                     auto step = [&](int i) {

@@ -33,7 +33,7 @@ TEST_P(ShardPlacementTest, TheRanksPiecesAreTheFullTensorsAndViewTheShards) {
     FsdpOptions options;
     options.strategy = GetParam();
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     const ShardPlacements placements = ShardPlacementsOf(**wrapped);
     for (const auto& [name, flat] : full) {

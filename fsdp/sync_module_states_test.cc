@@ -49,7 +49,7 @@ TEST(SyncModuleStates, EveryRankStartsFromRankZero) {
                 options.sync_module_states = true;
                 comm.ResetCounters();
                 auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
-                                                       SelectModulesOfType<BlockImpl>());
+                                                       *ModuleTypePolicy::Of<BlockImpl>());
                 ASSERT_TRUE(wrapped.ok()) << wrapped.status();
                 // Unit by unit: one broadcast per unit (the root's head and
                 // three blocks) and one per buffer.
@@ -65,7 +65,7 @@ TEST(SyncModuleStates, WithoutItRanksKeepTheirOwnInitialization) {
                 Net model = RankInitializedNet(comm.rank());
                 comm.ResetCounters();
                 auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {},
-                                                       SelectModulesOfType<BlockImpl>());
+                                                       *ModuleTypePolicy::Of<BlockImpl>());
                 ASSERT_TRUE(wrapped.ok());
                 EXPECT_EQ(comm.counters().Calls(CollectiveOp::kBroadcast), 0);
                 EXPECT_EQ(model->named_buffers()["steps"][0].item<int64_t>(), 7 + comm.rank());

@@ -36,8 +36,8 @@ using ::testing::ElementsAre;
 // One forward and backward of the three-block net at W = 2 with `options`.
 void OneIteration(Collectives& comm, const FsdpOptions& options) {
   Net model;
-  auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
-                                         SelectModulesOfType<BlockImpl>());
+  auto wrapped =
+      FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
   ASSERT_TRUE(wrapped.ok()) << wrapped.status();
   model->forward(Inputs(/*step=*/0, /*micro=*/0)).sum().backward();
 }
@@ -103,7 +103,7 @@ TEST(DebugLog, PrefetchIssuesTheNextUnitsAllGatherWhereAsked) {
                   }
                   Net model;
                   auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
-                                                         SelectModulesOfType<BlockImpl>());
+                                                         *ModuleTypePolicy::Of<BlockImpl>());
                   ASSERT_TRUE(wrapped.ok()) << wrapped.status();
                   for (int i = 0; i < iterations; ++i) {
                     if (comm.rank() == 0) lines.clear();  // Only rank 0's are kept.
@@ -158,8 +158,8 @@ TEST(DebugLog, ExplicitPrefetchListsIssueTheNamedAllGathers) {
             options.debug_log = [&](const std::string& line) { lines->push_back(line); };
           }
           Net model;
-          auto wrapped =
-              FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
+          auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
+                                                 *ModuleTypePolicy::Of<BlockImpl>());
           ASSERT_TRUE(wrapped.ok()) << wrapped.status();
           const torch::nn::Module* block[3];
           for (int i = 0; i < 3; ++i) block[i] = model->blocks[i].get();
@@ -259,7 +259,7 @@ LoggedIteration RunLogged(
         }
         Model model;
         auto wrapped =
-            FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
+            FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
         ASSERT_TRUE(wrapped.ok()) << wrapped.status();
         if (configure) configure(**wrapped, model);
         at::Tensor out = model->forward(Inputs(/*step=*/0, /*micro=*/0));

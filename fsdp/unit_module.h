@@ -11,8 +11,8 @@
 //       fsdp::UnitModule(torch::nn::TransformerEncoderLayer(options)),
 //       fsdp::UnitModule(torch::nn::TransformerEncoderLayer(options)),
 //       torch::nn::Linear(d_model, d_model)));
-//   auto wrapped = fsdp::FullyShardedModel::Wrap(model.ptr(), group, {},
-//                                                fsdp::SelectModulesOfType<fsdp::UnitModuleImpl>());
+//   auto wrapped = fsdp::FullyShardedModel::Wrap(
+//       model.ptr(), group, {}, *fsdp::ModuleTypePolicy::Of<fsdp::UnitModuleImpl>());
 //
 //   fsdp::UnitModule block{LlamaBlock(config)};   // forward(x, rotary, mask)
 //   at::Tensor y = block->forward(x, rotary, mask);
@@ -55,7 +55,7 @@
 //
 // The held module itself is not in the module tree, where the UnitModule
 // stands in for it: FsdpOptions::param_init_fn, Module::apply,
-// FullyShardedModel::Apply and policies that select by type see the
+// fsdp::Apply and policies that select by type see the
 // UnitModule (inner() reaches the held module; policies select
 // UnitModuleImpl, the base of every UnitModule<M>), and ignored_modules must
 // name the UnitModule. Tensors the held module registers after wrapping

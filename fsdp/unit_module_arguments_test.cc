@@ -189,7 +189,7 @@ TEST_P(UnitArguments, BlocksOfAnySignatureTrainAsUnwrapped) {
     UnitModule model(std::make_shared<models_under_test::StackImpl<true>>());
     FillDeterministically(*model);
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<UnitModuleImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<UnitModuleImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     FullyShardedModel& fsdp = **wrapped;
     ASSERT_EQ(fsdp.units().size(), 4u);  // The root and three blocks.
@@ -288,7 +288,7 @@ TEST(UnitArgumentsMixedPrecision, CastsEveryTensorArgumentAndResult) {
     options.mixed_precision.cast_root_forward_inputs = false;
     options.mixed_precision.output_dtype = DType::kFloat32;
     auto wrapped =
-        FullyShardedModel::Wrap(root.ptr(), comm, options, SelectModulesOfType<UnitModuleImpl>());
+        FullyShardedModel::Wrap(root.ptr(), comm, options, *ModuleTypePolicy::Of<UnitModuleImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     ASSERT_EQ((*wrapped)->units().size(), 2u);
     const models_under_test::Rotary rotary{at::ones({kWidth}), at::zeros({kWidth})};

@@ -120,8 +120,8 @@ TEST_P(UnitModuleParity, TransformerEncoderLayersAsUnitsMatchLocalTraining) {
   }
   absl::Status status = RunOnThreadRanks(world_size, [&](Collectives& comm) {
     auto model = UnitModel();
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {},
-                                           SelectModulesOfType<UnitModuleImpl>());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<UnitModuleImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     FullyShardedModel& fsdp = **wrapped;
     ASSERT_EQ(fsdp.units().size(), 3u);  // The root (the head) and both layers.
@@ -168,7 +168,7 @@ TEST_P(UnitModuleParity, CheckpointedLayersTrainAsWithout) {
     auto train = [&](bool checkpoint) {
       auto model = UnitModel();
       auto wrapped =
-          FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<UnitModuleImpl>());
+          FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<UnitModuleImpl>());
       EXPECT_TRUE(wrapped.ok()) << wrapped.status();
       if (checkpoint) {
         absl::StatusOr<std::vector<std::string>> applied =

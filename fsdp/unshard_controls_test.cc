@@ -58,15 +58,16 @@ AccumulationRun Accumulate(int world, ShardingStrategy strategy, bool keep,
     options.strategy = strategy;
     options.mixed_precision.param_dtype = param_dtype;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     FullyShardedModel& fsdp = **wrapped;
     auto optimizer = MakeOptimizer(Optim::kSgdMomentum, model->parameters());
     for (int step = 0; step < kSteps; ++step) {
       for (int micro = 0; micro < kMicroBatches; ++micro) {
         const bool last = micro == kMicroBatches - 1;
-        ASSERT_TRUE(fsdp.SetRequiresGradientSync(*model, last).ok());
-        ASSERT_TRUE(fsdp.SetReshardAfterBackward(*model, last || !keep).ok());
+        ASSERT_TRUE(fsdp.SetRequiresGradientSync(*model, {.requires_gradient_sync = last}).ok());
+        ASSERT_TRUE(
+            fsdp.SetReshardAfterBackward(*model, {.reshard_after_backward = last || !keep}).ok());
         comm.ResetCounters();
         at::Tensor out = model->forward(RankRows(Inputs(step, micro), comm.rank(), world));
         at::Tensor loss =
@@ -180,11 +181,11 @@ TEST(ReshardAfterBackward, AShardWrittenOnOneRankIsGatheredAgainOnEvery) {
     absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
       Net model;
       auto wrapped =
-          FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+          FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
       ASSERT_TRUE(wrapped.ok()) << wrapped.status();
       FullyShardedModel& fsdp = **wrapped;
-      ASSERT_TRUE(fsdp.SetRequiresGradientSync(*model, false).ok());
-      ASSERT_TRUE(fsdp.SetReshardAfterBackward(*model, false).ok());
+      ASSERT_TRUE(fsdp.SetRequiresGradientSync(*model, {.requires_gradient_sync = false}).ok());
+      ASSERT_TRUE(fsdp.SetReshardAfterBackward(*model, {.reshard_after_backward = false}).ok());
       MicroBatch(model, comm, 0);
       EXPECT_GT(fsdp.FullParamBytes(), 0);
       for (const auto& item : model->named_parameters()) {
@@ -218,10 +219,11 @@ TEST(ReshardAfterBackward, FrozenUnitsStayUnshardedAcrossReducingBackward) {
   absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
     Net model;
     for (auto& p : model->blocks[1]->parameters()) p.set_requires_grad(false);
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     FullyShardedModel& fsdp = **wrapped;
-    ASSERT_TRUE(fsdp.SetReshardAfterBackward(*model, false).ok());
+    ASSERT_TRUE(fsdp.SetReshardAfterBackward(*model, {.reshard_after_backward = false}).ok());
     auto optimizer = MakeOptimizer(Optim::kAdam, model->parameters());
     const FlatParamHandle* frozen = fsdp.units()[2]->handle();
     ASSERT_EQ(fsdp.units()[2]->fqn(), "blocks.1");
@@ -240,7 +242,7 @@ TEST(ReshardAfterBackward, FrozenUnitsStayUnshardedAcrossReducingBackward) {
         EXPECT_FALSE(unit->handle()->is_unsharded()) << unit->fqn();
         if (unit->handle() != frozen) EXPECT_FALSE(unit->handle()->holds_kept_full());
       }
-      EXPECT_TRUE(fsdp.ClipGradNorm(1.0).ok());  // Between steps as always.
+      EXPECT_TRUE(ClipGradNorm(fsdp, 1.0).ok());  // Between steps as always.
       optimizer->step();  // Steps the trainable units only: the kept one stays valid.
       optimizer->zero_grad();
     }
@@ -258,7 +260,7 @@ TEST(Unshard, AnAsyncUnshardServesTheUnitsForward) {
     absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
       Net model;
       auto wrapped =
-          FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+          FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
       ASSERT_TRUE(wrapped.ok()) << wrapped.status();
       FullyShardedModel& fsdp = **wrapped;
       auto optimizer = MakeOptimizer(Optim::kAdam, model->parameters());
@@ -309,7 +311,7 @@ TEST(Unshard, AStepAfterUnshardIsGatheredAgain) {
     absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
       Net model;
       auto wrapped =
-          FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+          FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
       ASSERT_TRUE(wrapped.ok()) << wrapped.status();
       FullyShardedModel& fsdp = **wrapped;
       torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
@@ -336,7 +338,8 @@ TEST(Unshard, AStepAfterUnshardIsGatheredAgain) {
       torch::nn::Linear stranger(2, 2);
       EXPECT_EQ(fsdp.Unshard(*stranger).status().code(), absl::StatusCode::kNotFound);
       EXPECT_EQ(fsdp.Reshard(*stranger).code(), absl::StatusCode::kNotFound);
-      EXPECT_EQ(fsdp.SetReshardAfterBackward(*stranger, false).code(), absl::StatusCode::kNotFound);
+      EXPECT_EQ(fsdp.SetReshardAfterBackward(*stranger, {.reshard_after_backward = false}).code(),
+                absl::StatusCode::kNotFound);
     });
     EXPECT_TRUE(status.ok()) << status;
   }
@@ -353,12 +356,14 @@ TEST(GradientDivideFactor, PerUnitFactorScalesThatUnitOnly) {
     absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
       Net model;
       auto wrapped =
-          FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+          FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
       ASSERT_TRUE(wrapped.ok()) << wrapped.status();
       FullyShardedModel& fsdp = **wrapped;
-      if (run >= 1) ASSERT_TRUE(fsdp.SetGradientDivideFactor(*model->blocks[1], 1.0).ok());
-      if (run == 2) ASSERT_TRUE(fsdp.SetGradientDivideFactor(*model, std::nullopt).ok());
-      EXPECT_EQ(fsdp.SetGradientDivideFactor(*model, 0.0).code(),
+      if (run >= 1)
+        ASSERT_TRUE(fsdp.SetGradientDivideFactor(*model->blocks[1], {.factor = 1.0}).ok());
+      if (run == 2)
+        ASSERT_TRUE(fsdp.SetGradientDivideFactor(*model, {.factor = std::nullopt}).ok());
+      EXPECT_EQ(fsdp.SetGradientDivideFactor(*model, {.factor = 0.0}).code(),
                 absl::StatusCode::kInvalidArgument);
       at::mse_loss(model->forward(RankRows(Inputs(0, 0), comm.rank(), 2)),
                    RankRows(Targets(0, 0), comm.rank(), 2))

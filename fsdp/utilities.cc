@@ -12,48 +12,11 @@
 #include "fsdp/unit_scheduler.h"
 
 namespace fsdp {
+namespace {
 
-std::vector<at::Tensor> UniqueParameters(const torch::nn::Module& module) {
-  std::vector<at::Tensor> params;
-  std::set<const void*> seen;
-  for (const at::Tensor& p : module.parameters(/*recurse=*/true)) {
-    if (seen.insert(p.unsafeGetTensorImpl()).second) params.push_back(p);
-  }
-  return params;
-}
-
-absl::StatusOr<at::Tensor> FullyShardedModel::ClipGradNorm(double max_norm, double norm_type) {
-  FSDP_RETURN_IF_ERROR(RequireIdle("ClipGradNorm"));
-  if (!(norm_type >= 1.0)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ClipGradNorm: norm_type ", norm_type, " must be >= 1 or infinity"));
-  }
-  if (!(max_norm >= 0)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ClipGradNorm: max_norm ", max_norm, " must be >= 0"));
-  }
-  for (const auto& unit : units_) {
-    if (unit->handle_ && unit->handle_->holds_unreduced_gradients()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          Describe(*unit),
-          ": ClipGradNorm inside NoSync or with requires_gradient_sync false (gradients are not "
-          "reduced yet)"));
-    }
-    if (unit->handle_ && unit->handle_->has_partial_reduction()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          Describe(*unit),
-          ": ClipGradNorm with requires_all_reduce false (a shard group's gradient sum waits "
-          "for the next all-reducing backward)"));
-    }
-  }
-  try {
-    return ClipCheckedGradNorm(max_norm, norm_type);
-  } catch (...) {
-    return StatusFromCurrentException();
-  }
-}
-
-at::Tensor FullyShardedModel::ClipCheckedGradNorm(double max_norm, double norm_type) {
+// ClipGradNorm after its checks.
+at::Tensor ClipCheckedGradNorm(const FullyShardedModel& model, double max_norm, double norm_type) {
+  Collectives& group = model.group();
   const bool infinity = std::isinf(norm_type);
   // Sharded units' gradients partition the unsharded ones across ranks;
   // NO_SHARD units' gradients are whole (and equal) on every rank.
@@ -61,15 +24,15 @@ at::Tensor FullyShardedModel::ClipCheckedGradNorm(double max_norm, double norm_t
   at::Tensor sharded = at::zeros({1}, at::kDouble);
   at::Tensor replicated = at::zeros({1}, at::kDouble);
   bool any_sharded = false;  // The same on every rank (the plan is).
-  for (const auto& unit : units_) {
-    if (!unit->handle_) continue;
-    const bool is_sharded = unit->strategy_ != ShardingStrategy::kNoShard;
+  for (const auto& unit : model.units()) {
+    if (unit->handle() == nullptr) continue;
+    const bool is_sharded = unit->strategy() != ShardingStrategy::kNoShard;
     any_sharded = any_sharded || is_sharded;
     at::Tensor& part = is_sharded ? sharded : replicated;
     // Summed where the unit's gradients are (the compute device, or the
     // host when offloading), then moved to the host once per unit.
     at::Tensor unit_part;
-    for (const FlatParamEntry& entry : unit->handle_->entries()) {
+    for (const FlatParamEntry& entry : unit->handle()->entries()) {
       const at::Tensor& g = entry.param.grad();
       if (!g.defined()) continue;
       grads.push_back(g);
@@ -85,14 +48,14 @@ at::Tensor FullyShardedModel::ClipCheckedGradNorm(double max_norm, double norm_t
       part = infinity ? at::maximum(part, unit_part) : part + unit_part;
     }
   }
-  if (any_sharded && group_.world_size() > 1) {
-    CollectiveLabel label(group_, "", "clip_grad_norm");
+  if (any_sharded && group.world_size() > 1) {
+    CollectiveLabel label(group, "", "clip_grad_norm");
     if (infinity) {
-      at::Tensor all = at::empty({group_.world_size()}, at::kDouble);
-      group_.AllGatherIntoTensor(all, sharded)->Wait();
+      at::Tensor all = at::empty({group.world_size()}, at::kDouble);
+      group.AllGatherIntoTensor(all, sharded)->Wait();
       sharded = all.max().view({1});
     } else {
-      group_.AllReduce(sharded, ReduceOp::kSum)->Wait();
+      group.AllReduce(sharded, ReduceOp::kSum)->Wait();
     }
   }
   const at::Tensor total = infinity ? at::maximum(sharded, replicated)
@@ -104,6 +67,49 @@ at::Tensor FullyShardedModel::ClipCheckedGradNorm(double max_norm, double norm_t
     for (const at::Tensor& g : grads) g.mul_(clip_coef);
   }
   return at::scalar_tensor(norm, at::kFloat);
+}
+
+}  // namespace
+
+std::vector<at::Tensor> UniqueParameters(const torch::nn::Module& module) {
+  std::vector<at::Tensor> params;
+  std::set<const void*> seen;
+  for (const at::Tensor& p : module.parameters(/*recurse=*/true)) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) params.push_back(p);
+  }
+  return params;
+}
+
+absl::StatusOr<at::Tensor> ClipGradNorm(FullyShardedModel& model, double max_norm,
+                                        double norm_type) {
+  FSDP_RETURN_IF_ERROR(model.RequireIdle("ClipGradNorm"));
+  if (!(norm_type >= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ClipGradNorm: norm_type ", norm_type, " must be >= 1 or infinity"));
+  }
+  if (!(max_norm >= 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ClipGradNorm: max_norm ", max_norm, " must be >= 0"));
+  }
+  for (const auto& unit : model.units()) {
+    if (unit->handle() && unit->handle()->holds_unreduced_gradients()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          model.Describe(*unit),
+          ": ClipGradNorm inside NoSync or with requires_gradient_sync false (gradients are not "
+          "reduced yet)"));
+    }
+    if (unit->handle() && unit->handle()->has_partial_reduction()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          model.Describe(*unit),
+          ": ClipGradNorm with requires_all_reduce false (a shard group's gradient sum waits "
+          "for the next all-reducing backward)"));
+    }
+  }
+  try {
+    return ClipCheckedGradNorm(model, max_norm, norm_type);
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
 }
 
 SummonFullParams::SummonFullParams(FullyShardedModel& model, const SummonOptions& options)
@@ -157,13 +163,13 @@ void SummonFullParams::Leave() {
   }
 }
 
-absl::Status FullyShardedModel::Apply(const std::function<void(torch::nn::Module&)>& fn) {
-  FSDP_RETURN_IF_ERROR(RequireIdle("Apply"));
+absl::Status Apply(FullyShardedModel& model, const std::function<void(torch::nn::Module&)>& fn) {
+  FSDP_RETURN_IF_ERROR(model.RequireIdle("Apply"));
   try {
-    SummonFullParams full(*this);
+    SummonFullParams full(model);
     at::NoGradGuard no_grad;
     // Children before parents, as torch::nn::Module::apply's post-order.
-    const auto modules = root_->modules(/*include_self=*/true);
+    const auto modules = model.root_->modules(/*include_self=*/true);
     for (auto it = modules.rbegin(); it != modules.rend(); ++it) fn(**it);
   } catch (...) {
     return StatusFromCurrentException();

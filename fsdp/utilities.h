@@ -1,16 +1,19 @@
-// What a training loop uses between steps, besides the members
-// FullyShardedModel::ClipGradNorm and Apply (defined in utilities.cc too):
-// NoSync (accumulate gradients without communication), SummonFullParams
-// (full parameters, and gradients, for a scope) and UniqueParameters (what
-// to build an optimizer over). Scopes throw c10::Error in the wrong state,
-// since a constructor cannot return a status (fsdp/fully_shard.h,
-// "Errors").
+// What a training loop uses between steps, each taking the model it acts
+// on: NoSync (accumulate gradients without communication), SummonFullParams
+// (full parameters, and gradients, for a scope), ClipGradNorm, Apply (a
+// function on every module, for initialization after wrapping) and
+// UniqueParameters (what to build an optimizer over). The functions return
+// an absl::Status; the scopes throw c10::Error in the wrong state, since a
+// constructor cannot return a status (fsdp/fully_shard.h, "Errors").
 #ifndef FSDP_FSDP_UTILITIES_H_
 #define FSDP_FSDP_UTILITIES_H_
 
+#include <functional>
 #include <vector>
 
 #include "ATen/core/Tensor.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "fsdp/flat_param_handle.h"
 #include "fsdp/fully_shard.h"
 #include "torch/nn/module.h"
@@ -68,6 +71,24 @@ class SummonFullParams {
   SummonOptions options_;
   int rank_;
 };
+
+// Scales every gradient of `model` so that their joint norm (of the
+// unsharded gradients, `norm_type` >= 1 or infinity) is at most `max_norm`,
+// as torch::nn::utils::clip_grad_norm_ does on the unwrapped model, and
+// returns that norm before clipping; every rank of the group must call it.
+// kFailedPrecondition unless IDLE with gradients reduced (not inside NoSync
+// or with requires_gradient_sync false, nor with a sum that
+// requires_all_reduce false keeps aside); kInvalidArgument for a bad norm_type or max_norm.
+absl::StatusOr<at::Tensor> ClipGradNorm(FullyShardedModel& model, double max_norm,
+                                        double norm_type = 2.0);
+
+// Calls `fn` on every module of `model` (children before parents, root
+// last, as torch::nn::Module::apply) with the full parameters in place and
+// writes in-place changes back to the shards: for initialization after
+// wrapping (PyTorch FSDP's apply). Every rank must call it with the same
+// `fn`. kFailedPrecondition unless IDLE; an exception `fn` throws comes
+// back as the status.
+absl::Status Apply(FullyShardedModel& model, const std::function<void(torch::nn::Module&)>& fn);
 
 // The module's parameters, each tied tensor once (libtorch's
 // Module::parameters() lists a tensor under every name it has; PyTorch's

@@ -132,7 +132,7 @@ int RunWorker(int argc, char** argv) {
   models::Gpt model(BenchmarkModel());
   std::unique_ptr<fsdp::FullyShardedModel> wrapped = fsdp::ValueOrThrow(
       fsdp::FullyShardedModel::Wrap(model.ptr(), *comm, fsdp::FsdpOptions{},
-                                    fsdp::SelectModulesOfType<models::BlockImpl>()));
+                                    *fsdp::ModuleTypePolicy::Of<models::BlockImpl>()));
   torch::optim::AdamW optimizer(fsdp::UniqueParameters(*model),
                                 torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
   // One step, so that every parameter has AdamW state to save.

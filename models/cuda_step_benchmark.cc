@@ -208,7 +208,7 @@ void RunCaseOrThrow(benchmark::State& state, const Case& kase, const StepConfig&
       options.mixed_precision.reduce_dtype = fsdp::DType::kFloat32;
     }
     wrapped = fsdp::ValueOrThrow(fsdp::FullyShardedModel::Wrap(
-        model.ptr(), *group.group, options, fsdp::SelectModulesOfType<models::BlockImpl>()));
+        model.ptr(), *group.group, options, *fsdp::ModuleTypePolicy::Of<models::BlockImpl>()));
   }
   const torch::optim::AdamWOptions adamw = torch::optim::AdamWOptions(1e-3).weight_decay(0.01);
   std::unique_ptr<torch::optim::AdamW> optimizer_holder;

@@ -181,7 +181,7 @@ void TrainRank(fsdp::Collectives& world, fsdp::Collectives& shard, fsdp::Collect
     options.mixed_precision.reduce_dtype = fsdp::DType::kFloat32;
   }
   auto wrapped = fsdp::FullyShardedModel::Wrap(model.ptr(), shard, options,
-                                               fsdp::SelectModulesOfType<BlockImpl>());
+                                               *fsdp::ModuleTypePolicy::Of<BlockImpl>());
   ASSERT_TRUE(wrapped.ok()) << wrapped.status();
   torch::optim::AdamW adamw(
       fsdp::UniqueParameters(*model),

@@ -9,9 +9,9 @@
 // scopes do nothing when the model is not wrapped. Block is also an
 // fsdp::CheckpointableModule: its math runs through CheckpointedForward, so
 // fsdp::ApplyActivationCheckpointing(model, *ModuleTypePolicy::Of<BlockImpl>())
-// recomputes each block's activations in backward. Wrap per block with
-// fsdp::SelectModulesOfType<models::BlockImpl>(); the embeddings, the final
-// LayerNorm and the tied head stay with the root.
+// recomputes each block's activations in backward. Wrap per block with the
+// same policy, *fsdp::ModuleTypePolicy::Of<models::BlockImpl>(); the
+// embeddings, the final LayerNorm and the tied head stay with the root.
 #ifndef FSDP_MODELS_GPT_H_
 #define FSDP_MODELS_GPT_H_
 

@@ -46,7 +46,7 @@ TEST(GptInterop, PyTorchLoadsOurFullStateDictAndReproducesOurLogits) {
   absl::Status status = RunOnThreadRanks(2, [&](fsdp::Collectives& comm) {
     Gpt model(Config(3));
     auto wrapped = fsdp::FullyShardedModel::Wrap(model.ptr(), comm, {},
-                                                 fsdp::SelectModulesOfType<BlockImpl>());
+                                                 *fsdp::ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     const at::Tensor tokens = at::arange(2 * 16, at::kLong).view({2, 16}).mul(37).remainder(256);
     at::Tensor logits;
@@ -74,7 +74,7 @@ TEST(GptInterop, OurFsdpModelLoadsAPyTorchStateDictAndReproducesItsLogits) {
   absl::Status status = RunOnThreadRanks(3, [&](fsdp::Collectives& comm) {
     Gpt model(Config(11));  // Any initialization: the state dict replaces it.
     auto wrapped = fsdp::FullyShardedModel::Wrap(model.ptr(), comm, {},
-                                                 fsdp::SelectModulesOfType<BlockImpl>());
+                                                 *fsdp::ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     auto state = fsdp::LoadTorchStateDict(dir + "/py_gpt.pt");
     ASSERT_TRUE(state.ok()) << state.status();

@@ -123,8 +123,10 @@ TEST_P(GptFsdpParity, MatchesLocalTraining) {
     const fsdp::LambdaPolicy none([](const std::string&, const torch::nn::Module&) {
       return false;
     });
+    const auto per_block = fsdp::ModuleTypePolicy::Of<BlockImpl>();
     auto wrapped = fsdp::FullyShardedModel::Wrap(
-        model.ptr(), comm, options, c.flat ? none : fsdp::SelectModulesOfType<BlockImpl>());
+        model.ptr(), comm, options,
+        c.flat ? none : static_cast<const fsdp::WrapPolicy&>(*per_block));
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     ASSERT_EQ((*wrapped)->units().size(), c.flat ? 1u : 3u);  // Root and two blocks.
     auto optimizer = MakeOptimizer(c.optim, fsdp::UniqueParameters(*model));
@@ -203,7 +205,7 @@ CheckpointRun TrainWithCheckpointing(fsdp::Collectives& comm, fsdp::FsdpOptions 
                                      const GptConfig& config, bool checkpoint, bool seed_dropout) {
   Gpt model(config);
   auto wrapped = fsdp::FullyShardedModel::Wrap(model.ptr(), comm, options,
-                                               fsdp::SelectModulesOfType<BlockImpl>());
+                                               *fsdp::ModuleTypePolicy::Of<BlockImpl>());
   EXPECT_TRUE(wrapped.ok()) << wrapped.status();
   if (checkpoint) {
     absl::StatusOr<std::vector<std::string>> chosen =

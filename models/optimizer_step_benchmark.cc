@@ -116,7 +116,7 @@ int RunCppWorker(const ModelShape& shape, const std::string& impl) {
   config.seed = 1;
   models::Gpt model(config);
   auto wrapped = fsdp::ValueOrThrow(fsdp::FullyShardedModel::Wrap(
-      model.ptr(), *comm, {}, fsdp::SelectModulesOfType<models::BlockImpl>()));
+      model.ptr(), *comm, {}, *fsdp::ModuleTypePolicy::Of<models::BlockImpl>()));
   auto optimizer = MakeOptimizer(impl, fsdp::UniqueParameters(*model));
   at::manual_seed(0);
   const at::Tensor batch = at::randint(256, {2, shape.block_size + 1}, at::kLong);

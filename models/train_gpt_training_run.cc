@@ -250,10 +250,11 @@ StepResult TrainingRun::Step(int step) {
   if (step == steps_) report_.gradient_bytes = LocalGradientBytes(*model_);
   const double clip = absl::GetFlag(FLAGS_grad_clip);
   StepResult result;
-  result.grad_norm = fsdp::ValueOrThrow(fsdp_model_->ClipGradNorm(
-                                            clip > 0 ? clip
-                                                     : std::numeric_limits<double>::infinity()))
-                         .item<double>();
+  result.grad_norm =
+      fsdp::ValueOrThrow(
+          fsdp::ClipGradNorm(*fsdp_model_,
+                             clip > 0 ? clip : std::numeric_limits<double>::infinity()))
+          .item<double>();
   at::Tensor global = loss.detach().clone();
   world_.AllReduce(global, fsdp::ReduceOp::kAvg)->Wait();
   result.loss = global.item<float>();

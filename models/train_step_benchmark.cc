@@ -159,7 +159,7 @@ int RunWorker(int argc, char** argv) {
     options.strategy = fsdp::ValueOrThrow(fsdp::ParseShardingStrategy(mode));
     options.offload_params = offload;
     wrapped = fsdp::ValueOrThrow(fsdp::FullyShardedModel::Wrap(
-        model.ptr(), *comm, options, fsdp::SelectModulesOfType<models::BlockImpl>()));
+        model.ptr(), *comm, options, *fsdp::ModuleTypePolicy::Of<models::BlockImpl>()));
   }
   torch::optim::AdamW optimizer(fsdp::UniqueParameters(*model),
                                 torch::optim::AdamWOptions(1e-3).weight_decay(0.01));

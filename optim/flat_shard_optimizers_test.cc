@@ -189,9 +189,9 @@ TEST_P(FlatShardOptimizerParity, EqualsLibtorchStepForStep) {
     options.strategy = c.strategy;
     Net reference, flat;
     auto wrapped_reference =
-        FullyShardedModel::Wrap(reference.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(reference.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
     auto wrapped_flat =
-        FullyShardedModel::Wrap(flat.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(flat.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped_reference.ok() && wrapped_flat.ok());
     auto reference_optimizer = MakeLibtorch(c.kind, *reference, c.split_groups);
     auto flat_optimizer = MakeFlat(c.kind, *flat, c.split_groups, c.kernel);
@@ -489,7 +489,7 @@ TEST(FlatShardOptimizers, SavedStateLoadsIntoEitherAndContinuesAlike) {
     Net a, b, c;
     std::vector<std::unique_ptr<FullyShardedModel>> wrapped;
     for (Net* net : {&a, &b, &c}) {
-      auto w = FullyShardedModel::Wrap(net->ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+      auto w = FullyShardedModel::Wrap(net->ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
       ASSERT_TRUE(w.ok());
       wrapped.push_back(std::move(*w));
     }
@@ -572,9 +572,9 @@ TEST(FlatShardOptimizers, StateDictsAndCheckpointsAreLibtorchs) {
   absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
     Net reference, flat;
     auto wrapped_reference =
-        FullyShardedModel::Wrap(reference.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(reference.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     auto wrapped_flat =
-        FullyShardedModel::Wrap(flat.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(flat.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped_reference.ok() && wrapped_flat.ok());
     auto reference_optimizer = MakeLibtorch(Kind::kAdamW, *reference, true);
     auto flat_optimizer = MakeFlat(Kind::kAdamW, *flat, true);
@@ -595,7 +595,7 @@ TEST(FlatShardOptimizers, StateDictsAndCheckpointsAreLibtorchs) {
     // libtorch's state into a flat optimizer that already has state.
     Net loaded;
     auto wrapped_loaded =
-        FullyShardedModel::Wrap(loaded.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(loaded.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped_loaded.ok());
     auto loaded_optimizer = MakeFlat(Kind::kAdamW, *loaded, true);
     Backward(loaded, 7, comm.rank(), 2);
@@ -625,7 +625,8 @@ TEST(FlatShardOptimizers, StateDictsAndCheckpointsAreLibtorchs) {
 
   status = RunOnThreadRanks(3, [&](Collectives& comm) {
     Net model;
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     auto optimizer = MakeFlat(Kind::kAdamW, *model, true);
     absl::Status loaded = LoadTrainingCheckpoint(**wrapped, *optimizer, dir);

@@ -108,7 +108,7 @@ TEST_P(OptimStateResume, UnwrappedStateContinuesInFsdpAndGathersBack) {
     FsdpOptions options;
     options.strategy = c.strategy;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     auto optimizer = Make(c.kind, model->parameters());
     ASSERT_TRUE(LoadFullStateDict(**wrapped, model_state).ok());
@@ -183,7 +183,7 @@ TEST(OptimState, BadStateIsRefusedAndTheOptimizerUntouched) {
   absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
     Net model;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     auto optimizer = Make(Kind::kAdam, model->parameters());
     Step(model, *optimizer, 0, comm.rank(), 2);
@@ -223,7 +223,7 @@ TEST(OptimState, MovesBetweenWorldSizes) {
   absl::Status first = RunOnThreadRanks(2, [&](Collectives& comm) {
     Net model;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     auto optimizer = Make(Kind::kAdamW, model->parameters());
     for (int step = 0; step < 2; ++step) Step(model, *optimizer, step, comm.rank(), 2);
@@ -244,7 +244,7 @@ TEST(OptimState, MovesBetweenWorldSizes) {
   absl::Status second = RunOnThreadRanks(3, [&](Collectives& comm) {
     Net model;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     auto optimizer = Make(Kind::kAdamW, model->parameters());
     ASSERT_TRUE(LoadFullStateDict(**wrapped, model_state).ok());
@@ -291,7 +291,7 @@ TEST(OptimState, FrozenParametersWithStateGatherAndMove) {
     Net model;
     freeze(model);
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     auto optimizer = Make(Kind::kAdagrad, UniqueParameters(*model));
     for (int step = 0; step < 2; ++step) Step(model, *optimizer, step, comm.rank(), 2);
@@ -310,7 +310,7 @@ TEST(OptimState, FrozenParametersWithStateGatherAndMove) {
     Net model;
     freeze(model);
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     auto optimizer = Make(Kind::kAdagrad, UniqueParameters(*model));
     ASSERT_TRUE(LoadFullStateDict(**wrapped, saved_model).ok());
@@ -342,7 +342,7 @@ TEST(OptimState, LoadsFromRank0Only) {
   absl::Status status = RunOnThreadRanks(3, [&](Collectives& comm) {
     Net model;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     auto optimizer = Make(Kind::kAdam, UniqueParameters(*model));
     ASSERT_TRUE(LoadFullStateDict(**wrapped, model_state).ok());

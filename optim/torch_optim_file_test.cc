@@ -204,7 +204,8 @@ TEST(TorchOptimFile, FsdpStateMovesToPyTorchFsdp2AndBack) {
   std::vector<float> ours;
   absl::Status first = RunOnThreadRanks(2, [&](Collectives& comm) {
     Net model;
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     auto optimizer = MakeAdamW(model->parameters());
     for (int step = 0; step < 3; ++step) Step(model, *optimizer, step, &comm);
@@ -239,7 +240,8 @@ TEST(TorchOptimFile, FsdpStateMovesToPyTorchFsdp2AndBack) {
   ASSERT_TRUE(optim_py.ok()) << optim_py.status();
   absl::Status second = RunOnThreadRanks(3, [&](Collectives& comm) {
     Net model;
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     auto optimizer = MakeWrongAdamW(model->parameters());
     ASSERT_TRUE(LoadFullStateDict(**wrapped, *model_py).ok());
@@ -303,7 +305,8 @@ TEST(TorchOptimFile, Fsdp2DistributedCheckpointContinuesAtAnotherWorldSize) {
   // Read whole (FULL state dicts), at W = 3.
   absl::Status continued = RunOnThreadRanks(3, [&](Collectives& comm) {
     Net model;
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     auto optimizer = MakeWrongAdamW(model->parameters());
     ASSERT_TRUE(LoadFullStateDict(**wrapped, *model_state).ok());
@@ -326,7 +329,7 @@ TEST(TorchOptimFile, Fsdp2DistributedCheckpointContinuesAtAnotherWorldSize) {
     absl::Status resharded = RunOnThreadRanks(world, [&](Collectives& comm) {
       Net model;
       auto wrapped =
-          FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+          FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
       ASSERT_TRUE(wrapped.ok()) << wrapped.status();
       auto optimizer = MakeWrongAdamW(model->parameters());
       ShardedLoadStats stats;
@@ -374,7 +377,8 @@ TEST(TorchOptimFile, OurDistributedCheckpointContinuesInFsdp2AtAnotherWorldSize)
   OptimStateDict saved_optim;
   absl::Status trained = RunOnThreadRanks(3, [&](Collectives& comm) {
     Net model;
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     auto optimizer = MakeAdamW(model->parameters());
     for (int step = 0; step < 3; ++step) Step(model, *optimizer, step, &comm);
@@ -482,7 +486,8 @@ TEST(TorchOptimFile, AnIndexKeyedDcpStateLoadsIntoShards) {
   ASSERT_TRUE(SaveDcpCheckpoint(dir, items).ok());
   absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
     Net model;
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     auto fresh = MakeWrongAdamW(model->parameters());
     absl::Status loaded = LoadShardedDcpModelAndOptimizer(**wrapped, *fresh, dir);

@@ -71,7 +71,8 @@ struct Trainer {
   // parameter); the optimizer gets the trainable ones.
   explicit Trainer(Collectives& comm, Kind kind = Kind::kAdamW, bool freeze_weight = false) {
     if (freeze_weight) model->blocks[1]->as<BlockImpl>()->fc->weight.requires_grad_(false);
-    fsdp = FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>()).value();
+    fsdp =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>()).value();
     std::vector<at::Tensor> trainable;
     for (const at::Tensor& p : UniqueParameters(*model)) {
       if (p.requires_grad()) trainable.push_back(p);
@@ -85,7 +86,7 @@ struct Trainer {
         at::mse_loss(model->forward(Inputs(step, 0).narrow(0, comm.rank() * rows, rows)),
                      Targets(step, 0).narrow(0, comm.rank() * rows, rows));
     loss.backward();
-    EXPECT_TRUE(fsdp->ClipGradNorm(1.0).ok());
+    EXPECT_TRUE(ClipGradNorm(*fsdp, 1.0).ok());
     optimizer->step();
     optimizer->zero_grad();
     at::Tensor global = loss.detach().clone();

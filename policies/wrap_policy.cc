@@ -71,6 +71,13 @@ std::unique_ptr<ModuleTypePolicy> ModuleTypePolicy::Named(std::vector<std::strin
   return std::make_unique<ModuleTypePolicy>(std::move(matchers), options, std::move(description));
 }
 
+std::string ModuleTypePolicy::DescribeTypes(const std::vector<std::string>& type_names,
+                                            const UnitOptions& options) {
+  std::string description = absl::StrCat("modules of type ", absl::StrJoin(type_names, ", "));
+  if (!options.empty()) absl::StrAppend(&description, ",", options.ToString());
+  return description;
+}
+
 absl::StatusOr<std::vector<UnitTarget>> ModuleTypePolicy::Targets(
     const PolicyInput& input) const {
   std::vector<UnitTarget> targets;

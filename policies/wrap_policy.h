@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "c10/util/Type.h"
 #include "policies/unit_options.h"
 #include "torch/nn/module.h"
 
@@ -92,14 +93,19 @@ class ModuleTypePolicy final : public WrapPolicy {
  public:
   using Matcher = std::function<bool(const torch::nn::Module&)>;
 
-  // Every module that is a T (or derives from it), for each T.
+  // Every module that is a T (or derives from it), for each T: the wrap
+  // policy of the usual program,
+  //   FullyShardedModel::Wrap(model.ptr(), group, options,
+  //                           *ModuleTypePolicy::Of<BlockImpl>());
+  // Describe() names the types ("modules of type gpt::BlockImpl").
   template <typename... T>
   static std::unique_ptr<ModuleTypePolicy> Of(UnitOptions options = {}) {
+    static_assert(sizeof...(T) > 0, "ModuleTypePolicy::Of needs at least one type");
     std::vector<Matcher> matchers = {[](const torch::nn::Module& m) {
       return dynamic_cast<const T*>(&m) != nullptr;
     }...};
     return std::make_unique<ModuleTypePolicy>(std::move(matchers), options,
-                                              "module types given in C++");
+                                              DescribeTypes({c10::demangle_type<T>()...}, options));
   }
   // Every module whose name matches one of `names` (see "Module types").
   static std::unique_ptr<ModuleTypePolicy> Named(std::vector<std::string> names,
@@ -110,6 +116,10 @@ class ModuleTypePolicy final : public WrapPolicy {
   absl::StatusOr<std::vector<UnitTarget>> Targets(const PolicyInput& input) const override;
 
  private:
+  // "modules of type A, B", and the options unless empty.
+  static std::string DescribeTypes(const std::vector<std::string>& type_names,
+                                   const UnitOptions& options);
+
   std::vector<Matcher> matchers_;
   UnitOptions options_;
   std::string description_;

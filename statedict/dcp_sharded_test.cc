@@ -139,7 +139,7 @@ TEST(ShardedDcp, Fsdp2sRowChunksLoadIntoFlatShardsAtAnyWorldSize) {
     absl::Status status = RunOnThreadRanks(world, [&](Collectives& comm) {
       SequentialLike model;
       auto wrapped =
-          FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+          FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
       ASSERT_TRUE(wrapped.ok()) << wrapped.status();
       ShardedLoadStats stats;
       absl::Status loaded = LoadShardedDcpModel(**wrapped, dir + "/ckpt", "", &stats);
@@ -162,7 +162,8 @@ StateDict TrainAndSave(const std::string& dir) {
   StateDict saved;
   absl::Status status = RunOnThreadRanks(3, [&](Collectives& comm) {
     Net model;
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     auto optimizer = MakeOptimizer(Optim::kAdam, model->parameters());
     const int64_t rows = kGlobalBatch / 4;
@@ -207,7 +208,7 @@ TEST(ShardedDcp, EachRankWritesItsShardsAndTheCheckpointLoadsAtAnyWorldSize) {
     absl::Status status = RunOnThreadRanks(world, [&](Collectives& comm) {
       Net model;  // Fresh: the checkpoint replaces it.
       auto wrapped =
-          FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+          FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
       ASSERT_TRUE(wrapped.ok());
       ShardedLoadStats stats;
       absl::Status loaded = LoadShardedDcpModel(**wrapped, dir + "/ckpt", "model", &stats);
@@ -245,7 +246,7 @@ TEST(ShardedDcp, AtTheSameWorldSizeARankReadsOnlyItsOwnChunks) {
     absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
       BigNet model;
       auto wrapped =
-          FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+          FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
       ASSERT_TRUE(wrapped.ok());
       if (pass == 0) {
         ASSERT_TRUE(SaveShardedDcpModel(**wrapped, dir).ok());
@@ -284,7 +285,7 @@ TEST(ShardedDcp, HybridShardingWritesOneCopyThatLoadsElsewhere) {
                 options.strategy = ShardingStrategy::kHybridShard;
                 options.replicate_group = groups->replicate.get();
                 auto wrapped = FullyShardedModel::Wrap(model.ptr(), *groups->shard, options,
-                                                       SelectModulesOfType<BlockImpl>());
+                                                       *ModuleTypePolicy::Of<BlockImpl>());
                 ASSERT_TRUE(wrapped.ok()) << wrapped.status();
                 auto optimizer = MakeOptimizer(Optim::kAdam, model->parameters());
                 at::mse_loss(model->forward(Inputs(0, 0).narrow(0, world.rank() * 3, 3)),
@@ -302,7 +303,7 @@ TEST(ShardedDcp, HybridShardingWritesOneCopyThatLoadsElsewhere) {
   ASSERT_TRUE(RunOnThreadRanks(3, [&](Collectives& comm) {
                 Net model;
                 auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {},
-                                                       SelectModulesOfType<BlockImpl>());
+                                                       *ModuleTypePolicy::Of<BlockImpl>());
                 ASSERT_TRUE(wrapped.ok());
                 absl::Status loaded = LoadShardedDcpModel(**wrapped, dir);
                 ASSERT_TRUE(loaded.ok()) << loaded;
@@ -327,7 +328,8 @@ TEST(ShardedDcp, ARankThatCannotReadItsPartLoadsNothingAnywhere) {
   ASSERT_EQ(unlink((dir + "/ckpt/" + lost).c_str()), 0);
   absl::Status status = RunOnThreadRanks(3, [&](Collectives& comm) {
     Net model;
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     auto before = FullStateDict(**wrapped);
     ASSERT_TRUE(before.ok());
@@ -392,7 +394,8 @@ TEST(ShardedDcp, ASaveThatFailsOnOneRankKeepsTheCheckpointThatWasThere) {
 TEST(ShardedDcp, ACheckpointOfAnotherModelIsRefusedNamingWhatDiffers) {
   absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
     Net model;
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     absl::Status loaded =
         LoadShardedDcpModel(**wrapped, absl::StrCat(kFixtures, "/fsdp2_w2/ckpt"), "");

@@ -80,8 +80,8 @@ StateDict TrainAndSave(const std::string& dir, ShardingStrategy strategy) {
     Net model;
     FsdpOptions options;
     options.strategy = strategy;
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
-                                           SelectModulesOfType<BlockImpl>());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     auto optimizer = MakeOptimizer(Optim::kAdam, model->parameters());
     const int64_t rows = kGlobalBatch / 4;
@@ -119,8 +119,8 @@ TEST_P(ShardedCheckpointReshard, SavedAtFourLoadsAtAnotherWorldSizeAndStrategy) 
     Net model;  // Fresh initialization: the checkpoint replaces it.
     FsdpOptions options;
     options.strategy = c.strategy;
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
-                                           SelectModulesOfType<BlockImpl>());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     ShardedLoadStats stats;
     absl::Status loaded = LoadShardedCheckpoint(**wrapped, dir, &stats);
@@ -160,8 +160,8 @@ TEST(ShardedCheckpoint, ReplicatedTensorsAreWrittenOnceAndNoShardUnitsRoundTrip)
   for (size_t r = 1; r < 4; ++r) EXPECT_EQ(ReadFile(files[r]).size(), 32u) << files[r];
   absl::Status status = RunOnThreadRanks(3, [&](Collectives& comm) {
     Net model;
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {},
-                                           SelectModulesOfType<BlockImpl>());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     ASSERT_TRUE(LoadShardedCheckpoint(**wrapped, dir).ok());
     auto full = FullStateDict(**wrapped);
@@ -201,7 +201,7 @@ TEST(ShardedCheckpoint, HybridShardingWritesOneCopyThatLoadsElsewhere) {
                 options.strategy = ShardingStrategy::kHybridShard;
                 options.replicate_group = groups->replicate.get();
                 auto wrapped = FullyShardedModel::Wrap(model.ptr(), *groups->shard, options,
-                                                       SelectModulesOfType<BlockImpl>());
+                                                       *ModuleTypePolicy::Of<BlockImpl>());
                 ASSERT_TRUE(wrapped.ok()) << wrapped.status();
                 auto optimizer = MakeOptimizer(Optim::kAdam, model->parameters());
                 at::mse_loss(model->forward(Inputs(0, 0).narrow(0, world.rank() * 3, 3)),
@@ -220,7 +220,7 @@ TEST(ShardedCheckpoint, HybridShardingWritesOneCopyThatLoadsElsewhere) {
   ASSERT_TRUE(RunOnThreadRanks(3, [&](Collectives& comm) {
                 Net model;
                 auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {},
-                                                       SelectModulesOfType<BlockImpl>());
+                                                       *ModuleTypePolicy::Of<BlockImpl>());
                 ASSERT_TRUE(wrapped.ok());
                 absl::Status loaded = LoadShardedCheckpoint(**wrapped, dir);
                 ASSERT_TRUE(loaded.ok()) << loaded;
@@ -237,8 +237,8 @@ TEST(ShardedCheckpoint, EachRankReadsOnlyTheChunksItNeeds) {
   const std::string dir = NewDir("big");
   absl::Status saved = RunOnThreadRanks(4, [&](Collectives& comm) {
     BigNet model;
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {},
-                                           SelectModulesOfType<BlockImpl>());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     ASSERT_TRUE(SaveShardedCheckpoint(**wrapped, dir).ok());
   });
@@ -247,8 +247,8 @@ TEST(ShardedCheckpoint, EachRankReadsOnlyTheChunksItNeeds) {
   for (const std::string& f : ShardFiles(dir)) total += static_cast<int64_t>(ReadFile(f).size());
   absl::Status loaded = RunOnThreadRanks(2, [&](Collectives& comm) {
     BigNet model;
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {},
-                                           SelectModulesOfType<BlockImpl>());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     ShardedLoadStats stats;
     ASSERT_TRUE(LoadShardedCheckpoint(**wrapped, dir, &stats).ok());
@@ -265,8 +265,8 @@ TEST(ShardedCheckpoint, EachRankReadsOnlyTheChunksItNeeds) {
 void ExpectLoadFails(const std::string& dir, const std::string& message) {
   absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
     Net model;
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {},
-                                           SelectModulesOfType<BlockImpl>());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     std::vector<at::Tensor> before;
     for (const auto& unit : (*wrapped)->units()) before.push_back(unit->handle()->local_shard().clone());
@@ -339,8 +339,8 @@ TEST(ShardedCheckpoint, CorruptionIsDetectedAndNothingIsLoaded) {
   // Intact again: it loads.
   absl::Status ok = RunOnThreadRanks(2, [&](Collectives& comm) {
     Net model;
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {},
-                                           SelectModulesOfType<BlockImpl>());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     EXPECT_TRUE(LoadShardedCheckpoint(**wrapped, dir).ok());
   });
@@ -363,8 +363,8 @@ TEST(ShardedCheckpoint, ACheckpointOfAnotherModelIsRefusedListingEveryDifference
   TrainAndSave(dir, ShardingStrategy::kFullShard);
   absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
     OtherNet model;
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {},
-                                           SelectModulesOfType<BlockImpl>());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     absl::Status loaded = LoadShardedCheckpoint(**wrapped, dir);
     ASSERT_FALSE(loaded.ok());
@@ -383,8 +383,8 @@ TEST(ShardedCheckpoint, AFailedSaveFailsOnEveryRankAndWritesNoManifest) {
   const std::string dir = NewDir("failed_save") + "/does/not/exist";
   absl::Status status = RunOnThreadRanks(3, [&](Collectives& comm) {
     Net model;
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {},
-                                           SelectModulesOfType<BlockImpl>());
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     absl::Status saved = SaveShardedCheckpoint(**wrapped, dir);
     ASSERT_FALSE(saved.ok());

@@ -69,7 +69,7 @@ TEST_P(FullStateDictGather, EqualsTheUnwrappedModelsAndGathersOneUnitAtATime) {
     FsdpOptions options;
     options.strategy = c.strategy;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     int64_t largest_unit = 0;
     for (const auto& unit : (*wrapped)->units()) {
@@ -144,7 +144,7 @@ TEST(FullStateDictFile, SavedAtOneWorldSizeLoadsAtAnotherAndIntoThePlainModule) 
   absl::Status trained = RunOnThreadRanks(3, [&](Collectives& comm) {
     Net model;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     auto optimizer = MakeOptimizer(Optim::kAdam, model->parameters());
     const int64_t rows = kGlobalBatch / 3;
@@ -174,7 +174,7 @@ TEST(FullStateDictFile, SavedAtOneWorldSizeLoadsAtAnotherAndIntoThePlainModule) 
   absl::Status loaded = RunOnThreadRanks(2, [&](Collectives& comm) {
     Net model;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     auto from_file = LoadTorchStateDict(path);  // Every rank reads the file.
     ASSERT_TRUE(from_file.ok());
@@ -193,7 +193,7 @@ TEST(FullStateDictLoad, EveryProblemIsListedAndTheModelIsUntouched) {
   absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
     Net model;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     const std::vector<at::Tensor> before = Shards(**wrapped);
     Net other;
@@ -241,7 +241,7 @@ TEST(FullStateDict, MixedPrecisionGivesFullPrecision) {
                 options.mixed_precision.param_dtype = DType::kBFloat16;
                 options.mixed_precision.buffer_dtype = DType::kBFloat16;
                 auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
-                                                       SelectModulesOfType<BlockImpl>());
+                                                       *ModuleTypePolicy::Of<BlockImpl>());
                 ASSERT_TRUE(wrapped.ok());
                 auto full = FullStateDict(**wrapped);
                 ASSERT_TRUE(full.ok()) << full.status();
@@ -265,7 +265,7 @@ TEST(FullStateDictLoad, RefusedInsideSummonFullParams) {
   absl::Status status = RunOnThreadRanks(1, [](Collectives& comm) {
     Net model;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     SummonFullParams full(**wrapped);
     auto state = FullStateDict(**wrapped);
@@ -286,7 +286,7 @@ TEST_P(LocalStateDictLayout, RoundTripsInTheSameLayoutAndRefusesAnother) {
   absl::Status status = RunOnThreadRanks(3, [&](Collectives& comm) {
     Net model;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     auto state = LocalStateDict(**wrapped);
     ASSERT_TRUE(state.ok()) << state.status();
@@ -299,7 +299,7 @@ TEST_P(LocalStateDictLayout, RoundTripsInTheSameLayoutAndRefusesAnother) {
   status = RunOnThreadRanks(3, [&](Collectives& comm) {
     Net model;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     for (const auto& unit : (*wrapped)->units()) unit->handle()->local_shard().fill_(-1);
     absl::Status loaded = LoadLocalStateDict(**wrapped, saved[comm.rank()]);
@@ -312,7 +312,7 @@ TEST_P(LocalStateDictLayout, RoundTripsInTheSameLayoutAndRefusesAnother) {
   status = RunOnThreadRanks(2, [&](Collectives& comm) {
     Net model;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, options, SelectModulesOfType<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     const std::vector<at::Tensor> before = Shards(**wrapped);
     absl::Status loaded = LoadLocalStateDict(**wrapped, saved[comm.rank()]);
@@ -339,7 +339,7 @@ TEST(LocalStateDictLayoutOfMixedUnits, WhichParametersTrainIsPartOfTheLayout) {
   auto wrap_with_frozen = [](Net& model, Collectives& comm, bool freeze_weight) {
     BlockImpl& block = *model->blocks[0]->as<BlockImpl>();
     (freeze_weight ? block.fc->weight : block.fc->bias).requires_grad_(false);
-    return FullyShardedModel::Wrap(model.ptr(), comm, {}, SelectModulesOfType<BlockImpl>());
+    return FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
   };
   absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
     Net model;
