@@ -33,7 +33,7 @@
 //
 // Errors: every function called before or between steps
 // (DeferParameterAllocation, Wrap, the Set* controls, ClipGradNorm, Apply,
-// RegisterCommHook, and the state dicts in statedict/ and optim/) returns
+// RegisterCommHook, and the state functions of checkpoint/checkpoint.h) returns
 // an absl::Status: kFailedPrecondition in the wrong state, naming it. The
 // scopes NoSync and SummonFullParams, whose constructors cannot return one,
 // throw c10::Error with the same messages; so do forward and backward,

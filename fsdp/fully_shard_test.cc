@@ -480,6 +480,22 @@ TEST(SummonFullParams, ShowsFullParametersAndWritesBack) {
       EXPECT_EQ(model->blocks[0]->as<BlockImpl>()->fc->weight.dim(), 1)
           << "recurse=false leaves the blocks sharded";
     }
+    {
+      // One unit by its module, as summon_full_params(module, recurse=False).
+      SummonOptions options;
+      options.recurse = false;
+      SummonFullParams full(fsdp, *model->blocks[1], options);
+      EXPECT_EQ(model->blocks[1]->as<BlockImpl>()->fc->weight.sizes(),
+                (std::vector<int64_t>{11, 13}));
+      EXPECT_EQ(model->blocks[0]->as<BlockImpl>()->fc->weight.dim(), 1);
+      EXPECT_EQ(model->blocks[2]->as<BlockImpl>()->fc->weight.dim(), 1);
+      EXPECT_EQ(model->head->weight.dim(), 1) << "the root's unit stays sharded";
+    }
+    {
+      // A module no unit wraps is refused by name.
+      EXPECT_THROW(SummonFullParams(fsdp, *model->blocks[1]->as<BlockImpl>()->fc), c10::Error);
+    }
+    EXPECT_EQ(fsdp.FullParamBytes(), 0);
   });
   EXPECT_TRUE(status.ok()) << status;
 }

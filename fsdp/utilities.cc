@@ -112,16 +112,37 @@ absl::StatusOr<at::Tensor> ClipGradNorm(FullyShardedModel& model, double max_nor
   }
 }
 
+namespace {
+
+void ModulesUnder(const torch::nn::Module& module, std::set<const torch::nn::Module*>& out) {
+  for (const auto& child : module.children()) {
+    if (out.insert(child.get()).second) ModulesUnder(*child, out);
+  }
+}
+
+}  // namespace
+
 SummonFullParams::SummonFullParams(FullyShardedModel& model, const SummonOptions& options)
+    : SummonFullParams(model, model.units().front()->module(), options) {}
+
+SummonFullParams::SummonFullParams(FullyShardedModel& model, const torch::nn::Module& unit_module,
+                                   const SummonOptions& options)
     : model_(model), options_(options), rank_(model.group().rank()) {
   TORCH_CHECK(!(options.writeback && options.rank0_only), "SummonFullParams on rank ", rank_,
               ": writeback and rank0_only together are not supported (the other ranks' "
               "shards would not see rank 0's changes)");
   ThrowIfError(model.RequireIdle("SummonFullParams"));
+  std::set<const torch::nn::Module*> under = {&unit_module};
+  if (options.recurse) ModulesUnder(unit_module, under);
+  bool wrapped = false;
   for (const auto& unit : model.units()) {
-    if (!options.recurse && !unit->is_root()) continue;
-    if (unit->handle() != nullptr) handles_.push_back(unit->handle());
+    wrapped |= &unit->module() == &unit_module;
+    if (under.count(&unit->module()) != 0 && unit->handle() != nullptr) {
+      handles_.push_back(unit->handle());
+    }
   }
+  TORCH_CHECK(wrapped, "SummonFullParams on rank ", rank_, ": no unit wraps the module given (",
+              unit_module.name(), ")");
   UnitScheduler& scheduler = model.scheduler();
   size_t entered = 0;
   try {

@@ -57,6 +57,11 @@ struct SummonOptions {
 class SummonFullParams {
  public:
   explicit SummonFullParams(FullyShardedModel& model, const SummonOptions& options = {});
+  // PyTorch's summon_full_params(module): the unit that wraps `unit_module`
+  // and, with recurse, the units inside it (FULL state dicts gather one unit
+  // at a time this way). Throws c10::Error if no unit wraps it.
+  SummonFullParams(FullyShardedModel& model, const torch::nn::Module& unit_module,
+                   const SummonOptions& options = {});
   SummonFullParams(const SummonFullParams&) = delete;
   SummonFullParams& operator=(const SummonFullParams&) = delete;
   ~SummonFullParams();

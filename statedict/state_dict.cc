@@ -15,6 +15,7 @@
 #include "c10/core/GradMode.h"
 #include "comm/collectives.h"
 #include "fsdp/shard_placement.h"
+#include "fsdp/utilities.h"
 #include "statedict/load_check.h"
 #include "statedict/model_tensors.h"
 
@@ -154,12 +155,12 @@ absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model,
   }
   try {
     at::NoGradGuard no_grad;
-    UnitScheduler& scheduler = model.scheduler();
+    SummonOptions one_unit;  // Never more than one unit's full parameters at once.
+    one_unit.writeback = false;
+    one_unit.recurse = false;
     for (size_t u = 0; u < model.units().size(); ++u) {
-      FlatParamHandle* handle = model.units()[u]->handle();
-      if (handle == nullptr) continue;
-      scheduler.Move(*handle, HandleTrainingState::kIdle, HandleTrainingState::kSummonFullParams);
-      scheduler.Unshard(*handle, "FULL state dict");
+      if (model.units()[u]->handle() == nullptr) continue;
+      SummonFullParams full(model, model.units()[u]->module(), one_unit);
       if (stats != nullptr) {
         stats->peak_full_param_bytes =
             std::max(stats->peak_full_param_bytes, model.FullParamBytes());
@@ -172,8 +173,6 @@ absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model,
           }
         }
       }
-      scheduler.Reshard(*handle);
-      scheduler.Move(*handle, HandleTrainingState::kSummonFullParams, HandleTrainingState::kIdle);
     }
   } catch (...) {
     return StatusFromCurrentException();
