@@ -252,7 +252,6 @@ add_library(comm_work_result INTERFACE)
 target_link_libraries(comm_work_result INTERFACE fsdp_torch)
 target_include_directories(comm_work_result INTERFACE $<INSTALL_INTERFACE:include>)
 install(TARGETS comm_work_result EXPORT fsdp_cpp_targets)
-install(FILES ${PROJECT_SOURCE_DIR}/comm/work_result.h DESTINATION include/comm)
 
 # //comm:work_result_test
 if(BUILD_TESTING)

@@ -48,12 +48,18 @@ class WorkResult {
   // On the first call only, runs `wait`, which waits for the work, releases
   // what the work held and returns the work's error ("" when it
   // succeeded). Then, on every call, throws c10::Error with that error if
-  // there was one. An exception `wait` itself lets escape propagates, and
-  // the work counts as waited for, without an error.
+  // there was one. An exception `wait` itself lets escape (explaining a
+  // failure failed) propagates, and the work stays failed with its message.
   void Wait(const std::function<std::string()>& wait) {
     if (!done_) {
       done_ = true;
-      error_ = wait();
+      try {
+        error_ = wait();
+      } catch (...) {
+        error_ = "waiting for the work failed";  // Kept for an exception of no std type.
+        error_ = ErrorMessageOf([] { throw; });
+        throw;
+      }
     }
     TORCH_CHECK(error_.empty(), error_);
   }

@@ -52,5 +52,19 @@ TEST(WorkResult, AFailedWorkStaysFailed) {
   EXPECT_EQ(waits, 1);
 }
 
+// A wait that fails while explaining its failure: the exception reaches
+// the first caller, and every later Wait still fails with its message.
+TEST(WorkResult, AWaitThatThrowsLeavesTheWorkFailed) {
+  WorkResult result;
+  EXPECT_THROW(result.Wait([]() -> std::string { throw std::runtime_error("store unreachable"); }),
+               std::runtime_error);
+  try {
+    result.Wait([] { return std::string(); });
+    ADD_FAILURE() << "the second Wait passed";
+  } catch (const c10::Error& e) {
+    EXPECT_EQ(e.msg(), "store unreachable");
+  }
+}
+
 }  // namespace
 }  // namespace fsdp

@@ -141,7 +141,7 @@ SummonFullParams::SummonFullParams(FullyShardedModel& model, const torch::nn::Mo
       handles_.push_back(unit->handle());
     }
   }
-  TORCH_CHECK(wrapped, "SummonFullParams on rank ", rank_, ": no unit wraps the module given (",
+  TORCH_CHECK(wrapped, "SummonFullParams on rank ", rank_, ": no unit wraps the module given (a ",
               unit_module.name(), ")");
   UnitScheduler& scheduler = model.scheduler();
   size_t entered = 0;

@@ -45,7 +45,8 @@ struct SummonOptions {
   bool rank0_only = false;
   // Also all-gather the gradients into .grad (full shape).
   bool with_grads = false;
-  // All units (true) or only the root's own parameters (false).
+  // All units (true) or only the root's own parameters (false); with a
+  // unit's module, that unit and the units inside it, or that unit alone.
   bool recurse = true;
 };
 
@@ -60,8 +61,8 @@ class SummonFullParams {
   // PyTorch's summon_full_params(module): the unit that wraps `unit_module`
   // and, with recurse, the units inside it (FULL state dicts gather one unit
   // at a time this way). Throws c10::Error if no unit wraps it.
-  SummonFullParams(FullyShardedModel& model, const torch::nn::Module& unit_module,
-                   const SummonOptions& options = {});
+  explicit SummonFullParams(FullyShardedModel& model, const torch::nn::Module& unit_module,
+                            const SummonOptions& options = {});
   SummonFullParams(const SummonFullParams&) = delete;
   SummonFullParams& operator=(const SummonFullParams&) = delete;
   ~SummonFullParams();

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <exception>
 #include <optional>
 #include <variant>
 #include <vector>
@@ -33,11 +34,18 @@ CommandResult StartJobInFork(const std::string& flags) {
     ::dup2(output[1], STDERR_FILENO);
     ::close(output[0]);
     ::close(output[1]);
-    absl::ParseCommandLine(static_cast<int>(argv.size()), argv.data());
     int exit_code = 0;
-    {
+    try {
+      absl::ParseCommandLine(static_cast<int>(argv.size()), argv.data());
       std::variant<int, train_gpt::JobStart> started = train_gpt::StartJob(std::nullopt);
       if (const int* refused = std::get_if<int>(&started)) exit_code = *refused;
+    } catch (const std::exception& e) {
+      // As main() would end (std::terminate): never back into the test,
+      // whose remaining cases the child would otherwise run.
+      std::fprintf(stderr, "terminate called after throwing: %s\n", e.what());
+      exit_code = 134;
+    } catch (...) {
+      exit_code = 134;
     }
     std::fflush(nullptr);
     ::_exit(exit_code);

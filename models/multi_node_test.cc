@@ -326,8 +326,9 @@ TEST_F(MultiNode, HybridShardingSendsOnlyTheReplicateAllReduceAcrossHosts) {
 // A node lost mid-run: its ranks killed, or its link cut (its processes run
 // on, cut off), with srun's variables; and its link cut under our
 // launchers. The other node's ranks fail within their collective timeout
-// (5 s here: it is most of what a cut link costs the test, and this test
-// runs alone), naming ranks 2 and 3 as the ones that sent nothing; the
+// (10 s here: it also bounds the gloo connects and every collective around
+// the checkpoint saves, which a slow host must not trip before the cut),
+// naming ranks 2 and 3 as the ones that sent nothing; the
 // cut-off ranks find the store unreachable and stop too; our launchers
 // name the lost node. The last checkpoint is whole and resumes on one host
 // with the uninterrupted run's losses.
@@ -343,7 +344,7 @@ TEST_P(NodeLoss, TheSurvivorsNameTheLostRanksAndTheLastCheckpointResumes) {
                                   : cut_link ? "node_loss_link"
                                              : "node_loss_kill");
   const std::string run = absl::StrCat(
-      " --steps=60 --batch_size=2 --log_every=1 --print_plan=false --collective_timeout_s=5 "
+      " --steps=60 --batch_size=2 --log_every=1 --print_plan=false --collective_timeout_s=10 "
       "--checkpoint_every=4 --checkpoint_dir=",
       dir, "/checkpoints");
   // The uninterrupted run.
