@@ -118,7 +118,7 @@ cp "$work/train.cc" "$consumer/"
 cat >"$consumer/.bazelrc" <<BAZELRC
 build --spawn_strategy=processwrapper-sandbox
 build --cxxopt=-std=c++17 --copt=-O2 --copt=-g0
-build --disk_cache=~/.cache/fsdp_cpp/bazel-disk-cache
+build --disk_cache=~/.cache/fsdp_cpp/bazel-disk-cache --incompatible_strict_action_env
 BAZELRC
 status=0
 (cd "$consumer" && bazel build --noshow_progress --ui_event_filters=-info,-stdout,-stderr \
