@@ -7,8 +7,5 @@ launcher=()
 if command -v ccache >/dev/null; then
   export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/fsdp_cpp/ccache}
   export CCACHE_BASEDIR=$PWD
-  # ccache hashes the locale variables (they change the compiler's messages):
-  # fixed here, so that a shell with another locale (CI's) hits the cache.
-  export LANG=C.UTF-8 LC_ALL=C.UTF-8 LC_CTYPE=C.UTF-8 LC_MESSAGES=C.UTF-8
   launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 fi
