@@ -10,7 +10,9 @@
 //                       UniqueParameters (fsdp/utilities.h)
 //   state               Get/SetModelStateDict, Get/SetOptimizerStateDict,
 //                       Save/LoadCheckpoint, Save/LoadTorchFile
-//                       (checkpoint/checkpoint.h)
+//                       (checkpoint/checkpoint.h); Hugging Face
+//                       checkpoints, Save/LoadHuggingFaceCheckpoint
+//                       (checkpoint/hugging_face.h)
 //   errors              absl::Status between steps; fsdp::ThrowIfError and
 //                       fsdp::ValueOrThrow turn one into an exception
 //                       (base/status.h)
@@ -21,6 +23,7 @@
 
 #include "base/status.h"
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/hugging_face.h"
 #include "comm/rendezvous.h"
 #include "fsdp/fsdp_options.h"
 #include "fsdp/fully_shard.h"

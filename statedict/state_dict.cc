@@ -122,35 +122,41 @@ std::string DescribeLayout(const at::Tensor& layout) {
 
 }  // namespace
 
-absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model,
-                                        const FullStateDictOptions& options,
-                                        FullStateDictStats* stats) {
+std::vector<size_t> FullStateDictVisitOrder(const FullyShardedModel& model) {
+  const StateDict named = NamedTensors(model.units().front()->module());
+  const ShardPlacements placements = ShardPlacementsOf(model);
+  std::vector<std::pair<int, size_t>> keyed;  // (unit, index); no unit: -1, first.
+  for (size_t k = 0; k < named.size(); ++k) {
+    auto it = placements.find(named[k].second.unsafeGetTensorImpl());
+    keyed.emplace_back(it == placements.end() ? -1 : it->second.unit, k);
+  }
+  std::stable_sort(keyed.begin(), keyed.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<size_t> order;
+  for (const auto& [unit, k] : keyed) order.push_back(k);
+  return order;
+}
+
+absl::Status VisitFullStateDict(FullyShardedModel& model, const FullStateDictOptions& options,
+                                const FullTensorVisitor& visit, FullStateDictStats* stats) {
   FSDP_RETURN_IF_ERROR(model.RequireIdle("FULL state dict"));
   CollectiveLabel label(model.group(), model.replicate_group(), "", "FULL state dict");
   const StateDict named = NamedTensors(model.units().front()->module());
   const ShardPlacements placements = ShardPlacementsOf(model);
   const bool keep = !options.rank0_only || model.group().rank() == 0;
-  std::vector<at::Tensor> values(named.size());
-  std::unordered_map<const void*, at::Tensor> copies;  // Tied names share one copy.
-  auto copy_of = [&](const at::Tensor& t) {
-    auto it = copies.find(t.unsafeGetTensorImpl());
-    if (it == copies.end()) {
-      const c10::Device to = options.offload_to_cpu ? c10::Device(at::kCPU) : t.device();
-      it = copies.emplace(t.unsafeGetTensorImpl(),
-                          t.detach().to(to, /*non_blocking=*/false, /*copy=*/true)).first;
-    }
-    return it->second;
+  // The first failed visit's error; the gathering goes on without visits,
+  // so that this rank still takes part in every unit's collectives.
+  absl::Status visited;
+  auto visit_one = [&](size_t k, const at::Tensor& value) {
+    if (keep && visited.ok()) visited = visit(k, value);
   };
   // Tensors outside every handle (buffers, ignored parameters) as they are,
   // buffers that buffer_dtype cast back in their original dtype.
-  if (keep) {
-    for (size_t k = 0; k < named.size(); ++k) {
-      if (placements.count(named[k].second.unsafeGetTensorImpl()) == 0) {
-        values[k] = copy_of(named[k].second);
-        if (auto dtype = model.BufferFullPrecisionDtype(named[k].second)) {
-          values[k] = values[k].to(*dtype);
-        }
-      }
+  for (size_t k = 0; k < named.size(); ++k) {
+    if (placements.count(named[k].second.unsafeGetTensorImpl()) == 0) {
+      const at::Tensor& t = named[k].second;
+      auto dtype = model.BufferFullPrecisionDtype(t);
+      visit_one(k, dtype ? t.detach().to(*dtype) : t.detach());
     }
   }
   try {
@@ -165,20 +171,40 @@ absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model,
         stats->peak_full_param_bytes =
             std::max(stats->peak_full_param_bytes, model.FullParamBytes());
       }
-      if (keep) {
-        for (size_t k = 0; k < named.size(); ++k) {
-          auto it = placements.find(named[k].second.unsafeGetTensorImpl());
-          if (it != placements.end() && it->second.unit == static_cast<int>(u)) {
-            values[k] = copy_of(named[k].second);
-          }
+      for (size_t k = 0; k < named.size(); ++k) {
+        auto it = placements.find(named[k].second.unsafeGetTensorImpl());
+        if (it != placements.end() && it->second.unit == static_cast<int>(u)) {
+          visit_one(k, named[k].second.detach());
         }
       }
     }
   } catch (...) {
     return StatusFromCurrentException();
   }
+  return visited;
+}
+
+absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model,
+                                        const FullStateDictOptions& options,
+                                        FullStateDictStats* stats) {
+  const StateDict named = NamedTensors(model.units().front()->module());
+  std::vector<at::Tensor> values(named.size());
+  std::unordered_map<const void*, at::Tensor> copies;  // Tied names share one copy.
+  FSDP_RETURN_IF_ERROR(VisitFullStateDict(
+      model, options,
+      [&](size_t k, const at::Tensor& value) {
+        const void* impl = named[k].second.unsafeGetTensorImpl();
+        auto it = copies.find(impl);
+        if (it == copies.end()) {
+          const c10::Device to = options.offload_to_cpu ? c10::Device(at::kCPU) : value.device();
+          it = copies.emplace(impl, value.to(to, /*non_blocking=*/false, /*copy=*/true)).first;
+        }
+        values[k] = it->second;
+        return absl::OkStatus();
+      },
+      stats));
   StateDict out;
-  if (!keep) return out;
+  if (options.rank0_only && model.group().rank() != 0) return out;
   for (size_t k = 0; k < named.size(); ++k) out.emplace_back(named[k].first, values[k]);
   return out;
 }

@@ -3,4 +3,5 @@
 # testing/torch_python.cc repeats the default path.
 FSDP_TORCH_VERSION=2.15.0
 FSDP_NUMPY_VERSION=2.4.6
+FSDP_SAFETENSORS_VERSION=0.8.0
 FSDP_TORCH_VENV=${FSDP_TORCH_VENV:-$HOME/.cache/fsdp_cpp/torch-$FSDP_TORCH_VERSION-venv}
