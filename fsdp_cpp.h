@@ -10,9 +10,8 @@
 //                       UniqueParameters (fsdp/utilities.h)
 //   state               Get/SetModelStateDict, Get/SetOptimizerStateDict,
 //                       Save/LoadCheckpoint, Save/LoadTorchFile
-//                       (checkpoint/checkpoint.h); Hugging Face
-//                       checkpoints, Save/LoadHuggingFaceCheckpoint
-//                       (checkpoint/hugging_face.h)
+//                       (checkpoint/checkpoint.h; Hugging Face
+//                       safetensors checkpoints are a CheckpointFormat)
 //   errors              absl::Status between steps; fsdp::ThrowIfError and
 //                       fsdp::ValueOrThrow turn one into an exception
 //                       (base/status.h)
@@ -23,7 +22,6 @@
 
 #include "base/status.h"
 #include "checkpoint/checkpoint.h"
-#include "checkpoint/hugging_face.h"
 #include "comm/rendezvous.h"
 #include "fsdp/fsdp_options.h"
 #include "fsdp/fully_shard.h"

@@ -1,4 +1,4 @@
-#include "checkpoint/hugging_face.h"
+#include "checkpoint/checkpoint.h"
 
 #include <cstdlib>
 #include <filesystem>
@@ -10,7 +10,8 @@
 
 #include "ATen/ATen.h"
 #include "absl/strings/str_cat.h"
-#include "checkpoint/checkpoint.h"
+#include "comm/gloo_collectives.h"
+#include "comm/hybrid_groups.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/utilities.h"
@@ -18,6 +19,8 @@
 #include "gtest/gtest.h"
 #include "hf/safetensors.h"
 #include "testing/multi_rank.h"
+#include "torch/csrc/distributed/c10d/HashStore.hpp"
+#include "torch/optim/sgd.h"
 #include "torch/nn/modules/embedding.h"
 #include "torch/nn/modules/linear.h"
 
@@ -37,9 +40,16 @@ std::string Dir(const std::string& name) {
   return absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/", name);
 }
 
-std::unique_ptr<FullyShardedModel> Wrap(Net& model, Collectives& comm) {
-  return FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>())
+std::unique_ptr<FullyShardedModel> Wrap(Net& model, Collectives& comm,
+                                        const FsdpOptions& options = {}) {
+  return FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>())
       .value();
+}
+
+CheckpointOptions HuggingFace() {
+  CheckpointOptions options;
+  options.format = CheckpointFormat::kHuggingFace;
+  return options;
 }
 
 // Two SGD steps at W = 2, so that the weights are no longer the
@@ -79,8 +89,11 @@ TEST(HuggingFaceCheckpoint, SavesTheFullStateDictAndLoadsItAtOtherWorldSizes) {
     Net model;
     auto fsdp = Wrap(model, comm);
     Train(model, comm);
-    absl::Status status = SaveHuggingFaceCheckpoint(dir, *fsdp, {.max_file_bytes = 400,
-                                                               .config_json = config});
+    CheckpointOptions options;
+    options.format = CheckpointFormat::kHuggingFace;
+    options.max_file_bytes = 400;
+    options.config_json = config;
+    absl::Status status = SaveCheckpoint(dir, *fsdp, nullptr, {}, options);
     ASSERT_TRUE(status.ok()) << status;
     StateDict full = FullState(*fsdp);
     if (comm.rank() == 0) saved = full;
@@ -104,7 +117,7 @@ TEST(HuggingFaceCheckpoint, SavesTheFullStateDictAndLoadsItAtOtherWorldSizes) {
     absl::Status second = RunOnThreadRanks(world, [&](Collectives& comm) {
       Net model;
       auto fsdp = Wrap(model, comm);
-      absl::Status loaded = LoadHuggingFaceCheckpoint(dir, *fsdp);
+      absl::Status loaded = LoadCheckpoint(dir, *fsdp);
       ASSERT_TRUE(loaded.ok()) << loaded;
       const StateDict got = FullState(*fsdp);
       ASSERT_EQ(got.size(), saved.size());
@@ -125,7 +138,10 @@ TEST(HuggingFaceCheckpoint, WritesAnotherDTypeAndCastsOnLoad) {
   absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
     Net model;
     auto fsdp = Wrap(model, comm);
-    absl::Status s = SaveHuggingFaceCheckpoint(dir, *fsdp, {.dtype = at::kBFloat16});
+    CheckpointOptions options;
+    options.format = CheckpointFormat::kHuggingFace;
+    options.dtype = at::kBFloat16;
+    absl::Status s = SaveCheckpoint(dir, *fsdp, nullptr, {}, options);
     ASSERT_TRUE(s.ok()) << s;
     StateDict full = FullState(*fsdp);
     if (comm.rank() == 0) saved = full;
@@ -138,7 +154,7 @@ TEST(HuggingFaceCheckpoint, WritesAnotherDTypeAndCastsOnLoad) {
   status = RunOnThreadRanks(2, [&](Collectives& comm) {
     Net model;
     auto fsdp = Wrap(model, comm);
-    ASSERT_TRUE(LoadHuggingFaceCheckpoint(dir, *fsdp).ok());
+    ASSERT_TRUE(LoadCheckpoint(dir, *fsdp).ok());
     const StateDict got = FullState(*fsdp);
     for (size_t i = 0; i < got.size(); ++i) {
       EXPECT_EQ(got[i].second.scalar_type(), at::kFloat);
@@ -175,7 +191,7 @@ TEST(HuggingFaceCheckpoint, RefusesACheckpointThatDoesNotFitAndChangesNothing) {
     Net model;
     auto fsdp = Wrap(model, comm);
     const StateDict before = FullState(*fsdp);
-    absl::Status loaded = LoadHuggingFaceCheckpoint(dir, *fsdp);
+    absl::Status loaded = LoadCheckpoint(dir, *fsdp);
     EXPECT_THAT(loaded.ToString(), HasSubstr("'head.bias' has shape [6], the model's is [5]"));
     EXPECT_THAT(loaded.ToString(), HasSubstr("missing: blocks.1.fc.bias"));
     EXPECT_THAT(loaded.ToString(), HasSubstr("not in the model: extra.weight"));
@@ -185,11 +201,12 @@ TEST(HuggingFaceCheckpoint, RefusesACheckpointThatDoesNotFitAndChangesNothing) {
       EXPECT_TRUE(at::equal(after[i].second, before[i].second)) << after[i].first;
     }
     // Not strict: the extra and missing tensors are allowed, the shape is not.
-    loaded = LoadHuggingFaceCheckpoint(dir, *fsdp, {.strict = false});
+    CheckpointOptions not_strict;
+    not_strict.strict = false;
+    loaded = LoadCheckpoint(dir, *fsdp, nullptr, nullptr, not_strict);
     EXPECT_THAT(loaded.ToString(), HasSubstr("'head.bias' has shape [6]"));
     EXPECT_THAT(loaded.ToString(), ::testing::Not(HasSubstr("missing")));
-    EXPECT_EQ(LoadHuggingFaceCheckpoint(Dir("hf_none"), *fsdp).code(),
-              absl::StatusCode::kNotFound);
+    EXPECT_EQ(LoadCheckpoint(Dir("hf_none"), *fsdp).code(), absl::StatusCode::kNotFound);
   });
   EXPECT_TRUE(status.ok()) << status;
 }
@@ -227,7 +244,9 @@ TEST(HuggingFaceCheckpoint, WritesATiedTensorOnceAndFillsBothNames) {
     at::manual_seed(5);
     Tied model;
     auto fsdp = FullyShardedModel::Wrap(model.ptr(), comm, {}, NoUnitsPolicy()).value();
-    ASSERT_TRUE(SaveHuggingFaceCheckpoint(dir, *fsdp).ok());
+    CheckpointOptions options;
+    options.format = CheckpointFormat::kHuggingFace;
+    ASSERT_TRUE(SaveCheckpoint(dir, *fsdp, nullptr, {}, options).ok());
     const StateDict full = FullState(*fsdp);
     if (comm.rank() == 0) saved_embed = full[0].second;
   });
@@ -235,11 +254,29 @@ TEST(HuggingFaceCheckpoint, WritesATiedTensorOnceAndFillsBothNames) {
   auto files = hf::SafetensorsCheckpoint::Open(dir);
   ASSERT_TRUE(files.ok());
   EXPECT_EQ(files->names(), (std::vector<std::string>{"embed.weight", "proj.bias", "proj.weight"}));
+  // A checkpoint that names the tied tensor by its second name only.
+  const std::string second = Dir("hf_tied_second");
+  {
+    std::vector<hf::SafetensorsTensorSpec> specs;
+    std::vector<at::Tensor> values;
+    for (const std::string& name : files->names()) {
+      const at::Tensor value = *files->Read(name) + 1;
+      specs.push_back({name == "embed.weight" ? "head.weight" : name, value.scalar_type(),
+                       value.sizes().vec()});
+      values.push_back(value);
+    }
+    auto writer = hf::SafetensorsCheckpointWriter::Create(second, specs, 1 << 20);
+    ASSERT_TRUE(writer.ok());
+    for (size_t i = 0; i < specs.size(); ++i) {
+      ASSERT_TRUE(writer->Write(specs[i].name, values[i]).ok());
+    }
+    ASSERT_TRUE(writer->Commit().ok());
+  }
   status = RunOnThreadRanks(3, [&](Collectives& comm) {
     at::manual_seed(6);
     Tied model;
     auto fsdp = FullyShardedModel::Wrap(model.ptr(), comm, {}, NoUnitsPolicy()).value();
-    absl::Status loaded = LoadHuggingFaceCheckpoint(dir, *fsdp);
+    absl::Status loaded = LoadCheckpoint(dir, *fsdp);
     ASSERT_TRUE(loaded.ok()) << loaded;
     const StateDict full = FullState(*fsdp);
     for (const auto& [name, value] : full) {
@@ -247,6 +284,94 @@ TEST(HuggingFaceCheckpoint, WritesATiedTensorOnceAndFillsBothNames) {
         EXPECT_TRUE(at::equal(value, saved_embed)) << name;
       }
     }
+    loaded = LoadCheckpoint(second, *fsdp);
+    ASSERT_TRUE(loaded.ok()) << loaded;
+    for (const auto& [name, value] : FullState(*fsdp)) {
+      if (name == "embed.weight" || name == "head.weight") {
+        EXPECT_TRUE(at::equal(value, saved_embed + 1)) << name;
+      }
+    }
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+// Under hybrid sharding one rank of the job writes (not one per replica,
+// which would race on the files), and every replica loads.
+TEST(HuggingFaceCheckpoint, HybridShardingWritesOnceAndLoadsOnEveryReplica) {
+  const std::string dir = Dir("hf_hybrid");
+  const HybridShardLayout layout = HybridShardLayout::Create(4, 2).value();
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  StateDict saved;
+  absl::Status status = RunOnThreadRanks(4, [&](Collectives& world) {
+    GlooOptions gloo;
+    gloo.hostname = "127.0.0.1";
+    gloo.timeout = std::chrono::seconds(60);
+    auto groups = CreateHybridShardCollectives(world.rank(), layout, gloo.group_name,
+                                               GlooGroupConnector(store, gloo));
+    ASSERT_TRUE(groups.ok()) << groups.status();
+    FsdpOptions options;
+    options.strategy = ShardingStrategy::kHybridShard;
+    options.replicate_group = groups->replicate.get();
+    Net model;
+    auto fsdp = Wrap(model, *groups->shard, options);
+    CheckpointOptions save = HuggingFace();
+    save.max_file_bytes = 300;
+    absl::Status saved_status = SaveCheckpoint(dir, *fsdp, nullptr, {}, save);
+    ASSERT_TRUE(saved_status.ok()) << "rank " << world.rank() << ": " << saved_status;
+    const StateDict full = FullState(*fsdp);
+    if (world.rank() == 0) saved = full;
+    world.Barrier();
+    Net fresh;
+    for (at::Tensor& p : fresh->parameters()) p.detach().zero_();
+    auto loaded_model = Wrap(fresh, *groups->shard, options);
+    absl::Status loaded = LoadCheckpoint(dir, *loaded_model);
+    ASSERT_TRUE(loaded.ok()) << "rank " << world.rank() << ": " << loaded;
+    const StateDict got = FullState(*loaded_model);
+    world.Barrier();
+    ASSERT_EQ(got.size(), saved.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_TRUE(at::equal(got[i].second, saved[i].second))
+          << "rank " << world.rank() << ": " << got[i].first;
+    }
+  });
+  EXPECT_TRUE(status.ok()) << status;
+  size_t temporaries = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    temporaries += entry.path().filename().string().find(".tmp-") != std::string::npos;
+  }
+  EXPECT_EQ(temporaries, 0u);
+}
+
+// Misuse gets the same clear error on every rank, and nothing hangs: rank
+// 0 cannot write (the directory is a file), an optimizer or a train state
+// for a format that holds none, strict = false for a format that loads
+// strictly, and a save beside a checkpoint of the other format.
+TEST(HuggingFaceCheckpoint, RefusesMisuseOnEveryRank) {
+  const std::string file = Dir("hf_is_a_file");
+  std::ofstream(file) << "not a directory";
+  const std::string dcp = Dir("hf_beside_dcp");
+  absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
+    Net model;
+    auto fsdp = Wrap(model, comm);
+    absl::Status cannot = SaveCheckpoint(file, *fsdp, nullptr, {}, HuggingFace());
+    EXPECT_FALSE(cannot.ok());
+    EXPECT_THAT(cannot.ToString(), HasSubstr(file)) << "rank " << comm.rank();
+    torch::optim::SGD sgd(UniqueParameters(*model), torch::optim::SGDOptions(0.1));
+    EXPECT_THAT(SaveCheckpoint(Dir("hf_x"), *fsdp, &sgd, {}, HuggingFace()).ToString(),
+                HasSubstr("pass no optimizer and no train state"));
+    EXPECT_THAT(SaveCheckpoint(Dir("hf_x"), *fsdp, nullptr, {3, 0}, HuggingFace()).ToString(),
+                HasSubstr("pass no optimizer and no train state"));
+    ASSERT_TRUE(SaveCheckpoint(dcp, *fsdp).ok());
+    EXPECT_THAT(SaveCheckpoint(dcp, *fsdp, nullptr, {}, HuggingFace()).ToString(),
+                HasSubstr("holds a Distributed Checkpoint"));
+    CheckpointOptions not_strict;
+    not_strict.strict = false;
+    EXPECT_THAT(LoadCheckpoint(dcp, *fsdp, nullptr, nullptr, not_strict).ToString(),
+                HasSubstr("loads strictly"));
+    const std::string hf = Dir("hf_for_optimizer");
+    ASSERT_TRUE(SaveCheckpoint(hf, *fsdp, nullptr, {}, HuggingFace()).ok());
+    EXPECT_THAT(LoadCheckpoint(hf, *fsdp, &sgd).ToString(), HasSubstr("pass no optimizer"));
+    EXPECT_THAT(SaveCheckpoint(hf, *fsdp).ToString(), HasSubstr("holds a Hugging Face checkpoint"));
   });
   EXPECT_TRUE(status.ok()) << status;
 }

@@ -25,36 +25,83 @@
 namespace fsdp::hf {
 namespace {
 
-using ordered_json = nlohmann::ordered_json;
+// std::map underneath: ordered_json's linear key search would make a
+// header of many names quadratic.
+using json = nlohmann::json;
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+              "safetensors' bytes are little-endian, read and written as they are");
 
 // The safetensors crate's limit; a longer header is refused before reading.
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 constexpr char kMetadataKey[] = "__metadata__";
 
+// Every dtype the format defines in whole bytes, and libtorch's where this
+// libtorch has one. The sub-byte F4/F6 types are refused by name.
 struct DTypeName {
-  at::ScalarType dtype;
   const char* name;
+  int64_t size;
+  at::ScalarType dtype;
 };
-// The dtypes both this libtorch and the format have; F8, U16, U32 and U64
-// are refused by name (libtorch 1.13 has no such tensors).
-constexpr std::array<DTypeName, 10> kDTypes = {{
-    {at::ScalarType::Bool, "BOOL"},
-    {at::ScalarType::Byte, "U8"},
-    {at::ScalarType::Char, "I8"},
-    {at::ScalarType::Short, "I16"},
-    {at::ScalarType::Half, "F16"},
-    {at::ScalarType::BFloat16, "BF16"},
-    {at::ScalarType::Int, "I32"},
-    {at::ScalarType::Float, "F32"},
-    {at::ScalarType::Double, "F64"},
-    {at::ScalarType::Long, "I64"},
+constexpr at::ScalarType kNone = at::ScalarType::Undefined;
+constexpr std::array<DTypeName, 16> kDTypes = {{
+    {"BOOL", 1, at::ScalarType::Bool},
+    {"U8", 1, at::ScalarType::Byte},
+    {"I8", 1, at::ScalarType::Char},
+    {"F8_E5M2", 1, kNone},
+    {"F8_E4M3", 1, kNone},
+    {"F8_E8M0", 1, kNone},
+    {"I16", 2, at::ScalarType::Short},
+    {"U16", 2, kNone},
+    {"F16", 2, at::ScalarType::Half},
+    {"BF16", 2, at::ScalarType::BFloat16},
+    {"I32", 4, at::ScalarType::Int},
+    {"U32", 4, kNone},
+    {"F32", 4, at::ScalarType::Float},
+    {"F64", 8, at::ScalarType::Double},
+    {"I64", 8, at::ScalarType::Long},
+    {"U64", 8, kNone},
 }};
 
-std::optional<at::ScalarType> DTypeOf(const std::string& name) {
+const DTypeName* DTypeOf(const std::string& name) {
   for (const DTypeName& d : kDTypes) {
-    if (name == d.name) return d.dtype;
+    if (name == d.name) return &d;
   }
-  return std::nullopt;
+  return nullptr;
+}
+
+// JSON nesting beyond a header's (object, entry, shape) is refused before
+// parsing: messages and the parsed value then stay small.
+constexpr int kMaxJsonDepth = 3;
+constexpr size_t kMaxDims = 64;
+
+bool NestedAtMost(absl::string_view text, int max_depth) {
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') ++i;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      if (++depth > max_depth) return false;
+    } else if (c == '}' || c == ']') {
+      --depth;
+    }
+  }
+  return true;
+}
+
+// A value the file controls, short, for a message.
+std::string Shown(const json& value) {
+  if (value.is_string()) {
+    const std::string& text = value.get_ref<const std::string&>();
+    return absl::StrCat("\"", text.substr(0, 32), text.size() > 32 ? "..." : "", "\"");
+  }
+  if (value.is_number()) return value.dump();
+  return absl::StrCat("a JSON ", value.type_name());
 }
 
 absl::Status Invalid(absl::string_view source, absl::string_view what) {
@@ -63,7 +110,7 @@ absl::Status Invalid(absl::string_view source, absl::string_view what) {
 
 // A non-negative integer that fits int64 (JSON numbers may be negative,
 // fractional or huge; none of those is a size).
-std::optional<uint64_t> Size(const ordered_json& value) {
+std::optional<uint64_t> Size(const json& value) {
   if (value.is_number_unsigned()) {
     const uint64_t v = value.get<uint64_t>();
     if (v <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return v;
@@ -73,61 +120,70 @@ std::optional<uint64_t> Size(const ordered_json& value) {
   return std::nullopt;
 }
 
-absl::StatusOr<SafetensorsEntry> ParseEntry(const std::string& name, const ordered_json& value,
+absl::StatusOr<SafetensorsEntry> ParseEntry(const std::string& name, const json& value,
                                             absl::string_view source) {
-  const std::string where = absl::StrCat("tensor '", name, "'");
-  if (!value.is_object() || value.size() != 3 || !value.contains("dtype") ||
-      !value.contains("shape") || !value.contains("data_offsets")) {
+  const std::string where = absl::StrCat("tensor '", name.substr(0, 200), "'");
+  // Fields beyond these three are ignored, as the crate ignores them.
+  if (!value.is_object() || !value.contains("dtype") || !value.contains("shape") ||
+      !value.contains("data_offsets")) {
     return Invalid(source, absl::StrCat(where, " is not {dtype, shape, data_offsets}"));
   }
   SafetensorsEntry entry;
   entry.name = name;
-  const ordered_json& dtype = value["dtype"];
-  std::optional<at::ScalarType> parsed =
-      dtype.is_string() ? DTypeOf(dtype.get<std::string>()) : std::nullopt;
-  if (!parsed) {
-    return Invalid(source, absl::StrCat(where, " has dtype ", dtype.dump(),
-                                        ", not one of BOOL, U8, I8, I16, F16, BF16, I32, F32, "
-                                        "F64, I64"));
+  const json& dtype = value["dtype"];
+  const DTypeName* known = dtype.is_string() ? DTypeOf(dtype.get<std::string>()) : nullptr;
+  if (known == nullptr) {
+    return Invalid(source, absl::StrCat(where, " has dtype ", Shown(dtype),
+                                        ", not one the format defines in whole bytes"));
   }
-  entry.dtype = *parsed;
-  const ordered_json& shape = value["shape"];
-  if (!shape.is_array()) return Invalid(source, absl::StrCat(where, "'s shape is not a list"));
+  entry.dtype_name = known->name;
+  entry.dtype = known->dtype;
+  entry.element_size = known->size;
+  const json& shape = value["shape"];
+  if (!shape.is_array() || shape.size() > kMaxDims) {
+    return Invalid(source, absl::StrCat(where, "'s shape is not a list of at most ", kMaxDims,
+                                        " dimensions"));
+  }
+  // Both products must fit: the element count, and (libtorch's strides)
+  // the product with zero dimensions counted as one.
+  constexpr uint64_t kLimit = static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) / 8;
   uint64_t numel = 1;
-  for (const ordered_json& dim : shape) {
+  uint64_t strided = 1;
+  for (const json& dim : shape) {
     std::optional<uint64_t> d = Size(dim);
-    if (!d) return Invalid(source, absl::StrCat(where, " has a dimension ", dim.dump()));
+    if (!d) return Invalid(source, absl::StrCat(where, " has a dimension ", Shown(dim)));
     entry.shape.push_back(static_cast<int64_t>(*d));
-    if (*d != 0 && numel > (std::numeric_limits<uint64_t>::max() >> 4) / *d) {
-      return Invalid(source, absl::StrCat(where, "'s shape overflows"));
-    }
+    const uint64_t counted = std::max<uint64_t>(*d, 1);
+    if (strided > kLimit / counted) return Invalid(source, absl::StrCat(where, "'s shape overflows"));
+    strided *= counted;
     numel *= *d;
   }
-  const ordered_json& offsets = value["data_offsets"];
-  std::optional<uint64_t> begin = offsets.is_array() && offsets.size() == 2
-                                      ? Size(offsets[0]) : std::nullopt;
+  const json& offsets = value["data_offsets"];
+  std::optional<uint64_t> begin =
+      offsets.is_array() && offsets.size() == 2 ? Size(offsets[0]) : std::nullopt;
   std::optional<uint64_t> end = begin ? Size(offsets[1]) : std::nullopt;
   if (!end || *end < *begin) {
-    return Invalid(source, absl::StrCat(where, " has data_offsets ", offsets.dump()));
+    return Invalid(source, absl::StrCat(where, " has data_offsets that are not [begin, end]"));
   }
   entry.begin = *begin;
   entry.end = *end;
-  const uint64_t bytes = numel * c10::elementSize(entry.dtype);
+  const uint64_t bytes = numel * static_cast<uint64_t>(known->size);
   if (*end - *begin != bytes) {
     return Invalid(source, absl::StrCat(where, " holds ", *end - *begin, " bytes; its shape and ",
-                                        dtype.get<std::string>(), " need ", bytes));
+                                        known->name, " need ", bytes));
   }
   return entry;
 }
 
-absl::StatusOr<std::map<std::string, std::string>> ParseMetadata(const ordered_json& value,
+absl::StatusOr<std::map<std::string, std::string>> ParseMetadata(const json& value,
                                                                  absl::string_view source) {
   std::map<std::string, std::string> metadata;
   if (value.is_null()) return metadata;
   if (!value.is_object()) return Invalid(source, "__metadata__ is not an object");
   for (const auto& [key, v] : value.items()) {
     if (!v.is_string()) {
-      return Invalid(source, absl::StrCat("__metadata__ '", key, "' is not a string"));
+      return Invalid(source, absl::StrCat("__metadata__ '", key.substr(0, 200),
+                                          "' is not a string"));
     }
     metadata[key] = v.get<std::string>();
   }
@@ -141,9 +197,9 @@ absl::Status CheckTiling(const std::vector<SafetensorsEntry>& entries, uint64_t 
   uint64_t next = 0;
   for (const SafetensorsEntry& e : entries) {
     if (e.begin != next) {
-      return Invalid(source, absl::StrCat("tensor '", e.name, "' starts at byte ", e.begin,
-                                          " of the data where ", next, " was expected (a ",
-                                          e.begin < next ? "overlap" : "hole", ")"));
+      return Invalid(source, absl::StrCat("tensor '", e.name.substr(0, 200), "' starts at byte ",
+                                          e.begin, " of the data where ", next, " was expected (",
+                                          e.begin < next ? "an overlap" : "a hole", ")"));
     }
     next = e.end;
   }
@@ -190,17 +246,20 @@ int64_t SafetensorsEntry::numel() const {
   return n;
 }
 
-absl::StatusOr<SafetensorsLayout> ParseSafetensorsHeader(absl::string_view json,
+absl::StatusOr<SafetensorsLayout> ParseSafetensorsHeader(absl::string_view text,
                                                          uint64_t file_size,
                                                          absl::string_view source) {
-  if (json.empty() || json.front() != '{') return Invalid(source, "the header is not a JSON object");
-  if (file_size < 8 + json.size()) return Invalid(source, "the file is shorter than its header");
-  ordered_json header = ordered_json::parse(json, nullptr, /*allow_exceptions=*/false);
+  if (text.empty() || text.front() != '{') return Invalid(source, "the header is not a JSON object");
+  if (file_size < 8 + text.size()) return Invalid(source, "the file is shorter than its header");
+  if (!NestedAtMost(text, kMaxJsonDepth)) {
+    return Invalid(source, "the header nests deeper than a safetensors header does");
+  }
+  json header = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (header.is_discarded() || !header.is_object()) {
     return Invalid(source, "the header is not a JSON object");
   }
   SafetensorsLayout layout;
-  layout.data_start = 8 + json.size();
+  layout.data_start = 8 + text.size();
   for (const auto& [name, value] : header.items()) {
     if (name == kMetadataKey) {
       FSDP_ASSIGN_OR_RETURN(layout.metadata, ParseMetadata(value, source));
@@ -219,7 +278,7 @@ absl::StatusOr<SafetensorsLayout> ParseSafetensorsHeader(absl::string_view json,
 
 absl::StatusOr<std::string> SafetensorsDTypeName(at::ScalarType dtype) {
   for (const DTypeName& d : kDTypes) {
-    if (d.dtype == dtype) return std::string(d.name);
+    if (d.dtype == dtype && dtype != kNone) return std::string(d.name);
   }
   return absl::InvalidArgumentError(
       absl::StrCat("safetensors cannot hold dtype ", c10::toString(dtype)));
@@ -247,7 +306,9 @@ SafetensorsFile::SafetensorsFile(std::string path, std::shared_ptr<Descriptor> f
 }
 
 absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
-  const int raw = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO named in an index must not block the open (a
+  // regular file ignores the flag).
+  const int raw = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (raw < 0) {
     return absl::NotFoundError(absl::StrCat("cannot open safetensors file ", path, ": ",
                                             Errno(errno)));
@@ -268,9 +329,9 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
                                       kMaxHeaderBytes, ")"));
   }
   if (header_bytes > file_size - 8) return Invalid(path, "the file is shorter than its header");
-  std::string json(header_bytes, '\0');
-  FSDP_RETURN_IF_ERROR(ReadAt(raw, json.data(), header_bytes, 8, path));
-  FSDP_ASSIGN_OR_RETURN(SafetensorsLayout layout, ParseSafetensorsHeader(json, file_size, path));
+  std::string text(header_bytes, '\0');
+  FSDP_RETURN_IF_ERROR(ReadAt(raw, text.data(), header_bytes, 8, path));
+  FSDP_ASSIGN_OR_RETURN(SafetensorsLayout layout, ParseSafetensorsHeader(text, file_size, path));
   return SafetensorsFile(path, std::move(fd), std::move(layout));
 }
 
@@ -290,8 +351,13 @@ absl::StatusOr<const SafetensorsEntry*> SafetensorsFile::Require(absl::string_vi
 absl::StatusOr<at::Tensor> SafetensorsFile::ReadBytes(const SafetensorsEntry& entry,
                                                       uint64_t byte_offset,
                                                       std::vector<int64_t> shape) const {
+  if (entry.dtype == at::ScalarType::Undefined) {
+    return absl::UnimplementedError(absl::StrCat("tensor '", entry.name, "' in ", path_, " is ",
+                                                 entry.dtype_name,
+                                                 ", a dtype this library does not read"));
+  }
   at::Tensor out = at::empty(shape, at::TensorOptions().dtype(entry.dtype));
-  const uint64_t bytes = static_cast<uint64_t>(out.numel()) * out.element_size();
+  const uint64_t bytes = static_cast<uint64_t>(out.numel()) * entry.element_size;
   FSDP_RETURN_IF_ERROR(ReadAt(fd_->get(), out.data_ptr(), bytes,
                               layout_.data_start + entry.begin + byte_offset, path_));
   return out;
@@ -313,7 +379,7 @@ absl::StatusOr<at::Tensor> SafetensorsFile::ReadRows(absl::string_view name, int
   std::vector<int64_t> shape = entry->shape;
   const int64_t row_numel = shape[0] == 0 ? 0 : entry->numel() / shape[0];
   shape[0] = hi - lo;
-  return ReadBytes(*entry, static_cast<uint64_t>(lo * row_numel) * c10::elementSize(entry->dtype),
+  return ReadBytes(*entry, static_cast<uint64_t>(lo * row_numel * entry->element_size),
                    std::move(shape));
 }
 
@@ -321,7 +387,7 @@ absl::StatusOr<at::Tensor> SafetensorsFile::ReadFlat(absl::string_view name, int
                                                      int64_t hi) const {
   FSDP_ASSIGN_OR_RETURN(const SafetensorsEntry* entry, Require(name));
   FSDP_RETURN_IF_ERROR(CheckRange("elements", lo, hi, entry->numel(), name));
-  return ReadBytes(*entry, static_cast<uint64_t>(lo) * c10::elementSize(entry->dtype), {hi - lo});
+  return ReadBytes(*entry, static_cast<uint64_t>(lo * entry->element_size), {hi - lo});
 }
 
 // ---------------------------------------------------------------------------
@@ -332,6 +398,7 @@ struct SafetensorsWriter::State {
   std::vector<SafetensorsTensorSpec> specs;
   size_t next = 0;
   std::string path;
+  bool failed = false;
 };
 
 SafetensorsWriter::SafetensorsWriter(std::unique_ptr<State> state) : state_(std::move(state)) {}
@@ -344,7 +411,7 @@ namespace {
 absl::StatusOr<std::string> HeaderFor(const std::vector<SafetensorsTensorSpec>& specs,
                                       const std::map<std::string, std::string>& metadata,
                                       absl::string_view path) {
-  ordered_json header = ordered_json::object();
+  json header = json::object();
   if (!metadata.empty()) header[kMetadataKey] = metadata;
   std::set<absl::string_view> seen;
   uint64_t offset = 0;
@@ -357,9 +424,10 @@ absl::StatusOr<std::string> HeaderFor(const std::vector<SafetensorsTensorSpec>& 
     FSDP_ASSIGN_OR_RETURN(std::string dtype, SafetensorsDTypeName(spec.dtype));
     uint64_t bytes = c10::elementSize(spec.dtype);
     for (int64_t d : spec.shape) {
-      if (d < 0) {
+      if (d < 0 || (d > 0 && bytes > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) /
+                                         static_cast<uint64_t>(d))) {
         return absl::InvalidArgumentError(
-            absl::StrCat(path, ": tensor '", spec.name, "' has a negative dimension"));
+            absl::StrCat(path, ": tensor '", spec.name, "' has a negative or too large shape"));
       }
       bytes *= static_cast<uint64_t>(d);
     }
@@ -367,10 +435,10 @@ absl::StatusOr<std::string> HeaderFor(const std::vector<SafetensorsTensorSpec>& 
                          {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
-  std::string json = header.dump();
+  std::string text = header.dump();
   // The crate pads the header with spaces so that the data starts 8-aligned.
-  json.append((8 - json.size() % 8) % 8, ' ');
-  return json;
+  text.append((8 - text.size() % 8) % 8, ' ');
+  return text;
 }
 
 }  // namespace
@@ -378,12 +446,12 @@ absl::StatusOr<std::string> HeaderFor(const std::vector<SafetensorsTensorSpec>& 
 absl::StatusOr<SafetensorsWriter> SafetensorsWriter::Create(
     const std::string& path, std::vector<SafetensorsTensorSpec> specs,
     const std::map<std::string, std::string>& metadata) {
-  FSDP_ASSIGN_OR_RETURN(std::string json, HeaderFor(specs, metadata, path));
+  FSDP_ASSIGN_OR_RETURN(std::string text, HeaderFor(specs, metadata, path));
   FSDP_ASSIGN_OR_RETURN(AtomicFileWriter file, AtomicFileWriter::Open(path));
   std::array<unsigned char, 8> prefix{};
-  for (int i = 0; i < 8; ++i) prefix[i] = static_cast<unsigned char>(json.size() >> (8 * i));
+  for (int i = 0; i < 8; ++i) prefix[i] = static_cast<unsigned char>(text.size() >> (8 * i));
   FSDP_RETURN_IF_ERROR(file.Write(prefix.data(), prefix.size()));
-  FSDP_RETURN_IF_ERROR(file.Write(json.data(), json.size()));
+  FSDP_RETURN_IF_ERROR(file.Write(text.data(), text.size()));
   auto state = std::make_unique<State>();
   state->file.emplace(std::move(file));
   state->specs = std::move(specs);
@@ -392,10 +460,18 @@ absl::StatusOr<SafetensorsWriter> SafetensorsWriter::Create(
 }
 
 const SafetensorsTensorSpec* SafetensorsWriter::next() const {
-  return state_->next < state_->specs.size() ? &state_->specs[state_->next] : nullptr;
+  return state_ != nullptr && state_->next < state_->specs.size() ? &state_->specs[state_->next]
+                                                                  : nullptr;
 }
 
+bool SafetensorsWriter::failed() const { return state_ == nullptr || state_->failed; }
+
 absl::Status SafetensorsWriter::Write(absl::string_view name, const at::Tensor& value) {
+  if (failed()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(state_ == nullptr ? "a moved-from writer" : state_->path,
+                     ": an earlier write failed; the file is incomplete"));
+  }
   const SafetensorsTensorSpec* spec = next();
   if (spec == nullptr || spec->name != name) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -408,19 +484,31 @@ absl::Status SafetensorsWriter::Write(absl::string_view name, const at::Tensor& 
         c10::str(value.sizes()), " but was declared ", c10::toString(spec->dtype), " [",
         absl::StrJoin(spec->shape, ", "), "]"));
   }
+  state_->failed = true;  // Until the bytes are all written.
   const at::Tensor bytes = value.cpu().contiguous();
   FSDP_RETURN_IF_ERROR(
       state_->file->Write(bytes.data_ptr(), static_cast<size_t>(bytes.nbytes())));
+  state_->failed = false;
   ++state_->next;
   return absl::OkStatus();
 }
 
-absl::Status SafetensorsWriter::Commit() {
+absl::Status SafetensorsWriter::Flush() {
+  if (failed()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(state_ == nullptr ? "a moved-from writer" : state_->path,
+                     ": an earlier write failed; the file is incomplete"));
+  }
   if (const SafetensorsTensorSpec* spec = next()) {
     return absl::FailedPreconditionError(absl::StrCat(
         state_->path, ": not committed: tensor '", spec->name, "' and ",
         state_->specs.size() - state_->next - 1, " after it were not written"));
   }
+  return state_->file->Flush();
+}
+
+absl::Status SafetensorsWriter::Commit() {
+  FSDP_RETURN_IF_ERROR(Flush());
   return state_->file->Commit();
 }
 
@@ -448,15 +536,19 @@ bool PlainFileName(const std::string& name) {
   return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos;
 }
 
-absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+// An index: small, and bounded as a header is.
+absl::StatusOr<std::string> ReadIndexText(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return absl::NotFoundError(absl::StrCat("cannot open ", path, ": ", Errno(errno)));
   struct stat st {};
   std::string bytes;
-  absl::Status status = ::fstat(fd, &st) == 0 && st.st_size <= 1 << 30
-                            ? absl::OkStatus()
-                            : absl::InvalidArgumentError(absl::StrCat(path, " is over 1 GiB"));
-  if (status.ok()) {
+  absl::Status status;
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    status = absl::InvalidArgumentError(absl::StrCat(path, " is not a regular file"));
+  } else if (static_cast<uint64_t>(st.st_size) > kMaxHeaderBytes) {
+    status = absl::InvalidArgumentError(
+        absl::StrCat(path, " is over ", kMaxHeaderBytes, " bytes: not an index"));
+  } else {
     bytes.resize(static_cast<size_t>(st.st_size));
     status = ReadAt(fd, bytes.data(), bytes.size(), 0, path);
   }
@@ -467,8 +559,12 @@ absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
 
 // The index's weight_map: tensor name -> file name.
 absl::StatusOr<std::map<std::string, std::string>> ReadIndex(const std::string& path) {
-  FSDP_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path));
-  const ordered_json index = ordered_json::parse(text, nullptr, /*allow_exceptions=*/false);
+  FSDP_ASSIGN_OR_RETURN(std::string text, ReadIndexText(path));
+  // An index nests as deep as {"metadata": {..}, "weight_map": {..}}, and
+  // newer writers' metadata one level more.
+  const json index = NestedAtMost(text, kMaxJsonDepth)
+                         ? json::parse(text, nullptr, /*allow_exceptions=*/false)
+                         : json(json::value_t::discarded);
   if (index.is_discarded() || !index.is_object() || !index.contains("weight_map") ||
       !index["weight_map"].is_object()) {
     return absl::InvalidArgumentError(
@@ -477,8 +573,9 @@ absl::StatusOr<std::map<std::string, std::string>> ReadIndex(const std::string& 
   std::map<std::string, std::string> weight_map;
   for (const auto& [name, file] : index["weight_map"].items()) {
     if (!file.is_string() || !PlainFileName(file.get<std::string>())) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", name, "' maps to ",
-                                                     file.dump(), ", not a file name"));
+      return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", name.substr(0, 200),
+                                                     "' maps to ", Shown(file),
+                                                     ", not a file name"));
     }
     weight_map[name] = file.get<std::string>();
   }
@@ -626,12 +723,34 @@ absl::Status SafetensorsCheckpointWriter::Write(absl::string_view name, const at
   return writers_[current_].Write(name, value);
 }
 
+namespace {
+
+// The names an export under `stem` writes: <stem>.safetensors, its index,
+// and <stem>-NNNNN-of-NNNNN.safetensors.
+bool ExportFileName(const std::string& name, const std::string& stem) {
+  if (name == stem + ".safetensors" || name == IndexName(stem)) return true;
+  const std::string suffix = ".safetensors";
+  const size_t digits = stem.size() + 1;  // After "<stem>-".
+  if (name.size() != digits + 5 + 4 + 5 + suffix.size() || name.rfind(stem + "-", 0) != 0 ||
+      name.compare(digits + 5, 4, "-of-") != 0 ||
+      name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) {
+    return false;
+  }
+  for (size_t i : {digits, digits + 9}) {
+    for (size_t j = i; j < i + 5; ++j) {
+      if (name[j] < '0' || name[j] > '9') return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
 absl::Status SafetensorsCheckpointWriter::Commit() {
   namespace fs = std::filesystem;
-  for (SafetensorsWriter& writer : writers_) {
-    if (writer.next() != nullptr) return writer.Commit();  // Names what is missing.
-  }
-  // The old index goes first: new files may reuse old shard names, and an
+  // Everything on disk before anything of the earlier export goes.
+  for (SafetensorsWriter& writer : writers_) FSDP_RETURN_IF_ERROR(writer.Flush());
+  // The old index goes next: new files may reuse old shard names, and an
   // old index over a half-renamed set would combine two exports.
   const std::string index_path = (fs::path(directory_) / IndexName(stem_)).string();
   std::error_code error;
@@ -642,28 +761,33 @@ absl::Status SafetensorsCheckpointWriter::Commit() {
   for (SafetensorsWriter& writer : writers_) FSDP_RETURN_IF_ERROR(writer.Commit());
   std::set<std::string> keep(plan_.file_names.begin(), plan_.file_names.end());
   if (plan_.files.size() > 1) {
-    ordered_json index = {{"metadata", {{"total_size", total_bytes_}}},
-                          {"weight_map", ordered_json::object()}};
     std::map<std::string, std::string> weight_map;
     for (size_t k = 0; k < plan_.files.size(); ++k) {
       for (const SafetensorsTensorSpec& spec : plan_.files[k]) {
         weight_map[spec.name] = plan_.file_names[k];
       }
     }
-    for (const auto& [name, file] : weight_map) index["weight_map"][name] = file;
+    const json index = {{"metadata", {{"total_size", total_bytes_}}},
+                        {"weight_map", weight_map}};
     const std::string text = index.dump(2) + "\n";
     FSDP_RETURN_IF_ERROR(WriteFileAtomically(index_path, text.data(), text.size()));
     keep.insert(IndexName(stem_));
   }
-  // Files of an earlier export under the same stem would be read with ours
-  // (a stale index first of all); the new set is complete, so they go.
-  for (const fs::directory_entry& entry : fs::directory_iterator(directory_, error)) {
-    const std::string name = entry.path().filename().string();
-    const bool ours = name == IndexName(stem_) || name == stem_ + ".safetensors" ||
-                      (name.rfind(stem_ + "-", 0) == 0 &&
-                       name.find("-of-") != std::string::npos &&
-                       name.size() > 12 && name.compare(name.size() - 12, 12, ".safetensors") == 0);
-    if (ours && keep.count(name) == 0) fs::remove(entry.path(), error);
+  // Files of an earlier export under the same stem would be read with ours;
+  // the new set is complete, so they go.
+  std::vector<std::string> stale;
+  for (fs::directory_iterator it(directory_, error), end; !error && it != end;
+       it.increment(error)) {
+    const std::string name = it->path().filename().string();
+    if (ExportFileName(name, stem_) && keep.count(name) == 0) stale.push_back(name);
+  }
+  for (const std::string& name : stale) {
+    if (!fs::remove(fs::path(directory_) / name, error) && error) break;
+  }
+  if (error) {
+    return absl::UnavailableError(absl::StrCat(
+        "the export to ", directory_, " is complete, but files of an earlier export could not be "
+        "listed or removed: ", error.message()));
   }
   return absl::OkStatus();
 }

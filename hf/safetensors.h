@@ -9,19 +9,28 @@
 //
 // Reading. Open() reads and checks the header only, with the rules of the
 // reference implementation (the safetensors crate): header at most 100 MB,
-// every dtype known, every byte count equal to its shape's, the tensors
-// tiling the data exactly (no hole, no overlap, nothing past the end of the
-// file). A tensor's bytes are read on demand with positional reads, whole or
-// a part (rows of dim 0, or a range of the flattened tensor), so that a rank
-// reads only what its shards need and no process maps the whole model.
+// every dtype one the format defines, every byte count equal to its
+// shape's, the tensors tiling the data exactly (no hole, no overlap,
+// nothing past the end of the file). Beyond the crate, so that a hostile
+// header costs bounded time and memory: JSON nested at most as deep as a
+// header is (3), at most 64 dimensions, every shape's element count (zero
+// dimensions counted as one) within int64. A tensor whose dtype this
+// libtorch lacks (F8 and the unsigned types above U8 on 1.13) is listed
+// with dtype Undefined and refused when read. A tensor's bytes are read on
+// demand with positional reads, whole or a part (rows of dim 0, or a range
+// of the flattened tensor), so that a rank reads only what its shards need.
+// Little-endian hosts only, as the format's bytes are.
 //
 // Writing. The writer is given every tensor's name, dtype and shape first
 // (the header precedes the data), then takes the tensors one at a time in
 // that order, so an export holds at most one tensor beyond the caller's
 // state. A file appears only when Commit() has written all of it (atomic
-// rename); a checkpoint directory's files are all renamed at Commit, the
-// index last, and files of an earlier export with the same stem that the
-// new one does not list are removed, so that readers never combine two.
+// rename). A checkpoint directory's Commit flushes every file to disk
+// first (a failure there leaves the earlier export whole), then removes the
+// earlier index, renames the files into place and writes the new index;
+// files of the earlier export with the stem's names that the new one does
+// not list are removed, so that readers never combine two exports. Only a
+// failure among the renames leaves the directory without an index.
 //
 // Errors are Status values naming the file and the tensor; nothing here
 // throws except libtorch's allocation.
@@ -46,7 +55,10 @@ namespace fsdp::hf {
 // One tensor as a header describes it; offsets are relative to the data.
 struct SafetensorsEntry {
   std::string name;
-  at::ScalarType dtype = at::ScalarType::Float;
+  std::string dtype_name;  // The format's ("BF16").
+  // Undefined when this libtorch has no such dtype (see the top).
+  at::ScalarType dtype = at::ScalarType::Undefined;
+  int64_t element_size = 0;  // Bytes.
   std::vector<int64_t> shape;
   uint64_t begin = 0;
   uint64_t end = 0;
@@ -126,11 +138,15 @@ class SafetensorsWriter {
   // The next tensor in the specs' order: its name, dtype and shape must be
   // the spec's. Any device and layout; the bytes are copied out contiguous.
   absl::Status Write(absl::string_view name, const at::Tensor& value);
+  // Every tensor written: to disk, not yet renamed (see the top).
+  absl::Status Flush();
   // Every tensor written: flush, rename over `path`.
   absl::Status Commit();
 
   // The name the next Write must carry, or null when all were written.
   const SafetensorsTensorSpec* next() const;
+  // After a failed Write the file is incomplete: every later call fails.
+  bool failed() const;
 
  private:
   struct State;

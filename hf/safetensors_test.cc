@@ -102,6 +102,8 @@ TEST(SafetensorsTest, RefusesHeadersThatDoNotDescribeTheFile) {
     size_t data_bytes;
     std::string error;
   };
+  std::string sixty_five_ones = "1";
+  for (int i = 1; i < 65; ++i) sixty_five_ones += ",1";
   const std::vector<Case> cases = {
       {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 8, ""},
       {R"({"a":{"dtype":"Q4","shape":[2],"data_offsets":[0,8]}})", 8, "has dtype \"Q4\""},
@@ -110,10 +112,19 @@ TEST(SafetensorsTest, RefusesHeadersThatDoNotDescribeTheFile) {
       {R"({"a":{"dtype":"F32","shape":[2.5],"data_offsets":[0,8]}})", 8, "a dimension 2.5"},
       {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12, "(a hole)"},
       {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
-       R"("b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8, "(a overlap)"},
+       R"("b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8, "(an overlap)"},
       {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 4, "cover 8 bytes"},
       {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 12, "holds 12"},
-      {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}})", 8, "data_offsets [8,0]"},
+      {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}})", 8, "not [begin, end]"},
+      // Beyond the three fields, as the crate: ignored. A null metadata too.
+      {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":1},"__metadata__":null})", 8,
+       ""},
+      {R"({"a":{"dtype":"F4","shape":[2],"data_offsets":[0,1]}})", 1, "not one the format"},
+      {R"({"a":{"dtype":[[{"x":[1]}]],"shape":[2],"data_offsets":[0,8]}})", 8, "nests deeper"},
+      {R"({"a":{"dtype":"F32","shape":[0,4611686018427387904,4],"data_offsets":[0,0]}})", 0,
+       "overflows"},
+      {absl::StrCat(R"({"a":{"dtype":"F32","shape":[)", sixty_five_ones,
+                    R"(],"data_offsets":[0,4]}})"), 4, "at most 64 dimensions"},
       {R"({"a":{"dtype":"F32","shape":[2]}})", 8, "not {dtype, shape, data_offsets}"},
       {R"({"__metadata__":{"k":1}})", 0, "'k' is not a string"},
       {R"([1,2])", 0, "not a JSON object"},
@@ -133,6 +144,20 @@ TEST(SafetensorsTest, RefusesHeadersThatDoNotDescribeTheFile) {
         << cases[i].json << " -> " << file.status();
     EXPECT_NE(file.status().ToString().find(path), std::string::npos) << file.status();
   }
+}
+
+TEST(SafetensorsTest, ListsDTypesThisLibtorchLacksAndRefusesToReadThem) {
+  const std::string path = WriteRaw(TempDir("u16") + "/u16",
+                                    R"({"a":{"dtype":"U16","shape":[2],"data_offsets":[0,4]},)"
+                                    R"("b":{"dtype":"I16","shape":[2],"data_offsets":[4,8]}})",
+                                    8);
+  auto file = SafetensorsFile::Open(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ(file->Find("a")->dtype_name, "U16");
+  EXPECT_EQ(file->Find("a")->dtype, at::ScalarType::Undefined);
+  EXPECT_NE(file->Read("a").status().ToString().find("U16, a dtype this library does not read"),
+            std::string::npos);
+  EXPECT_TRUE(file->Read("b").ok());
 }
 
 TEST(SafetensorsTest, RefusesLengthPrefixesBeyondTheFileOrTheLimit) {
@@ -221,12 +246,19 @@ TEST(SafetensorsTest, CheckpointDirectoryShardsIndexesAndReplacesAnEarlierExport
   for (const auto& [name, t] : tensors) EXPECT_TRUE(at::equal(*checkpoint->Read(name), t)) << name;
   EXPECT_TRUE(at::equal(*checkpoint->ReadRows("embed.weight", 1, 3),
                         tensors[0].second.slice(0, 1, 3)));
+  // Another export's files beside ours stay (a stem that starts like ours).
+  std::ofstream(dir + "/model-ema-00001-of-00002.safetensors") << "other";
   write(1 << 20);  // One file now: the shards and the index of the first go.
+  EXPECT_TRUE(fs::exists(dir + "/model-ema-00001-of-00002.safetensors"));
   EXPECT_FALSE(fs::exists(dir + "/model.safetensors.index.json"));
   EXPECT_FALSE(fs::exists(dir + "/model-00001-of-00003.safetensors"));
   checkpoint = SafetensorsCheckpoint::Open(dir);
   ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
   EXPECT_TRUE(at::equal(*checkpoint->Read("bias"), tensors[3].second));
+  write(64);  // Sharded again: the single file goes.
+  EXPECT_FALSE(fs::exists(dir + "/model.safetensors"));
+  EXPECT_TRUE(fs::exists(dir + "/model.safetensors.index.json"));
+  EXPECT_TRUE(SafetensorsCheckpoint::Open(dir).ok());
 }
 
 TEST(SafetensorsTest, CheckpointRefusesIndexesThatDoNotMatchTheFiles) {

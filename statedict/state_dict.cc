@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <unordered_map>
@@ -122,19 +123,33 @@ std::string DescribeLayout(const at::Tensor& layout) {
 
 }  // namespace
 
-std::vector<size_t> FullStateDictVisitOrder(const FullyShardedModel& model) {
-  const StateDict named = NamedTensors(model.units().front()->module());
-  const ShardPlacements placements = ShardPlacementsOf(model);
-  std::vector<std::pair<int, size_t>> keyed;  // (unit, index); no unit: -1, first.
-  for (size_t k = 0; k < named.size(); ++k) {
-    auto it = placements.find(named[k].second.unsafeGetTensorImpl());
-    keyed.emplace_back(it == placements.end() ? -1 : it->second.unit, k);
+namespace {
+
+// Per state_dict index, the unit whose gathering makes it full (-1: none
+// needs to, a tensor no unit holds).
+std::vector<int> UnitOfEachTensor(const StateDict& named, const ShardPlacements& placements) {
+  std::vector<int> units;
+  for (const auto& [name, tensor] : named) {
+    auto it = placements.find(tensor.unsafeGetTensorImpl());
+    units.push_back(it == placements.end() ? -1 : it->second.unit);
   }
-  std::stable_sort(keyed.begin(), keyed.end(),
-                   [](const auto& a, const auto& b) { return a.first < b.first; });
-  std::vector<size_t> order;
-  for (const auto& [unit, k] : keyed) order.push_back(k);
+  return units;
+}
+
+// Tensors no unit holds first, then each unit's, state_dict order within.
+std::vector<size_t> VisitOrder(const std::vector<int>& units) {
+  std::vector<size_t> order(units.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return units[a] < units[b]; });
   return order;
+}
+
+}  // namespace
+
+std::vector<size_t> FullStateDictVisitOrder(const FullyShardedModel& model) {
+  return VisitOrder(UnitOfEachTensor(NamedTensors(model.units().front()->module()),
+                                     ShardPlacementsOf(model)));
 }
 
 absl::Status VisitFullStateDict(FullyShardedModel& model, const FullStateDictOptions& options,
@@ -142,41 +157,40 @@ absl::Status VisitFullStateDict(FullyShardedModel& model, const FullStateDictOpt
   FSDP_RETURN_IF_ERROR(model.RequireIdle("FULL state dict"));
   CollectiveLabel label(model.group(), model.replicate_group(), "", "FULL state dict");
   const StateDict named = NamedTensors(model.units().front()->module());
-  const ShardPlacements placements = ShardPlacementsOf(model);
+  const std::vector<int> units = UnitOfEachTensor(named, ShardPlacementsOf(model));
   const bool keep = !options.rank0_only || model.group().rank() == 0;
-  // The first failed visit's error; the gathering goes on without visits,
-  // so that this rank still takes part in every unit's collectives.
+  // The first failed visit's error; the gathering goes on without visits
+  // (a visit that throws counts as failed), so that this rank still takes
+  // part in every unit's collectives.
   absl::Status visited;
-  auto visit_one = [&](size_t k, const at::Tensor& value) {
-    if (keep && visited.ok()) visited = visit(k, value);
-  };
-  // Tensors outside every handle (buffers, ignored parameters) as they are,
-  // buffers that buffer_dtype cast back in their original dtype.
-  for (size_t k = 0; k < named.size(); ++k) {
-    if (placements.count(named[k].second.unsafeGetTensorImpl()) == 0) {
+  auto visit_one = [&](size_t k) {
+    if (!keep || !visited.ok()) return;
+    try {
       const at::Tensor& t = named[k].second;
-      auto dtype = model.BufferFullPrecisionDtype(t);
-      visit_one(k, dtype ? t.detach().to(*dtype) : t.detach());
+      // Buffers that buffer_dtype cast, in their original dtype.
+      auto dtype = units[k] < 0 ? model.BufferFullPrecisionDtype(t) : std::nullopt;
+      visited = visit(k, dtype ? t.detach().to(*dtype) : t.detach());
+    } catch (...) {
+      visited = StatusFromCurrentException();
     }
-  }
+  };
+  const std::vector<size_t> order = VisitOrder(units);
   try {
     at::NoGradGuard no_grad;
     SummonOptions one_unit;  // Never more than one unit's full parameters at once.
     one_unit.writeback = false;
     one_unit.recurse = false;
-    for (size_t u = 0; u < model.units().size(); ++u) {
-      if (model.units()[u]->handle() == nullptr) continue;
-      SummonFullParams full(model, model.units()[u]->module(), one_unit);
-      if (stats != nullptr) {
-        stats->peak_full_param_bytes =
-            std::max(stats->peak_full_param_bytes, model.FullParamBytes());
-      }
-      for (size_t k = 0; k < named.size(); ++k) {
-        auto it = placements.find(named[k].second.unsafeGetTensorImpl());
-        if (it != placements.end() && it->second.unit == static_cast<int>(u)) {
-          visit_one(k, named[k].second.detach());
+    for (size_t i = 0; i < order.size();) {
+      const int u = units[order[i]];
+      std::optional<SummonFullParams> full;
+      if (u >= 0) {
+        full.emplace(model, model.units()[u]->module(), one_unit);
+        if (stats != nullptr) {
+          stats->peak_full_param_bytes =
+              std::max(stats->peak_full_param_bytes, model.FullParamBytes());
         }
       }
+      for (; i < order.size() && units[order[i]] == u; ++i) visit_one(order[i]);
     }
   } catch (...) {
     return StatusFromCurrentException();

@@ -90,6 +90,8 @@ using FullTensorVisitor = std::function<absl::Status(size_t index, const at::Ten
 absl::Status VisitFullStateDict(FullyShardedModel& model, const FullStateDictOptions& options,
                                 const FullTensorVisitor& visit,
                                 FullStateDictStats* stats = nullptr);
+// The state_dict indices in the order VisitFullStateDict visits them.
+// REQUIRES: the model IDLE.
 std::vector<size_t> FullStateDictVisitOrder(const FullyShardedModel& model);
 // Which entries a FULL load may leave out or ignore (PyTorch's strict=False,
 // and frozen parameters a state dict may lack).
