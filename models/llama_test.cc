@@ -1,0 +1,165 @@
+#include "models/llama.h"
+
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <string>
+
+#include "ATen/ATen.h"
+#include "absl/strings/str_cat.h"
+#include "checkpoint/hugging_face.h"
+#include "fsdp/fully_shard.h"
+#include "fsdp/unit_module.h"
+#include "fsdp/utilities.h"
+#include "gtest/gtest.h"
+#include "hf/model_config.h"
+#include "hf/safetensors.h"
+#include "testing/multi_rank.h"
+#include "testing/torch_python.h"
+#include "torch/optim/sgd.h"
+
+namespace models {
+namespace {
+
+using ::fsdp::testing::RunOnThreadRanks;
+
+// The cases of models/llama_interop.py, and its SGD learning rate.
+const char* const kCases[] = {"llama3", "llama_tied", "mistral", "qwen2", "qwen3"};
+constexpr double kLr = 0.5;
+constexpr double kTolerance = 1e-4;
+
+std::string TempDir(const std::string& name) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string dir = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/", name);
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+int RunInterop(const std::string& mode, const std::string& dir) {
+  const std::string command =
+      absl::StrCat("timeout 300 ", ::fsdp::testing::TorchPython(), " ",
+                   ::fsdp::testing::ScriptPath("models/llama_interop.py"), " ", mode, " ", dir);
+  const int status = std::system(command.c_str());
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+std::map<std::string, at::Tensor> ReadAll(const std::string& path) {
+  auto file = fsdp::hf::SafetensorsFile::Open(path);
+  EXPECT_TRUE(file.ok()) << file.status();
+  std::map<std::string, at::Tensor> tensors;
+  if (!file.ok()) return tensors;
+  for (const fsdp::hf::SafetensorsEntry& e : file->entries()) tensors[e.name] = *file->Read(e.name);
+  return tensors;
+}
+
+std::string ReadText(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+double MaxAbsDiff(const at::Tensor& a, const at::Tensor& b) {
+  EXPECT_EQ(a.sizes(), b.sizes());
+  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+}
+
+// What rank 0 measured in one case.
+struct Measured {
+  double logits = -1, loss = -1, logits_after = -1, change = -1;
+  at::Tensor after;  // Our logits after the step.
+};
+
+// One case at W = 2, FULL_SHARD, one unit per decoder layer: loads
+// transformers' checkpoint, compares logits and loss, takes one SGD step
+// (each rank on one row of the batch), compares logits again, saves
+// `dir`/`name`.cpp.
+Measured RunCase(const std::string& dir, const std::string& name) {
+  const std::string model_dir = dir + "/" + name;
+  std::map<std::string, at::Tensor> ref = ReadAll(dir + "/" + name + ".ref.safetensors");
+  const at::Tensor ids = ref.at("input_ids");
+  Measured measured;
+  std::mutex mu;
+  absl::Status status = RunOnThreadRanks(2, [&](fsdp::Collectives& comm) {
+    auto config = fsdp::hf::ReadCausalLmConfig(model_dir);
+    ASSERT_TRUE(config.ok()) << config.status();
+    CausalLm model(*config, /*seed=*/comm.rank() + 5);  // The checkpoint replaces it.
+    auto sharded = fsdp::FullyShardedModel::Wrap(
+        model.ptr(), comm, {}, *fsdp::ModuleTypePolicy::Of<fsdp::UnitModuleImpl>());
+    ASSERT_TRUE(sharded.ok()) << sharded.status();
+    ASSERT_EQ((*sharded)->units().size(), 1 + config->num_hidden_layers);
+    absl::Status loaded = fsdp::LoadHuggingFaceCheckpoint(model_dir, **sharded);
+    ASSERT_TRUE(loaded.ok()) << loaded;
+    Measured m;
+    {
+      at::NoGradGuard no_grad;
+      at::Tensor logits = model->forward(ids);
+      m.logits = MaxAbsDiff(logits, ref.at("logits"));
+      m.loss = MaxAbsDiff(CausalLmLoss(logits, ids).reshape({1}), ref.at("loss"));
+    }
+    torch::optim::SGD optimizer(fsdp::UniqueParameters(*model), torch::optim::SGDOptions(kLr));
+    const at::Tensor row = ids.narrow(0, comm.rank(), 1);
+    CausalLmLoss(model->forward(row), row).backward();
+    optimizer.step();
+    optimizer.zero_grad();
+    {
+      at::NoGradGuard no_grad;
+      m.after = model->forward(ids);
+      m.logits_after = MaxAbsDiff(m.after, ref.at("logits_after"));
+      m.change = MaxAbsDiff(ref.at("logits_after"), ref.at("logits"));
+    }
+    fsdp::HuggingFaceSaveOptions options;
+    options.max_file_bytes = 100'000;
+    options.config_json = ReadText(model_dir + "/config.json");
+    absl::Status saved = fsdp::SaveHuggingFaceCheckpoint(model_dir + ".cpp", **sharded, options);
+    ASSERT_TRUE(saved.ok()) << saved;
+    if (comm.rank() == 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      measured = m;
+    }
+  });
+  EXPECT_TRUE(status.ok()) << status;
+  return measured;
+}
+
+// Models that transformers 5.23 built and wrote (save_pretrained, several
+// files) give its logits and loss at W = 2, and the same logits after one
+// SGD step; what we save, from_pretrained reads back to the same logits.
+TEST(LlamaTest, MatchesTransformersBeforeAndAfterAStepAndRoundTrips) {
+  const std::string dir = TempDir("llama_interop");
+  const int wrote = RunInterop("write", dir);
+  if (wrote == 77) GTEST_SKIP() << "this Python has no transformers package";
+  ASSERT_EQ(wrote, 0);
+  std::map<std::string, at::Tensor> ours_after;
+  for (const char* name : kCases) {
+    SCOPED_TRACE(name);
+    Measured m = RunCase(dir, name);
+    std::printf("%-10s max |logits - transformers| %.3g, |loss - transformers| %.3g; after the "
+                "step %.3g (the step moved the logits by up to %.3g)\n",
+                name, m.logits, m.loss, m.logits_after, m.change);
+    EXPECT_LE(m.logits, kTolerance);
+    EXPECT_LE(m.loss, kTolerance);
+    EXPECT_LE(m.logits_after, kTolerance);
+    EXPECT_GT(m.change, 100 * kTolerance);  // The step changed something to compare.
+    ours_after[name] = m.after;
+  }
+  ASSERT_EQ(RunInterop("check", dir), 0);
+  for (const char* name : kCases) {
+    SCOPED_TRACE(name);
+    std::map<std::string, at::Tensor> reloaded =
+        ReadAll(dir + "/" + name + ".reloaded.safetensors");
+    ASSERT_TRUE(ours_after[name].defined());
+    const double diff = MaxAbsDiff(reloaded.at("logits"), ours_after[name]);
+    std::printf("%-10s from_pretrained of ours: max |logits - ours| %.3g\n", name, diff);
+    EXPECT_LE(diff, kTolerance);
+  }
+}
+
+}  // namespace
+}  // namespace models
