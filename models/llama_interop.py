@@ -6,6 +6,9 @@
   llama_interop.py check DIR   for each case: loads DIR/CASE.cpp (our
                                SaveHuggingFaceCheckpoint) with from_pretrained and
                                writes its logits to DIR/CASE.reloaded.safetensors
+  llama_interop.py serve DIR   write, prints "written", waits for DIR/saved, check,
+                               prints "checked": what the test runs, so that
+                               transformers is imported once
 
 Everything is built from a config object: nothing is downloaded. Exits 77
 when this Python has no transformers (the test skips).
@@ -13,6 +16,7 @@ when this Python has no transformers (the test skips).
 
 import os
 import sys
+import time
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 try:
@@ -80,6 +84,8 @@ def write(root):
 def check(root):
     for name in CASES:
         path = os.path.join(root, name + ".cpp")
+        if not os.path.isdir(path):
+            continue  # The test failed before saving it, and says so.
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path, attn_implementation="eager", dtype=torch.float32)
         gen = torch.Generator().manual_seed(7)
@@ -90,7 +96,20 @@ def check(root):
                   os.path.join(root, name + ".reloaded.safetensors"))
 
 
+def serve(root):
+    write(root)
+    print("written", flush=True)
+    # The test creates DIR/saved when it is done saving (or has failed).
+    deadline = time.time() + 240
+    while not os.path.exists(os.path.join(root, "saved")):
+        if time.time() > deadline:
+            sys.exit("llama_interop.py: no %s/saved after 240 s" % root)
+        time.sleep(0.05)
+    check(root)
+    print("checked", flush=True)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     transformers.utils.logging.disable_progress_bar()
-    {"write": write, "check": check}[sys.argv[1]](sys.argv[2])
+    {"write": write, "check": check, "serve": serve}[sys.argv[1]](sys.argv[2])

@@ -2,6 +2,7 @@
 
 #include <sys/wait.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -9,6 +10,7 @@
 #include <mutex>
 #include <sstream>
 #include <string>
+#include <utility>
 
 #include "ATen/ATen.h"
 #include "absl/strings/str_cat.h"
@@ -41,13 +43,51 @@ std::string TempDir(const std::string& name) {
   return dir;
 }
 
-int RunInterop(const std::string& mode, const std::string& dir) {
-  const std::string command =
-      absl::StrCat("timeout 300 ", ::fsdp::testing::TorchPython(), " ",
-                   ::fsdp::testing::ScriptPath("models/llama_interop.py"), " ", mode, " ", dir);
-  const int status = std::system(command.c_str());
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
+// models/llama_interop.py serve, beside the test: it writes transformers'
+// checkpoints and references and prints "written", waits for `dir`/saved,
+// reads our checkpoints back and prints "checked". One Python start
+// instead of two: importing transformers is most of the test's time.
+class Interop {
+ public:
+  explicit Interop(std::string dir) : dir_(std::move(dir)) {
+    const std::string command =
+        absl::StrCat("timeout 300 ", ::fsdp::testing::TorchPython(), " ",
+                     ::fsdp::testing::ScriptPath("models/llama_interop.py"), " serve ", dir_);
+    pipe_ = popen(command.c_str(), "r");
+  }
+  Interop(const Interop&) = delete;
+  Interop& operator=(const Interop&) = delete;
+  ~Interop() { Close(); }
+
+  // Reads the script's output up to the line `marker`; false when it ended
+  // first. Other lines are passed on.
+  bool WaitFor(const std::string& marker) {
+    char line[4096];
+    while (pipe_ != nullptr && std::fgets(line, sizeof line, pipe_) != nullptr) {
+      if (marker + "\n" == line) return true;
+      std::fputs(line, stdout);
+    }
+    return false;
+  }
+  // Lets the script go on to read our checkpoints.
+  void Saved() {
+    if (!saved_) std::ofstream(dir_ + "/saved") << "saved\n";
+    saved_ = true;
+  }
+  // Waits for the script's end; its exit code.
+  int Close() {
+    if (pipe_ == nullptr) return -1;
+    Saved();
+    const int status = pclose(pipe_);
+    pipe_ = nullptr;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+
+ private:
+  std::string dir_;
+  FILE* pipe_ = nullptr;
+  bool saved_ = false;
+};
 
 std::map<std::string, at::Tensor> ReadAll(const std::string& path) {
   auto file = fsdp::hf::SafetensorsFile::Open(path);
@@ -133,9 +173,12 @@ Measured RunCase(const std::string& dir, const std::string& name) {
 // SGD step; what we save, from_pretrained reads back to the same logits.
 TEST(LlamaTest, MatchesTransformersBeforeAndAfterAStepAndRoundTrips) {
   const std::string dir = TempDir("llama_interop");
-  const int wrote = RunInterop("write", dir);
-  if (wrote == 77) GTEST_SKIP() << "this Python has no transformers package";
-  ASSERT_EQ(wrote, 0);
+  Interop python(dir);
+  if (!python.WaitFor("written")) {
+    const int code = python.Close();
+    if (code == 77) GTEST_SKIP() << "this Python has no transformers package";
+    FAIL() << "models/llama_interop.py failed before writing, exit code " << code;
+  }
   std::map<std::string, at::Tensor> ours_after;
   for (const char* name : kCases) {
     SCOPED_TRACE(name);
@@ -149,7 +192,9 @@ TEST(LlamaTest, MatchesTransformersBeforeAndAfterAStepAndRoundTrips) {
     EXPECT_GT(m.change, 100 * kTolerance);  // The step changed something to compare.
     ours_after[name] = m.after;
   }
-  ASSERT_EQ(RunInterop("check", dir), 0);
+  python.Saved();
+  ASSERT_TRUE(python.WaitFor("checked"));
+  ASSERT_EQ(python.Close(), 0);
   for (const char* name : kCases) {
     SCOPED_TRACE(name);
     std::map<std::string, at::Tensor> reloaded =
