@@ -56,7 +56,8 @@ at::Tensor RotaryInverseFrequencies(const LlamaConfig& config) {
   const double old_context = static_cast<double>(s.original_max_position_embeddings);
   const double low_freq_wavelen = old_context / s.low_freq_factor;
   const double high_freq_wavelen = old_context / s.high_freq_factor;
-  at::Tensor wavelen = 2 * M_PI / inv_freq;
+  const double pi = 3.141592653589793;  // Python's math.pi.
+  at::Tensor wavelen = 2 * pi / inv_freq;
   at::Tensor scaled = at::where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq);
   at::Tensor smooth =
       (old_context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);

@@ -2,6 +2,7 @@
 
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -11,6 +12,7 @@
 #include <sstream>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "ATen/ATen.h"
 #include "absl/strings/str_cat.h"
@@ -166,6 +168,37 @@ Measured RunCase(const std::string& dir, const std::string& name) {
   });
   EXPECT_TRUE(status.ok()) << status;
   return measured;
+}
+
+// Without transformers (the plain Bazel pass): the names transformers
+// gives, the tied head, causality and the loss's shift and ignore_index.
+TEST(LlamaTest, HasTransformersNamesAndIsCausal) {
+  auto config = fsdp::hf::ParseCausalLmConfig(R"({
+    "model_type": "qwen3", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 8, "tie_word_embeddings": true})");
+  ASSERT_TRUE(config.ok()) << config.status();
+  CausalLm model(*config);
+  std::vector<std::string> names;
+  for (const auto& item : model->named_parameters()) names.push_back(item.key());
+  for (const char* name :
+       {"model.embed_tokens.weight", "model.layers.1.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.k_norm.weight", "model.layers.0.mlp.down_proj.weight",
+        "model.layers.0.post_attention_layernorm.weight", "model.norm.weight"}) {
+    EXPECT_NE(std::find(names.begin(), names.end(), name), names.end()) << name;
+  }
+  EXPECT_TRUE(model->lm_head->weight.is_same(model->model->embed_tokens->weight));
+  at::NoGradGuard no_grad;
+  const at::Tensor ids = at::arange(6, at::kLong).reshape({1, 6});
+  at::Tensor changed = ids.clone();
+  changed[0][5] = 20;
+  const at::Tensor logits = model->forward(ids);
+  EXPECT_TRUE(at::allclose(logits.narrow(1, 0, 5), model->forward(changed).narrow(1, 0, 5)));
+  EXPECT_FALSE(at::allclose(logits.narrow(1, 5, 1), model->forward(changed).narrow(1, 5, 1)));
+  at::Tensor labels = ids.clone();
+  labels[0][5] = -100;  // Ignored: the loss is over positions 0..3's next tokens.
+  const at::Tensor expected = at::cross_entropy_loss(logits[0].narrow(0, 0, 4), ids[0].narrow(0, 1, 4));
+  EXPECT_TRUE(at::allclose(CausalLmLoss(logits, labels), expected));
 }
 
 // Models that transformers 5.23 built and wrote (save_pretrained, several
