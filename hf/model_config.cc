@@ -90,10 +90,15 @@ absl::Status ParseRope(const json& root, CausalLmConfig& config) {
     where = "rope_parameters";
     rope = &root.at("rope_parameters");
     if (!rope->is_object()) return Invalid(where, "is not an object");
+    // Required (transformers 5 writes it there): one absent, as in a
+    // per-layer-type dict ({"full_attention": {...}, ...}), is not
+    // guessed.
     if (Present(*rope, "rope_theta")) {
       FSDP_ASSIGN_OR_RETURN(config.rope_theta, PositiveNumber(*rope, "rope_theta"));
+    } else if (Present(root, "rope_theta")) {
+      FSDP_ASSIGN_OR_RETURN(config.rope_theta, PositiveNumber(root, "rope_theta"));
     } else {
-      FSDP_ASSIGN_OR_RETURN(config.rope_theta, PositiveNumber(root, "rope_theta", 10000.0));
+      return Invalid("rope_parameters.rope_theta", "is missing");
     }
   } else {
     FSDP_ASSIGN_OR_RETURN(config.rope_theta, PositiveNumber(root, "rope_theta", 10000.0));
@@ -169,6 +174,18 @@ absl::Status ParseVariant(const json& root, CausalLmConfig& c) {
       return absl::UnimplementedError(
           "config.json: field 'use_sliding_window' is true: sliding-window attention is not "
           "supported");
+    }
+    // transformers 5's per-layer attention kinds: only full attention.
+    if (Present(root, "layer_types")) {
+      const json& types = root.at("layer_types");
+      if (!types.is_array()) return Invalid("layer_types", "is not a list");
+      for (const json& type : types) {
+        if (type != "full_attention") {
+          return absl::UnimplementedError(absl::StrCat(
+              "config.json: field 'layer_types' has ", type.dump(),
+              "; only full_attention layers are supported"));
+        }
+      }
     }
   }
   if (c.model_type == "mistral" && Present(root, "sliding_window")) {

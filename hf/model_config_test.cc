@@ -94,6 +94,13 @@ TEST(CausalLmConfig, NamesTheFieldThatIsWrong) {
               HasSubstr("'head_dim' is missing"));
   EXPECT_THAT(ErrorOf(With(With(kLlama, "model_type", "\"qwen2\""), "use_sliding_window", "true")),
               HasSubstr("'use_sliding_window'"));
+  EXPECT_THAT(ErrorOf(With(With(kLlama, "model_type", "\"qwen2\""), "layer_types",
+                           R"(["full_attention", "sliding_attention"])")),
+              HasSubstr("'layer_types' has \"sliding_attention\""));
+  EXPECT_THAT(ErrorOf(With(With(With(kLlama, "rope_scaling", "null"), "rope_theta", "null"),
+                           "rope_parameters",
+                           R"({"full_attention": {"rope_theta": 1.0}})")),
+              HasSubstr("'rope_parameters.rope_theta' is missing"));
   EXPECT_THAT(ErrorOf("[1]"), HasSubstr("not a JSON object"));
   EXPECT_THAT(ErrorOf("{"), HasSubstr("not valid JSON"));
 }
