@@ -630,6 +630,24 @@ set_tests_properties(//hf/fuzz:safetensors_fuzz_regression_test PROPERTIES TIMEO
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/hf_fuzz_safetensors_fuzz_regression_test")
 endif()
 
+# //hf:model_config
+add_library(hf_model_config SHARED ${PROJECT_SOURCE_DIR}/hf/model_config.cc ${PROJECT_SOURCE_DIR}/hf/model_config.h)
+set_target_properties(hf_model_config PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/hf)
+target_link_libraries(hf_model_config PUBLIC base_status third_party_absl_base third_party_absl_status third_party_nlohmann_json)
+target_include_directories(hf_model_config PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS hf_model_config EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/hf/model_config.h DESTINATION include/hf)
+
+# //hf:model_config_test
+if(BUILD_TESTING)
+add_executable(hf_model_config_test ${PROJECT_SOURCE_DIR}/hf/model_config_test.cc)
+set_target_properties(hf_model_config_test PROPERTIES OUTPUT_NAME model_config_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/hf ENABLE_EXPORTS ON)
+target_link_libraries(hf_model_config_test PRIVATE hf_model_config third_party_gtest_main third_party_nlohmann_json)
+add_test(NAME //hf:model_config_test COMMAND hf_model_config_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//hf:model_config_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/hf_model_config_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/hf_model_config_test")
+endif()
+
 # //hf:safetensors
 add_library(hf_safetensors SHARED ${PROJECT_SOURCE_DIR}/hf/safetensors.cc ${PROJECT_SOURCE_DIR}/hf/safetensors.h)
 set_target_properties(hf_safetensors PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/hf)
@@ -708,6 +726,25 @@ if(BUILD_TESTING)
 add_library(models_job_test_util SHARED ${PROJECT_SOURCE_DIR}/models/job_test_util.cc ${PROJECT_SOURCE_DIR}/models/job_test_util.h)
 set_target_properties(models_job_test_util PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models)
 target_link_libraries(models_job_test_util PUBLIC third_party_absl_base third_party_gtest)
+endif()
+
+# //models:llama
+add_library(models_llama SHARED ${PROJECT_SOURCE_DIR}/models/llama.cc ${PROJECT_SOURCE_DIR}/models/llama.h)
+set_target_properties(models_llama PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models)
+target_link_libraries(models_llama PUBLIC fsdp_fully_shard fsdp_unit_module hf_model_config fsdp_torch)
+target_include_directories(models_llama PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS models_llama EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/models/llama.h DESTINATION include/models)
+
+# //models:llama_test
+if(BUILD_TESTING)
+add_executable(models_llama_test ${PROJECT_SOURCE_DIR}/models/llama_test.cc)
+set_target_properties(models_llama_test PROPERTIES OUTPUT_NAME llama_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
+target_link_libraries(models_llama_test PRIVATE models_llama checkpoint_checkpoint fsdp_fully_shard fsdp_unit_module hf_model_config hf_safetensors testing_multi_rank testing_torch_python third_party_absl_base third_party_gtest_main fsdp_torch)
+configure_file(${PROJECT_SOURCE_DIR}/models/llama_interop.py "${CMAKE_BINARY_DIR}/models/llama_interop.py" COPYONLY)
+add_test(NAME //models:llama_test COMMAND models_llama_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//models:llama_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/models_llama_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/models_llama_test")
 endif()
 
 # //models:multi_node_test
