@@ -10,7 +10,8 @@
 //                       UniqueParameters (fsdp/utilities.h)
 //   state               Get/SetModelStateDict, Get/SetOptimizerStateDict,
 //                       Save/LoadCheckpoint, Save/LoadTorchFile
-//                       (checkpoint/checkpoint.h)
+//                       (checkpoint/checkpoint.h; Hugging Face
+//                       safetensors checkpoints are a CheckpointFormat)
 //   errors              absl::Status between steps; fsdp::ThrowIfError and
 //                       fsdp::ValueOrThrow turn one into an exception
 //                       (base/status.h)

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "checkpoint/agree.h"
+#include "checkpoint/hugging_face_internal.h"
 #include "comm/collectives.h"
 #include "optim/dcp_checkpoint.h"
 #include "optim/run_checkpoints.h"
@@ -28,6 +29,7 @@ namespace fsdp {
 namespace {
 
 using checkpoint_internal::AgreeAcrossRanks;
+using checkpoint_internal::IsHuggingFaceDirectory;
 
 constexpr char kModelKey[] = "model";
 constexpr char kDataPositionKey[] = "data_position";
@@ -92,19 +94,23 @@ bool HoldsStepDirectories(const std::string& dir) {
   return found;
 }
 
-enum class Format { kNone, kDcp, kSharded };
+enum class Format { kNone, kDcp, kSharded, kHuggingFace };
 
 // Which checkpoint `dir` holds, as this rank sees it.
 absl::StatusOr<Format> FormatOf(const std::string& dir) {
   const bool dcp = IsDcpDirectory(dir);
   const bool sharded = IsFile(dir + "/manifest.pb");
-  if (dcp && sharded) {
+  const bool hugging_face = IsHuggingFaceDirectory(dir);
+  if (dcp + sharded + hugging_face > 1) {
     return absl::DataLossError(absl::StrCat(
-        "'", dir, "' holds both a Distributed Checkpoint's .metadata and a SHARDED manifest.pb: "
-        "which one is the checkpoint is unclear; remove the other"));
+        "'", dir, "' holds more than one checkpoint (", dcp ? "a Distributed Checkpoint's "
+        ".metadata, " : "", sharded ? "a SHARDED manifest.pb, " : "",
+        hugging_face ? "a Hugging Face checkpoint's safetensors, " : "",
+        "): which one is the checkpoint is unclear; remove the others"));
   }
   if (dcp) return Format::kDcp;
   if (sharded) return Format::kSharded;
+  if (hugging_face) return Format::kHuggingFace;
   if (HoldsStepDirectories(dir)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "'", dir, "' holds no checkpoint itself but step-NNNNNNNN directories, as a run of the "
@@ -129,6 +135,8 @@ const char* FormatName(Format format) {
       return "a Distributed Checkpoint";
     case Format::kSharded:
       return "a SHARDED checkpoint";
+    case Format::kHuggingFace:
+      return "a Hugging Face checkpoint";
   }
   return "?";
 }
@@ -156,19 +164,38 @@ absl::Status LoadDcp(const std::string& dir, FullyShardedModel& model,
                         nullptr, absl::OkStatus(), model.replicate_group());
 }
 
+// A checkpoint of `format` beside one of another format would make the
+// directory ambiguous to LoadCheckpoint; the other is not ours to remove.
+absl::Status NoOtherFormat(const std::string& dir, CheckpointFormat format) {
+  const char* other = nullptr;
+  if (IsFile(dir + "/manifest.pb")) other = "a SHARDED checkpoint (manifest.pb) of an earlier version";
+  if (format == CheckpointFormat::kDistributed && IsHuggingFaceDirectory(dir)) {
+    other = "a Hugging Face checkpoint (safetensors)";
+  }
+  if (format == CheckpointFormat::kHuggingFace && IsDcpDirectory(dir)) {
+    other = "a Distributed Checkpoint (.metadata)";
+  }
+  if (other == nullptr) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "'", dir, "' holds ", other, "; save to another directory (LoadCheckpoint reads this one)"));
+}
+
 }  // namespace
 
 absl::Status SaveCheckpoint(const std::string& dir, FullyShardedModel& model,
-                            torch::optim::Optimizer* optimizer, const TrainState& train_state) {
+                            torch::optim::Optimizer* optimizer, const TrainState& train_state,
+                            const CheckpointOptions& options) {
   FSDP_RETURN_IF_ERROR(model.RequireIdle("saving a checkpoint"));
-  // A DCP checkpoint beside an older SHARDED one would make the directory
-  // ambiguous to LoadCheckpoint; the SHARDED one is not ours to remove.
-  FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(
-      model, IsFile(dir + "/manifest.pb")
-                 ? absl::FailedPreconditionError(absl::StrCat(
-                       "'", dir, "' holds a SHARDED checkpoint (manifest.pb) of an earlier "
-                       "version; save to another directory (LoadCheckpoint reads this one)"))
-                 : absl::OkStatus()));
+  if (options.format == CheckpointFormat::kHuggingFace &&
+      (optimizer != nullptr || train_state.step != 0 || train_state.data_position != 0)) {
+    return absl::InvalidArgumentError(
+        "SaveCheckpoint: a Hugging Face checkpoint holds the model's weights only; pass no "
+        "optimizer and no train state (a Distributed Checkpoint keeps them)");
+  }
+  FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, NoOtherFormat(dir, options.format)));
+  if (options.format == CheckpointFormat::kHuggingFace) {
+    return checkpoint_internal::SaveHuggingFace(dir, model, options);
+  }
   if (optimizer != nullptr) {
     return SaveShardedDcpModelAndOptimizer(model, *optimizer, dir, {},
                                            TrainStateItems(train_state));
@@ -178,7 +205,8 @@ absl::Status SaveCheckpoint(const std::string& dir, FullyShardedModel& model,
 }
 
 absl::Status LoadCheckpoint(const std::string& dir, FullyShardedModel& model,
-                            torch::optim::Optimizer* optimizer, TrainState* train_state) {
+                            torch::optim::Optimizer* optimizer, TrainState* train_state,
+                            const CheckpointOptions& options) {
   FSDP_RETURN_IF_ERROR(model.RequireIdle("loading a checkpoint"));
   // What the directory holds and its train state, agreed by every rank
   // before any collective load: ranks that see it differently (a network
@@ -203,8 +231,21 @@ absl::Status LoadCheckpoint(const std::string& dir, FullyShardedModel& model,
   }
   FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, probe));
   if (*format == Format::kNone) {
-    return absl::NotFoundError(absl::StrCat("'", dir, "' holds no checkpoint (neither .metadata "
-                                            "nor manifest.pb)"));
+    return absl::NotFoundError(absl::StrCat("'", dir, "' holds no checkpoint (none of .metadata, "
+                                            "model.safetensors[.index.json], manifest.pb)"));
+  }
+  if (*format == Format::kHuggingFace) {
+    if (optimizer != nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "LoadCheckpoint: '", dir, "' is a Hugging Face checkpoint, which holds no optimizer "
+          "state; pass no optimizer"));
+    }
+    return NotFoundIsDamage(checkpoint_internal::LoadHuggingFace(dir, model, options));
+  }
+  if (!options.strict) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "LoadCheckpoint: '", dir, "' is ", FormatName(*format), ", which loads strictly "
+        "(strict = false is for Hugging Face checkpoints)"));
   }
   if (*format == Format::kDcp) {
     FSDP_RETURN_IF_ERROR(NotFoundIsDamage(LoadDcp(dir, model, optimizer)));

@@ -11,7 +11,13 @@
 //   ... train, ++state.step ...
 //   fsdp::ThrowIfError(fsdp::SaveCheckpoint("ckpt", *sharded, &optimizer, state));
 //
-// Checkpoints (SaveCheckpoint / LoadCheckpoint) are sharded: each rank
+// Checkpoints (SaveCheckpoint / LoadCheckpoint) come in two formats, as
+// dcp.save / dcp.load take a storage writer / reader: a Distributed
+// Checkpoint (the default; below) and a Hugging Face checkpoint (the
+// model's weights as transformers' save_pretrained writes them, for open
+// models: CheckpointFormat::kHuggingFace).
+//
+// Distributed Checkpoints are sharded: each rank
 // writes and reads only its own part of every tensor, and no rank ever holds
 // the whole model. The directory is a PyTorch Distributed Checkpoint laid
 // out as an FSDP2 job's dcp.save of
@@ -40,6 +46,7 @@
 #define FSDP_CHECKPOINT_CHECKPOINT_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -102,25 +109,68 @@ struct TrainState {
   int64_t data_position = 0;
 };
 
+enum class CheckpointFormat {
+  // PyTorch's Distributed Checkpoint: model, optimizer and train state,
+  // each rank writing and reading its own part (see the top).
+  kDistributed,
+  // transformers' save_pretrained layout: config.json (when given),
+  // model.safetensors or model-0000K-of-0000N.safetensors with
+  // model.safetensors.index.json; the model's weights only, under the
+  // unwrapped model's state_dict names (so a model whose modules carry
+  // transformers' names reads the hub's files as they are). Saving gathers
+  // one unit at a time and one rank streams it into the files, which are
+  // published only when whole (the index last; files of an earlier export
+  // under the same names are replaced); a tied tensor is written once, under
+  // its first name, as save_pretrained does. Loading reads on each rank
+  // only the elements its shards hold and casts floating-point tensors to
+  // the model's dtypes (a bf16 checkpoint into a float32 model), as
+  // from_pretrained does.
+  kHuggingFace,
+};
+
+struct CheckpointOptions {
+  // Save: the format written. Load finds it from the directory.
+  CheckpointFormat format = CheckpointFormat::kDistributed;
+  // Load, Hugging Face checkpoints: as StateDictOptions::strict. With
+  // false, the checkpoint's extra tensors are ignored and the model's
+  // missing ones keep their values (a new head, adapters); shapes and dtype
+  // kinds are still checked. Distributed Checkpoints load strictly.
+  bool strict = true;
+  // Save, Hugging Face: a new file before one would pass this size
+  // (save_pretrained's max_shard_size and its default, 5 GB); floating-point
+  // tensors written in `dtype` when set (bf16, as the hub keeps them); and
+  // `config_json`, the model's transformers config, as config.json when not
+  // empty.
+  int64_t max_file_bytes = 5'000'000'000;
+  std::optional<at::ScalarType> dtype;
+  std::string config_json;
+};
+
 // Saves the model, the optimizer (when given) and `train_state` as a
 // sharded checkpoint in `dir` (created if absent; the same directory on
-// every rank). Requires optimizer state for every parameter that has had a
-// gradient (save after a step). A directory holding an older SHARDED
-// checkpoint (manifest.pb) is refused: the two would make it ambiguous.
+// every rank); with format kHuggingFace, the model's weights only (an
+// optimizer or a train state is refused). Requires optimizer state for
+// every parameter that has had a gradient (save after a step). A directory
+// holding a checkpoint of another format (or an older SHARDED one,
+// manifest.pb) is refused: the two would make it ambiguous.
 absl::Status SaveCheckpoint(const std::string& dir, FullyShardedModel& model,
                             torch::optim::Optimizer* optimizer = nullptr,
-                            const TrainState& train_state = {});
+                            const TrainState& train_state = {},
+                            const CheckpointOptions& options = {});
 // Loads what SaveCheckpoint saved, at any world size; also a Distributed
-// Checkpoint PyTorch saved as above, and this project's older SHARDED
+// Checkpoint PyTorch saved as above, a Hugging Face checkpoint (the model's
+// weights; an optimizer is refused), and this project's older SHARDED
 // checkpoints (a manifest.pb; model and optimizer, step from its metadata).
-// kNotFound when `dir` holds no checkpoint (absent, or neither .metadata
-// nor manifest.pb): a new run starts there (a damaged checkpoint is
-// kDataLoss, never kNotFound). A directory of the main job's step-NNNNNNNN
-// checkpoints is refused, naming them. `train_state`, when given, is set
-// from the checkpoint's (left as it is when the checkpoint has none).
+// kNotFound when `dir` holds no checkpoint (absent, or none of .metadata,
+// model.safetensors[.index.json], manifest.pb): a new run starts there (a
+// damaged checkpoint is kDataLoss, never kNotFound). A directory of the
+// main job's step-NNNNNNNN checkpoints is refused, naming them.
+// `train_state`, when given, is set from the checkpoint's (left as it is
+// when the checkpoint has none).
 absl::Status LoadCheckpoint(const std::string& dir, FullyShardedModel& model,
                             torch::optim::Optimizer* optimizer = nullptr,
-                            TrainState* train_state = nullptr);
+                            TrainState* train_state = nullptr,
+                            const CheckpointOptions& options = {});
 
 // torch.save files, one process writing: what torch.load reads. Tensors
 // must be on CPU (GetModelStateDict with cpu_offload, on rank 0). The

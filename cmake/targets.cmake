@@ -59,9 +59,9 @@ file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/base_status_test")
 endif()
 
 # //checkpoint:checkpoint
-add_library(checkpoint_checkpoint SHARED ${PROJECT_SOURCE_DIR}/checkpoint/agree.cc ${PROJECT_SOURCE_DIR}/checkpoint/agree.h ${PROJECT_SOURCE_DIR}/checkpoint/checkpoint.cc ${PROJECT_SOURCE_DIR}/checkpoint/state_dict.cc ${PROJECT_SOURCE_DIR}/checkpoint/checkpoint.h)
+add_library(checkpoint_checkpoint SHARED ${PROJECT_SOURCE_DIR}/checkpoint/agree.cc ${PROJECT_SOURCE_DIR}/checkpoint/agree.h ${PROJECT_SOURCE_DIR}/checkpoint/checkpoint.cc ${PROJECT_SOURCE_DIR}/checkpoint/hugging_face.cc ${PROJECT_SOURCE_DIR}/checkpoint/hugging_face_internal.h ${PROJECT_SOURCE_DIR}/checkpoint/state_dict.cc ${PROJECT_SOURCE_DIR}/checkpoint/checkpoint.h)
 set_target_properties(checkpoint_checkpoint PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/checkpoint)
-target_link_libraries(checkpoint_checkpoint PUBLIC base_fnv1a base_status comm_collectives fsdp_fully_shard optim_dcp_checkpoint optim_optim_state optim_optim_state_dict optim_run_checkpoints optim_torch_optim_file optim_training_checkpoint statedict_dcp statedict_dcp_sharded statedict_state_dict statedict_state_dict_type statedict_torch_file third_party_absl_base third_party_absl_status fsdp_torch)
+target_link_libraries(checkpoint_checkpoint PUBLIC base_fnv1a base_status comm_collectives fsdp_fully_shard hf_safetensors optim_dcp_checkpoint optim_optim_state optim_optim_state_dict optim_run_checkpoints optim_torch_optim_file optim_training_checkpoint statedict_dcp statedict_atomic_file statedict_dcp_sharded statedict_load_check statedict_state_dict statedict_state_dict_type statedict_torch_file third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(checkpoint_checkpoint PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS checkpoint_checkpoint EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/checkpoint/checkpoint.h DESTINATION include/checkpoint)
@@ -74,6 +74,16 @@ target_link_libraries(checkpoint_checkpoint_test PRIVATE checkpoint_checkpoint c
 add_test(NAME //checkpoint:checkpoint_test COMMAND checkpoint_checkpoint_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//checkpoint:checkpoint_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/checkpoint_checkpoint_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/checkpoint_checkpoint_test")
+endif()
+
+# //checkpoint:hugging_face_test
+if(BUILD_TESTING)
+add_executable(checkpoint_hugging_face_test ${PROJECT_SOURCE_DIR}/checkpoint/hugging_face_test.cc)
+set_target_properties(checkpoint_hugging_face_test PROPERTIES OUTPUT_NAME hugging_face_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/checkpoint ENABLE_EXPORTS ON)
+target_link_libraries(checkpoint_hugging_face_test PRIVATE checkpoint_checkpoint comm_collectives comm_gloo_collectives comm_hybrid_groups fsdp_fully_shard fsdp_test_models hf_safetensors testing_multi_rank third_party_absl_base third_party_c10d_gloo third_party_gtest_main fsdp_torch)
+add_test(NAME //checkpoint:hugging_face_test COMMAND checkpoint_hugging_face_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//checkpoint:hugging_face_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/checkpoint_hugging_face_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/checkpoint_hugging_face_test")
 endif()
 
 # //comm:collectives
@@ -606,6 +616,56 @@ target_include_directories(fsdp_wrap_plan PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS fsdp_wrap_plan EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/fsdp/wrap_plan.h DESTINATION include/fsdp)
 
+# //hf/fuzz:safetensors_fuzz_regression_test
+if(BUILD_TESTING)
+add_executable(hf_fuzz_safetensors_fuzz_regression_test ${PROJECT_SOURCE_DIR}/hf/fuzz/safetensors_fuzzer.cc)
+set_target_properties(hf_fuzz_safetensors_fuzz_regression_test PROPERTIES OUTPUT_NAME safetensors_fuzz_regression_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/hf/fuzz ENABLE_EXPORTS ON)
+target_link_libraries(hf_fuzz_safetensors_fuzz_regression_test PRIVATE hf_safetensors statedict_fuzz_fuzz_replay_main)
+configure_file(${PROJECT_SOURCE_DIR}/hf/fuzz/corpus/safetensors/empty "${CMAKE_BINARY_DIR}/hf/fuzz/corpus/safetensors/empty" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/hf/fuzz/corpus/safetensors/every_dtype "${CMAKE_BINARY_DIR}/hf/fuzz/corpus/safetensors/every_dtype" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/hf/fuzz/corpus/safetensors/truncated "${CMAKE_BINARY_DIR}/hf/fuzz/corpus/safetensors/truncated" COPYONLY)
+configure_file(${PROJECT_SOURCE_DIR}/hf/fuzz/corpus/safetensors/two_tensors "${CMAKE_BINARY_DIR}/hf/fuzz/corpus/safetensors/two_tensors" COPYONLY)
+add_test(NAME //hf/fuzz:safetensors_fuzz_regression_test COMMAND hf_fuzz_safetensors_fuzz_regression_test "hf/fuzz/corpus/safetensors" WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//hf/fuzz:safetensors_fuzz_regression_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/hf_fuzz_safetensors_fuzz_regression_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/hf_fuzz_safetensors_fuzz_regression_test")
+endif()
+
+# //hf:model_config
+add_library(hf_model_config SHARED ${PROJECT_SOURCE_DIR}/hf/model_config.cc ${PROJECT_SOURCE_DIR}/hf/model_config.h)
+set_target_properties(hf_model_config PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/hf)
+target_link_libraries(hf_model_config PUBLIC base_status third_party_absl_base third_party_absl_status third_party_nlohmann_json)
+target_include_directories(hf_model_config PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS hf_model_config EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/hf/model_config.h DESTINATION include/hf)
+
+# //hf:model_config_test
+if(BUILD_TESTING)
+add_executable(hf_model_config_test ${PROJECT_SOURCE_DIR}/hf/model_config_test.cc)
+set_target_properties(hf_model_config_test PROPERTIES OUTPUT_NAME model_config_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/hf ENABLE_EXPORTS ON)
+target_link_libraries(hf_model_config_test PRIVATE hf_model_config third_party_gtest_main third_party_nlohmann_json)
+add_test(NAME //hf:model_config_test COMMAND hf_model_config_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//hf:model_config_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/hf_model_config_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/hf_model_config_test")
+endif()
+
+# //hf:safetensors
+add_library(hf_safetensors SHARED ${PROJECT_SOURCE_DIR}/hf/safetensors.cc ${PROJECT_SOURCE_DIR}/hf/safetensors.h)
+set_target_properties(hf_safetensors PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/hf)
+target_link_libraries(hf_safetensors PUBLIC base_status statedict_atomic_file third_party_absl_base third_party_absl_status fsdp_torch third_party_nlohmann_json)
+target_include_directories(hf_safetensors PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS hf_safetensors EXPORT fsdp_cpp_targets)
+
+# //hf:safetensors_test
+if(BUILD_TESTING)
+add_executable(hf_safetensors_test ${PROJECT_SOURCE_DIR}/hf/safetensors_test.cc)
+set_target_properties(hf_safetensors_test PROPERTIES OUTPUT_NAME safetensors_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/hf ENABLE_EXPORTS ON)
+target_link_libraries(hf_safetensors_test PRIVATE hf_safetensors testing_torch_python third_party_absl_base third_party_gtest_main fsdp_torch)
+configure_file(${PROJECT_SOURCE_DIR}/hf/safetensors_interop.py "${CMAKE_BINARY_DIR}/hf/safetensors_interop.py" COPYONLY)
+add_test(NAME //hf:safetensors_test COMMAND hf_safetensors_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//hf:safetensors_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/hf_safetensors_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/hf_safetensors_test")
+endif()
+
 # //models:checkpoint_format_benchmark
 if(BUILD_TESTING)
 add_executable(models_checkpoint_format_benchmark ${PROJECT_SOURCE_DIR}/models/checkpoint_format_benchmark.cc)
@@ -666,6 +726,25 @@ if(BUILD_TESTING)
 add_library(models_job_test_util SHARED ${PROJECT_SOURCE_DIR}/models/job_test_util.cc ${PROJECT_SOURCE_DIR}/models/job_test_util.h)
 set_target_properties(models_job_test_util PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models)
 target_link_libraries(models_job_test_util PUBLIC third_party_absl_base third_party_gtest)
+endif()
+
+# //models:llama
+add_library(models_llama SHARED ${PROJECT_SOURCE_DIR}/models/llama.cc ${PROJECT_SOURCE_DIR}/models/llama.h)
+set_target_properties(models_llama PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models)
+target_link_libraries(models_llama PUBLIC fsdp_fully_shard fsdp_unit_module hf_model_config fsdp_torch)
+target_include_directories(models_llama PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS models_llama EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/models/llama.h DESTINATION include/models)
+
+# //models:llama_test
+if(BUILD_TESTING)
+add_executable(models_llama_test ${PROJECT_SOURCE_DIR}/models/llama_test.cc)
+set_target_properties(models_llama_test PROPERTIES OUTPUT_NAME llama_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
+target_link_libraries(models_llama_test PRIVATE models_llama checkpoint_checkpoint fsdp_fully_shard fsdp_unit_module hf_model_config hf_safetensors testing_multi_rank testing_torch_python third_party_absl_base third_party_gtest_main fsdp_torch)
+configure_file(${PROJECT_SOURCE_DIR}/models/llama_interop.py "${CMAKE_BINARY_DIR}/models/llama_interop.py" COPYONLY)
+add_test(NAME //models:llama_test COMMAND models_llama_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//models:llama_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/models_llama_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/models_llama_test")
 endif()
 
 # //models:multi_node_test
@@ -2727,7 +2806,7 @@ file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/statedict_sharded_checkpoint_t
 endif()
 
 # //statedict:state_dict
-add_library(statedict_state_dict SHARED ${PROJECT_SOURCE_DIR}/statedict/model_tensors.cc ${PROJECT_SOURCE_DIR}/statedict/model_tensors.h ${PROJECT_SOURCE_DIR}/statedict/sharded_checkpoint.cc ${PROJECT_SOURCE_DIR}/statedict/state_dict.cc ${PROJECT_SOURCE_DIR}/statedict/sharded_checkpoint.h ${PROJECT_SOURCE_DIR}/statedict/state_dict.h)
+add_library(statedict_state_dict SHARED ${PROJECT_SOURCE_DIR}/statedict/model_tensors.cc ${PROJECT_SOURCE_DIR}/statedict/sharded_checkpoint.cc ${PROJECT_SOURCE_DIR}/statedict/state_dict.cc ${PROJECT_SOURCE_DIR}/statedict/model_tensors.h ${PROJECT_SOURCE_DIR}/statedict/sharded_checkpoint.h ${PROJECT_SOURCE_DIR}/statedict/state_dict.h)
 set_target_properties(statedict_state_dict PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/statedict)
 target_link_libraries(statedict_state_dict PUBLIC comm_collectives statedict_atomic_file statedict_checkpoint_manifest_proto statedict_crc32 statedict_load_check statedict_torch_file base_status fsdp_fully_shard third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(statedict_state_dict PUBLIC $<INSTALL_INTERFACE:include>)
@@ -2879,6 +2958,11 @@ add_library(third_party_gtest_main INTERFACE)
 target_link_libraries(third_party_gtest_main INTERFACE third_party_gtest third_party_tsan_suppressions)
 target_link_libraries(third_party_gtest_main INTERFACE -lgtest_main)
 endif()
+
+# //third_party:nlohmann_json
+add_library(third_party_nlohmann_json INTERFACE)
+target_include_directories(third_party_nlohmann_json INTERFACE $<INSTALL_INTERFACE:include>)
+install(TARGETS third_party_nlohmann_json EXPORT fsdp_cpp_targets)
 
 # //third_party:protobuf
 add_library(third_party_protobuf INTERFACE)

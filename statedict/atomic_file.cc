@@ -64,13 +64,16 @@ absl::Status AtomicFileWriter::Write(const void* data, size_t size) {
   return absl::OkStatus();
 }
 
-absl::Status AtomicFileWriter::Commit() {
+absl::Status AtomicFileWriter::Flush() {
+  if (fd_ < 0) return absl::OkStatus();
   if (::fsync(fd_) != 0) return ErrnoError("cannot flush", temp_path_);
-  if (::close(fd_) != 0) {
-    fd_ = -1;
-    return ErrnoError("cannot close", temp_path_);
-  }
-  fd_ = -1;
+  const int fd = std::exchange(fd_, -1);
+  if (::close(fd) != 0) return ErrnoError("cannot close", temp_path_);
+  return absl::OkStatus();
+}
+
+absl::Status AtomicFileWriter::Commit() {
+  if (absl::Status flushed = Flush(); !flushed.ok()) return flushed;
   if (::rename(temp_path_.c_str(), path_.c_str()) != 0) {
     return ErrnoError(absl::StrCat("cannot rename '", temp_path_, "' to"), path_);
   }

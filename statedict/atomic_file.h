@@ -27,7 +27,10 @@ class AtomicFileWriter {
   ~AtomicFileWriter();
 
   absl::Status Write(const void* data, size_t size);
-  // fsync, rename over the target, fsync the directory.
+  // fsync and close the temporary file, so that a writer of several files
+  // learns that all are durable before it renames any. No Write after it.
+  absl::Status Flush();
+  // Flush (unless done), rename over the target, fsync the directory.
   absl::Status Commit();
 
   int64_t bytes_written() const { return bytes_written_; }

@@ -1,4 +1,4 @@
-// Internal to statedict/: the model's state-dict tensors (where each lives
+// Internal to statedict/ and checkpoint/: the model's state-dict tensors (where each lives
 // on this rank is the core's answer, fsdp/shard_placement.h).
 #ifndef FSDP_STATEDICT_MODEL_TENSORS_H_
 #define FSDP_STATEDICT_MODEL_TENSORS_H_

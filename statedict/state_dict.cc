@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <unordered_map>
@@ -122,63 +123,102 @@ std::string DescribeLayout(const at::Tensor& layout) {
 
 }  // namespace
 
-absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model,
-                                        const FullStateDictOptions& options,
-                                        FullStateDictStats* stats) {
+namespace {
+
+// Per state_dict index, the unit whose gathering makes it full (-1: none
+// needs to, a tensor no unit holds).
+std::vector<int> UnitOfEachTensor(const StateDict& named, const ShardPlacements& placements) {
+  std::vector<int> units;
+  for (const auto& [name, tensor] : named) {
+    auto it = placements.find(tensor.unsafeGetTensorImpl());
+    units.push_back(it == placements.end() ? -1 : it->second.unit);
+  }
+  return units;
+}
+
+// Tensors no unit holds first, then each unit's, state_dict order within.
+std::vector<size_t> VisitOrder(const std::vector<int>& units) {
+  std::vector<size_t> order(units.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return units[a] < units[b]; });
+  return order;
+}
+
+}  // namespace
+
+std::vector<size_t> FullStateDictVisitOrder(const FullyShardedModel& model) {
+  return VisitOrder(UnitOfEachTensor(NamedTensors(model.units().front()->module()),
+                                     ShardPlacementsOf(model)));
+}
+
+absl::Status VisitFullStateDict(FullyShardedModel& model, const FullStateDictOptions& options,
+                                const FullTensorVisitor& visit, FullStateDictStats* stats) {
   FSDP_RETURN_IF_ERROR(model.RequireIdle("FULL state dict"));
   CollectiveLabel label(model.group(), model.replicate_group(), "", "FULL state dict");
   const StateDict named = NamedTensors(model.units().front()->module());
-  const ShardPlacements placements = ShardPlacementsOf(model);
+  const std::vector<int> units = UnitOfEachTensor(named, ShardPlacementsOf(model));
   const bool keep = !options.rank0_only || model.group().rank() == 0;
-  std::vector<at::Tensor> values(named.size());
-  std::unordered_map<const void*, at::Tensor> copies;  // Tied names share one copy.
-  auto copy_of = [&](const at::Tensor& t) {
-    auto it = copies.find(t.unsafeGetTensorImpl());
-    if (it == copies.end()) {
-      const c10::Device to = options.offload_to_cpu ? c10::Device(at::kCPU) : t.device();
-      it = copies.emplace(t.unsafeGetTensorImpl(),
-                          t.detach().to(to, /*non_blocking=*/false, /*copy=*/true)).first;
+  // The first failed visit's error; the gathering goes on without visits
+  // (a visit that throws counts as failed), so that this rank still takes
+  // part in every unit's collectives.
+  absl::Status visited;
+  auto visit_one = [&](size_t k) {
+    if (!keep || !visited.ok()) return;
+    try {
+      const at::Tensor& t = named[k].second;
+      // Buffers that buffer_dtype cast, in their original dtype.
+      auto dtype = units[k] < 0 ? model.BufferFullPrecisionDtype(t) : std::nullopt;
+      visited = visit(k, dtype ? t.detach().to(*dtype) : t.detach());
+    } catch (...) {
+      visited = StatusFromCurrentException();
     }
-    return it->second;
   };
-  // Tensors outside every handle (buffers, ignored parameters) as they are,
-  // buffers that buffer_dtype cast back in their original dtype.
-  if (keep) {
-    for (size_t k = 0; k < named.size(); ++k) {
-      if (placements.count(named[k].second.unsafeGetTensorImpl()) == 0) {
-        values[k] = copy_of(named[k].second);
-        if (auto dtype = model.BufferFullPrecisionDtype(named[k].second)) {
-          values[k] = values[k].to(*dtype);
-        }
-      }
-    }
-  }
+  const std::vector<size_t> order = VisitOrder(units);
   try {
     at::NoGradGuard no_grad;
     SummonOptions one_unit;  // Never more than one unit's full parameters at once.
     one_unit.writeback = false;
     one_unit.recurse = false;
-    for (size_t u = 0; u < model.units().size(); ++u) {
-      if (model.units()[u]->handle() == nullptr) continue;
-      SummonFullParams full(model, model.units()[u]->module(), one_unit);
-      if (stats != nullptr) {
-        stats->peak_full_param_bytes =
-            std::max(stats->peak_full_param_bytes, model.FullParamBytes());
-      }
-      if (keep) {
-        for (size_t k = 0; k < named.size(); ++k) {
-          auto it = placements.find(named[k].second.unsafeGetTensorImpl());
-          if (it != placements.end() && it->second.unit == static_cast<int>(u)) {
-            values[k] = copy_of(named[k].second);
-          }
+    for (size_t i = 0; i < order.size();) {
+      const int u = units[order[i]];
+      std::optional<SummonFullParams> full;
+      if (u >= 0) {
+        full.emplace(model, model.units()[u]->module(), one_unit);
+        if (stats != nullptr) {
+          stats->peak_full_param_bytes =
+              std::max(stats->peak_full_param_bytes, model.FullParamBytes());
         }
       }
+      for (; i < order.size() && units[order[i]] == u; ++i) visit_one(order[i]);
     }
   } catch (...) {
     return StatusFromCurrentException();
   }
+  return visited;
+}
+
+absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model,
+                                        const FullStateDictOptions& options,
+                                        FullStateDictStats* stats) {
+  const StateDict named = NamedTensors(model.units().front()->module());
+  std::vector<at::Tensor> values(named.size());
+  std::unordered_map<const void*, at::Tensor> copies;  // Tied names share one copy.
+  FSDP_RETURN_IF_ERROR(VisitFullStateDict(
+      model, options,
+      [&](size_t k, const at::Tensor& value) {
+        const void* impl = named[k].second.unsafeGetTensorImpl();
+        auto it = copies.find(impl);
+        if (it == copies.end()) {
+          const c10::Device to = options.offload_to_cpu ? c10::Device(at::kCPU) : value.device();
+          it = copies.emplace(impl, value.to(to, /*non_blocking=*/false, /*copy=*/true)).first;
+        }
+        values[k] = it->second;
+        return absl::OkStatus();
+      },
+      stats));
   StateDict out;
-  if (!keep) return out;
+  if (options.rank0_only && model.group().rank() != 0) return out;
   for (size_t k = 0; k < named.size(); ++k) out.emplace_back(named[k].first, values[k]);
   return out;
 }

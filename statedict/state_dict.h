@@ -45,8 +45,10 @@
 #define FSDP_STATEDICT_STATE_DICT_H_
 
 #include <cstdint>
+#include <functional>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -74,6 +76,23 @@ struct FullStateDictStats {
 absl::StatusOr<StateDict> FullStateDict(FullyShardedModel& model,
                                         const FullStateDictOptions& options = {},
                                         FullStateDictStats* stats = nullptr);
+
+// The FULL state dict without holding it, for writers that stream it:
+// `visit` gets each entry (its index in the model's state_dict order) with
+// its full value, valid during the call only and on the tensor's device.
+// Tensors no unit holds come first, then each unit's while that unit alone
+// is gathered: the order FullStateDictVisitOrder returns. Tied names are
+// visited each. With rank0_only, ranks other than 0 visit nothing (they
+// still gather). Every rank must call it. A failed visit stops the visits
+// on its rank but not the gathering, so no rank is left in a collective;
+// its error is returned (on that rank only: agreeing is the caller's).
+using FullTensorVisitor = std::function<absl::Status(size_t index, const at::Tensor& value)>;
+absl::Status VisitFullStateDict(FullyShardedModel& model, const FullStateDictOptions& options,
+                                const FullTensorVisitor& visit,
+                                FullStateDictStats* stats = nullptr);
+// The state_dict indices in the order VisitFullStateDict visits them.
+// REQUIRES: the model IDLE.
+std::vector<size_t> FullStateDictVisitOrder(const FullyShardedModel& model);
 // Which entries a FULL load may leave out or ignore (PyTorch's strict=False,
 // and frozen parameters a state dict may lack).
 struct LoadFullStateDictOptions {

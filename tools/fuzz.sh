@@ -4,7 +4,7 @@
 # runs it for a fixed time on its committed corpus. Not part of CI: run by
 # hand, and commit what it finds (statedict/fuzz/README.md).
 #
-#   tools/fuzz.sh restricted_unpickler|torch_file|dcp_metadata|sharded_manifest [SECONDS=300] [LIBFUZZER_FLAG...]
+#   tools/fuzz.sh restricted_unpickler|torch_file|dcp_metadata|sharded_manifest|safetensors [SECONDS=300] [LIBFUZZER_FLAG...]
 #
 # (torch_file needs -detect_leaks=0 to get past a leak inside libtorch 1.13's
 # archive reader; statedict/fuzz/README.md.)
@@ -13,10 +13,11 @@
 # to $FUZZ_OUT/<target>/ as crash-*; the corpus in the tree stays as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-target=${1:?usage: tools/fuzz.sh restricted_unpickler|torch_file|dcp_metadata|sharded_manifest [SECONDS]}
+target=${1:?usage: tools/fuzz.sh restricted_unpickler|torch_file|dcp_metadata|sharded_manifest|safetensors [SECONDS]}
 seconds=${2:-300}
 extra_libs=()
 proto_dir=
+fuzz_dir=statedict/fuzz  # Where the target's source and committed corpus are.
 out=${FUZZ_OUT:-/tmp/fsdp_fuzz}/$target
 mkdir -p "$out/corpus"
 case "$target" in
@@ -49,6 +50,9 @@ case "$target" in
              fsdp/unit_init.cc fsdp/unit_registry.cc fsdp/unit_scheduler.cc fsdp/utilities.cc
              fsdp/wrap_plan.cc policies/wrap_policy.cc policies/unit_options.cc policies/policy_spec.cc)
     extra_libs=(-lprotobuf) ;;
+  safetensors)
+    fuzz_dir=hf/fuzz
+    sources=(hf/safetensors.cc statedict/atomic_file.cc base/status.cc) ;;
   *) echo "fuzz.sh: no target '$target'" >&2; exit 2 ;;
 esac
 binary=$out/${target}_fuzzer
@@ -61,7 +65,7 @@ export FUZZ_CXXFLAGS="-std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined
   ${proto_dir:+-I$proto_dir}"
 objects=()
 stale=()
-for src in "statedict/fuzz/${target}_fuzzer.cc" "${sources[@]}"; do
+for src in "$fuzz_dir/${target}_fuzzer.cc" "${sources[@]}"; do
   obj=$out/obj/$(echo "$src" | tr '/' '_').o
   objects+=("$obj")
   if [[ -f $obj && -f ${obj%.o}.d ]]; then
@@ -83,4 +87,4 @@ clang++ $FUZZ_CXXFLAGS "${objects[@]}" -o "$binary" \
   "${extra_libs[@]}" -ltorch -ltorch_cpu -lc10 $absl_libs -lpthread
 echo "fuzz.sh: running $target for $seconds s" >&2
 "$binary" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=4096 -print_final_stats=1 \
-  -artifact_prefix="$out/" "${@:3}" "$out/corpus" "statedict/fuzz/corpus/$target"
+  -artifact_prefix="$out/" "${@:3}" "$out/corpus" "$fuzz_dir/corpus/$target"

@@ -27,6 +27,7 @@ packages=(
   cmake                 # the CMake build (CMakeLists.txt), which CI also checks
   ninja-build
   ccache                # keeps CI's CMake rebuilds incremental
+  nlohmann-json3-dev    # JSON of Hugging Face's files (hf/)
 )
 
 missing=()
@@ -57,13 +58,22 @@ fi
 # CUDA libraries (nvidia-nccl among them) as pip packages beside it.
 # NumPy beside it: multi-rank torch.distributed.checkpoint.save moves its
 # plans with gather_object, which needs it (the DCP interop tests).
+# safetensors: the Hugging Face format's reference reader and writer (the
+# safetensors interop test). transformers: the reference Llama, Qwen2 and
+# Qwen3 models, built from a config with no download (the llama parity test).
 source "$(dirname "$0")/torch_venv.sh"
 if ! "$FSDP_TORCH_VENV/bin/python" -c \
-    "import sys, numpy, torch; sys.exit(torch.__version__.split('+')[0] != '$FSDP_TORCH_VERSION')" \
+    "import sys, numpy, torch, safetensors, transformers
+sys.exit(torch.__version__.split('+')[0] != '$FSDP_TORCH_VERSION'
+         or safetensors.__version__ != '$FSDP_SAFETENSORS_VERSION'
+         or transformers.__version__ != '$FSDP_TRANSFORMERS_VERSION')" \
     2>/dev/null; then
-  echo "install_deps: installing torch==$FSDP_TORCH_VERSION and numpy==$FSDP_NUMPY_VERSION" \
+  echo "install_deps: installing torch==$FSDP_TORCH_VERSION, numpy==$FSDP_NUMPY_VERSION," \
+       "safetensors==$FSDP_SAFETENSORS_VERSION and transformers==$FSDP_TRANSFORMERS_VERSION" \
        "from PyPI into $FSDP_TORCH_VENV" >&2
   /usr/bin/python3 -m venv "$FSDP_TORCH_VENV"
   "$FSDP_TORCH_VENV/bin/pip" install -q --disable-pip-version-check \
-    "torch==$FSDP_TORCH_VERSION" "numpy==$FSDP_NUMPY_VERSION"
+    "torch==$FSDP_TORCH_VERSION" "numpy==$FSDP_NUMPY_VERSION" \
+    "safetensors==$FSDP_SAFETENSORS_VERSION" \
+    "transformers==$FSDP_TRANSFORMERS_VERSION"
 fi

@@ -1,0 +1,281 @@
+#include "checkpoint/hugging_face_internal.h"
+
+#include <sys/stat.h>
+
+#include <optional>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "ATen/ATen.h"
+#include "absl/strings/str_cat.h"
+#include "base/fnv1a.h"
+#include "base/status.h"
+#include "c10/core/GradMode.h"
+#include "checkpoint/agree.h"
+#include "comm/collectives.h"
+#include "fsdp/shard_placement.h"
+#include "hf/safetensors.h"
+#include "statedict/atomic_file.h"
+#include "statedict/load_check.h"
+#include "statedict/model_tensors.h"
+#include "statedict/state_dict.h"
+
+namespace fsdp::checkpoint_internal {
+namespace {
+
+using statedict_internal::NamedTensors;
+
+// The model's tensors under all their names: a tied tensor is one entry
+// with several names, in state_dict order.
+struct ModelTensor {
+  std::vector<std::string> names;
+  at::Tensor tensor;       // The module's own.
+  size_t first_index = 0;  // Of names[0] in state_dict order.
+};
+
+std::vector<ModelTensor> ModelTensors(const StateDict& named) {
+  std::vector<ModelTensor> tensors;
+  std::unordered_map<const void*, size_t> seen;
+  for (size_t k = 0; k < named.size(); ++k) {
+    auto [it, inserted] = seen.emplace(named[k].second.unsafeGetTensorImpl(), tensors.size());
+    if (inserted) tensors.push_back({{}, named[k].second, k});
+    tensors[it->second].names.push_back(named[k].first);
+  }
+  return tensors;
+}
+
+bool IsFile(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+// What a load will copy into one tensor's local elements.
+struct PlannedRead {
+  at::Tensor local;
+  at::Tensor value;
+};
+
+// Which checkpoint name fills `tensor` (the first of its names the checkpoint
+// has), checked against the model; nullopt, with the problem recorded or an
+// allowed absence, when nothing will.
+std::optional<std::string> SourceName(const ModelTensor& tensor, const ShardPlacement& placement,
+                                      const hf::SafetensorsCheckpoint& checkpoint, bool strict,
+                                      LoadCheck& check) {
+  const hf::SafetensorsEntry* entry = nullptr;
+  for (const std::string& name : tensor.names) {
+    if ((entry = checkpoint.Find(name)) != nullptr) break;
+  }
+  if (entry == nullptr) {
+    if (strict) check.Missing(tensor.names.front());
+    return std::nullopt;
+  }
+  const std::string subject = LoadCheck::Quoted(entry->name);
+  const at::ScalarType model_dtype = placement.local.scalar_type();
+  if (entry->dtype == at::ScalarType::Undefined) {
+    check.Problem(absl::StrCat(subject, " is ", entry->dtype_name,
+                               ", a dtype this library does not read"));
+    return std::nullopt;
+  }
+  const bool cast = at::isFloatingType(entry->dtype) && at::isFloatingType(model_dtype);
+  if (!check.ShapeMatches(subject, entry->shape, placement.full_shape) ||
+      (!cast && !check.DtypeMatches(subject, entry->dtype, model_dtype))) {
+    return std::nullopt;
+  }
+  if (!placement.in_place) {
+    check.Problem(absl::StrCat(subject, " is not contiguous in the model: it cannot be loaded in "
+                               "place"));
+    return std::nullopt;
+  }
+  return entry->name;
+}
+
+// What this rank read, for the ranks to compare: ranks that see different
+// files (a network file system's cache, an export in progress) must not
+// each load their own.
+std::string Fingerprint(const hf::SafetensorsCheckpoint& checkpoint) {
+  uint64_t hash = kFnv1aOffsetBasis;
+  for (const std::string& name : checkpoint.names()) {
+    const hf::SafetensorsEntry& e = *checkpoint.Find(name);
+    hash = Fnv1aString(hash, name);
+    hash = Fnv1aString(hash, e.dtype_name);
+    for (int64_t d : e.shape) hash = Fnv1a(hash, &d, sizeof(d));
+    hash = Fnv1a(hash, &e.begin, sizeof(e.begin));
+    hash = Fnv1a(hash, &e.end, sizeof(e.end));
+  }
+  return absl::StrCat("a checkpoint of ", checkpoint.names().size(), " tensors (fingerprint ",
+                      hash, ")");
+}
+
+// Checks the checkpoint against the model and reads this rank's elements
+// of every tensor it fills; changes nothing. `seen` says what this rank
+// read, for SameOnEveryRank.
+absl::StatusOr<std::vector<PlannedRead>> PlanLoad(const std::string& dir,
+                                                  FullyShardedModel& model, bool strict,
+                                                  std::string& seen) {
+  FSDP_ASSIGN_OR_RETURN(const hf::SafetensorsCheckpoint checkpoint,
+                        hf::SafetensorsCheckpoint::Open(dir));
+  seen = Fingerprint(checkpoint);
+  const std::vector<ModelTensor> tensors =
+      ModelTensors(NamedTensors(model.units().front()->module()));
+  const ShardPlacements placements = ShardPlacementsOf(model);
+  LoadCheck check;
+  std::set<std::string> model_names;
+  std::vector<std::pair<std::string, ShardPlacement>> sources;
+  for (const ModelTensor& tensor : tensors) {
+    model_names.insert(tensor.names.begin(), tensor.names.end());
+    ShardPlacement placement = PlacementOf(placements, tensor.tensor);
+    if (auto name = SourceName(tensor, placement, checkpoint, strict, check)) {
+      sources.emplace_back(*name, std::move(placement));
+    }
+  }
+  if (strict) {
+    for (const std::string& name : checkpoint.names()) {
+      if (model_names.count(name) == 0) check.NotInModel(name);
+    }
+  }
+  FSDP_RETURN_IF_ERROR(check.ToStatus(
+      absl::StrCat("the Hugging Face checkpoint '", dir, "' does not fit the model (nothing was "
+                   "changed)")));
+  std::vector<PlannedRead> reads;
+  for (const auto& [name, placement] : sources) {
+    FSDP_ASSIGN_OR_RETURN(at::Tensor value, checkpoint.ReadFlat(name, placement.lo, placement.hi));
+    reads.push_back({placement.local, value.to(placement.local.scalar_type())});
+  }
+  return reads;
+}
+
+// Every rank of the shard group and of the replicate group compares `seen`.
+absl::Status SameOnEveryRank(FullyShardedModel& model, const std::string& dir,
+                             const std::string& seen) {
+  std::vector<Collectives*> groups = {&model.group()};
+  if (model.replicate_group() != nullptr) groups.push_back(model.replicate_group());
+  for (Collectives* group : groups) {
+    const std::vector<std::string> all = AllGatherBytes(*group, seen);
+    for (size_t r = 0; r < all.size(); ++r) {
+      if (all[r] != seen) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "the ranks read different things at '", dir, "': this rank ", seen, ", rank ", r,
+            " of its group ", all[r], "; every rank must see the same files"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The tensors in the order the units are gathered, so that one rank can
+// stream them: per state_dict index, the spec (null for a tied tensor's
+// second name, written once).
+struct SavePlan {
+  std::vector<hf::SafetensorsTensorSpec> specs;
+  std::vector<std::optional<at::ScalarType>> dtype_by_index;
+};
+
+SavePlan PlanSave(FullyShardedModel& model, const StateDict& named,
+                  const CheckpointOptions& options) {
+  const ShardPlacements placements = ShardPlacementsOf(model);
+  SavePlan plan;
+  plan.dtype_by_index.resize(named.size());
+  for (const ModelTensor& tensor : ModelTensors(named)) {
+    const at::ScalarType own =
+        model.BufferFullPrecisionDtype(tensor.tensor).value_or(tensor.tensor.scalar_type());
+    plan.dtype_by_index[tensor.first_index] =
+        options.dtype && at::isFloatingType(own) ? *options.dtype : own;
+  }
+  for (size_t k : FullStateDictVisitOrder(model)) {
+    if (!plan.dtype_by_index[k]) continue;
+    const at::Tensor& t = named[k].second;
+    plan.specs.push_back(
+        {named[k].first, *plan.dtype_by_index[k], PlacementOf(placements, t).full_shape});
+  }
+  return plan;
+}
+
+}  // namespace
+
+bool IsHuggingFaceDirectory(const std::string& dir) {
+  return IsFile(dir + "/model.safetensors.index.json") || IsFile(dir + "/model.safetensors");
+}
+
+absl::Status LoadHuggingFace(const std::string& dir, FullyShardedModel& model,
+                             const CheckpointOptions& options) {
+  std::string seen = "an unreadable checkpoint";
+  absl::StatusOr<std::vector<PlannedRead>> reads = absl::UnknownError("not read");
+  try {
+    reads = PlanLoad(dir, model, options.strict, seen);
+  } catch (...) {
+    reads = StatusFromCurrentException();
+  }
+  absl::Status planned = reads.status();
+  try {
+    absl::Status same = SameOnEveryRank(model, dir, seen);
+    if (planned.ok()) planned = same;
+  } catch (...) {
+    if (planned.ok()) planned = StatusFromCurrentException();
+  }
+  FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, planned));
+  absl::Status applied;
+  try {
+    at::NoGradGuard no_grad;
+    for (PlannedRead& read : *reads) read.local.copy_(read.value);
+  } catch (...) {
+    applied = StatusFromCurrentException();
+  }
+  return AgreeAfterLoad(model, applied, "the model's parameters");
+}
+
+absl::Status SaveHuggingFace(const std::string& dir, FullyShardedModel& model,
+                             const CheckpointOptions& options) {
+  if (options.dtype && !at::isFloatingType(*options.dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "SaveCheckpoint: CheckpointOptions::dtype ", c10::toString(*options.dtype),
+        " is not a floating-point dtype"));
+  }
+  const StateDict named = NamedTensors(model.units().front()->module());
+  const SavePlan plan = PlanSave(model, named, options);
+  // One writer for the whole job: rank 0 of the shard group and, under
+  // hybrid sharding, of the replicate group (the other replicas hold the
+  // same shards).
+  Collectives* replicas = model.replicate_group();
+  const bool writes = model.group().rank() == 0 && (replicas == nullptr || replicas->rank() == 0);
+  std::optional<hf::SafetensorsCheckpointWriter> writer;
+  absl::Status written;
+  if (writes) {
+    try {
+      auto created = hf::SafetensorsCheckpointWriter::Create(dir, plan.specs,
+                                                             options.max_file_bytes,
+                                                             {{"format", "pt"}});
+      written = created.status();
+      if (created.ok()) writer.emplace(std::move(*created));
+    } catch (...) {
+      written = StatusFromCurrentException();
+    }
+  }
+  FullStateDictOptions gather;
+  gather.rank0_only = true;
+  absl::Status visited = VisitFullStateDict(model, gather, [&](size_t k, const at::Tensor& value) {
+    FSDP_RETURN_IF_ERROR(written);
+    if (!writes || !plan.dtype_by_index[k]) return absl::OkStatus();
+    return writer->Write(named[k].first, value.to(*plan.dtype_by_index[k]));
+  });
+  if (written.ok()) written = visited;
+  // Published only once every rank gathered every unit: a failure anywhere
+  // leaves the earlier export as it was.
+  FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, written));
+  if (writes) {
+    try {
+      written = writer->Commit();
+      if (written.ok() && !options.config_json.empty()) {
+        written = WriteFileAtomically(dir + "/config.json", options.config_json.data(),
+                                      options.config_json.size());
+      }
+    } catch (...) {
+      written = StatusFromCurrentException();
+    }
+  }
+  return AgreeAcrossRanks(model, written);
+}
+
+}  // namespace fsdp::checkpoint_internal

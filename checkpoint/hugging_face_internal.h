@@ -1,0 +1,43 @@
+// Internal to checkpoint/: SaveCheckpoint and LoadCheckpoint's Hugging Face
+// format (CheckpointFormat::kHuggingFace; checkpoint/checkpoint.h has the
+// contract). A model's weights as transformers' save_pretrained writes them
+// and from_pretrained reads them: config.json beside model.safetensors, or
+// beside model-0000K-of-0000N.safetensors and model.safetensors.index.json
+// (hf/safetensors.h), keyed by the unwrapped model's state_dict names.
+// PyTorch's counterpart is DCP's HuggingFaceStorageReader / Writer.
+//
+// Loading: every rank reads, with positional reads, only the elements of
+// each tensor that its shards hold (under NO_SHARD, all of it); every rank
+// must see the same files (checked: the ranks compare what they read).
+// Floating-point tensors are cast to the model's dtype. All-or-nothing.
+//
+// Saving: the units are gathered one at a time (VisitFullStateDict) and one
+// rank (rank 0 of the shard group and of the replicate group) streams each
+// unit's tensors into the files; they are published only after every rank
+// gathered every unit, the config after the weights. Tied parameters are
+// written once, under their first name in state_dict order (save_pretrained
+// keeps the embedding's); loading fills all names of a tensor from whichever
+// the checkpoint has.
+#ifndef FSDP_CHECKPOINT_HUGGING_FACE_INTERNAL_H_
+#define FSDP_CHECKPOINT_HUGGING_FACE_INTERNAL_H_
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "checkpoint/checkpoint.h"
+#include "fsdp/fully_shard.h"
+
+namespace fsdp::checkpoint_internal {
+
+// Whether `dir` holds a Hugging Face checkpoint's weights (an index or
+// model.safetensors), as this rank sees it.
+bool IsHuggingFaceDirectory(const std::string& dir);
+
+absl::Status SaveHuggingFace(const std::string& dir, FullyShardedModel& model,
+                             const CheckpointOptions& options);
+absl::Status LoadHuggingFace(const std::string& dir, FullyShardedModel& model,
+                             const CheckpointOptions& options);
+
+}  // namespace fsdp::checkpoint_internal
+
+#endif  // FSDP_CHECKPOINT_HUGGING_FACE_INTERNAL_H_
