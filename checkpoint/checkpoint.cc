@@ -184,7 +184,7 @@ absl::Status NoOtherFormat(const std::string& dir, CheckpointFormat format) {
 
 absl::Status SaveCheckpoint(const std::string& dir, FullyShardedModel& model,
                             torch::optim::Optimizer* optimizer, const TrainState& train_state,
-                            const CheckpointOptions& options) {
+                            const CheckpointIoOptions& options) {
   FSDP_RETURN_IF_ERROR(model.RequireIdle("saving a checkpoint"));
   if (options.format == CheckpointFormat::kHuggingFace &&
       (optimizer != nullptr || train_state.step != 0 || train_state.data_position != 0)) {
@@ -206,7 +206,7 @@ absl::Status SaveCheckpoint(const std::string& dir, FullyShardedModel& model,
 
 absl::Status LoadCheckpoint(const std::string& dir, FullyShardedModel& model,
                             torch::optim::Optimizer* optimizer, TrainState* train_state,
-                            const CheckpointOptions& options) {
+                            const CheckpointIoOptions& options) {
   FSDP_RETURN_IF_ERROR(model.RequireIdle("loading a checkpoint"));
   // What the directory holds and its train state, agreed by every rank
   // before any collective load: ranks that see it differently (a network

@@ -128,7 +128,7 @@ enum class CheckpointFormat {
   kHuggingFace,
 };
 
-struct CheckpointOptions {
+struct CheckpointIoOptions {
   // Save: the format written. Load finds it from the directory.
   CheckpointFormat format = CheckpointFormat::kDistributed;
   // Load, Hugging Face checkpoints: as StateDictOptions::strict. With
@@ -156,7 +156,7 @@ struct CheckpointOptions {
 absl::Status SaveCheckpoint(const std::string& dir, FullyShardedModel& model,
                             torch::optim::Optimizer* optimizer = nullptr,
                             const TrainState& train_state = {},
-                            const CheckpointOptions& options = {});
+                            const CheckpointIoOptions& options = {});
 // Loads what SaveCheckpoint saved, at any world size; also a Distributed
 // Checkpoint PyTorch saved as above, a Hugging Face checkpoint (the model's
 // weights; an optimizer is refused), and this project's older SHARDED
@@ -170,7 +170,7 @@ absl::Status SaveCheckpoint(const std::string& dir, FullyShardedModel& model,
 absl::Status LoadCheckpoint(const std::string& dir, FullyShardedModel& model,
                             torch::optim::Optimizer* optimizer = nullptr,
                             TrainState* train_state = nullptr,
-                            const CheckpointOptions& options = {});
+                            const CheckpointIoOptions& options = {});
 
 // torch.save files, one process writing: what torch.load reads. Tensors
 // must be on CPU (GetModelStateDict with cpu_offload, on rank 0). The

@@ -174,7 +174,7 @@ struct SavePlan {
 };
 
 SavePlan PlanSave(FullyShardedModel& model, const StateDict& named,
-                  const CheckpointOptions& options) {
+                  const CheckpointIoOptions& options) {
   const ShardPlacements placements = ShardPlacementsOf(model);
   SavePlan plan;
   plan.dtype_by_index.resize(named.size());
@@ -200,7 +200,7 @@ bool IsHuggingFaceDirectory(const std::string& dir) {
 }
 
 absl::Status LoadHuggingFace(const std::string& dir, FullyShardedModel& model,
-                             const CheckpointOptions& options) {
+                             const CheckpointIoOptions& options) {
   std::string seen = "an unreadable checkpoint";
   absl::StatusOr<std::vector<PlannedRead>> reads = absl::UnknownError("not read");
   try {
@@ -227,10 +227,10 @@ absl::Status LoadHuggingFace(const std::string& dir, FullyShardedModel& model,
 }
 
 absl::Status SaveHuggingFace(const std::string& dir, FullyShardedModel& model,
-                             const CheckpointOptions& options) {
+                             const CheckpointIoOptions& options) {
   if (options.dtype && !at::isFloatingType(*options.dtype)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "SaveCheckpoint: CheckpointOptions::dtype ", c10::toString(*options.dtype),
+        "SaveCheckpoint: CheckpointIoOptions::dtype ", c10::toString(*options.dtype),
         " is not a floating-point dtype"));
   }
   const StateDict named = NamedTensors(model.units().front()->module());

@@ -34,9 +34,9 @@ namespace fsdp::checkpoint_internal {
 bool IsHuggingFaceDirectory(const std::string& dir);
 
 absl::Status SaveHuggingFace(const std::string& dir, FullyShardedModel& model,
-                             const CheckpointOptions& options);
+                             const CheckpointIoOptions& options);
 absl::Status LoadHuggingFace(const std::string& dir, FullyShardedModel& model,
-                             const CheckpointOptions& options);
+                             const CheckpointIoOptions& options);
 
 }  // namespace fsdp::checkpoint_internal
 

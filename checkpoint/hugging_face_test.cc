@@ -46,8 +46,8 @@ std::unique_ptr<FullyShardedModel> Wrap(Net& model, Collectives& comm,
       .value();
 }
 
-CheckpointOptions HuggingFace() {
-  CheckpointOptions options;
+CheckpointIoOptions HuggingFace() {
+  CheckpointIoOptions options;
   options.format = CheckpointFormat::kHuggingFace;
   return options;
 }
@@ -89,7 +89,7 @@ TEST(HuggingFaceCheckpoint, SavesTheFullStateDictAndLoadsItAtOtherWorldSizes) {
     Net model;
     auto fsdp = Wrap(model, comm);
     Train(model, comm);
-    CheckpointOptions options;
+    CheckpointIoOptions options;
     options.format = CheckpointFormat::kHuggingFace;
     options.max_file_bytes = 400;
     options.config_json = config;
@@ -138,7 +138,7 @@ TEST(HuggingFaceCheckpoint, WritesAnotherDTypeAndCastsOnLoad) {
   absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
     Net model;
     auto fsdp = Wrap(model, comm);
-    CheckpointOptions options;
+    CheckpointIoOptions options;
     options.format = CheckpointFormat::kHuggingFace;
     options.dtype = at::kBFloat16;
     absl::Status s = SaveCheckpoint(dir, *fsdp, nullptr, {}, options);
@@ -201,7 +201,7 @@ TEST(HuggingFaceCheckpoint, RefusesACheckpointThatDoesNotFitAndChangesNothing) {
       EXPECT_TRUE(at::equal(after[i].second, before[i].second)) << after[i].first;
     }
     // Not strict: the extra and missing tensors are allowed, the shape is not.
-    CheckpointOptions not_strict;
+    CheckpointIoOptions not_strict;
     not_strict.strict = false;
     loaded = LoadCheckpoint(dir, *fsdp, nullptr, nullptr, not_strict);
     EXPECT_THAT(loaded.ToString(), HasSubstr("'head.bias' has shape [6]"));
@@ -244,7 +244,7 @@ TEST(HuggingFaceCheckpoint, WritesATiedTensorOnceAndFillsBothNames) {
     at::manual_seed(5);
     Tied model;
     auto fsdp = FullyShardedModel::Wrap(model.ptr(), comm, {}, NoUnitsPolicy()).value();
-    CheckpointOptions options;
+    CheckpointIoOptions options;
     options.format = CheckpointFormat::kHuggingFace;
     ASSERT_TRUE(SaveCheckpoint(dir, *fsdp, nullptr, {}, options).ok());
     const StateDict full = FullState(*fsdp);
@@ -314,7 +314,7 @@ TEST(HuggingFaceCheckpoint, HybridShardingWritesOnceAndLoadsOnEveryReplica) {
     options.replicate_group = groups->replicate.get();
     Net model;
     auto fsdp = Wrap(model, *groups->shard, options);
-    CheckpointOptions save = HuggingFace();
+    CheckpointIoOptions save = HuggingFace();
     save.max_file_bytes = 300;
     absl::Status saved_status = SaveCheckpoint(dir, *fsdp, nullptr, {}, save);
     ASSERT_TRUE(saved_status.ok()) << "rank " << world.rank() << ": " << saved_status;
@@ -364,7 +364,7 @@ TEST(HuggingFaceCheckpoint, RefusesMisuseOnEveryRank) {
     ASSERT_TRUE(SaveCheckpoint(dcp, *fsdp).ok());
     EXPECT_THAT(SaveCheckpoint(dcp, *fsdp, nullptr, {}, HuggingFace()).ToString(),
                 HasSubstr("holds a Distributed Checkpoint"));
-    CheckpointOptions not_strict;
+    CheckpointIoOptions not_strict;
     not_strict.strict = false;
     EXPECT_THAT(LoadCheckpoint(dcp, *fsdp, nullptr, nullptr, not_strict).ToString(),
                 HasSubstr("loads strictly"));

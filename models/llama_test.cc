@@ -156,7 +156,7 @@ Measured RunCase(const std::string& dir, const std::string& name) {
       m.logits_after = MaxAbsDiff(m.after, ref.at("logits_after"));
       m.change = MaxAbsDiff(ref.at("logits_after"), ref.at("logits"));
     }
-    fsdp::CheckpointOptions options;
+    fsdp::CheckpointIoOptions options;
     options.format = fsdp::CheckpointFormat::kHuggingFace;
     options.max_file_bytes = 100'000;
     options.config_json = ReadText(model_dir + "/config.json");
