@@ -133,81 +133,102 @@ const char* FormatName(Format format) {
   return "?";
 }
 
-// Every rank of `group` names what it saw; an error on every rank when
-// they differ.
-absl::Status SameOnEveryRank(Collectives& group, const std::string& dir, const std::string& seen) {
-  const std::vector<std::string> all = AllGatherBytes(group, seen);
-  for (size_t r = 0; r < all.size(); ++r) {
-    if (all[r] != seen) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the ranks see different things at '", dir, "': this rank (", group.rank(), ") ", seen,
-          ", rank ", r, " ", all[r], "; every rank must see the same directory"));
-    }
-  }
-  return absl::OkStatus();
+// Whether `dir` holds an older SHARDED checkpoint, which a save beside it
+// would make ambiguous to LoadCheckpoint (it is not ours to remove).
+absl::Status NoShardedCheckpointIn(const std::string& dir) {
+  if (!IsFile(dir + "/manifest.pb")) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "'", dir, "' holds a SHARDED checkpoint (manifest.pb) of an earlier "
+      "version; save to another directory (LoadCheckpoint reads this one)"));
 }
 
-absl::Status LoadDcp(const std::string& dir, FullyShardedModel& model,
-                     torch::optim::Optimizer* optimizer) {
+// What a DCP load reads before any rank changes anything: this rank's part
+// of the model and of the optimizer state, checked.
+struct StagedDcp {
+  StagedDcpLoad model;
+  StagedDcpOptimizer optim;
+};
+
+absl::Status StageDcp(const std::string& dir, FullyShardedModel& model,
+                      torch::optim::Optimizer* optimizer, StagedDcp& staged) {
   if (optimizer != nullptr) {
-    return LoadShardedDcpModelAndOptimizer(model, *optimizer, dir);
+    FSDP_RETURN_IF_ERROR(StageShardedDcpOptimizer(model, *optimizer, dir,
+                                                  DcpCheckpointKeys().optim, staged.optim));
   }
-  return LoadShardedDcp(model.group(), dir, ModelDcpShards(model, kModelKey, /*every_name=*/false),
-                        nullptr, absl::OkStatus(), model.replicate_group());
+  return StageShardedDcp(dir, ModelDcpShards(model, kModelKey, /*every_name=*/false),
+                         staged.model);
+}
+
+// This rank's half of a load, before the one agreement: its train state
+// into `read` and, from a DCP checkpoint, this rank's parts. Changes
+// nothing; no collective.
+absl::Status ReadBeforeAgreeing(const std::string& dir, Format format, FullyShardedModel& model,
+                                torch::optim::Optimizer* optimizer, TrainState* read,
+                                StagedDcp& staged) {
+  if (format == Format::kSharded) {
+    return read != nullptr ? ReadShardedTrainState(dir, *read) : absl::OkStatus();
+  }
+  if (format != Format::kDcp) return absl::OkStatus();
+  if (read != nullptr) FSDP_RETURN_IF_ERROR(ReadDcpTrainState(dir, *read));
+  const absl::Status stage = NotFoundIsDamage(StageDcp(dir, model, optimizer, staged));
+  if (stage.ok()) return stage;
+  return absl::Status(stage.code(), absl::StrCat("nothing was loaded: ", stage.message()));
 }
 
 }  // namespace
 
+// NOTE [One round per call]: a save and a load each agree across ranks once
+// (the save's round is its commit: every rank's file reported to rank 0
+// before it writes .metadata, then the outcome to all). What a save checks
+// first (a SHARDED checkpoint in the way) travels in that report round; a
+// load reads and checks everything, what the directory holds included,
+// before its single agreement, after which each rank only copies what it
+// staged. Under hybrid sharding only the writers' shard group reports, so
+// there the check before a save is agreed in a round of its own.
 absl::Status SaveCheckpoint(const std::string& dir, FullyShardedModel& model,
                             torch::optim::Optimizer* optimizer, const TrainState& train_state) {
   FSDP_RETURN_IF_ERROR(model.RequireIdle("saving a checkpoint"));
-  // A DCP checkpoint beside an older SHARDED one would make the directory
-  // ambiguous to LoadCheckpoint; the SHARDED one is not ours to remove.
-  FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(
-      model, IsFile(dir + "/manifest.pb")
-                 ? absl::FailedPreconditionError(absl::StrCat(
-                       "'", dir, "' holds a SHARDED checkpoint (manifest.pb) of an earlier "
-                       "version; save to another directory (LoadCheckpoint reads this one)"))
-                 : absl::OkStatus()));
+  const absl::Status ready = NoShardedCheckpointIn(dir);
+  if (model.replicate_group() != nullptr) {
+    FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, ready));
+  }
   if (optimizer != nullptr) {
     return SaveShardedDcpModelAndOptimizer(model, *optimizer, dir, {},
-                                           TrainStateItems(train_state));
+                                           TrainStateItems(train_state), ready);
   }
   return SaveModelShardedDcp(model, dir, ModelDcpShards(model, kModelKey, /*every_name=*/true),
-                             TrainStateItems(train_state));
+                             TrainStateItems(train_state), ready);
 }
 
 absl::Status LoadCheckpoint(const std::string& dir, FullyShardedModel& model,
                             torch::optim::Optimizer* optimizer, TrainState* train_state) {
   FSDP_RETURN_IF_ERROR(model.RequireIdle("loading a checkpoint"));
-  // What the directory holds and its train state, agreed by every rank
-  // before any collective load: ranks that see it differently (a network
-  // file system's cache) fail together instead of waiting for each other.
+  // What each rank saw is part of the agreement: ranks that see the
+  // directory differently (a network file system's cache) fail together
+  // instead of waiting for each other in different loads.
   TrainState read = train_state != nullptr ? *train_state : TrainState{};
   const absl::StatusOr<Format> format = FormatOf(dir);
-  absl::Status probe = format.status();
-  if (format.ok() && train_state != nullptr) {
-    if (*format == Format::kDcp) probe = ReadDcpTrainState(dir, read);
-    if (*format == Format::kSharded) probe = ReadShardedTrainState(dir, read);
-  }
-  try {
-    const std::string seen = format.ok() ? FormatName(*format) : "an unreadable directory";
-    absl::Status same = SameOnEveryRank(model.group(), dir, seen);
-    if (Collectives* replicas = model.replicate_group()) {
-      absl::Status across = SameOnEveryRank(*replicas, dir, seen);
-      if (same.ok()) same = across;
+  StagedDcp staged;
+  absl::Status local = format.status();
+  if (local.ok()) {
+    try {
+      local = ReadBeforeAgreeing(dir, *format, model, optimizer,
+                                 train_state != nullptr ? &read : nullptr, staged);
+    } catch (...) {
+      local = StatusFromCurrentException();
     }
-    if (probe.ok()) probe = same;
-  } catch (...) {
-    probe = StatusFromCurrentException();
   }
-  FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, probe));
+  const std::string seen = format.ok() ? FormatName(*format) : "an unreadable directory";
+  FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, local, seen, dir));
   if (*format == Format::kNone) {
     return absl::NotFoundError(absl::StrCat("'", dir, "' holds no checkpoint (neither .metadata "
                                             "nor manifest.pb)"));
   }
   if (*format == Format::kDcp) {
-    FSDP_RETURN_IF_ERROR(NotFoundIsDamage(LoadDcp(dir, model, optimizer)));
+    FSDP_RETURN_IF_ERROR(ApplyStagedDcp(staged.model));
+    if (optimizer != nullptr) {
+      FSDP_RETURN_IF_ERROR(ApplyStagedDcpOptimizer(model, *optimizer, dir, staged.optim));
+    }
   } else if (optimizer != nullptr) {
     FSDP_RETURN_IF_ERROR(NotFoundIsDamage(LoadTrainingCheckpoint(model, *optimizer, dir)));
   } else {

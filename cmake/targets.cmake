@@ -772,7 +772,7 @@ endif()
 # //optim:dcp_checkpoint
 add_library(optim_dcp_checkpoint SHARED ${PROJECT_SOURCE_DIR}/optim/dcp_checkpoint.cc ${PROJECT_SOURCE_DIR}/optim/dcp_checkpoint.h)
 set_target_properties(optim_dcp_checkpoint PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/optim)
-target_link_libraries(optim_dcp_checkpoint PUBLIC optim_optim_state optim_torch_optim_file base_status fsdp_fully_shard statedict_dcp_sharded statedict_state_dict third_party_absl_base third_party_absl_status fsdp_torch)
+target_link_libraries(optim_dcp_checkpoint PUBLIC optim_optim_state optim_optim_state_dict optim_torch_optim_file base_status fsdp_fully_shard statedict_dcp_sharded statedict_state_dict third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(optim_dcp_checkpoint PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS optim_dcp_checkpoint EXPORT fsdp_cpp_targets)
 
