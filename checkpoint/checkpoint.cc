@@ -12,7 +12,9 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "base/status.h"
 #include "checkpoint/agree.h"
 #include "comm/collectives.h"
@@ -32,13 +34,37 @@ using checkpoint_internal::AgreeAcrossRanks;
 constexpr char kModelKey[] = "model";
 constexpr char kDataPositionKey[] = "data_position";
 
-std::vector<DcpPathPart> TrainStatePath(const std::string& key) {
-  return {{false, kDcpTrainStateKey, 0}, {false, key, 0}};
+std::vector<DcpPathPart> TrainStatePath(const std::string& name) {
+  std::vector<DcpPathPart> path = {{false, kDcpTrainStateKey, 0}};
+  for (absl::string_view part : absl::StrSplit(name, '.')) {
+    path.push_back({false, std::string(part), 0});
+  }
+  return path;
 }
 
-std::vector<DcpItem> TrainStateItems(const TrainState& state) {
-  return {{TrainStatePath(kStepMetadataKey), c10::IValue(state.step)},
-          {TrainStatePath(kDataPositionKey), c10::IValue(state.data_position)}};
+// A label's name must nest cleanly and leave step and data_position alone.
+absl::Status CheckLabelName(const std::string& name) {
+  bool ok = !name.empty();
+  for (absl::string_view part : absl::StrSplit(name, '.')) {
+    ok = ok && !part.empty();
+    for (char c : part) ok = ok && (absl::ascii_isalnum(c) || c == '_');
+  }
+  const std::string first = name.substr(0, name.find('.'));
+  if (ok && first != kStepMetadataKey && first != kDataPositionKey) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "TrainState label '", PrintableText(name),
+      "': expected parts of [A-Za-z0-9_] joined by '.', neither step nor data_position"));
+}
+
+absl::StatusOr<std::vector<DcpItem>> TrainStateItems(const TrainState& state) {
+  std::vector<DcpItem> items = {
+      {TrainStatePath(kStepMetadataKey), c10::IValue(state.step)},
+      {TrainStatePath(kDataPositionKey), c10::IValue(state.data_position)}};
+  for (const auto& [name, value] : state.labels) {
+    FSDP_RETURN_IF_ERROR(CheckLabelName(name));
+    items.push_back({TrainStatePath(name), c10::IValue(value)});
+  }
+  return items;
 }
 
 // The train_state a DCP checkpoint holds; what it lacks stays as `state`
@@ -47,11 +73,18 @@ absl::Status ReadDcpTrainState(const std::string& dir, TrainState& state) {
   FSDP_ASSIGN_OR_RETURN(const DcpMetadata metadata, ReadDcpMetadata(dir));
   const std::string prefix = absl::StrCat(kDcpTrainStateKey, ".");
   for (const DcpBytesEntry& bytes : metadata.bytes) {
+    if (!absl::StartsWith(bytes.fqn, prefix)) continue;
     int64_t* field = nullptr;
     if (bytes.fqn == prefix + kStepMetadataKey) field = &state.step;
     if (bytes.fqn == prefix + kDataPositionKey) field = &state.data_position;
-    if (field == nullptr) continue;
     FSDP_ASSIGN_OR_RETURN(const PyRef value, ReadDcpBytes(dir, bytes));
+    if (field == nullptr) {
+      // A label; a PyTorch job's other train_state values are not ours.
+      if (value->kind == PyValue::Kind::kString) {
+        state.labels[bytes.fqn.substr(prefix.size())] = value->s;
+      }
+      continue;
+    }
     if (value->kind != PyValue::Kind::kInt) {
       return absl::DataLossError(absl::StrCat("the checkpoint '", dir, "': its '", bytes.fqn,
                                               "' is not an integer"));
@@ -64,6 +97,9 @@ absl::Status ReadDcpTrainState(const std::string& dir, TrainState& state) {
 // The step an older SHARDED checkpoint's manifest records, if any.
 absl::Status ReadShardedTrainState(const std::string& dir, TrainState& state) {
   FSDP_ASSIGN_OR_RETURN(const CheckpointMetadata metadata, ReadCheckpointMetadata(dir));
+  for (const auto& [name, value] : metadata) {
+    if (name != kStepMetadataKey) state.labels[name] = value;
+  }
   const auto step = metadata.find(kStepMetadataKey);
   if (step == metadata.end()) return absl::OkStatus();
   if (!absl::SimpleAtoi(step->second, &state.step)) {
@@ -188,16 +224,18 @@ absl::Status ReadBeforeAgreeing(const std::string& dir, Format format, FullyShar
 absl::Status SaveCheckpoint(const std::string& dir, FullyShardedModel& model,
                             torch::optim::Optimizer* optimizer, const TrainState& train_state) {
   FSDP_RETURN_IF_ERROR(model.RequireIdle("saving a checkpoint"));
-  const absl::Status ready = NoShardedCheckpointIn(dir);
+  absl::StatusOr<std::vector<DcpItem>> items = TrainStateItems(train_state);
+  absl::Status ready = items.status();
+  if (ready.ok()) ready = NoShardedCheckpointIn(dir);
   if (model.replicate_group() != nullptr) {
     FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, ready));
   }
+  const std::vector<DcpItem> values = items.ok() ? *std::move(items) : std::vector<DcpItem>();
   if (optimizer != nullptr) {
-    return SaveShardedDcpModelAndOptimizer(model, *optimizer, dir, {},
-                                           TrainStateItems(train_state), ready);
+    return SaveShardedDcpModelAndOptimizer(model, *optimizer, dir, {}, values, ready);
   }
   return SaveModelShardedDcp(model, dir, ModelDcpShards(model, kModelKey, /*every_name=*/true),
-                             TrainStateItems(train_state), ready);
+                             values, ready);
 }
 
 absl::Status LoadCheckpoint(const std::string& dir, FullyShardedModel& model,
