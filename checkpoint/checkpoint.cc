@@ -12,7 +12,9 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "base/status.h"
 #include "checkpoint/agree.h"
 #include "checkpoint/hugging_face_internal.h"
@@ -34,13 +36,37 @@ using checkpoint_internal::IsHuggingFaceDirectory;
 constexpr char kModelKey[] = "model";
 constexpr char kDataPositionKey[] = "data_position";
 
-std::vector<DcpPathPart> TrainStatePath(const std::string& key) {
-  return {{false, kDcpTrainStateKey, 0}, {false, key, 0}};
+std::vector<DcpPathPart> TrainStatePath(const std::string& name) {
+  std::vector<DcpPathPart> path = {{false, kDcpTrainStateKey, 0}};
+  for (absl::string_view part : absl::StrSplit(name, '.')) {
+    path.push_back({false, std::string(part), 0});
+  }
+  return path;
 }
 
-std::vector<DcpItem> TrainStateItems(const TrainState& state) {
-  return {{TrainStatePath(kStepMetadataKey), c10::IValue(state.step)},
-          {TrainStatePath(kDataPositionKey), c10::IValue(state.data_position)}};
+// A label's name must nest cleanly and leave step and data_position alone.
+absl::Status CheckLabelName(const std::string& name) {
+  bool ok = !name.empty();
+  for (absl::string_view part : absl::StrSplit(name, '.')) {
+    ok = ok && !part.empty();
+    for (char c : part) ok = ok && (absl::ascii_isalnum(c) || c == '_');
+  }
+  const std::string first = name.substr(0, name.find('.'));
+  if (ok && first != kStepMetadataKey && first != kDataPositionKey) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "TrainState label '", PrintableText(name),
+      "': expected parts of [A-Za-z0-9_] joined by '.', neither step nor data_position"));
+}
+
+absl::StatusOr<std::vector<DcpItem>> TrainStateItems(const TrainState& state) {
+  std::vector<DcpItem> items = {
+      {TrainStatePath(kStepMetadataKey), c10::IValue(state.step)},
+      {TrainStatePath(kDataPositionKey), c10::IValue(state.data_position)}};
+  for (const auto& [name, value] : state.labels) {
+    FSDP_RETURN_IF_ERROR(CheckLabelName(name));
+    items.push_back({TrainStatePath(name), c10::IValue(value)});
+  }
+  return items;
 }
 
 // The train_state a DCP checkpoint holds; what it lacks stays as `state`
@@ -49,11 +75,18 @@ absl::Status ReadDcpTrainState(const std::string& dir, TrainState& state) {
   FSDP_ASSIGN_OR_RETURN(const DcpMetadata metadata, ReadDcpMetadata(dir));
   const std::string prefix = absl::StrCat(kDcpTrainStateKey, ".");
   for (const DcpBytesEntry& bytes : metadata.bytes) {
+    if (!absl::StartsWith(bytes.fqn, prefix)) continue;
     int64_t* field = nullptr;
     if (bytes.fqn == prefix + kStepMetadataKey) field = &state.step;
     if (bytes.fqn == prefix + kDataPositionKey) field = &state.data_position;
-    if (field == nullptr) continue;
     FSDP_ASSIGN_OR_RETURN(const PyRef value, ReadDcpBytes(dir, bytes));
+    if (field == nullptr) {
+      // A label; a PyTorch job's other train_state values are not ours.
+      if (value->kind == PyValue::Kind::kString) {
+        state.labels[bytes.fqn.substr(prefix.size())] = value->s;
+      }
+      continue;
+    }
     if (value->kind != PyValue::Kind::kInt) {
       return absl::DataLossError(absl::StrCat("the checkpoint '", dir, "': its '", bytes.fqn,
                                               "' is not an integer"));
@@ -66,6 +99,9 @@ absl::Status ReadDcpTrainState(const std::string& dir, TrainState& state) {
 // The step an older SHARDED checkpoint's manifest records, if any.
 absl::Status ReadShardedTrainState(const std::string& dir, TrainState& state) {
   FSDP_ASSIGN_OR_RETURN(const CheckpointMetadata metadata, ReadCheckpointMetadata(dir));
+  for (const auto& [name, value] : metadata) {
+    if (name != kStepMetadataKey) state.labels[name] = value;
+  }
   const auto step = metadata.find(kStepMetadataKey);
   if (step == metadata.end()) return absl::OkStatus();
   if (!absl::SimpleAtoi(step->second, &state.step)) {
@@ -141,27 +177,37 @@ const char* FormatName(Format format) {
   return "?";
 }
 
-// Every rank of `group` names what it saw; an error on every rank when
-// they differ.
-absl::Status SameOnEveryRank(Collectives& group, const std::string& dir, const std::string& seen) {
-  const std::vector<std::string> all = AllGatherBytes(group, seen);
-  for (size_t r = 0; r < all.size(); ++r) {
-    if (all[r] != seen) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the ranks see different things at '", dir, "': this rank (", group.rank(), ") ", seen,
-          ", rank ", r, " ", all[r], "; every rank must see the same directory"));
-    }
+// What a DCP load reads before any rank changes anything: this rank's part
+// of the model and of the optimizer state, checked.
+struct StagedDcp {
+  StagedDcpLoad model;
+  StagedDcpOptimizer optim;
+};
+
+absl::Status StageDcp(const std::string& dir, FullyShardedModel& model,
+                      torch::optim::Optimizer* optimizer, StagedDcp& staged) {
+  if (optimizer != nullptr) {
+    FSDP_RETURN_IF_ERROR(StageShardedDcpOptimizer(model, *optimizer, dir,
+                                                  DcpCheckpointKeys().optim, staged.optim));
   }
-  return absl::OkStatus();
+  return StageShardedDcp(dir, ModelDcpShards(model, kModelKey, /*every_name=*/false),
+                         staged.model);
 }
 
-absl::Status LoadDcp(const std::string& dir, FullyShardedModel& model,
-                     torch::optim::Optimizer* optimizer) {
-  if (optimizer != nullptr) {
-    return LoadShardedDcpModelAndOptimizer(model, *optimizer, dir);
+// This rank's half of a load, before the one agreement: its train state
+// into `read` and, from a DCP checkpoint, this rank's parts. Changes
+// nothing; no collective.
+absl::Status ReadBeforeAgreeing(const std::string& dir, Format format, FullyShardedModel& model,
+                                torch::optim::Optimizer* optimizer, TrainState* read,
+                                StagedDcp& staged) {
+  if (format == Format::kSharded) {
+    return read != nullptr ? ReadShardedTrainState(dir, *read) : absl::OkStatus();
   }
-  return LoadShardedDcp(model.group(), dir, ModelDcpShards(model, kModelKey, /*every_name=*/false),
-                        nullptr, absl::OkStatus(), model.replicate_group());
+  if (format != Format::kDcp) return absl::OkStatus();
+  if (read != nullptr) FSDP_RETURN_IF_ERROR(ReadDcpTrainState(dir, *read));
+  const absl::Status stage = NotFoundIsDamage(StageDcp(dir, model, optimizer, staged));
+  if (stage.ok()) return stage;
+  return absl::Status(stage.code(), absl::StrCat("nothing was loaded: ", stage.message()));
 }
 
 // A checkpoint of `format` beside one of another format would make the
@@ -182,54 +228,63 @@ absl::Status NoOtherFormat(const std::string& dir, CheckpointFormat format) {
 
 }  // namespace
 
+// NOTE [One round per call]: a save and a load each agree across ranks once
+// (the save's round is its commit: every rank's file reported to rank 0
+// before it writes .metadata, then the outcome to all). What a save checks
+// first (a SHARDED checkpoint in the way) travels in that report round; a
+// load reads and checks everything, what the directory holds included,
+// before its single agreement, after which each rank only copies what it
+// staged. Under hybrid sharding only the writers' shard group reports, so
+// there the check before a save is agreed in a round of its own.
 absl::Status SaveCheckpoint(const std::string& dir, FullyShardedModel& model,
                             torch::optim::Optimizer* optimizer, const TrainState& train_state,
                             const CheckpointIoOptions& options) {
   FSDP_RETURN_IF_ERROR(model.RequireIdle("saving a checkpoint"));
-  if (options.format == CheckpointFormat::kHuggingFace &&
-      (optimizer != nullptr || train_state.step != 0 || train_state.data_position != 0)) {
-    return absl::InvalidArgumentError(
-        "SaveCheckpoint: a Hugging Face checkpoint holds the model's weights only; pass no "
-        "optimizer and no train state (a Distributed Checkpoint keeps them)");
-  }
-  FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, NoOtherFormat(dir, options.format)));
   if (options.format == CheckpointFormat::kHuggingFace) {
+    if (optimizer != nullptr || train_state.step != 0 || train_state.data_position != 0 ||
+        !train_state.labels.empty()) {
+      return absl::InvalidArgumentError(
+          "SaveCheckpoint: a Hugging Face checkpoint holds the model's weights only; pass no "
+          "optimizer and no train state (a Distributed Checkpoint keeps them)");
+    }
+    FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, NoOtherFormat(dir, options.format)));
     return checkpoint_internal::SaveHuggingFace(dir, model, options);
   }
+  absl::StatusOr<std::vector<DcpItem>> items = TrainStateItems(train_state);
+  absl::Status ready = items.status();
+  if (ready.ok()) ready = NoOtherFormat(dir, options.format);
+  if (model.replicate_group() != nullptr) {
+    FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, ready));
+  }
+  const std::vector<DcpItem> values = items.ok() ? *std::move(items) : std::vector<DcpItem>();
   if (optimizer != nullptr) {
-    return SaveShardedDcpModelAndOptimizer(model, *optimizer, dir, {},
-                                           TrainStateItems(train_state));
+    return SaveShardedDcpModelAndOptimizer(model, *optimizer, dir, {}, values, ready);
   }
   return SaveModelShardedDcp(model, dir, ModelDcpShards(model, kModelKey, /*every_name=*/true),
-                             TrainStateItems(train_state));
+                             values, ready);
 }
 
 absl::Status LoadCheckpoint(const std::string& dir, FullyShardedModel& model,
                             torch::optim::Optimizer* optimizer, TrainState* train_state,
                             const CheckpointIoOptions& options) {
   FSDP_RETURN_IF_ERROR(model.RequireIdle("loading a checkpoint"));
-  // What the directory holds and its train state, agreed by every rank
-  // before any collective load: ranks that see it differently (a network
-  // file system's cache) fail together instead of waiting for each other.
+  // What each rank saw is part of the agreement: ranks that see the
+  // directory differently (a network file system's cache) fail together
+  // instead of waiting for each other in different loads.
   TrainState read = train_state != nullptr ? *train_state : TrainState{};
   const absl::StatusOr<Format> format = FormatOf(dir);
-  absl::Status probe = format.status();
-  if (format.ok() && train_state != nullptr) {
-    if (*format == Format::kDcp) probe = ReadDcpTrainState(dir, read);
-    if (*format == Format::kSharded) probe = ReadShardedTrainState(dir, read);
-  }
-  try {
-    const std::string seen = format.ok() ? FormatName(*format) : "an unreadable directory";
-    absl::Status same = SameOnEveryRank(model.group(), dir, seen);
-    if (Collectives* replicas = model.replicate_group()) {
-      absl::Status across = SameOnEveryRank(*replicas, dir, seen);
-      if (same.ok()) same = across;
+  StagedDcp staged;
+  absl::Status local = format.status();
+  if (local.ok()) {
+    try {
+      local = ReadBeforeAgreeing(dir, *format, model, optimizer,
+                                 train_state != nullptr ? &read : nullptr, staged);
+    } catch (...) {
+      local = StatusFromCurrentException();
     }
-    if (probe.ok()) probe = same;
-  } catch (...) {
-    probe = StatusFromCurrentException();
   }
-  FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, probe));
+  const std::string seen = format.ok() ? FormatName(*format) : "an unreadable directory";
+  FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, local, seen, dir));
   if (*format == Format::kNone) {
     return absl::NotFoundError(absl::StrCat("'", dir, "' holds no checkpoint (none of .metadata, "
                                             "model.safetensors[.index.json], manifest.pb)"));
@@ -248,7 +303,10 @@ absl::Status LoadCheckpoint(const std::string& dir, FullyShardedModel& model,
         "(strict = false is for Hugging Face checkpoints)"));
   }
   if (*format == Format::kDcp) {
-    FSDP_RETURN_IF_ERROR(NotFoundIsDamage(LoadDcp(dir, model, optimizer)));
+    FSDP_RETURN_IF_ERROR(ApplyStagedDcp(staged.model));
+    if (optimizer != nullptr) {
+      FSDP_RETURN_IF_ERROR(ApplyStagedDcpOptimizer(model, *optimizer, dir, staged.optim));
+    }
   } else if (optimizer != nullptr) {
     FSDP_RETURN_IF_ERROR(NotFoundIsDamage(LoadTrainingCheckpoint(model, *optimizer, dir)));
   } else {

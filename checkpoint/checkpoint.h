@@ -46,6 +46,7 @@
 #define FSDP_CHECKPOINT_CHECKPOINT_H_
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 
@@ -107,6 +108,13 @@ struct TrainState {
   // Where the data stands (batches or samples consumed, a file offset): the
   // caller's to define.
   int64_t data_position = 0;
+  // Strings a run keeps with its checkpoint (its id, its settings), saved
+  // as train_state entries: a name is parts of [A-Za-z0-9_] joined by '.',
+  // which nests ("settings.lr" is train_state["settings"]["lr"]); neither
+  // "step" nor "data_position" (else kInvalidArgument). LoadCheckpoint sets
+  // each that the checkpoint holds (of an older SHARDED checkpoint: its
+  // manifest's metadata other than the step, by their own names).
+  std::map<std::string, std::string> labels;
 };
 
 enum class CheckpointFormat {

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -118,14 +119,22 @@ TEST(Checkpoint, ResumesARunAtOtherWorldSizes) {
   }
 }
 
-// Without an optimizer: the model alone, and the train state.
+// Without an optimizer: the model alone, and the train state with its
+// labels (a bad label name is refused on every rank, and nothing is saved).
 TEST(Checkpoint, SavesAndLoadsTheModelAlone) {
   const std::string dir = Dir("model_alone");
   StateDict saved_state;
   absl::Status first = RunOnThreadRanks(2, [&](Collectives& comm) {
     Trainer t(comm);
     t.Step(comm, 0);
-    ASSERT_TRUE(SaveCheckpoint(dir, *t.fsdp, nullptr, {1, 0}).ok());
+    TrainState bad{1, 0, {{"settings..lr", "x"}}};
+    absl::Status refused = SaveCheckpoint(dir, *t.fsdp, nullptr, bad);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+    EXPECT_THAT(refused.message(), HasSubstr("TrainState label 'settings..lr'"));
+    struct stat st;
+    EXPECT_NE(stat((dir + "/.metadata").c_str(), &st), 0);
+    TrainState train_state{1, 0, {{"run_id", "abc"}, {"settings.lr", "0.01"}}};
+    ASSERT_TRUE(SaveCheckpoint(dir, *t.fsdp, nullptr, train_state).ok());
     StateDict state = GetModelStateDict(*t.fsdp).value();
     if (comm.rank() == 0) saved_state = state;
   });
@@ -136,6 +145,8 @@ TEST(Checkpoint, SavesAndLoadsTheModelAlone) {
     absl::Status loaded = LoadCheckpoint(dir, *t.fsdp, nullptr, &state);
     ASSERT_TRUE(loaded.ok()) << loaded;
     EXPECT_EQ(state.step, 1);
+    EXPECT_EQ(state.labels,
+              (std::map<std::string, std::string>{{"run_id", "abc"}, {"settings.lr", "0.01"}}));
     ExpectSameStateDict(GetModelStateDict(*t.fsdp).value(), saved_state);
     // A checkpoint without optimizer state cannot restore one.
     absl::Status with_optimizer = LoadCheckpoint(dir, *t.fsdp, t.optimizer.get());

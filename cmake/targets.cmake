@@ -811,7 +811,7 @@ endif()
 # //models:train_gpt_job
 add_library(models_train_gpt_job SHARED ${PROJECT_SOURCE_DIR}/models/train_gpt_checks.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_config.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_config.h ${PROJECT_SOURCE_DIR}/models/train_gpt_data.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_data.h ${PROJECT_SOURCE_DIR}/models/train_gpt_flags.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_initial_state.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_initial_state.h ${PROJECT_SOURCE_DIR}/models/train_gpt_optimizer.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_optimizer.h ${PROJECT_SOURCE_DIR}/models/train_gpt_outputs.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_report.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_report.h ${PROJECT_SOURCE_DIR}/models/train_gpt_run.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_start.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_training_run.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_training_run.h ${PROJECT_SOURCE_DIR}/models/train_gpt_checks.h ${PROJECT_SOURCE_DIR}/models/train_gpt_flags.h ${PROJECT_SOURCE_DIR}/models/train_gpt_run.h ${PROJECT_SOURCE_DIR}/models/train_gpt_start.h)
 set_target_properties(models_train_gpt_job PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models)
-target_link_libraries(models_train_gpt_job PUBLIC models_gpt models_output_paths base_directory_lock base_status comm_collectives comm_hybrid_groups comm_launch_environment comm_rendezvous comm_staged_collectives fsdp_activation_checkpointing fsdp_fully_shard fsdp_trace optim_dcp_checkpoint optim_flat_shard_optimizers optim_optim_state optim_run_checkpoints optim_torch_optim_file optim_training_checkpoint policies_builtin_policies policies_registry statedict_dcp statedict_dcp_sharded statedict_state_dict statedict_torch_file third_party_absl_flags fsdp_torch)
+target_link_libraries(models_train_gpt_job PUBLIC models_gpt models_output_paths base_directory_lock base_status checkpoint_checkpoint comm_collectives comm_hybrid_groups comm_launch_environment comm_rendezvous comm_staged_collectives fsdp_activation_checkpointing fsdp_fully_shard fsdp_trace optim_dcp_checkpoint optim_flat_shard_optimizers optim_optim_state optim_run_checkpoints optim_torch_optim_file optim_training_checkpoint policies_builtin_policies policies_registry statedict_dcp statedict_dcp_sharded statedict_state_dict statedict_torch_file third_party_absl_flags fsdp_torch)
 
 # //models:train_gpt_misuse_test
 if(BUILD_TESTING)
@@ -851,7 +851,7 @@ endif()
 # //optim:dcp_checkpoint
 add_library(optim_dcp_checkpoint SHARED ${PROJECT_SOURCE_DIR}/optim/dcp_checkpoint.cc ${PROJECT_SOURCE_DIR}/optim/dcp_checkpoint.h)
 set_target_properties(optim_dcp_checkpoint PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/optim)
-target_link_libraries(optim_dcp_checkpoint PUBLIC optim_optim_state optim_torch_optim_file base_status fsdp_fully_shard statedict_dcp_sharded statedict_state_dict third_party_absl_base third_party_absl_status fsdp_torch)
+target_link_libraries(optim_dcp_checkpoint PUBLIC optim_optim_state optim_optim_state_dict optim_torch_optim_file base_status fsdp_fully_shard statedict_dcp_sharded statedict_state_dict third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(optim_dcp_checkpoint PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS optim_dcp_checkpoint EXPORT fsdp_cpp_targets)
 

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/status.h"
+#include "checkpoint/checkpoint.h"
 #include "models/output_paths.h"
 #include "models/train_gpt_flags.h"
 #include "models/train_gpt_training_run.h"
@@ -90,11 +91,13 @@ void TrainingRun::SaveCheckpoint(int step) {
   const bool dcp = absl::GetFlag(FLAGS_checkpoint_format) == "dcp";
   // A step directory an overwritten run left in the other format: its
   // marker goes first, so that the two never mix (rank 0 writes the
-  // save's own marker, last).
-  if (rank_ == 0) unlink((path + (dcp ? "/manifest.pb" : "/.metadata")).c_str());
+  // save's own marker, last). Every rank removes a manifest.pb itself:
+  // SaveCheckpoint refuses to write beside one, on any rank that sees it.
+  if (dcp || rank_ == 0) unlink((path + (dcp ? "/manifest.pb" : "/.metadata")).c_str());
   if (dcp) {
-    fsdp::ThrowIfError(fsdp::SaveShardedDcpModelAndOptimizer(
-        *fsdp_model_, *optimizer_, path, {}, checkpoints_->DcpTrainStateOf(step)));
+    // The data position is the batches consumed: a resumed run skips them.
+    fsdp::TrainState state{step, step, checkpoints_->DcpLabels()};
+    fsdp::ThrowIfError(fsdp::SaveCheckpoint(path, *fsdp_model_, optimizer_.get(), state));
   } else {
     fsdp::ThrowIfError(fsdp::SaveTrainingCheckpoint(*fsdp_model_, *optimizer_, path,
                                                     checkpoints_->MetadataOf(step)));

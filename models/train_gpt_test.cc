@@ -548,6 +548,44 @@ TEST(TrainGpt, AfterARankDiesTheLastCheckpointResumesTheRunExactly) {
   for (int i = 0; i < 4; ++i) EXPECT_NEAR(actual[i], expected[6 + i], 1e-6) << "step " << 7 + i;
 }
 
+// The main job's checkpoints in either format resume exactly: a
+// Distributed Checkpoint saved through the front door (SaveCheckpoint), and
+// one of the older SHARDED format; --resume tells them apart, and the
+// resumed run's own checkpoint is then a Distributed Checkpoint.
+TEST(TrainGpt, ResumesExactlyFromEitherCheckpointFormat) {
+  const std::string dir = TempDir("resume_either_format");
+  const std::string common = " --world_size=2 --print_plan=false";
+  const CommandResult reference = RunCommand(
+      absl::StrCat(kTrainGpt, common, " --steps=6 --metrics_jsonl=", dir, "/reference.jsonl"));
+  ASSERT_EQ(reference.exit_code, 0) << reference.output;
+  const std::vector<double> expected = LossesOf(dir + "/reference.jsonl");
+  ASSERT_EQ(expected.size(), 6u);
+  for (const std::string format : {"sharded", "dcp"}) {
+    SCOPED_TRACE(format);
+    const std::string ckpt = absl::StrCat(dir, "/", format);
+    const CommandResult first = RunCommand(absl::StrCat(
+        kTrainGpt, common, " --steps=3 --checkpoint_every=3 --checkpoint_format=", format,
+        " --checkpoint_dir=", ckpt));
+    ASSERT_EQ(first.exit_code, 0) << first.output;
+    struct stat st;
+    EXPECT_EQ(stat((ckpt + (format == "dcp" ? "/step-00000003/.metadata"
+                                            : "/step-00000003/manifest.pb"))
+                       .c_str(),
+                   &st),
+              0);
+    const CommandResult resumed = RunCommand(absl::StrCat(
+        kTrainGpt, common, " --steps=6 --resume --checkpoint_every=3 --checkpoint_format=dcp",
+        " --checkpoint_dir=", ckpt,
+        " --metrics_jsonl=", ckpt, "_resumed.jsonl"));
+    ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+    EXPECT_THAT(resumed.output, HasSubstr("resumed from " + ckpt + "/step-00000003"));
+    EXPECT_EQ(stat((ckpt + "/step-00000006/.metadata").c_str(), &st), 0);
+    const std::vector<double> actual = LossesOf(ckpt + "_resumed.jsonl");
+    ASSERT_EQ(actual.size(), 3u);
+    for (int i = 0; i < 3; ++i) EXPECT_NEAR(actual[i], expected[3 + i], 1e-6) << "step " << 4 + i;
+  }
+}
+
 TEST(TrainGpt, AnInterruptedLauncherStopsEveryRank) {
   std::vector<int> rank_pids;
   const CommandResult run = RunAndInterfere([&](int launcher, const std::vector<int>& ranks) {

@@ -15,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
+#include "checkpoint/checkpoint.h"
 #include "fsdp/activation_checkpointing.h"
 #include "fsdp/utilities.h"
 #include "models/train_gpt_checks.h"
@@ -22,8 +23,6 @@
 #include "models/train_gpt_flags.h"
 #include "models/train_gpt_initial_state.h"
 #include "models/train_gpt_optimizer.h"
-#include "optim/dcp_checkpoint.h"
-#include "optim/training_checkpoint.h"
 #include "policies/wrap_policy.h"
 #include "statedict/state_dict.h"
 
@@ -210,10 +209,9 @@ void TrainingRun::ResumeIfAsked() {
     }
   }
   const fsdp::StepCheckpoint& from = *checkpoints_->resume_from();
-  fsdp::ThrowIfError(
-      from.format == fsdp::StepCheckpoint::Format::kDcp
-          ? fsdp::LoadShardedDcpModelAndOptimizer(*fsdp_model_, *optimizer_, from.path)
-          : fsdp::LoadTrainingCheckpoint(*fsdp_model_, *optimizer_, from.path));
+  // Either format: LoadCheckpoint tells a Distributed Checkpoint from an
+  // older SHARDED one by what the directory holds.
+  fsdp::ThrowIfError(fsdp::LoadCheckpoint(from.path, *fsdp_model_, optimizer_.get()));
   const std::string hyperparameters = ApplyGivenHyperparameters(*optimizer_);
   first_step_ = static_cast<int>(from.step) + 1;
   batches_->Skip(from.step);

@@ -17,14 +17,15 @@ namespace fsdp {
 absl::Status SaveShardedDcpModelAndOptimizer(FullyShardedModel& model,
                                              torch::optim::Optimizer& optimizer,
                                              const std::string& dir, const DcpCheckpointKeys& keys,
-                                             const std::vector<DcpItem>& extra) {
+                                             const std::vector<DcpItem>& extra,
+                                             const absl::Status& caller_ready) {
   FSDP_RETURN_IF_ERROR(model.RequireIdle("saving a DCP checkpoint"));
   std::vector<DcpTensorShard> shards;
   std::vector<DcpItem> values;
   // A problem here is reported through the save, which every rank enters.
-  absl::Status ready;
+  absl::Status ready = caller_ready;
   try {
-    ready = [&]() -> absl::Status {
+    if (ready.ok()) ready = [&]() -> absl::Status {
       FSDP_ASSIGN_OR_RETURN(const auto places, OptimizerShardPlaces(model, optimizer));
       FSDP_ASSIGN_OR_RETURN(OptimStateDict optim, ShardedOptimStateDict(model, optimizer));
       shards = ModelDcpShards(model, keys.model, /*every_name=*/true);
@@ -55,19 +56,12 @@ absl::Status SaveShardedDcpModelAndOptimizer(FullyShardedModel& model,
   return SaveModelShardedDcp(model, dir, shards, values, ready);
 }
 
-absl::Status LoadShardedDcpModelAndOptimizer(FullyShardedModel& model,
-                                             torch::optim::Optimizer& optimizer,
-                                             const std::string& dir, const DcpCheckpointKeys& keys,
-                                             ShardedLoadStats* stats,
-                                             const absl::Status& caller_ready) {
-  FSDP_RETURN_IF_ERROR(model.RequireIdle("loading a DCP checkpoint"));
-  // This rank's part of the optimizer state, read and checked first: a
-  // problem there fails the model's load on every rank too.
-  int64_t optim_bytes = 0, optim_needed = 0;
-  absl::StatusOr<OptimStateDict> optim = absl::UnknownError("not read");
+absl::Status StageShardedDcpOptimizer(FullyShardedModel& model,
+                                      torch::optim::Optimizer& optimizer, const std::string& dir,
+                                      const std::string& optim_key, StagedDcpOptimizer& staged) {
   absl::Status ready;
   try {
-    // Errors are returned here, never thrown past the collective below.
+    // Errors are returned here, never thrown past a caller's collective.
     const auto read = [&]() -> absl::StatusOr<OptimStateDict> {
       FSDP_ASSIGN_OR_RETURN(const auto places, OptimizerShardPlaces(model, optimizer));
       // A state keyed by index names the optimizer's parameters by
@@ -77,38 +71,58 @@ absl::Status LoadShardedDcpModelAndOptimizer(FullyShardedModel& model,
       for (const ParamGroupState& group : current.param_groups) {
         fqn_of_index.insert(fqn_of_index.end(), group.params.begin(), group.params.end());
       }
-      return LoadDcpOptimStateDictPart(dir, keys.optim, places, fqn_of_index, &optim_bytes);
+      return LoadDcpOptimStateDictPart(dir, optim_key, places, fqn_of_index, &staged.bytes_read);
     };
-    optim = read();
+    absl::StatusOr<OptimStateDict> optim = read();
     ready = optim.ok() ? CheckShardedOptimStateDict(model, optimizer, *optim) : optim.status();
     if (optim.ok()) {
       for (const auto& [fqn, param] : optim->state) {
         for (const auto& [name, t] : param.tensors) {
-          optim_needed += t.numel() * static_cast<int64_t>(t.element_size());
+          staged.bytes_needed += t.numel() * static_cast<int64_t>(t.element_size());
         }
       }
+      staged.state = *std::move(optim);
     }
   } catch (...) {
     ready = StatusFromCurrentException();
   }
-  if (!ready.ok()) {
-    ready = absl::Status(ready.code(), absl::StrCat("the optimizer state under '", keys.optim,
-                                                    "': ", ready.message()));
-  }
-  if (!caller_ready.ok()) ready = caller_ready;
-  ShardedLoadStats model_stats;
-  FSDP_RETURN_IF_ERROR(LoadShardedDcp(model.group(), dir,
-                                      ModelDcpShards(model, keys.model, /*every_name=*/false),
-                                      &model_stats, ready, model.replicate_group()));
-  if (absl::Status applied = LoadShardedOptimStateDict(model, optimizer, *optim); !applied.ok()) {
+  if (ready.ok()) return ready;
+  return absl::Status(ready.code(), absl::StrCat("the optimizer state under '", optim_key,
+                                                 "': ", ready.message()));
+}
+
+absl::Status ApplyStagedDcpOptimizer(FullyShardedModel& model,
+                                     torch::optim::Optimizer& optimizer, const std::string& dir,
+                                     const StagedDcpOptimizer& staged) {
+  if (absl::Status applied = LoadShardedOptimStateDict(model, optimizer, staged.state);
+      !applied.ok()) {
     return absl::Status(
         applied.code(),
         absl::StrCat("the model was loaded from '", dir,
                      "' but the optimizer state could not be written: ", applied.message()));
   }
+  return absl::OkStatus();
+}
+
+absl::Status LoadShardedDcpModelAndOptimizer(FullyShardedModel& model,
+                                             torch::optim::Optimizer& optimizer,
+                                             const std::string& dir, const DcpCheckpointKeys& keys,
+                                             ShardedLoadStats* stats,
+                                             const absl::Status& caller_ready) {
+  FSDP_RETURN_IF_ERROR(model.RequireIdle("loading a DCP checkpoint"));
+  // This rank's part of the optimizer state, read and checked first: a
+  // problem there fails the model's load on every rank too.
+  StagedDcpOptimizer optim;
+  absl::Status ready = StageShardedDcpOptimizer(model, optimizer, dir, keys.optim, optim);
+  if (!caller_ready.ok()) ready = caller_ready;
+  ShardedLoadStats model_stats;
+  FSDP_RETURN_IF_ERROR(LoadShardedDcp(model.group(), dir,
+                                      ModelDcpShards(model, keys.model, /*every_name=*/false),
+                                      &model_stats, ready, model.replicate_group()));
+  FSDP_RETURN_IF_ERROR(ApplyStagedDcpOptimizer(model, optimizer, dir, optim));
   if (stats != nullptr) {
-    stats->bytes_read = model_stats.bytes_read + optim_bytes;
-    stats->bytes_needed = model_stats.bytes_needed + optim_needed;
+    stats->bytes_read = model_stats.bytes_read + optim.bytes_read;
+    stats->bytes_needed = model_stats.bytes_needed + optim.bytes_needed;
   }
   return absl::OkStatus();
 }

@@ -32,11 +32,13 @@
 #ifndef FSDP_OPTIM_DCP_CHECKPOINT_H_
 #define FSDP_OPTIM_DCP_CHECKPOINT_H_
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "fsdp/fully_shard.h"
+#include "optim/optim_state_dict.h"
 #include "statedict/dcp.h"
 #include "statedict/sharded_checkpoint.h"
 #include "torch/optim/optimizer.h"
@@ -50,13 +52,16 @@ struct DcpCheckpointKeys {
 
 // Every rank calls; `dir` is created if absent and must be the same
 // directory on every rank. `extra` values (rank 0's) are written beside
-// them, e.g. a training loop's {"train_state": {"step": N}}.
+// them, e.g. a training loop's {"train_state": {"step": N}}. `ready` is
+// this rank's outcome of any check the caller did first: an error there
+// fails the save on every rank, in the save's own round.
 // REQUIRES: the model IDLE.
 absl::Status SaveShardedDcpModelAndOptimizer(FullyShardedModel& model,
                                              torch::optim::Optimizer& optimizer,
                                              const std::string& dir,
                                              const DcpCheckpointKeys& keys = {},
-                                             const std::vector<DcpItem>& extra = {});
+                                             const std::vector<DcpItem>& extra = {},
+                                             const absl::Status& ready = absl::OkStatus());
 
 // Every rank calls. Optimizer state keyed by parameter index (a plain
 // Optimizer.state_dict() saved by dcp.save) is read whole and mapped
@@ -71,6 +76,23 @@ absl::Status LoadShardedDcpModelAndOptimizer(FullyShardedModel& model,
                                              const DcpCheckpointKeys& keys = {},
                                              ShardedLoadStats* stats = nullptr,
                                              const absl::Status& ready = absl::OkStatus());
+
+// LoadShardedDcpModelAndOptimizer's optimizer half, for a caller that
+// agrees across ranks itself (checkpoint/checkpoint.cc, once per load):
+// StageShardedDcpOptimizer reads and checks this rank's part of the state
+// under `optim_key` and changes nothing (no collective);
+// ApplyStagedDcpOptimizer writes it into the optimizer once every rank has
+// staged (and the model was loaded: its error says so).
+struct StagedDcpOptimizer {
+  OptimStateDict state;
+  int64_t bytes_read = 0, bytes_needed = 0;
+};
+absl::Status StageShardedDcpOptimizer(FullyShardedModel& model,
+                                      torch::optim::Optimizer& optimizer, const std::string& dir,
+                                      const std::string& optim_key, StagedDcpOptimizer& staged);
+absl::Status ApplyStagedDcpOptimizer(FullyShardedModel& model,
+                                     torch::optim::Optimizer& optimizer, const std::string& dir,
+                                     const StagedDcpOptimizer& staged);
 
 }  // namespace fsdp
 

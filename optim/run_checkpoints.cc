@@ -296,6 +296,14 @@ CheckpointMetadata RunCheckpoints::MetadataOf(int64_t step) const {
   return metadata;
 }
 
+std::map<std::string, std::string> RunCheckpoints::DcpLabels() const {
+  std::map<std::string, std::string> labels = {{kRunIdMetadataKey, run_id_}};
+  for (const auto& [name, value] : settings_) {
+    labels[absl::StrCat(kDcpSettingsKey, ".", name)] = value;
+  }
+  return labels;
+}
+
 std::vector<DcpItem> RunCheckpoints::DcpTrainStateOf(int64_t step) const {
   const auto at = [](const std::vector<std::string>& keys) {
     std::vector<DcpPathPart> path = {{false, kDcpTrainStateKey, 0}};

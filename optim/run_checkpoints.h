@@ -38,7 +38,8 @@
 //
 // Only the directory's layout is touched here: saving and loading the
 // checkpoints is the caller's (SaveTrainingCheckpoint with MetadataOf(step),
-// LoadTrainingCheckpoint). The rules assume one job writes to the directory
+// or checkpoint/checkpoint.h's SaveCheckpoint with DcpLabels() in its
+// TrainState; LoadCheckpoint reads either). The rules assume one job writes to the directory
 // at a time (base/directory_lock.h keeps it so). Not thread-safe; rank 0 of
 // a job alone calls RetireOlderThan, while every rank may Open the same
 // directory (read-only).
@@ -121,6 +122,9 @@ class RunCheckpoints {
   std::string PathOf(int64_t step) const;
   CheckpointMetadata MetadataOf(int64_t step) const;
   std::vector<DcpItem> DcpTrainStateOf(int64_t step) const;
+  // The same train_state entries but the step, as labels (a
+  // checkpoint/checkpoint.h TrainState's): "run_id", "settings.<name>".
+  std::map<std::string, std::string> DcpLabels() const;
 
   // Once this run's checkpoint of `step` has landed (rank 0 only): removes
   // this run's complete checkpoints older than `step` beyond the newest

@@ -162,8 +162,20 @@ absl::StatusOr<at::Tensor> ReadDcpFlatRange(const std::string& dir, const DcpTen
     }
   }
   try {
-    at::Tensor out = at::empty({hi - lo}, at::TensorOptions().dtype(tensor.dtype));
     const std::vector<DcpBox> boxes = DcpBoxesOfFlatRange(tensor.size, lo, hi);
+    // The range is one chunk exactly (a checkpoint written at this world
+    // size and layout, or a whole tensor): the chunk as read is the answer,
+    // without a copy.
+    for (const DcpChunk& chunk : tensor.chunks) {
+      if (boxes.size() != 1 || chunk.offsets != boxes[0].offsets ||
+          chunk.sizes != boxes[0].sizes) {
+        continue;
+      }
+      FSDP_ASSIGN_OR_RETURN(at::Tensor stored, ReadChunk(dir, tensor, chunk));
+      if (bytes_read != nullptr) *bytes_read += static_cast<int64_t>(chunk.location.length);
+      return stored.contiguous().view({-1});
+    }
+    at::Tensor out = at::empty({hi - lo}, at::TensorOptions().dtype(tensor.dtype));
     // Each chunk that meets a box is read once, however many boxes it meets.
     for (const DcpChunk& chunk : tensor.chunks) {
       std::vector<const DcpBox*> met;

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
@@ -34,12 +35,13 @@ int64_t Fingerprint(const std::vector<DcpTensorShard>& tensors) {
   return static_cast<int64_t>(std::hash<std::string>()(all));
 }
 
-// A rank's report of its save: the fingerprint of its tensors, then the
-// chunks it wrote, as int64 words (shard index, dims, offsets..., sizes...,
-// byte offset, byte length), or its error (a leading 'E').
-std::string EncodeReport(int64_t fingerprint,
+// A rank's report of its save: the fingerprint of its tensors, the id in
+// its data file's name, then the chunks it wrote, as int64 words (shard
+// index, dims, offsets..., sizes..., byte offset, byte length), or its
+// error (a leading 'E').
+std::string EncodeReport(int64_t fingerprint, uint64_t save_id,
                          const std::vector<std::pair<size_t, DcpStoredEntry>>& chunks) {
-  std::vector<int64_t> words = {fingerprint};
+  std::vector<int64_t> words = {fingerprint, static_cast<int64_t>(save_id)};
   for (const auto& [index, entry] : chunks) {
     words.push_back(static_cast<int64_t>(index));
     words.push_back(static_cast<int64_t>(entry.chunk_offsets.size()));
@@ -53,23 +55,37 @@ std::string EncodeReport(int64_t fingerprint,
   return out;
 }
 
-// Rank `rank`'s chunks as stored entries (rank 0 decodes what every rank
-// reported; the reports come from this job's own ranks).
-absl::Status DecodeReport(const std::string& report, int rank, const std::string& file,
-                          const std::vector<DcpTensorShard>& tensors,
-                          std::vector<DcpStoredEntry>& out, std::vector<size_t>& indices) {
-  if (report.empty() || report[0] != 'C' || (report.size() - 1) % sizeof(int64_t) != 0) {
-    return absl::InternalError(absl::StrCat("rank ", rank, " sent a malformed report"));
-  }
+std::vector<int64_t> ReportWords(const std::string& report) {
+  if (report.empty() || report[0] != 'C' || (report.size() - 1) % sizeof(int64_t) != 0) return {};
   std::vector<int64_t> words((report.size() - 1) / sizeof(int64_t));
   std::memcpy(words.data(), report.data() + 1, words.size() * sizeof(int64_t));
-  if (words.empty() || words[0] != Fingerprint(tensors)) {
+  return words;
+}
+
+// The data file rank `rank` wrote, as its report names it; "" if none.
+std::string ReportedFile(const std::string& report, int rank) {
+  const std::vector<int64_t> words = ReportWords(report);
+  if (words.size() < 2) return "";
+  return NewDcpDataFileName(rank, static_cast<uint64_t>(words[1]));
+}
+
+// Rank `rank`'s chunks as stored entries (rank 0 decodes what every rank
+// reported; the reports come from this job's own ranks).
+absl::Status DecodeReport(const std::string& report, int rank,
+                          const std::vector<DcpTensorShard>& tensors,
+                          std::vector<DcpStoredEntry>& out, std::vector<size_t>& indices) {
+  const std::vector<int64_t> words = ReportWords(report);
+  if (words.size() < 2) {
+    return absl::InternalError(absl::StrCat("rank ", rank, " sent a malformed report"));
+  }
+  const std::string file = ReportedFile(report, rank);
+  if (words[0] != Fingerprint(tensors)) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", rank,
                      " passed other tensors than rank 0 (names, shapes, dtypes "
                      "or order differ)"));
   }
-  size_t at = 1;
+  size_t at = 2;
   const auto take = [&]() -> int64_t { return at < words.size() ? words[at++] : -1; };
   while (at < words.size()) {
     const int64_t index = take(), dims = take();
@@ -158,6 +174,31 @@ absl::Status Guarded(const std::function<absl::Status()>& phase) {
   }
 }
 
+// A failure as "<code>|<message>", and back (kInternal if malformed).
+std::string EncodeFailure(const absl::Status& status) {
+  return absl::StrCat(static_cast<int>(status.code()), "|", status.message());
+}
+
+absl::Status DecodeFailure(const std::string& text) {
+  const size_t bar = text.find('|');
+  int code = 0;
+  if (bar == std::string::npos || !absl::SimpleAtoi(text.substr(0, bar), &code) || code <= 0 ||
+      code > static_cast<int>(absl::StatusCode::kUnauthenticated)) {
+    return absl::InternalError(text);
+  }
+  return absl::Status(static_cast<absl::StatusCode>(code), text.substr(bar + 1));
+}
+
+// A data file name this rank has not used in `dir`: the replaced
+// checkpoint's files must stay until the new .metadata lands, also when the
+// clock stepped back or two saves fall within its resolution.
+uint64_t FreshSaveId(const std::string& dir, int rank) {
+  uint64_t id = static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count());
+  struct stat st;
+  while (stat(absl::StrCat(dir, "/", NewDcpDataFileName(rank, id)).c_str(), &st) == 0) ++id;
+  return id;
+}
+
 // Writes this rank's items into its own data file of the save `save_id`:
 // `mine` says where each went, `owner` which tensor each chunk is of.
 absl::Status WriteThisRanksFile(int rank, const std::string& dir, uint64_t save_id,
@@ -223,25 +264,27 @@ std::vector<DcpStoredEntry> InCommitOrder(const std::vector<DcpStoredEntry>& min
 
 // Rank 0's part of a save: every rank's report read, then .metadata for
 // all their chunks committed; an error names every rank that failed.
-absl::Status CommitEveryRanksChunks(const std::string& dir, int world, uint64_t save_id,
+absl::Status CommitEveryRanksChunks(const std::string& dir, int world,
                                     const std::vector<std::string>& reports,
                                     const std::vector<DcpTensorShard>& tensors,
                                     const std::vector<size_t>& owner,
                                     const std::vector<DcpStoredEntry>& mine) {
   std::vector<std::string> failed;
+  absl::StatusCode code = absl::StatusCode::kOk;  // The first failure's.
   std::vector<DcpStoredEntry> all;     // Other ranks' chunks,
   std::vector<size_t> reported_index;  // and their tensors.
   for (int r = 0; r < world; ++r) {
+    absl::Status problem;
     if (!reports[r].empty() && reports[r][0] == 'E') {
-      failed.push_back(absl::StrCat("rank ", r, ": ", reports[r].substr(1)));
-      continue;
+      problem = DecodeFailure(reports[r].substr(1));
+      failed.push_back(absl::StrCat("rank ", r, ": ", problem.message()));
+    } else if (r != 0) {
+      problem = DecodeReport(reports[r], r, tensors, all, reported_index);
+      if (!problem.ok()) failed.push_back(std::string(problem.message()));
     }
-    if (r == 0) continue;
-    absl::Status decoded = DecodeReport(reports[r], r, NewDcpDataFileName(r, save_id), tensors,
-                                        all, reported_index);
-    if (!decoded.ok()) failed.push_back(std::string(decoded.message()));
+    if (code == absl::StatusCode::kOk) code = problem.code();
   }
-  if (!failed.empty()) return absl::InternalError(absl::StrJoin(failed, "; "));
+  if (!failed.empty()) return absl::Status(code, absl::StrJoin(failed, "; "));
   FSDP_RETURN_IF_ERROR(CheckEveryFileVisible(dir, mine, all));
   return CommitDcpMetadata(dir, InCommitOrder(mine, owner, all, reported_index));
 }
@@ -254,11 +297,9 @@ absl::Status SaveShardedDcp(Collectives& group, const std::string& dir,
   const int rank = group.rank(), world = group.world_size();
   CollectiveLabel label(group, "", "DCP save");
   try {
-    std::string id = rank == 0
-                         ? absl::StrCat(std::chrono::system_clock::now().time_since_epoch().count())
-                         : std::string();
-    BroadcastBytes(group, id, /*root=*/0);
-    const uint64_t save_id = std::stoull(id);
+    // Each rank names its own file and reports the name: no round to
+    // share one id.
+    const uint64_t save_id = FreshSaveId(dir, rank);
 
     std::vector<size_t> owner;         // This rank's chunks' tensors,
     std::vector<DcpStoredEntry> mine;  // and where its items went.
@@ -271,29 +312,38 @@ absl::Status SaveShardedDcp(Collectives& group, const std::string& dir,
     if (written.ok()) {
       std::vector<std::pair<size_t, DcpStoredEntry>> chunks;
       for (size_t i = 0; i < owner.size(); ++i) chunks.emplace_back(owner[i], mine[i]);
-      report = EncodeReport(Fingerprint(tensors), chunks);
+      report = EncodeReport(Fingerprint(tensors), save_id, chunks);
     } else {
-      report = absl::StrCat("E", written.message());
+      report = absl::StrCat("E", EncodeFailure(written));
     }
     const std::vector<std::string> reports = AllGatherBytes(group, report);
 
     std::string outcome;  // Rank 0's: empty when the checkpoint landed.
     if (rank == 0) {
       const absl::Status committed = Guarded([&] {
-        return CommitEveryRanksChunks(dir, world, save_id, reports, tensors, owner, mine);
+        return CommitEveryRanksChunks(dir, world, reports, tensors, owner, mine);
       });
       if (!committed.ok()) {
         for (int r = 0; r < world; ++r) {
-          unlink(absl::StrCat(dir, "/", NewDcpDataFileName(r, save_id)).c_str());
+          const std::string file = ReportedFile(reports[r], r);
+          if (!file.empty()) unlink(absl::StrCat(dir, "/", file).c_str());
         }
-        outcome = std::string(committed.message());
+        outcome = EncodeFailure(committed);
       }
     }
+    // A flag first: a save that landed costs one collective, not the two
+    // of a message.
+    at::Tensor failed = at::full({1}, outcome.empty() ? 0.0 : 1.0, at::kDouble);
+    group.Broadcast(failed, /*root=*/0)->Wait();
+    if (failed.item<double>() == 0) return absl::OkStatus();
     BroadcastBytes(group, outcome, /*root=*/0);
-    if (outcome.empty()) return absl::OkStatus();
-    return absl::InternalError(
-        absl::StrCat(Who(group), ": the DCP checkpoint in '", dir,
-                     "' was not saved (the one there is unchanged): ", outcome));
+    // The first failed rank's code: a caller's refusal (kFailedPrecondition,
+    // say) stays what it is on every rank.
+    const absl::Status first = DecodeFailure(outcome);
+    return absl::Status(first.code(),
+                        absl::StrCat(Who(group), ": the DCP checkpoint in '", dir,
+                                     "' was not saved (the one there is unchanged): ",
+                                     first.message()));
   } catch (...) {
     return StatusFromCurrentException();
   }
@@ -397,30 +447,41 @@ absl::Status AgreeOnLoad(Collectives& group, const std::string& dir, const absl:
 
 }  // namespace
 
+absl::Status StageShardedDcp(const std::string& dir, std::vector<DcpTensorShard> tensors,
+                             StagedDcpLoad& staged) {
+  staged.tensors = std::move(tensors);
+  staged.staging.assign(staged.tensors.size(), at::Tensor());
+  staged.stats = ShardedLoadStats();
+  return Guarded(
+      [&] { return StageThisRanksParts(dir, staged.tensors, staged.staging, staged.stats); });
+}
+
+absl::Status ApplyStagedDcp(const StagedDcpLoad& staged) {
+  return Guarded([&] {
+    at::NoGradGuard no_grad;
+    for (size_t k = 0; k < staged.tensors.size(); ++k) {
+      if (staged.staging[k].defined() && staged.staging[k].numel() > 0) {
+        staged.tensors[k].local.view({-1}).copy_(staged.staging[k]);
+      }
+    }
+    return absl::OkStatus();
+  });
+}
+
 absl::Status LoadShardedDcp(Collectives& group, const std::string& dir,
                             const std::vector<DcpTensorShard>& tensors, ShardedLoadStats* stats,
                             const absl::Status& ready, Collectives* replicate_group) {
   CollectiveLabel label(group, "", "DCP load");
-  std::vector<at::Tensor> staging(tensors.size());
-  ShardedLoadStats local_stats;
+  StagedDcpLoad staged;
   absl::Status local = ready;
-  try {
-    if (local.ok()) local = StageThisRanksParts(dir, tensors, staging, local_stats);
-  } catch (...) {
-    local = StatusFromCurrentException();
-  }
+  if (local.ok()) local = StageShardedDcp(dir, tensors, staged);
   try {
     FSDP_RETURN_IF_ERROR(AgreeOnLoad(group, dir, local, replicate_group));
-    at::NoGradGuard no_grad;
-    for (size_t k = 0; k < tensors.size(); ++k) {
-      if (staging[k].defined() && staging[k].numel() > 0) {
-        tensors[k].local.view({-1}).copy_(staging[k]);
-      }
-    }
   } catch (...) {
     return StatusFromCurrentException();
   }
-  if (stats != nullptr) *stats = local_stats;
+  FSDP_RETURN_IF_ERROR(ApplyStagedDcp(staged));
+  if (stats != nullptr) *stats = staged.stats;
   return absl::OkStatus();
 }
 

@@ -79,6 +79,21 @@ absl::Status LoadShardedDcp(Collectives& group, const std::string& dir,
                             const absl::Status& ready = absl::OkStatus(),
                             Collectives* replicate_group = nullptr);
 
+// LoadShardedDcp in two halves, for a caller that folds the agreement
+// between ranks into its own (checkpoint/checkpoint.cc agrees once per
+// load on the directory, the train state and this): StageShardedDcp reads
+// and checks this rank's parts into staging memory and changes nothing
+// (no collective); ApplyStagedDcp, once every rank has staged, copies them
+// into the tensors (it fails only if the copy throws, e.g. out of memory).
+struct StagedDcpLoad {
+  std::vector<DcpTensorShard> tensors;
+  std::vector<at::Tensor> staging;  // One per tensor, this rank's part.
+  ShardedLoadStats stats;
+};
+absl::Status StageShardedDcp(const std::string& dir, std::vector<DcpTensorShard> tensors,
+                             StagedDcpLoad& staged);
+absl::Status ApplyStagedDcp(const StagedDcpLoad& staged);
+
 // The model's state-dict tensors as DCP shards under `key` (path (key,
 // fqn); no key: (fqn)), viewing the model's own storage. A tied tensor is
 // under its first name, and under every one with `every_name` (a save

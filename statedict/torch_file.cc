@@ -186,8 +186,17 @@ class TorchSaveHooks {
                                 numel * element_size));
     }
     FSDP_RETURN_IF_ERROR(CheckRecordCrc(directory_, record, bytes.get(), nbytes));
-    at::Tensor storage = at::empty({numel}, at::TensorOptions().dtype(dtype));
-    if (nbytes > 0) std::memcpy(storage.data_ptr(), bytes.get(), nbytes);
+    at::Tensor storage;
+    if (nbytes > 0 && reinterpret_cast<uintptr_t>(bytes.get()) % element_size == 0) {
+      // The record's own buffer becomes the storage: a chunk's bytes are
+      // not copied once more (a DCP load reads every chunk this way).
+      auto owner = std::make_shared<at::DataPtr>(std::move(bytes));
+      storage = at::from_blob(
+          owner->get(), {numel}, [owner](void*) {}, at::TensorOptions().dtype(dtype));
+    } else {
+      storage = at::empty({numel}, at::TensorOptions().dtype(dtype));
+      if (nbytes > 0) std::memcpy(storage.data_ptr(), bytes.get(), nbytes);
+    }
     PyRef value = MakePy(PyValue::Kind::kTensor);
     value->tensor = storage;
     storages_[key] = value;
