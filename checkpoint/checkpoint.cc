@@ -7,6 +7,7 @@
 #include <dirent.h>
 #include <sys/stat.h>
 
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "base/fnv1a.h"
 #include "base/status.h"
 #include "checkpoint/agree.h"
 #include "checkpoint/hugging_face_internal.h"
@@ -62,9 +64,18 @@ absl::StatusOr<std::vector<DcpItem>> TrainStateItems(const TrainState& state) {
   std::vector<DcpItem> items = {
       {TrainStatePath(kStepMetadataKey), c10::IValue(state.step)},
       {TrainStatePath(kDataPositionKey), c10::IValue(state.data_position)}};
-  for (const auto& [name, value] : state.labels) {
-    FSDP_RETURN_IF_ERROR(CheckLabelName(name));
-    items.push_back({TrainStatePath(name), c10::IValue(value)});
+  for (auto it = state.labels.begin(); it != state.labels.end(); ++it) {
+    FSDP_RETURN_IF_ERROR(CheckLabelName(it->first));
+    // "a" beside "a.b" would make train_state["a"] both a string and a
+    // dict, which dcp.load cannot rebuild. '.' sorts first among the
+    // allowed characters, so such a name follows right after.
+    auto next = std::next(it);
+    if (next != state.labels.end() && absl::StartsWith(next->first, it->first + ".")) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "TrainState labels '", PrintableText(it->first), "' and '", PrintableText(next->first),
+          "': a label cannot also be the prefix of another"));
+    }
+    items.push_back({TrainStatePath(it->first), c10::IValue(it->second)});
   }
   return items;
 }
@@ -232,10 +243,13 @@ absl::Status NoOtherFormat(const std::string& dir, CheckpointFormat format) {
 // (the save's round is its commit: every rank's file reported to rank 0
 // before it writes .metadata, then the outcome to all). What a save checks
 // first (a SHARDED checkpoint in the way) travels in that report round; a
-// load reads and checks everything, what the directory holds included,
-// before its single agreement, after which each rank only copies what it
-// staged. Under hybrid sharding only the writers' shard group reports, so
-// there the check before a save is agreed in a round of its own.
+// load reads and checks everything, what the directory holds and the train
+// state it resolved included, before its single agreement, after which each
+// rank only copies what it staged and confirms that it did (AgreeAfterLoad:
+// one small all-gather, so that a copy failing on some ranks is not seen
+// as a landed load on the others). Under hybrid sharding only the writers'
+// shard group reports, so there the check before a save is agreed in a
+// round of its own.
 absl::Status SaveCheckpoint(const std::string& dir, FullyShardedModel& model,
                             torch::optim::Optimizer* optimizer, const TrainState& train_state,
                             const CheckpointIoOptions& options) {
@@ -283,7 +297,17 @@ absl::Status LoadCheckpoint(const std::string& dir, FullyShardedModel& model,
       local = StatusFromCurrentException();
     }
   }
-  const std::string seen = format.ok() ? FormatName(*format) : "an unreadable directory";
+  // What this rank read, train state included: ranks that resolved another
+  // step or read another .metadata must not each load their own.
+  std::string seen = format.ok() ? FormatName(*format) : "an unreadable directory";
+  if (local.ok() && train_state != nullptr) {
+    uint64_t labels = kFnv1aOffsetBasis;
+    for (const auto& [name, value] : read.labels) {
+      labels = Fnv1aString(Fnv1aString(labels, name), value);
+    }
+    absl::StrAppend(&seen, " at step ", read.step, ", data position ", read.data_position,
+                    ", labels ", labels);
+  }
   FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, local, seen, dir));
   if (*format == Format::kNone) {
     return absl::NotFoundError(absl::StrCat("'", dir, "' holds no checkpoint (none of .metadata, "
@@ -302,16 +326,24 @@ absl::Status LoadCheckpoint(const std::string& dir, FullyShardedModel& model,
         "LoadCheckpoint: '", dir, "' is ", FormatName(*format), ", which loads strictly "
         "(strict = false is for Hugging Face checkpoints)"));
   }
-  if (*format == Format::kDcp) {
-    FSDP_RETURN_IF_ERROR(ApplyStagedDcp(staged.model));
-    if (optimizer != nullptr) {
-      FSDP_RETURN_IF_ERROR(ApplyStagedDcpOptimizer(model, *optimizer, dir, staged.optim));
+  // A failure while applying (out of memory) on some ranks only leaves the
+  // ranks apart: every rank learns it (kAborted where the load landed).
+  absl::Status applied;
+  try {
+    if (*format == Format::kDcp) {
+      applied = ApplyStagedDcp(staged.model);
+      if (applied.ok() && optimizer != nullptr) {
+        applied = ApplyStagedDcpOptimizer(model, *optimizer, dir, staged.optim);
+      }
+    } else if (optimizer != nullptr) {
+      applied = NotFoundIsDamage(LoadTrainingCheckpoint(model, *optimizer, dir));
+    } else {
+      applied = NotFoundIsDamage(LoadShardedCheckpoint(model, dir));
     }
-  } else if (optimizer != nullptr) {
-    FSDP_RETURN_IF_ERROR(NotFoundIsDamage(LoadTrainingCheckpoint(model, *optimizer, dir)));
-  } else {
-    FSDP_RETURN_IF_ERROR(NotFoundIsDamage(LoadShardedCheckpoint(model, dir)));
+  } catch (...) {
+    applied = StatusFromCurrentException();
   }
+  FSDP_RETURN_IF_ERROR(checkpoint_internal::AgreeAfterLoad(model, applied, "the checkpoint"));
   if (train_state != nullptr) *train_state = read;
   return absl::OkStatus();
 }

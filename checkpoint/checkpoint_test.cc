@@ -131,6 +131,8 @@ TEST(Checkpoint, SavesAndLoadsTheModelAlone) {
     absl::Status refused = SaveCheckpoint(dir, *t.fsdp, nullptr, bad);
     EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
     EXPECT_THAT(refused.message(), HasSubstr("TrainState label 'settings..lr'"));
+    refused = SaveCheckpoint(dir, *t.fsdp, nullptr, {1, 0, {{"a", "x"}, {"a.b", "y"}}});
+    EXPECT_THAT(refused.message(), HasSubstr("cannot also be the prefix of another"));
     struct stat st;
     EXPECT_NE(stat((dir + "/.metadata").c_str(), &st), 0);
     TrainState train_state{1, 0, {{"run_id", "abc"}, {"settings.lr", "0.01"}}};

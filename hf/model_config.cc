@@ -137,8 +137,14 @@ absl::Status ParseSizes(const json& root, CausalLmConfig& c) {
   FSDP_ASSIGN_OR_RETURN(c.intermediate_size, PositiveInt(root, "intermediate_size"));
   FSDP_ASSIGN_OR_RETURN(c.num_hidden_layers, PositiveInt(root, "num_hidden_layers"));
   FSDP_ASSIGN_OR_RETURN(c.num_attention_heads, PositiveInt(root, "num_attention_heads"));
-  FSDP_ASSIGN_OR_RETURN(c.num_key_value_heads,
-                        PositiveInt(root, "num_key_value_heads", c.num_attention_heads));
+  // LlamaConfig's absent num_key_value_heads means one per head; the other
+  // types' defaults are fixed numbers (Mistral's and Qwen3's 8), which a
+  // hand-written config rarely means: required there.
+  FSDP_ASSIGN_OR_RETURN(
+      c.num_key_value_heads,
+      PositiveInt(root, "num_key_value_heads",
+                  c.model_type == "llama" ? std::optional<int64_t>(c.num_attention_heads)
+                                          : std::nullopt));
   if (c.num_attention_heads % c.num_key_value_heads != 0) {
     return Invalid("num_key_value_heads",
                    absl::StrCat("(", c.num_key_value_heads, ") does not divide num_attention_heads (",
@@ -188,8 +194,10 @@ absl::Status ParseVariant(const json& root, CausalLmConfig& c) {
       }
     }
   }
-  if (c.model_type == "mistral" && Present(root, "sliding_window")) {
-    FSDP_ASSIGN_OR_RETURN(c.sliding_window, PositiveInt(root, "sliding_window"));
+  // MistralConfig's window when the field is absent is 4096; null is none.
+  if (c.model_type == "mistral" && (Present(root, "sliding_window") ||
+                                    !root.contains("sliding_window"))) {
+    FSDP_ASSIGN_OR_RETURN(c.sliding_window, PositiveInt(root, "sliding_window", 4096));
   }
   return absl::OkStatus();
 }

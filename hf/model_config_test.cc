@@ -56,8 +56,8 @@ TEST(CausalLmConfig, ReadsTransformers4Fields) {
 TEST(CausalLmConfig, ReadsTransformers5RopeParameters) {
   absl::StatusOr<CausalLmConfig> config = ParseCausalLmConfig(R"({
     "model_type": "qwen3", "vocab_size": 8, "hidden_size": 64, "intermediate_size": 96,
-    "num_hidden_layers": 1, "num_attention_heads": 4, "head_dim": 32,
-    "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}})");
+    "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "head_dim": 32, "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}})");
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_DOUBLE_EQ(config->rope_theta, 1000000.0);
   EXPECT_FALSE(config->rope_scaling.has_value());
@@ -65,6 +65,30 @@ TEST(CausalLmConfig, ReadsTransformers5RopeParameters) {
   EXPECT_EQ(config->num_key_value_heads, 4);
   EXPECT_TRUE(config->qk_norm);
   EXPECT_FALSE(config->tie_word_embeddings);
+}
+
+// Where transformers' default for an absent field is not what a reader
+// would guess: Mistral's window is 4096 (null: none), and only Llama's
+// num_key_value_heads defaults to one per head.
+TEST(CausalLmConfig, AbsentFieldsFollowTransformersOrAreRequired) {
+  const std::string mistral = With(kLlama, "model_type", "\"mistral\"");
+  absl::StatusOr<CausalLmConfig> config = ParseCausalLmConfig(mistral);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->sliding_window, 4096);
+  nlohmann::json no_window = nlohmann::json::parse(mistral);
+  no_window["sliding_window"] = nullptr;
+  config = ParseCausalLmConfig(no_window.dump());
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_FALSE(config->sliding_window.has_value());
+  config = ParseCausalLmConfig(With(mistral, "sliding_window", "16"));
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->sliding_window, 16);
+  EXPECT_THAT(ErrorOf(With(With(kLlama, "model_type", "\"qwen2\""), "num_key_value_heads",
+                           "null")),
+              HasSubstr("'num_key_value_heads' is missing"));
+  config = ParseCausalLmConfig(With(kLlama, "num_key_value_heads", "null"));
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->num_key_value_heads, 4);
 }
 
 TEST(CausalLmConfig, Qwen2HasQkvBiasesButNoOutputBias) {
