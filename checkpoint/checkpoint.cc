@@ -21,11 +21,11 @@
 #include "checkpoint/agree.h"
 #include "checkpoint/hugging_face_internal.h"
 #include "comm/collectives.h"
+#include "formats/dcp.h"
 #include "optim/dcp_checkpoint.h"
 #include "optim/run_checkpoints.h"
 #include "optim/torch_optim_file.h"
 #include "optim/training_checkpoint.h"
-#include "statedict/dcp.h"
 #include "statedict/dcp_sharded.h"
 #include "statedict/sharded_checkpoint.h"
 

@@ -52,9 +52,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "formats/state_dict_type.h"
 #include "fsdp/fully_shard.h"
 #include "optim/optim_state_dict.h"
-#include "statedict/state_dict_type.h"
 #include "torch/optim/optimizer.h"
 
 namespace fsdp {

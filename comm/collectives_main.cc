@@ -5,7 +5,7 @@
 //   bazel run //comm:collectives_main -- --world_size=4 --dtype=bfloat16
 //
 // Run without launcher variables, it launches --world_size copies of itself
-// (comm/local_launcher.h) and exits non-zero naming any rank that failed.
+// (launch/local_launcher.h) and exits non-zero naming any rank that failed.
 // Run under torchrun or srun, it is one rank of their job.
 #include <algorithm>
 #include <chrono>
@@ -21,8 +21,8 @@
 #include "base/status.h"
 #include "comm/collectives.h"
 #include "comm/launch_environment.h"
-#include "comm/local_launcher.h"
 #include "comm/rendezvous.h"
+#include "launch/local_launcher.h"
 
 ABSL_FLAG(int, world_size, 2, "Ranks to launch on this host (launcher mode).");
 ABSL_FLAG(int64_t, min_bytes, 1 << 10, "Smallest full buffer, in bytes.");

@@ -75,7 +75,7 @@ absl::StatusOr<std::unique_ptr<Collectives>> CreateGlooCollectivesFromEnvironmen
 
 // torch.distributed.init_process_group for this library: the world group,
 // over Gloo, of the job whose launcher started this process (torchrun,
-// comm/launch installed as fsdp_launch, or srun: ReadLaunchEnvironment).
+// launch/ installed as fsdp_launch, or srun: ReadLaunchEnvironment).
 // kNotFound, saying how to launch, when no launcher's variables are set.
 absl::StatusOr<std::unique_ptr<Collectives>> InitProcessGroup(GlooOptions options = {});
 

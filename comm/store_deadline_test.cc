@@ -31,7 +31,7 @@ class FrozenServerTest : public ::testing::Test {
     server_ = ::fork();
     ASSERT_GE(server_, 0);
     if (server_ == 0) {
-      ::execl("comm/launch", "comm/launch", "--nnodes=2", "--node_rank=0",
+      ::execl("launch/fsdp_launch", "launch/fsdp_launch", "--nnodes=2", "--node_rank=0",
               "--master_addr=127.0.0.1", port_flag.c_str(), "--join_timeout_s=60", "--",
               "/bin/true", nullptr);
       ::_exit(127);

@@ -20,7 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
-#include "statedict/atomic_file.h"
+#include "formats/atomic_file.h"
 
 namespace fsdp::hf {
 namespace {

@@ -8,7 +8,7 @@
 //
 //   bazel run //models:checkpoint_format_benchmark
 //
-// Each case launches its ranks as processes (comm/local_launcher.h) running
+// Each case launches its ranks as processes (launch/local_launcher.h) running
 // this binary in worker mode. A worker saves `reps` checkpoints into fresh
 // directories, then loads the last two `reps` times, alternating the two
 // formats save by save and load by load so that both meet the same page
@@ -39,10 +39,10 @@
 #include "base/status.h"
 #include "benchmark/benchmark.h"
 #include "checkpoint/checkpoint.h"
-#include "comm/local_launcher.h"
 #include "comm/rendezvous.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/utilities.h"
+#include "launch/local_launcher.h"
 #include "models/gpt.h"
 #include "optim/training_checkpoint.h"
 #include "torch/optim/adamw.h"

@@ -6,11 +6,11 @@
 
 #include "ATen/ATen.h"
 #include "absl/strings/str_cat.h"
+#include "formats/torch_file.h"
 #include "fsdp/fully_shard.h"
 #include "gtest/gtest.h"
 #include "models/gpt.h"
 #include "statedict/state_dict.h"
-#include "statedict/torch_file.h"
 #include "testing/multi_rank.h"
 #include "testing/torch_python.h"
 

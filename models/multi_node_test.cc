@@ -41,7 +41,7 @@ using ::testing::ContainsRegex;
 using ::testing::HasSubstr;
 
 constexpr char kTrainGpt[] = "models/train_gpt";
-constexpr char kLaunch[] = "comm/launch";
+constexpr char kLaunch[] = "launch/fsdp_launch";
 constexpr int kTimeoutS = 120;
 // Two ranks per host, 2 sequences each: a global batch of 8.
 const std::string kJob =

@@ -31,7 +31,7 @@ using ::models::testing::TempDir;
 using ::testing::HasSubstr;
 
 constexpr char kTrainGpt[] = "models/train_gpt";
-constexpr char kLaunch[] = "comm/launch";
+constexpr char kLaunch[] = "launch/fsdp_launch";
 
 // Each bad flag of the main job and of the launcher is refused with an error
 // naming it and the valid values, before any rank starts. Each is checked

@@ -17,11 +17,11 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
+#include "formats/dcp.h"
 #include "models/train_gpt_flags.h"
 #include "optim/flat_shard_optimizers.h"
 #include "policies/registry.h"
 #include "policies/unit_options.h"
-#include "statedict/dcp.h"
 #include "torch/version.h"
 
 namespace train_gpt {

@@ -37,7 +37,7 @@ constexpr double kRefusedWithinSeconds = 2;
 #endif
 
 constexpr char kTrainGpt[] = "models/train_gpt";
-constexpr char kLaunch[] = "comm/launch";
+constexpr char kLaunch[] = "launch/fsdp_launch";
 // A model small enough that a run takes about a second.
 constexpr char kSmall[] =
     " --print_plan=false --timeout_s=120 --n_layer=1 --n_embd=32 --batch_size=4 "

@@ -13,9 +13,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/status.h"
+#include "formats/torch_file.h"
 #include "models/train_gpt_checks.h"
 #include "models/train_gpt_flags.h"
-#include "statedict/torch_file.h"
 
 namespace train_gpt {
 namespace {

@@ -16,14 +16,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
+#include "formats/dcp.h"
+#include "formats/torch_file.h"
 #include "models/train_gpt_flags.h"
 #include "models/train_gpt_optimizer.h"
 #include "optim/optim_state.h"
 #include "optim/torch_optim_file.h"
-#include "statedict/dcp.h"
 #include "statedict/dcp_sharded.h"
 #include "statedict/state_dict.h"
-#include "statedict/torch_file.h"
 
 namespace train_gpt {
 namespace {

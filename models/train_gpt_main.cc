@@ -5,7 +5,7 @@
 //   bazel run //models:train_gpt -- --world_size=2 --steps=400
 //
 // Run without launcher variables it launches --world_size copies of itself
-// (comm/local_launcher.h); under torchrun or srun it is one rank of their
+// (launch/local_launcher.h); under torchrun or srun it is one rank of their
 // job. Every rank draws the same global batch of
 // world_size * batch_size sequences and trains on its slice, so the run
 // matches single-process training on the global batch.
@@ -29,7 +29,7 @@
 #include "absl/status/statusor.h"
 #include "base/status.h"
 #include "comm/launch_environment.h"
-#include "comm/local_launcher.h"
+#include "launch/local_launcher.h"
 #include "models/train_gpt_checks.h"
 #include "models/train_gpt_flags.h"
 #include "models/train_gpt_run.h"

@@ -33,7 +33,7 @@ using ::testing::HasSubstr;
 using ::testing::Not;
 
 constexpr char kTrainGpt[] = "models/train_gpt";
-constexpr char kLaunch[] = "comm/launch";
+constexpr char kLaunch[] = "launch/fsdp_launch";
 // Two ranks of a small model, bounded.
 const std::string kJobFlags = " --world_size=2 --print_plan=false --timeout_s=120 --n_embd=32";
 const std::string kJob = absl::StrCat(kTrainGpt, kJobFlags);

@@ -12,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "base/status.h"
 #include "checkpoint/checkpoint.h"
+#include "formats/torch_file.h"
 #include "models/output_paths.h"
 #include "models/train_gpt_flags.h"
 #include "models/train_gpt_training_run.h"
@@ -20,7 +21,6 @@
 #include "optim/torch_optim_file.h"
 #include "optim/training_checkpoint.h"
 #include "statedict/state_dict.h"
-#include "statedict/torch_file.h"
 #include "torch/optim/adamw.h"
 #include "torch/optim/sgd.h"
 

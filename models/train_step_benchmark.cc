@@ -11,7 +11,7 @@
 //
 //   bazel run //models:train_step_benchmark   # -O2 (see .bazelrc)
 //
-// Each case launches its ranks as processes (comm/local_launcher.h, one rank
+// Each case launches its ranks as processes (launch/local_launcher.h, one rank
 // per process, intra-op threads = cores / W) running this binary in worker
 // mode, or the Python script; a worker times its own steps after warm-up, so
 // process start, rendezvous and wrapping are not in the figures. Reported
@@ -47,10 +47,10 @@
 #include "base/status.h"
 #include "benchmark/benchmark.h"
 #include "comm/launch_environment.h"
-#include "comm/local_launcher.h"
 #include "comm/rendezvous.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/utilities.h"
+#include "launch/local_launcher.h"
 #include "models/gpt.h"
 #include "testing/torch_python.h"
 #include "torch/optim/adamw.h"

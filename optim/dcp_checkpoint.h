@@ -37,9 +37,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "formats/dcp.h"
 #include "fsdp/fully_shard.h"
 #include "optim/optim_state_dict.h"
-#include "statedict/dcp.h"
 #include "statedict/sharded_checkpoint.h"
 #include "torch/optim/optimizer.h"
 

@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "statedict/restricted_unpickler.h"
+#include "formats/restricted_unpickler.h"
 
 namespace fsdp {
 namespace {

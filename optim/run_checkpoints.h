@@ -53,7 +53,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "statedict/dcp.h"
+#include "formats/dcp.h"
 #include "statedict/sharded_checkpoint.h"
 
 namespace fsdp {

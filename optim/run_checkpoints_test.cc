@@ -12,9 +12,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "comm/collectives.h"
+#include "formats/dcp.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "statedict/dcp.h"
 #include "statedict/sharded_checkpoint.h"
 #include "testing/multi_rank.h"
 

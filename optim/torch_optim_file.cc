@@ -15,9 +15,9 @@
 #include "ATen/ops/scalar_tensor.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
-#include "statedict/dcp.h"
-#include "statedict/restricted_unpickler.h"
-#include "statedict/torch_file.h"
+#include "formats/dcp.h"
+#include "formats/restricted_unpickler.h"
+#include "formats/torch_file.h"
 
 namespace fsdp {
 namespace {

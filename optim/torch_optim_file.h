@@ -39,9 +39,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "formats/dcp.h"
+#include "formats/torch_file.h"
 #include "optim/optim_state.h"
-#include "statedict/dcp.h"
-#include "statedict/torch_file.h"
 
 namespace fsdp {
 
@@ -101,7 +101,7 @@ absl::StatusOr<OptimStateDict> LoadDcpOptimStateDictPart(
 // Writes a model's FULL state dict and its optimizer's FULL state as a
 // Distributed Checkpoint in `dir` laid out as an FSDP2 job's dcp.save of
 // {model_key: get_model_state_dict, optim_key: get_optimizer_state_dict}
-// (statedict/dcp.h's SaveDcpCheckpoint: every tensor whole, atomic), so
+// (formats/dcp.h's SaveDcpCheckpoint: every tensor whole, atomic), so
 // that PyTorch's dcp.load into get_state_dict's dicts, then
 // set_state_dict, restores both at any world size. Step counts are written
 // as float32 tensors and every group carries PyTorch's own options
@@ -113,7 +113,7 @@ absl::Status SaveDcpModelAndOptimizer(const std::string& dir, const StateDict& m
                                       const std::string& optim_key = "optim");
 
 // The items SaveDcpModelAndOptimizer writes for `optim` under `optim_key`
-// (statedict/dcp.h): every state value and tensor at (optim_key, "state",
+// (formats/dcp.h): every state value and tensor at (optim_key, "state",
 // fqn, name), every group option at (optim_key, "param_groups", g, option).
 std::vector<DcpItem> DcpItemsOfOptimState(const OptimStateDict& optim,
                                           const std::string& optim_key);

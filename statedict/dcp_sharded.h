@@ -1,4 +1,4 @@
-// Distributed Checkpoints (statedict/dcp.h) written and read by every rank
+// Distributed Checkpoints (formats/dcp.h) written and read by every rank
 // from and into its own shards, as PyTorch's dcp.save and dcp.load do, so
 // that no rank ever holds a full copy of the state:
 //
@@ -33,8 +33,8 @@
 #include "ATen/core/Tensor.h"
 #include "absl/status/status.h"
 #include "comm/collectives.h"
+#include "formats/dcp.h"
 #include "fsdp/fully_shard.h"
-#include "statedict/dcp.h"
 #include "statedict/sharded_checkpoint.h"
 
 namespace fsdp {

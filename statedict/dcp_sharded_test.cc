@@ -18,14 +18,14 @@
 #include "absl/strings/str_cat.h"
 #include "comm/gloo_collectives.h"
 #include "comm/hybrid_groups.h"
+#include "formats/dcp.h"
+#include "formats/torch_file.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "statedict/dcp.h"
 #include "statedict/state_dict.h"
-#include "statedict/torch_file.h"
 #include "testing/multi_rank.h"
 #include "testing/torch_python.h"
 #include "torch/csrc/distributed/c10d/HashStore.hpp"
@@ -45,8 +45,8 @@ using ::fsdp::testing::RunOnThreadRanks;
 using ::fsdp::testing::Targets;
 using ::testing::HasSubstr;
 
-constexpr char kScript[] = "statedict/dcp_interop.py";
-constexpr char kFixtures[] = "statedict/testdata/dcp";
+constexpr char kScript[] = "formats/dcp_interop.py";
+constexpr char kFixtures[] = "formats/testdata/dcp";
 constexpr int kNoDcp = 3;  // dcp_interop.py's exit status when torch has no DCP.
 
 std::string NewDir(const std::string& name) {

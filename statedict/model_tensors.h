@@ -6,8 +6,8 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "formats/torch_file.h"
 #include "fsdp/fully_shard.h"
-#include "statedict/torch_file.h"
 #include "torch/nn/module.h"
 
 namespace fsdp::statedict_internal {

@@ -25,10 +25,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
+#include "formats/atomic_file.h"
+#include "formats/checkpoint_manifest.pb.h"
+#include "formats/crc32.h"
 #include "fsdp/shard_placement.h"
-#include "statedict/atomic_file.h"
-#include "statedict/checkpoint_manifest.pb.h"
-#include "statedict/crc32.h"
 #include "statedict/load_check.h"
 #include "statedict/model_tensors.h"
 

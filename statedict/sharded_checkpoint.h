@@ -1,5 +1,5 @@
 // SHARDED checkpoints: every rank writes only its own shards, rank 0 writes a
-// manifest (statedict/checkpoint_manifest.proto) last, and a load at any
+// manifest (formats/checkpoint_manifest.proto) last, and a load at any
 // world size reads only the byte ranges each rank needs — never a full
 // gather on one rank.
 //

@@ -36,7 +36,7 @@
 // state dict and never hold a copy.
 //
 // FULL, loading: every rank passes the same full state dict (each reads the
-// file; see statedict/torch_file.h). Everything is checked first — missing
+// file; see formats/torch_file.h). Everything is checked first — missing
 // and unexpected keys, shapes, dtypes, tied names with different values —
 // and all problems are reported in one error, with the model untouched; only
 // then each rank copies its own shard of every parameter out of the full
@@ -52,8 +52,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "formats/torch_file.h"
 #include "fsdp/fully_shard.h"
-#include "statedict/torch_file.h"
 #include "torch/nn/module.h"
 
 namespace fsdp {

@@ -7,13 +7,13 @@
 
 #include "ATen/ATen.h"
 #include "absl/strings/str_cat.h"
+#include "formats/torch_file.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
 #include "fsdp/utilities.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "statedict/torch_file.h"
 #include "testing/multi_rank.h"
 
 namespace fsdp {

@@ -18,9 +18,9 @@
 #include "base/status.h"
 #include "comm/gloo_collectives.h"
 #include "comm/launch_environment.h"
-#include "comm/local_launcher.h"
 #include "comm/rendezvous.h"
 #include "gtest/gtest.h"
+#include "launch/local_launcher.h"
 #include "torch/csrc/distributed/c10d/HashStore.hpp"
 
 namespace fsdp::testing {

@@ -10,7 +10,7 @@
 #   tools/check_torch2_headers.sh        # prints each failing file's errors
 #   FSDP_CXX_STANDARD=c++20 tools/check_torch2_headers.sh   # as libtorch >= 2.13 needs
 #
-# Needs the Bazel build's generated headers (bazel build //statedict/...).
+# Needs the Bazel build's generated headers (bazel build //formats/...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,8 +30,8 @@ for deb in "${debs[@]}"; do
   fi
 done
 include="${cache}/root/usr/include"
-if [[ ! -e bazel-bin/statedict/checkpoint_manifest.pb.h ]]; then
-  echo "check_torch2_headers: run 'bazel build //statedict/...' first (generated headers)" >&2
+if [[ ! -e bazel-bin/formats/checkpoint_manifest.pb.h ]]; then
+  echo "check_torch2_headers: run 'bazel build //formats/...' first (generated headers)" >&2
   exit 2
 fi
 

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Builds one of the statedict readers' libFuzzer targets with clang
+# Builds one of the file readers' libFuzzer targets with clang
 # (-fsanitize=fuzzer,address,undefined, against Debian's libtorch 1.13) and
 # runs it for a fixed time on its committed corpus. Not part of CI: run by
-# hand, and commit what it finds (statedict/fuzz/README.md).
+# hand, and commit what it finds (formats/fuzz/README.md).
 #
 #   tools/fuzz.sh restricted_unpickler|torch_file|dcp_metadata|sharded_manifest|safetensors [SECONDS=300] [LIBFUZZER_FLAG...]
 #
 # (torch_file needs -detect_leaks=0 to get past a leak inside libtorch 1.13's
-# archive reader; statedict/fuzz/README.md.)
+# archive reader; formats/fuzz/README.md.)
 #
 # New inputs go to $FUZZ_OUT/<target>/corpus (default /tmp/fsdp_fuzz), crashes
 # to $FUZZ_OUT/<target>/ as crash-*; the corpus in the tree stays as it is.
@@ -17,16 +17,20 @@ target=${1:?usage: tools/fuzz.sh restricted_unpickler|torch_file|dcp_metadata|sh
 seconds=${2:-300}
 extra_libs=()
 proto_dir=
-fuzz_dir=statedict/fuzz  # Where the target's source and committed corpus are.
 out=${FUZZ_OUT:-/tmp/fsdp_fuzz}/$target
 mkdir -p "$out/corpus"
+# Where the target's source and committed corpus are: the pure formats'
+# fuzzers live in formats/fuzz; the SHARDED manifest's, which loads into a
+# model, in statedict/fuzz; the safetensors reader's in hf/fuzz.
+fuzz_dir=formats/fuzz
 case "$target" in
-  restricted_unpickler) sources=(statedict/restricted_unpickler.cc base/status.cc) ;;
+  restricted_unpickler) sources=(formats/restricted_unpickler.cc base/status.cc) ;;
   torch_file|dcp_metadata)
-    sources=(statedict/restricted_unpickler.cc statedict/torch_file.cc statedict/torch_zip.cc
-             statedict/dcp.cc statedict/dcp_metadata_reader.cc statedict/dcp_writer.cc
-             statedict/crc32.cc statedict/atomic_file.cc base/status.cc) ;;
+    sources=(formats/restricted_unpickler.cc formats/torch_file.cc formats/torch_zip.cc
+             formats/dcp.cc formats/dcp_metadata_reader.cc formats/dcp_writer.cc
+             formats/crc32.cc formats/atomic_file.cc base/status.cc) ;;
   sharded_manifest)
+    fuzz_dir=statedict/fuzz
     # The loader with everything it links (the FSDP core included, as
     # sharded_checkpoint.cc saves and loads models too), and the manifest's
     # generated protobuf code.
@@ -34,15 +38,15 @@ case "$target" in
     # it changed, so that the objects that include it stay up to date.)
     proto_dir=$out/proto
     proto_tmp=$(mktemp -d)
-    protoc --proto_path=. --cpp_out="$proto_tmp" statedict/checkpoint_manifest.proto
-    mkdir -p "$proto_dir/statedict"
+    protoc --proto_path=. --cpp_out="$proto_tmp" formats/checkpoint_manifest.proto
+    mkdir -p "$proto_dir/formats"
     for f in checkpoint_manifest.pb.h checkpoint_manifest.pb.cc; do
-      cmp -s "$proto_tmp/statedict/$f" "$proto_dir/statedict/$f" ||
-        cp "$proto_tmp/statedict/$f" "$proto_dir/statedict/$f"
+      cmp -s "$proto_tmp/formats/$f" "$proto_dir/formats/$f" ||
+        cp "$proto_tmp/formats/$f" "$proto_dir/formats/$f"
     done
     rm -r "$proto_tmp"
     sources=(statedict/sharded_checkpoint.cc statedict/model_tensors.cc statedict/load_check.cc
-             statedict/crc32.cc statedict/atomic_file.cc "$proto_dir/statedict/checkpoint_manifest.pb.cc"
+             formats/crc32.cc formats/atomic_file.cc "$proto_dir/formats/checkpoint_manifest.pb.cc"
              comm/collectives.cc comm/fingerprint.cc base/status.cc base/device_event.cc
              fsdp/activation_checkpointing.cc fsdp/comm_hooks.cc
              fsdp/cross_rank_checks.cc fsdp/flat_param_handle.cc fsdp/fsdp_options.cc
@@ -52,7 +56,7 @@ case "$target" in
     extra_libs=(-lprotobuf) ;;
   safetensors)
     fuzz_dir=hf/fuzz
-    sources=(hf/safetensors.cc statedict/atomic_file.cc base/status.cc) ;;
+    sources=(hf/safetensors.cc formats/atomic_file.cc base/status.cc) ;;
   *) echo "fuzz.sh: no target '$target'" >&2; exit 2 ;;
 esac
 binary=$out/${target}_fuzzer

@@ -141,7 +141,7 @@ if ((gpus >= 2)); then
     --target comm_nccl_collectives_benchmark && nccl_built=1
 fi
 stage build_cuda_targets "$out/build.log" cmake --build "$build" \
-  --target fsdp_cuda_test models_cuda_step_benchmark models_train_gpt comm_launch &&
+  --target fsdp_cuda_test models_cuda_step_benchmark models_train_gpt launch_fsdp_launch &&
   cuda_built=1
 if ((cuda_built)); then
   # Each run has a time limit (exit 124 when it hits it), so that one hang
@@ -216,7 +216,7 @@ stage pytorch_step_benchmark "$out/build.log" env PYTHONUNBUFFERED=1 \
 # Last: the slowest case (the GPT-2 model's parameters staged through host
 # memory every step) must not cost the single-rank table its time.
 if ((gpus < 2 && cuda_built)); then
-  stage cpp_step_benchmark_w2_shared "$out/build.log" timeout -k 10 240 "$build/comm/launch" \
+  stage cpp_step_benchmark_w2_shared "$out/build.log" timeout -k 10 240 "$build/launch/fsdp_launch" \
     --nproc_per_node=2 -- "$build/models/cuda_step_benchmark" \
     --benchmark_filter='unwrapped|staged' --benchmark_out="$out/cpp_step_w2.json" \
     --benchmark_out_format=json

@@ -129,7 +129,7 @@ if ((status == 0)); then
 fi
 if ((status == 0)); then
   run_twice "test_consumers: Bazel (local_repository, Debian's libtorch)" 3 \
-    "$bin/external/fsdp_cpp/comm/launch" "$bin/train" || status=$?
+    "$bin/external/fsdp_cpp/launch/fsdp_launch" "$bin/train" || status=$?
 else
   cat "$work/bazel.log" >&2
 fi

@@ -1,0 +1,106 @@
+// fsdp_launch: runs any program as the ranks of a job, the way
+// `torchrun --no-python` does, with the rendezvous store served by the
+// launcher (launch/local_launcher.h): on one host as `torchrun --standalone
+// --nproc-per-node=N`, or across hosts, one launcher on each, as torchrun's
+// static rendezvous (--nnodes --node-rank --master-addr --master-port).
+//
+//   bazel run //launch:fsdp_launch -- --nproc_per_node=2 -- /path/to/trainer --flag=x
+//   bazel run //launch:fsdp_launch -- --nproc_per_node=2 -- /usr/bin/python3 ddp.py
+//   # on host A (node 0) and host B (node 1), the same but --node_rank:
+//   fsdp_launch --nnodes=2 --node_rank=0 --master_addr=A --nproc_per_node=2 -- trainer
+//
+// Exits 0 when every rank succeeded, 1 naming each rank that failed, 2 when
+// the job could not start, and 128 + the signal when interrupted (the signal
+// is forwarded to every rank first).
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "launch/local_launcher.h"
+
+ABSL_FLAG(int, nproc_per_node, 2, "Ranks to start on this host.");
+ABSL_FLAG(int, nnodes, 1, "Hosts the job runs on, one launcher each.");
+ABSL_FLAG(int, node_rank, 0, "This host's place among them (0: the one serving the store).");
+ABSL_FLAG(std::string, master_addr, "",
+          "With --nnodes > 1: the address every host reaches node 0's launcher at.");
+ABSL_FLAG(int, master_port, 29500, "With --nnodes > 1: the port node 0's launcher serves.");
+ABSL_FLAG(int, join_timeout_s, 300,
+          "With --nnodes > 1: seconds to wait for every node's launcher before starting.");
+ABSL_FLAG(int, exit_barrier_timeout_s, 300,
+          "With --nnodes > 1: seconds node 0's launcher keeps serving the store for the "
+          "other nodes once its own ranks have ended.");
+ABSL_FLAG(int, node_timeout_s, 30,
+          "With --nnodes > 1: a node whose launcher is silent this long counts as lost, and "
+          "the job fails.");
+ABSL_FLAG(int, timeout_s, 3600, "Kill every rank still running after this many seconds.");
+ABSL_FLAG(int, failure_grace_s, 10,
+          "After a rank fails or a signal arrives, seconds the others get to end on their "
+          "own before they are killed.");
+ABSL_FLAG(std::string, log_dir, "",
+          "Write rank r's output to <log_dir>/rank_<r>.log instead of this terminal.");
+
+namespace {
+
+// A name without a slash is looked up in PATH, as a shell would.
+std::string ResolveProgram(const std::string& name) {
+  if (name.find('/') != std::string::npos) return name;
+  const char* path = std::getenv("PATH");
+  std::string dirs = path != nullptr ? path : "/usr/bin:/bin";
+  size_t start = 0;
+  while (start <= dirs.size()) {
+    size_t end = dirs.find(':', start);
+    if (end == std::string::npos) end = dirs.size();
+    const std::string candidate = dirs.substr(start, end - start) + "/" + name;
+    if (end > start && ::access(candidate.c_str(), X_OK) == 0) return candidate;
+    start = end + 1;
+  }
+  return name;  // The launcher names it as not executable.
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "fsdp_launch [--nproc_per_node=N] [--timeout_s=S] [--log_dir=D]\n"
+      "            [--nnodes=M --node_rank=K --master_addr=HOST [--master_port=P]]\n"
+      "            -- PROGRAM [ARGS...]");
+  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  // Under `bazel run`, relative paths (the program, its outputs) are the
+  // user's, not the runfiles tree's that Bazel starts us in.
+  if (const char* dir = std::getenv("BUILD_WORKING_DIRECTORY"); dir != nullptr && *dir != '\0') {
+    if (::chdir(dir) != 0) {
+      std::fprintf(stderr, "fsdp_launch: cannot enter BUILD_WORKING_DIRECTORY '%s': %s\n", dir,
+                   std::strerror(errno));
+      return 2;
+    }
+  }
+  if (rest.size() < 2) {
+    std::fprintf(stderr, "fsdp_launch: no program given\nusage: %s\n",
+                 absl::ProgramUsageMessage().data());
+    return 2;
+  }
+  fsdp::LocalLaunchOptions options;
+  options.nproc_per_node = absl::GetFlag(FLAGS_nproc_per_node);
+  options.program = ResolveProgram(rest[1]);
+  options.args.assign(rest.begin() + 2, rest.end());
+  options.timeout = std::chrono::seconds(absl::GetFlag(FLAGS_timeout_s));
+  options.failure_grace = std::chrono::seconds(absl::GetFlag(FLAGS_failure_grace_s));
+  options.log_dir = absl::GetFlag(FLAGS_log_dir);
+  options.nnodes = absl::GetFlag(FLAGS_nnodes);
+  options.node_rank = absl::GetFlag(FLAGS_node_rank);
+  options.master_addr = absl::GetFlag(FLAGS_master_addr);
+  options.master_port = absl::GetFlag(FLAGS_master_port);
+  options.join_timeout = std::chrono::seconds(absl::GetFlag(FLAGS_join_timeout_s));
+  options.exit_barrier_timeout = std::chrono::seconds(absl::GetFlag(FLAGS_exit_barrier_timeout_s));
+  options.node_timeout = std::chrono::seconds(absl::GetFlag(FLAGS_node_timeout_s));
+  return fsdp::LaunchAndReport(options, "fsdp_launch");
+}
