@@ -237,6 +237,35 @@ void WithShardedLora(fsdp::Collectives& comm, uint64_t lora_seed, uint64_t b_see
   body(model, **sharded);
 }
 
+// Copies of the good adapter directory `dir`/adapter (tensors `written`)
+// with one thing wrong each, and what the refusal must name.
+std::vector<std::pair<std::string, std::string>> BadAdapterDirs(
+    const std::string& dir, const std::map<std::string, at::Tensor>& written) {
+  const std::string key = "base_model.model.model.layers.1.mlp.down_proj.lora_A.weight";
+  auto bad_dir = [&](const std::string& name, std::map<std::string, at::Tensor> tensors,
+                     const std::string& config_text) {
+    const std::string path = dir + "/" + name;
+    std::filesystem::create_directories(path);
+    WriteAll(path + "/adapter_model.safetensors", tensors);
+    WriteText(path + "/adapter_config.json", config_text);
+    return path;
+  };
+  const std::string good_config = ReadText(dir + "/adapter/adapter_config.json");
+  std::map<std::string, at::Tensor> missing = written, extra = written, shaped = written;
+  missing.erase(key);
+  extra["base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight"] = at::zeros({3, 16});
+  shaped[key] = at::zeros({2, 24});
+  LoraConfig r2 = TinyLora();
+  r2.r = 2;
+  return {
+      {bad_dir("missing", missing, good_config), key},
+      {bad_dir("extra", extra, good_config), "k_proj.lora_A.weight"},
+      {bad_dir("shaped", shaped, good_config), key},
+      {bad_dir("dora", written, WithField("use_dora", "true")), "use_dora"},
+      {bad_dir("rank", written, PeftAdapterConfigJson(r2)), "r 2 vs 3"},
+  };
+}
+
 // Saved at W = 2, the adapter directory holds exactly the adapters under
 // PEFT's names; loaded at W = 2 into another model it gives the same
 // logits; bad directories are refused by key and change nothing.
@@ -276,30 +305,7 @@ TEST(LoraTest, AdapterDirectoryRoundTripsThroughFsdpAndBadOnesAreRefused) {
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_TRUE(*config == TinyLora());
 
-  // Bad directories: each a copy of the good one with one thing wrong.
-  const std::string key = "base_model.model.model.layers.1.mlp.down_proj.lora_A.weight";
-  auto bad_dir = [&](const std::string& name, std::map<std::string, at::Tensor> tensors,
-                     const std::string& config_text) {
-    const std::string path = dir + "/" + name;
-    std::filesystem::create_directories(path);
-    WriteAll(path + "/adapter_model.safetensors", tensors);
-    WriteText(path + "/adapter_config.json", config_text);
-    return path;
-  };
-  const std::string good_config = ReadText(dir + "/adapter/adapter_config.json");
-  std::map<std::string, at::Tensor> missing = written, extra = written, shaped = written;
-  missing.erase(key);
-  extra["base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight"] = at::zeros({3, 16});
-  shaped[key] = at::zeros({2, 24});
-  LoraConfig r2 = TinyLora();
-  r2.r = 2;
-  const std::vector<std::pair<std::string, std::string>> bad = {
-      {bad_dir("missing", missing, good_config), key},
-      {bad_dir("extra", extra, good_config), "k_proj.lora_A.weight"},
-      {bad_dir("shaped", shaped, good_config), key},
-      {bad_dir("dora", written, WithField("use_dora", "true")), "use_dora"},
-      {bad_dir("rank", written, PeftAdapterConfigJson(r2)), "r 2 vs 3"},
-  };
+  const std::vector<std::pair<std::string, std::string>> bad = BadAdapterDirs(dir, written);
   status = RunOnThreadRanks(2, [&](fsdp::Collectives& comm) {
     WithShardedLora(comm, 5, 0, [&](CausalLm& model, fsdp::FullyShardedModel& sharded) {
       at::Tensor before;
@@ -318,6 +324,54 @@ TEST(LoraTest, AdapterDirectoryRoundTripsThroughFsdpAndBadOnesAreRefused) {
       ASSERT_TRUE(loaded.ok()) << loaded;
       at::NoGradGuard no_grad;
       EXPECT_TRUE(at::equal(model->forward(ids), saved_logits));
+    });
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+std::vector<at::Tensor> Trainable(const torch::nn::Module& model) {
+  std::vector<at::Tensor> out;
+  for (const at::Tensor& p : fsdp::UniqueParameters(model)) {
+    if (p.requires_grad()) out.push_back(p);
+  }
+  return out;
+}
+
+// Training the adapters at W = 2 under FULL_SHARD (each rank one row; the
+// base frozen in the same units) gives the unwrapped model's training on
+// the whole batch. Backward computes the inputs' gradients through the
+// frozen weights after the adapters' gradients (NOTE [Frozen parameters in
+// backward] in fsdp/fully_shard.cc).
+TEST(LoraTest, TrainingThroughFsdpMatchesTheUnwrappedModel) {
+  const at::Tensor ids = at::arange(24, at::kLong).mul(7).remainder(32).reshape({2, 12});
+  constexpr int kTrainSteps = 3;
+  auto options = torch::optim::AdamWOptions(1e-2).weight_decay(0.01);
+  CausalLm reference(TinyConfig(), /*seed=*/1);
+  ASSERT_TRUE(ApplyLora(*reference, TinyLora(), 4).ok());
+  RandomizeB(*reference, 9);
+  torch::optim::AdamW reference_optimizer(Trainable(*reference), options);
+  for (int step = 0; step < kTrainSteps; ++step) {
+    CausalLmLoss(reference->forward(ids), ids).backward();
+    reference_optimizer.step();
+    reference_optimizer.zero_grad();
+  }
+  at::Tensor expected;
+  {
+    at::NoGradGuard no_grad;
+    expected = reference->forward(ids);
+  }
+  absl::Status status = RunOnThreadRanks(2, [&](fsdp::Collectives& comm) {
+    WithShardedLora(comm, 4, 9, [&](CausalLm& model, fsdp::FullyShardedModel&) {
+      fsdp::FlatShardAdamW optimizer(Trainable(*model), options);
+      const at::Tensor row = ids.narrow(0, comm.rank(), 1);
+      for (int step = 0; step < kTrainSteps; ++step) {
+        CausalLmLoss(model->forward(row), row).backward();
+        optimizer.step();
+        optimizer.zero_grad();
+      }
+      at::NoGradGuard no_grad;
+      const at::Tensor logits = model->forward(ids);
+      EXPECT_LE(MaxAbsDiff(logits, expected), 1e-5);
     });
   });
   EXPECT_TRUE(status.ok()) << status;
@@ -393,12 +447,8 @@ std::vector<double> FineTune(const std::string& dir, int world, const at::Tensor
     ASSERT_TRUE(loaded.ok()) << loaded;
     loaded = LoadPeftAdapter(dir + "/adapter0", **sharded, *lora);
     ASSERT_TRUE(loaded.ok()) << loaded;
-    std::vector<at::Tensor> trainable;
-    for (const at::Tensor& p : fsdp::UniqueParameters(*model)) {
-      if (p.requires_grad()) trainable.push_back(p);
-    }
     fsdp::FlatShardAdamW optimizer(
-        trainable, torch::optim::AdamWOptions(kLr).betas({0.9, 0.999}).eps(1e-8).weight_decay(
+        Trainable(*model), torch::optim::AdamWOptions(kLr).betas({0.9, 0.999}).eps(1e-8).weight_decay(
                        kWeightDecay));
     const int64_t rows = batches.size(1) / world;
     for (int step = 0; step < kSteps; ++step) {
