@@ -329,6 +329,45 @@ TEST(LoraTest, AdapterDirectoryRoundTripsThroughFsdpAndBadOnesAreRefused) {
   EXPECT_TRUE(status.ok()) << status;
 }
 
+// A base checkpoint (transformers' layout, no adapters) loads strictly into
+// a model with adapters with HuggingFaceTensors::kFrozen: the adapters keep
+// their values, a base tensor missing from the files is refused by name.
+TEST(LoraTest, BaseLoadsStrictlyBesideTheAdapters) {
+  const std::string dir = TempDir("lora_base");
+  const at::Tensor ids = at::arange(12, at::kLong).remainder(32).reshape({2, 6});
+  CausalLm plain(TinyConfig(), /*seed=*/7);
+  at::Tensor base_logits;
+  std::map<std::string, at::Tensor> full;
+  {
+    at::NoGradGuard no_grad;
+    base_logits = plain->forward(ids);
+    for (const auto& item : plain->named_parameters()) full[item.key()] = item.value().detach();
+  }
+  std::filesystem::create_directories(dir + "/base");
+  WriteAll(dir + "/base/model.safetensors", full);
+  full.erase("model.layers.1.self_attn.o_proj.weight");
+  std::filesystem::create_directories(dir + "/lacking");
+  WriteAll(dir + "/lacking/model.safetensors", full);
+  fsdp::CheckpointIoOptions base;
+  base.hugging_face.tensors = fsdp::HuggingFaceTensors::kFrozen;
+  absl::Status status = RunOnThreadRanks(2, [&](fsdp::Collectives& comm) {
+    WithShardedLora(comm, 4, 0, [&](CausalLm& model, fsdp::FullyShardedModel& sharded) {
+      absl::Status loaded = fsdp::LoadCheckpoint(dir + "/lacking", sharded, nullptr, nullptr, base);
+      EXPECT_FALSE(loaded.ok());
+      EXPECT_TRUE(absl::StrContains(loaded.message(), "model.layers.1.self_attn.o_proj.weight"))
+          << loaded;
+      // Without kFrozen the adapters are missing from the files.
+      loaded = fsdp::LoadCheckpoint(dir + "/base", sharded);
+      EXPECT_TRUE(absl::StrContains(loaded.message(), "lora_A.weight")) << loaded;
+      loaded = fsdp::LoadCheckpoint(dir + "/base", sharded, nullptr, nullptr, base);
+      ASSERT_TRUE(loaded.ok()) << loaded;
+      at::NoGradGuard no_grad;
+      EXPECT_TRUE(at::allclose(model->forward(ids), base_logits, 1e-6, 1e-6));  // lora_B = 0.
+    });
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
 std::vector<at::Tensor> Trainable(const torch::nn::Module& model) {
   std::vector<at::Tensor> out;
   for (const at::Tensor& p : fsdp::UniqueParameters(model)) {
