@@ -126,7 +126,9 @@ absl::StatusOr<LoraConfig> ParseJson(const json& root) {
   }
   config.r = root.at("r").get<int64_t>();
   FSDP_RETURN_IF_ERROR(number("lora_alpha", config.lora_alpha));
-  if (root.contains("lora_dropout")) FSDP_RETURN_IF_ERROR(number("lora_dropout", config.lora_dropout));
+  if (root.contains("lora_dropout")) {
+    FSDP_RETURN_IF_ERROR(number("lora_dropout", config.lora_dropout));
+  }
   if (root.contains("use_rslora")) {
     if (!root.at("use_rslora").is_boolean()) {
       return absl::InvalidArgumentError("adapter_config.json: 'use_rslora' is not a boolean");

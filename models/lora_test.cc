@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "ATen/CPUGeneratorImpl.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "checkpoint/checkpoint.h"
@@ -101,12 +102,13 @@ std::vector<std::string> TrainableNames(const torch::nn::Module& model) {
   return names;
 }
 
-// lora_B away from its zeros, from `seed`.
+// lora_B away from its zeros, from `seed` (a generator of its own: the
+// ranks are threads, and the global generator would be shared).
 void RandomizeB(torch::nn::Module& model, uint64_t seed) {
   at::NoGradGuard no_grad;
-  at::manual_seed(seed);
+  at::Generator gen = at::detail::createCPUGenerator(seed);
   for (const auto& item : model.named_parameters()) {
-    if (absl::StrContains(item.key(), "lora_B")) item.value().normal_(0.0, 0.5);
+    if (absl::StrContains(item.key(), "lora_B")) item.value().normal_(0.0, 0.5, gen);
   }
 }
 
@@ -295,7 +297,8 @@ TEST(LoraTest, AdapterDirectoryRoundTripsThroughFsdpAndBadOnesAreRefused) {
       if (item.value().requires_grad()) expected["base_model.model." + item.key()] = item.value();
     }
   }
-  const std::map<std::string, at::Tensor> written = ReadAll(dir + "/adapter/adapter_model.safetensors");
+  const std::map<std::string, at::Tensor> written =
+      ReadAll(dir + "/adapter/adapter_model.safetensors");
   ASSERT_EQ(written.size(), expected.size());
   for (const auto& [name, t] : expected) {
     ASSERT_TRUE(written.count(name)) << name;
@@ -486,9 +489,9 @@ std::vector<double> FineTune(const std::string& dir, int world, const at::Tensor
     ASSERT_TRUE(loaded.ok()) << loaded;
     loaded = LoadPeftAdapter(dir + "/adapter0", **sharded, *lora);
     ASSERT_TRUE(loaded.ok()) << loaded;
-    fsdp::FlatShardAdamW optimizer(
-        Trainable(*model), torch::optim::AdamWOptions(kLr).betas({0.9, 0.999}).eps(1e-8).weight_decay(
-                       kWeightDecay));
+    auto options =
+        torch::optim::AdamWOptions(kLr).betas({0.9, 0.999}).eps(1e-8).weight_decay(kWeightDecay);
+    fsdp::FlatShardAdamW optimizer(Trainable(*model), options);
     const int64_t rows = batches.size(1) / world;
     for (int step = 0; step < kSteps; ++step) {
       const at::Tensor ids = batches[step].narrow(0, comm.rank() * rows, rows);
