@@ -16,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "base/status.h"
 #include "checkpoint/checkpoint.h"
+#include "fsdp/utilities.h"
 #include "torch/nn/init.h"
 
 namespace models {
@@ -158,6 +159,18 @@ absl::StatusOr<LoraConfig> ParseJson(const json& root) {
 std::vector<std::string> Sorted(std::vector<std::string> v) {
   std::sort(v.begin(), v.end());
   return v;
+}
+
+// The LoraLinears of `module`'s subtree that belong to its unit: not
+// inside another unit (`units`, the model's units' modules).
+void UnitLoraLinears(const torch::nn::Module& module,
+                     const std::set<const torch::nn::Module*>& units,
+                     std::vector<LoraLinearImpl*>& out) {
+  for (const auto& child : module.children()) {
+    if (units.count(child.get()) > 0) continue;
+    if (auto* linear = child->as<LoraLinearImpl>()) out.push_back(linear);
+    UnitLoraLinears(*child, units, out);
+  }
 }
 
 }  // namespace
@@ -308,6 +321,31 @@ absl::Status LoadPeftAdapter(const std::string& dir, fsdp::FullyShardedModel& mo
         config.lora_dropout, ")"));
   }
   return fsdp::LoadCheckpoint(dir, model, nullptr, nullptr, PeftAdapterIoOptions());
+}
+
+absl::Status MergeLoraAdapters(fsdp::FullyShardedModel& model) {
+  FSDP_RETURN_IF_ERROR(model.RequireIdle("merging LoRA adapters"));
+  std::set<const torch::nn::Module*> units;
+  for (const auto& unit : model.units()) units.insert(&unit->module());
+  try {
+    for (const auto& unit : model.units()) {
+      std::vector<LoraLinearImpl*> linears;
+      UnitLoraLinears(unit->module(), units, linears);
+      fsdp::SummonOptions options;
+      options.recurse = false;
+      fsdp::SummonFullParams full(model, unit->module(), options);
+      at::NoGradGuard no_grad;
+      for (LoraLinearImpl* linear : linears) {
+        if (!linear->has_adapter()) continue;
+        at::Tensor w = linear->weight;
+        w.add_(at::matmul(linear->lora_B->weight, linear->lora_A->weight) * linear->scaling);
+        linear->lora_B->weight.zero_();
+      }
+    }
+  } catch (...) {
+    return fsdp::StatusFromCurrentException();
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace models

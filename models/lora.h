@@ -29,6 +29,8 @@
 //   FSDP_RETURN_IF_ERROR(fsdp::LoadCheckpoint(base_dir, *sharded, nullptr, nullptr, base));
 //   ... train with an optimizer over fsdp::UniqueParameters(*model) ...
 //   FSDP_RETURN_IF_ERROR(models::SavePeftAdapter(out_dir, *sharded, lora));
+//   // Or a plain transformers checkpoint of the result: MergeLoraAdapters,
+//   // then SaveCheckpoint with hugging_face.tensors = kFrozen.
 //
 // ApplyLora freezes every parameter but the adapters' (requires_grad
 // false), so an FSDP unit holds the frozen base and its trainable adapters
@@ -130,6 +132,16 @@ absl::Status SavePeftAdapter(const std::string& dir, fsdp::FullyShardedModel& mo
 // extra or mis-shaped is refused by key, and nothing is changed.
 absl::Status LoadPeftAdapter(const std::string& dir, fsdp::FullyShardedModel& model,
                              const LoraConfig& config);
+
+// Merges every adapter into its base weight, W += scaling * B A (PEFT's
+// merge_and_unload), and zeroes lora_B: the model computes what it did, and
+// its frozen tensors are the fine-tuned model, so a save of them
+// (CheckpointIoOptions::hugging_face.tensors = kFrozen, with the base's
+// config.json) is a transformers checkpoint that from_pretrained reads
+// without peft. Save the adapter first if it is still wanted. Gathers one
+// unit's full parameters at a time (fsdp::SummonFullParams, written back).
+// Every rank calls it, the model idle (else kFailedPrecondition).
+absl::Status MergeLoraAdapters(fsdp::FullyShardedModel& model);
 
 }  // namespace models
 

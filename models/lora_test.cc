@@ -371,6 +371,49 @@ TEST(LoraTest, BaseLoadsStrictlyBesideTheAdapters) {
   EXPECT_TRUE(status.ok()) << status;
 }
 
+// Merged at W = 2, the model computes what it did, and its frozen tensors,
+// exported as a transformers checkpoint, are W + scaling B A: a model
+// without adapters loads them and gives the same logits.
+TEST(LoraTest, MergedAdaptersExportAsAPlainCheckpoint) {
+  const std::string dir = TempDir("lora_merge");
+  const at::Tensor ids = at::arange(12, at::kLong).remainder(32).reshape({2, 6});
+  at::Tensor before, after;
+  absl::Status status = RunOnThreadRanks(2, [&](fsdp::Collectives& comm) {
+    WithShardedLora(comm, 4, 9, [&](CausalLm& model, fsdp::FullyShardedModel& sharded) {
+      at::NoGradGuard no_grad;
+      at::Tensor logits = model->forward(ids);
+      ASSERT_TRUE(MergeLoraAdapters(sharded).ok());
+      at::Tensor merged = model->forward(ids);
+      fsdp::CheckpointIoOptions options;
+      options.format = fsdp::CheckpointFormat::kHuggingFace;
+      options.hugging_face.tensors = fsdp::HuggingFaceTensors::kFrozen;
+      absl::Status saved = fsdp::SaveCheckpoint(dir + "/merged", sharded, nullptr, {}, options);
+      ASSERT_TRUE(saved.ok()) << saved;
+      if (comm.rank() == 0) {
+        before = logits;
+        after = merged;
+      }
+    });
+  });
+  ASSERT_TRUE(status.ok()) << status;
+  EXPECT_LE(MaxAbsDiff(after, before), 1e-5);
+  CausalLm reference(TinyConfig(), /*seed=*/1);
+  ASSERT_TRUE(ApplyLora(*reference, TinyLora(), 4).ok());
+  RandomizeB(*reference, 9);
+  const std::map<std::string, at::Tensor> merged = ReadAll(dir + "/merged/model.safetensors");
+  EXPECT_EQ(merged.size(), CausalLm(TinyConfig())->parameters().size());
+  LoraLinearImpl& down = Proj(*reference, "layers.1.mlp.down_proj");
+  const at::Tensor expected =
+      down.weight + at::matmul(down.lora_B->weight, down.lora_A->weight) * 2.0;
+  EXPECT_LE(MaxAbsDiff(merged.at("model.layers.1.mlp.down_proj.weight"), expected.detach()), 1e-6);
+  CausalLm plain(TinyConfig(), /*seed=*/3);
+  {
+    at::NoGradGuard no_grad;
+    for (const auto& item : plain->named_parameters()) item.value().copy_(merged.at(item.key()));
+    EXPECT_LE(MaxAbsDiff(plain->forward(ids), before), 1e-5);
+  }
+}
+
 std::vector<at::Tensor> Trainable(const torch::nn::Module& model) {
   std::vector<at::Tensor> out;
   for (const at::Tensor& p : fsdp::UniqueParameters(model)) {
