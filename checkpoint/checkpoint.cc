@@ -144,10 +144,11 @@ bool HoldsStepDirectories(const std::string& dir) {
 enum class Format { kNone, kDcp, kSharded, kHuggingFace };
 
 // Which checkpoint `dir` holds, as this rank sees it.
-absl::StatusOr<Format> FormatOf(const std::string& dir) {
+// `hf_stem`: the Hugging Face files' (HuggingFaceFiles::stem).
+absl::StatusOr<Format> FormatOf(const std::string& dir, const std::string& hf_stem) {
   const bool dcp = IsDcpDirectory(dir);
   const bool sharded = IsFile(dir + "/manifest.pb");
-  const bool hugging_face = IsHuggingFaceDirectory(dir);
+  const bool hugging_face = IsHuggingFaceDirectory(dir, hf_stem);
   if (dcp + sharded + hugging_face > 1) {
     return absl::DataLossError(absl::StrCat(
         "'", dir, "' holds more than one checkpoint (", dcp ? "a Distributed Checkpoint's "
@@ -223,10 +224,12 @@ absl::Status ReadBeforeAgreeing(const std::string& dir, Format format, FullyShar
 
 // A checkpoint of `format` beside one of another format would make the
 // directory ambiguous to LoadCheckpoint; the other is not ours to remove.
-absl::Status NoOtherFormat(const std::string& dir, CheckpointFormat format) {
+absl::Status NoOtherFormat(const std::string& dir, const CheckpointIoOptions& options) {
+  const CheckpointFormat format = options.format;
   const char* other = nullptr;
   if (IsFile(dir + "/manifest.pb")) other = "a SHARDED checkpoint (manifest.pb) of an earlier version";
-  if (format == CheckpointFormat::kDistributed && IsHuggingFaceDirectory(dir)) {
+  if (format == CheckpointFormat::kDistributed &&
+      IsHuggingFaceDirectory(dir, options.hugging_face.stem)) {
     other = "a Hugging Face checkpoint (safetensors)";
   }
   if (format == CheckpointFormat::kHuggingFace && IsDcpDirectory(dir)) {
@@ -261,12 +264,12 @@ absl::Status SaveCheckpoint(const std::string& dir, FullyShardedModel& model,
           "SaveCheckpoint: a Hugging Face checkpoint holds the model's weights only; pass no "
           "optimizer and no train state (a Distributed Checkpoint keeps them)");
     }
-    FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, NoOtherFormat(dir, options.format)));
+    FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, NoOtherFormat(dir, options)));
     return checkpoint_internal::SaveHuggingFace(dir, model, options);
   }
   absl::StatusOr<std::vector<DcpItem>> items = TrainStateItems(train_state);
   absl::Status ready = items.status();
-  if (ready.ok()) ready = NoOtherFormat(dir, options.format);
+  if (ready.ok()) ready = NoOtherFormat(dir, options);
   if (model.replicate_group() != nullptr) {
     FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, ready));
   }
@@ -286,7 +289,7 @@ absl::Status LoadCheckpoint(const std::string& dir, FullyShardedModel& model,
   // directory differently (a network file system's cache) fail together
   // instead of waiting for each other in different loads.
   TrainState read = train_state != nullptr ? *train_state : TrainState{};
-  const absl::StatusOr<Format> format = FormatOf(dir);
+  const absl::StatusOr<Format> format = FormatOf(dir, options.hugging_face.stem);
   StagedDcp staged;
   absl::Status local = format.status();
   if (local.ok()) {

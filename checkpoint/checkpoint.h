@@ -136,6 +136,41 @@ enum class CheckpointFormat {
   kHuggingFace,
 };
 
+// Which of the model's tensors a Hugging Face checkpoint holds.
+enum class HuggingFaceTensors {
+  kAll,
+  // The parameters that require grad (PEFT's adapters).
+  kTrainable,
+  // The others: the base of a model with adapters (models/lora.h), loaded
+  // from transformers' checkpoint strictly, with the adapters left alone.
+  kFrozen,
+};
+
+// Hugging Face checkpoints: which of the model's tensors, under which names
+// and in which files. The defaults are transformers' save_pretrained of the
+// whole model. PEFT's adapters (models/lora.h) are {"adapter_model",
+// "base_model.model.", kTrainable, "adapter_config.json"}: the trainable
+// parameters only, each under "base_model.model." + its name, in
+// adapter_model.safetensors.
+struct HuggingFaceFiles {
+  // The files: "<stem>.safetensors", or "<stem>-0000K-of-0000N.safetensors"
+  // and "<stem>.safetensors.index.json". LoadCheckpoint finds a Hugging Face
+  // checkpoint in a directory by this stem.
+  std::string stem = "model";
+  // Put before every name in the files (and expected there on load).
+  std::string name_prefix;
+  // Only these are saved, and only these loaded (the others keep their
+  // values; strict then means that the files hold exactly these).
+  HuggingFaceTensors tensors = HuggingFaceTensors::kAll;
+  // Save: the name under which CheckpointIoOptions::config_json is written.
+  std::string config_file = "config.json";
+
+  bool operator==(const HuggingFaceFiles& other) const {
+    return stem == other.stem && name_prefix == other.name_prefix &&
+           tensors == other.tensors && config_file == other.config_file;
+  }
+};
+
 struct CheckpointIoOptions {
   // Save: the format written. Load finds it from the directory.
   CheckpointFormat format = CheckpointFormat::kDistributed;
@@ -152,6 +187,8 @@ struct CheckpointIoOptions {
   int64_t max_file_bytes = 5'000'000'000;
   std::optional<at::ScalarType> dtype;
   std::string config_json;
+  // Hugging Face, save and load: which tensors, names and files.
+  HuggingFaceFiles hugging_face;
 };
 
 // Saves the model, the optimizer (when given) and `train_state` as a

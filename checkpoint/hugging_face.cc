@@ -36,13 +36,28 @@ struct ModelTensor {
   size_t first_index = 0;  // Of names[0] in state_dict order.
 };
 
-std::vector<ModelTensor> ModelTensors(const StateDict& named) {
+// Whether `files` selects the tensor (HuggingFaceFiles::tensors).
+bool Selected(const HuggingFaceFiles& files, const at::Tensor& t) {
+  switch (files.tensors) {
+    case HuggingFaceTensors::kAll:
+      return true;
+    case HuggingFaceTensors::kTrainable:
+      return t.requires_grad();
+    case HuggingFaceTensors::kFrozen:
+      return !t.requires_grad();
+  }
+  return true;
+}
+
+// Only those `files` selects, each name with the files' prefix.
+std::vector<ModelTensor> ModelTensors(const StateDict& named, const HuggingFaceFiles& files) {
   std::vector<ModelTensor> tensors;
   std::unordered_map<const void*, size_t> seen;
   for (size_t k = 0; k < named.size(); ++k) {
+    if (!Selected(files, named[k].second)) continue;
     auto [it, inserted] = seen.emplace(named[k].second.unsafeGetTensorImpl(), tensors.size());
     if (inserted) tensors.push_back({{}, named[k].second, k});
-    tensors[it->second].names.push_back(named[k].first);
+    tensors[it->second].names.push_back(files.name_prefix + named[k].first);
   }
   return tensors;
 }
@@ -113,13 +128,15 @@ std::string Fingerprint(const hf::SafetensorsCheckpoint& checkpoint) {
 // of every tensor it fills; changes nothing. `seen` says what this rank
 // read, for SameOnEveryRank.
 absl::StatusOr<std::vector<PlannedRead>> PlanLoad(const std::string& dir,
-                                                  FullyShardedModel& model, bool strict,
+                                                  FullyShardedModel& model,
+                                                  const CheckpointIoOptions& options,
                                                   std::string& seen) {
+  const bool strict = options.strict;
   FSDP_ASSIGN_OR_RETURN(const hf::SafetensorsCheckpoint checkpoint,
-                        hf::SafetensorsCheckpoint::Open(dir));
+                        hf::SafetensorsCheckpoint::Open(dir, options.hugging_face.stem));
   seen = Fingerprint(checkpoint);
   const std::vector<ModelTensor> tensors =
-      ModelTensors(NamedTensors(model.units().front()->module()));
+      ModelTensors(NamedTensors(model.units().front()->module()), options.hugging_face);
   const ShardPlacements placements = ShardPlacementsOf(model);
   LoadCheck check;
   std::set<std::string> model_names;
@@ -178,7 +195,7 @@ SavePlan PlanSave(FullyShardedModel& model, const StateDict& named,
   const ShardPlacements placements = ShardPlacementsOf(model);
   SavePlan plan;
   plan.dtype_by_index.resize(named.size());
-  for (const ModelTensor& tensor : ModelTensors(named)) {
+  for (const ModelTensor& tensor : ModelTensors(named, options.hugging_face)) {
     const at::ScalarType own =
         model.BufferFullPrecisionDtype(tensor.tensor).value_or(tensor.tensor.scalar_type());
     plan.dtype_by_index[tensor.first_index] =
@@ -187,16 +204,17 @@ SavePlan PlanSave(FullyShardedModel& model, const StateDict& named,
   for (size_t k : FullStateDictVisitOrder(model)) {
     if (!plan.dtype_by_index[k]) continue;
     const at::Tensor& t = named[k].second;
-    plan.specs.push_back(
-        {named[k].first, *plan.dtype_by_index[k], PlacementOf(placements, t).full_shape});
+    plan.specs.push_back({options.hugging_face.name_prefix + named[k].first,
+                          *plan.dtype_by_index[k], PlacementOf(placements, t).full_shape});
   }
   return plan;
 }
 
 }  // namespace
 
-bool IsHuggingFaceDirectory(const std::string& dir) {
-  return IsFile(dir + "/model.safetensors.index.json") || IsFile(dir + "/model.safetensors");
+bool IsHuggingFaceDirectory(const std::string& dir, const std::string& stem) {
+  return IsFile(dir + "/" + stem + ".safetensors.index.json") ||
+         IsFile(dir + "/" + stem + ".safetensors");
 }
 
 absl::Status LoadHuggingFace(const std::string& dir, FullyShardedModel& model,
@@ -204,7 +222,7 @@ absl::Status LoadHuggingFace(const std::string& dir, FullyShardedModel& model,
   std::string seen = "an unreadable checkpoint";
   absl::StatusOr<std::vector<PlannedRead>> reads = absl::UnknownError("not read");
   try {
-    reads = PlanLoad(dir, model, options.strict, seen);
+    reads = PlanLoad(dir, model, options, seen);
   } catch (...) {
     reads = StatusFromCurrentException();
   }
@@ -244,9 +262,8 @@ absl::Status SaveHuggingFace(const std::string& dir, FullyShardedModel& model,
   absl::Status written;
   if (writes) {
     try {
-      auto created = hf::SafetensorsCheckpointWriter::Create(dir, plan.specs,
-                                                             options.max_file_bytes,
-                                                             {{"format", "pt"}});
+      auto created = hf::SafetensorsCheckpointWriter::Create(
+          dir, plan.specs, options.max_file_bytes, {{"format", "pt"}}, options.hugging_face.stem);
       written = created.status();
       if (created.ok()) writer.emplace(std::move(*created));
     } catch (...) {
@@ -258,7 +275,8 @@ absl::Status SaveHuggingFace(const std::string& dir, FullyShardedModel& model,
   absl::Status visited = VisitFullStateDict(model, gather, [&](size_t k, const at::Tensor& value) {
     FSDP_RETURN_IF_ERROR(written);
     if (!writes || !plan.dtype_by_index[k]) return absl::OkStatus();
-    return writer->Write(named[k].first, value.to(*plan.dtype_by_index[k]));
+    return writer->Write(options.hugging_face.name_prefix + named[k].first,
+                         value.to(*plan.dtype_by_index[k]));
   });
   if (written.ok()) written = visited;
   // Published only once every rank gathered every unit: a failure anywhere
@@ -268,7 +286,8 @@ absl::Status SaveHuggingFace(const std::string& dir, FullyShardedModel& model,
     try {
       written = writer->Commit();
       if (written.ok() && !options.config_json.empty()) {
-        written = WriteFileAtomically(dir + "/config.json", options.config_json.data(),
+        written = WriteFileAtomically(dir + "/" + options.hugging_face.config_file,
+                                      options.config_json.data(),
                                       options.config_json.size());
       }
     } catch (...) {

@@ -17,7 +17,9 @@
 // gathered every unit, the config after the weights. Tied parameters are
 // written once, under their first name in state_dict order (save_pretrained
 // keeps the embedding's); loading fills all names of a tensor from whichever
-// the checkpoint has.
+// the checkpoint has. CheckpointIoOptions::hugging_face selects the tensors
+// (all, or the trainable ones), the names' prefix and the files' stem, for
+// saving and loading alike (PEFT's adapters).
 #ifndef FSDP_CHECKPOINT_HUGGING_FACE_INTERNAL_H_
 #define FSDP_CHECKPOINT_HUGGING_FACE_INTERNAL_H_
 
@@ -30,8 +32,8 @@
 namespace fsdp::checkpoint_internal {
 
 // Whether `dir` holds a Hugging Face checkpoint's weights (an index or
-// model.safetensors), as this rank sees it.
-bool IsHuggingFaceDirectory(const std::string& dir);
+// <stem>.safetensors), as this rank sees it.
+bool IsHuggingFaceDirectory(const std::string& dir, const std::string& stem = "model");
 
 absl::Status SaveHuggingFace(const std::string& dir, FullyShardedModel& model,
                              const CheckpointIoOptions& options);

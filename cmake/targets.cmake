@@ -1866,7 +1866,7 @@ endif()
 # //models:llama
 add_library(models_llama SHARED ${PROJECT_SOURCE_DIR}/models/llama.cc ${PROJECT_SOURCE_DIR}/models/llama.h)
 set_target_properties(models_llama PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models)
-target_link_libraries(models_llama PUBLIC fsdp_fully_shard fsdp_unit_module hf_model_config fsdp_torch)
+target_link_libraries(models_llama PUBLIC models_lora fsdp_fully_shard fsdp_unit_module hf_model_config fsdp_torch)
 target_include_directories(models_llama PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS models_llama EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/models/llama.h DESTINATION include/models)
@@ -1880,6 +1880,25 @@ configure_file(${PROJECT_SOURCE_DIR}/models/llama_interop.py "${CMAKE_BINARY_DIR
 add_test(NAME //models:llama_test COMMAND models_llama_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//models:llama_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/models_llama_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/models_llama_test")
+endif()
+
+# //models:lora
+add_library(models_lora SHARED ${PROJECT_SOURCE_DIR}/models/lora.cc ${PROJECT_SOURCE_DIR}/models/lora.h)
+set_target_properties(models_lora PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models)
+target_link_libraries(models_lora PUBLIC base_status checkpoint_checkpoint fsdp_fully_shard third_party_absl_base third_party_absl_status fsdp_torch third_party_nlohmann_json)
+target_include_directories(models_lora PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS models_lora EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/models/lora.h DESTINATION include/models)
+
+# //models:lora_test
+if(BUILD_TESTING)
+add_executable(models_lora_test ${PROJECT_SOURCE_DIR}/models/lora_test.cc)
+set_target_properties(models_lora_test PROPERTIES OUTPUT_NAME lora_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
+target_link_libraries(models_lora_test PRIVATE models_llama models_lora checkpoint_checkpoint fsdp_fully_shard fsdp_unit_module hf_model_config hf_safetensors optim_flat_shard_optimizers testing_multi_rank testing_torch_python third_party_absl_base third_party_gtest_main fsdp_torch)
+configure_file(${PROJECT_SOURCE_DIR}/models/peft_interop.py "${CMAKE_BINARY_DIR}/models/peft_interop.py" COPYONLY)
+add_test(NAME //models:lora_test COMMAND models_lora_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//models:lora_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/models_lora_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/models_lora_test")
 endif()
 
 # //models:multi_node_test

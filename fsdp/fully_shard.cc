@@ -455,7 +455,20 @@ void FullyShardedModel::PostBackward(FsdpUnit& unit) {
   if (++unit.gradients_ready_ < static_cast<int>(unit.accumulators_.size())) return;
   scheduler_->Move(*handle, HandleTrainingState::kBackwardPre, HandleTrainingState::kBackwardPost);
   ReduceOrKeep(unit);
-  ReshardAfterBackward(unit);
+  // NOTE [Frozen parameters in backward]: the trainable parameters' last
+  // gradient does not end the unit's backward when it also holds frozen
+  // ones: the gradient of the unit's input through a frozen weight (a LoRA
+  // adapter's base, models/lora.h) may still be computed after every
+  // adapter's gradient, from the frozen weight saved for backward. Such a
+  // unit stays unsharded until the end of backward (FinishBackward
+  // reshards it). The cost: its full parameters live through the rest of
+  // the backward. TODO(issue 42): reshard when the gradient of the unit's
+  // inputs is done, as FSDP2's RegisterPostBackwardFunction does.
+  bool holds_frozen = false;
+  for (const FlatParamEntry& entry : handle->entries()) {
+    holds_frozen = holds_frozen || !entry.param.requires_grad();
+  }
+  if (!holds_frozen) ReshardAfterBackward(unit);
   unit.backward_span_.End();
   if (options_.backward_prefetch == BackwardPrefetch::kBackwardPost &&
       !unit.backward_prefetch_explicit_) {

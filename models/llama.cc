@@ -12,9 +12,7 @@
 namespace models {
 namespace {
 
-torch::nn::Linear MakeLinear(int64_t in, int64_t out, bool bias) {
-  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
-}
+LoraLinear MakeLinear(int64_t in, int64_t out, bool bias) { return LoraLinear(in, out, bias); }
 
 bool EndsWith(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;

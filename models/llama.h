@@ -37,10 +37,10 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/unit_module.h"
 #include "hf/model_config.h"
+#include "models/lora.h"
 #include "torch/nn/module.h"
 #include "torch/nn/modules/container/modulelist.h"
 #include "torch/nn/modules/embedding.h"
-#include "torch/nn/modules/linear.h"
 
 namespace models {
 
@@ -75,7 +75,8 @@ struct LlamaAttentionImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                      const std::optional<at::Tensor>& mask);
   int64_t heads, kv_heads, head_dim;
-  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  // LoraLinear: models/lora.h can put adapters on them.
+  LoraLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   RmsNorm q_norm{nullptr}, k_norm{nullptr};  // qwen3 only.
 };
 TORCH_MODULE(LlamaAttention);
@@ -83,7 +84,7 @@ TORCH_MODULE(LlamaAttention);
 struct LlamaMlpImpl : torch::nn::Module {
   explicit LlamaMlpImpl(const LlamaConfig& config);
   at::Tensor forward(const at::Tensor& x);
-  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  LoraLinear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 };
 TORCH_MODULE(LlamaMlp);
 

@@ -61,19 +61,23 @@ fi
 # safetensors: the Hugging Face format's reference reader and writer (the
 # safetensors interop test). transformers: the reference Llama, Qwen2 and
 # Qwen3 models, built from a config with no download (the llama parity test).
+# peft: the reference LoRA adapters (the LoRA parity test); it pulls in
+# accelerate and psutil.
 source "$(dirname "$0")/torch_venv.sh"
 if ! "$FSDP_TORCH_VENV/bin/python" -c \
-    "import sys, numpy, torch, safetensors, transformers
+    "import sys, numpy, torch, safetensors, transformers, peft
 sys.exit(torch.__version__.split('+')[0] != '$FSDP_TORCH_VERSION'
          or safetensors.__version__ != '$FSDP_SAFETENSORS_VERSION'
-         or transformers.__version__ != '$FSDP_TRANSFORMERS_VERSION')" \
+         or transformers.__version__ != '$FSDP_TRANSFORMERS_VERSION'
+         or peft.__version__ != '$FSDP_PEFT_VERSION')" \
     2>/dev/null; then
   echo "install_deps: installing torch==$FSDP_TORCH_VERSION, numpy==$FSDP_NUMPY_VERSION," \
-       "safetensors==$FSDP_SAFETENSORS_VERSION and transformers==$FSDP_TRANSFORMERS_VERSION" \
+       "safetensors==$FSDP_SAFETENSORS_VERSION, transformers==$FSDP_TRANSFORMERS_VERSION" \
+       "and peft==$FSDP_PEFT_VERSION" \
        "from PyPI into $FSDP_TORCH_VENV" >&2
   /usr/bin/python3 -m venv "$FSDP_TORCH_VENV"
   "$FSDP_TORCH_VENV/bin/pip" install -q --disable-pip-version-check \
     "torch==$FSDP_TORCH_VERSION" "numpy==$FSDP_NUMPY_VERSION" \
     "safetensors==$FSDP_SAFETENSORS_VERSION" \
-    "transformers==$FSDP_TRANSFORMERS_VERSION"
+    "transformers==$FSDP_TRANSFORMERS_VERSION" "peft==$FSDP_PEFT_VERSION"
 fi
