@@ -19,6 +19,7 @@
 #include "ATen/ATen.h"
 #include "comm/gloo_collectives.h"
 #include "comm/hybrid_groups.h"
+#include "fsdp/flat_param_handle.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
@@ -132,7 +133,7 @@ Trajectory TrainSharded(const OffloadCase& c, bool offload) {
           const FlatParamHandle& h = *unit->handle();
           EXPECT_TRUE(h.offloads_params());
           // Shard and gradient in host memory (the parameters' dtype).
-          EXPECT_EQ(h.ShardBytesOn(c10::DeviceType::CPU), 2 * h.shard_numel() * 4)
+          EXPECT_EQ(h.ShardBytesOn(c10::DeviceType::CPU), 2 * h.layout().shard_numel() * 4)
               << unit->fqn();
           // What the optimizer steps: host views of the shard and of the
           // sharded gradient.

@@ -12,6 +12,7 @@
 #include "ATen/ATen.h"
 #include "comm/gloo_collectives.h"
 #include "comm/hybrid_groups.h"
+#include "fsdp/flat_param_handle.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
@@ -290,7 +291,7 @@ TEST_P(DeferredAllReduce, FirstMicroBatchDeferredMatchesTwoThatAllReduce) {
     ASSERT_EQ(fsdp.units().size(), 4u);
     if (c.blocks_no_shard) {
       EXPECT_EQ(fsdp.units()[1]->strategy(), ShardingStrategy::kNoShard);
-      EXPECT_FALSE(fsdp.units()[1]->handle()->uses_sharded_views());
+      EXPECT_FALSE(fsdp.units()[1]->handle()->layout().sharded());
     }
     const int64_t rows = kGlobalBatch / 4;
     auto backward = [&](Net& model, int micro) {
@@ -427,7 +428,7 @@ TEST(PostForwardGroup, BackwardGathersWithinTheGroupAndChangesNoNumber) {
         FullyShardedModel& fsdp = **wrapped;
         int64_t held_between = 0;  // What the units should hold after forward.
         for (const auto& unit : fsdp.units()) {
-          const int64_t elements = unit->handle()->padded_numel();
+          const int64_t elements = unit->handle()->layout().padded_numel();
           held_between += (unit->is_root() ? elements : post == 1 ? elements / kGroup : 0) *
                           (param_dtype ? 2 : 4);
         }

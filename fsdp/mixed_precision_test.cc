@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "fsdp/flat_param_handle.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
@@ -130,7 +131,7 @@ TEST_P(MixedPrecisionParity, MatchesALocalReferenceWithTheSameCasts) {
                 const int64_t compute_size = at::elementSize(compute);
                 int64_t root_bytes = 0, block_bytes = 0, reduce_bytes = 0;
                 for (const auto& unit : fsdp.units()) {
-                  const int64_t p = unit->handle()->padded_numel();
+                  const int64_t p = unit->handle()->layout().padded_numel();
                   (unit->is_root() ? root_bytes : block_bytes) += p * compute_size;
                   reduce_bytes += p * at::elementSize(reduce);
                 }

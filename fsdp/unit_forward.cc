@@ -1,7 +1,9 @@
 #include "fsdp/unit_forward.h"
 
 #include "fsdp/activation_checkpointing.h"
+#include "fsdp/flat_param_handle.h"
 #include "fsdp/fully_shard.h"
+#include "fsdp/unit_scheduler.h"
 
 namespace fsdp {
 

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "fsdp/flat_param_handle.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"

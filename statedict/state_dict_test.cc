@@ -7,6 +7,7 @@
 
 #include "ATen/ATen.h"
 #include "absl/strings/str_cat.h"
+#include "fsdp/flat_param_handle.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
@@ -73,7 +74,7 @@ TEST_P(FullStateDictGather, EqualsTheUnwrappedModelsAndGathersOneUnitAtATime) {
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     int64_t largest_unit = 0;
     for (const auto& unit : (*wrapped)->units()) {
-      largest_unit = std::max(largest_unit, unit->handle()->padded_numel() * 4);
+      largest_unit = std::max(largest_unit, unit->handle()->layout().padded_numel() * 4);
     }
     FullStateDictStats stats;
     auto state = FullStateDict(**wrapped, {}, &stats);
