@@ -1045,7 +1045,7 @@ endif()
 # //policies:unit_options
 add_library(policies_unit_options SHARED ${PROJECT_SOURCE_DIR}/policies/unit_options.cc ${PROJECT_SOURCE_DIR}/policies/unit_options.h)
 set_target_properties(policies_unit_options PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/policies)
-target_link_libraries(policies_unit_options PUBLIC third_party_absl_base third_party_absl_status)
+target_link_libraries(policies_unit_options PUBLIC third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(policies_unit_options PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS policies_unit_options EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/policies/unit_options.h DESTINATION include/policies)

@@ -99,13 +99,18 @@ std::unique_ptr<PendingReduction> DefaultCommHook::Reduce(const CommHookContext&
                                             divisors.post);
 }
 
+LowPrecisionCommHook::LowPrecisionCommHook(at::ScalarType dtype) : dtype_(dtype) {
+  TORCH_CHECK(at::isFloatingType(dtype), "LowPrecisionCommHook: ", DtypeFlagName(dtype),
+              " is not a floating-point type");
+}
+
 std::string LowPrecisionCommHook::Name() const {
-  return absl::StrCat(DTypeName(dtype_), "_compress");
+  return absl::StrCat(DtypeFlagName(dtype_), "_compress");
 }
 
 std::unique_ptr<PendingReduction> LowPrecisionCommHook::Reduce(const CommHookContext& context,
                                                                at::Tensor grad, at::Tensor out) {
-  at::Tensor low = grad.to(ToScalarType(dtype_));
+  at::Tensor low = grad.to(dtype_);
   at::Tensor low_out = context.sharded ? at::empty({out.numel()}, low.options()) : low;
   return ReductionThen(DefaultCommHook().Reduce(context, low, low_out),
                        [out, low_out]() mutable { out.copy_(low_out); });

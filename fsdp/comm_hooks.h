@@ -1,7 +1,7 @@
 // Communication hooks: replace how a unit's gradients are reduced
 // (PyTorch's FullyShardedDataParallel.register_comm_hook).
 //
-//   auto hook = std::make_shared<fsdp::LowPrecisionCommHook>(fsdp::DType::kBFloat16);
+//   auto hook = std::make_shared<fsdp::LowPrecisionCommHook>(at::kBFloat16);
 //   FSDP_RETURN_IF_ERROR(fsdp_model->RegisterCommHook(hook));  // before the first forward
 //
 // A hook is an object, so its state lives in its members (PyTorch passes a
@@ -108,16 +108,17 @@ class DefaultCommHook : public CommHook {
 
 // PyTorch's fp16_compress_hook / bf16_compress_hook: communicates the
 // gradient in `dtype` (half the bytes of float32) and writes the result back
-// in the gradient's own dtype.
+// in the gradient's own dtype. `dtype` must be a floating-point type
+// (at::kBFloat16, at::kHalf); the constructor throws otherwise.
 class LowPrecisionCommHook : public CommHook {
  public:
-  explicit LowPrecisionCommHook(DType dtype) : dtype_(dtype) {}
+  explicit LowPrecisionCommHook(at::ScalarType dtype);
   std::string Name() const override;
   std::unique_ptr<PendingReduction> Reduce(const CommHookContext& context, at::Tensor grad,
                                            at::Tensor out) override;
 
  private:
-  DType dtype_;
+  at::ScalarType dtype_;
 };
 
 // PyTorch's split of the 1/W gradient scaling: divide by this power of two

@@ -58,7 +58,7 @@ struct OffloadCase {
   int micro_batches = 1;
   bool no_sync_first = false;  // The first micro-batch inside NoSync.
   bool clip = false;
-  std::optional<DType> param_dtype;
+  std::optional<at::ScalarType> param_dtype;
   int shard_group_size = 0;  // Hybrid: > 0.
 };
 
@@ -209,7 +209,7 @@ INSTANTIATE_TEST_SUITE_P(
         OffloadCase{"W1_FullShard_Adam_Clip", 1, ShardingStrategy::kFullShard, Optim::kAdam, 1,
                     false, true},
         OffloadCase{"W2_FullShard_bf16_Accumulate2", 2, ShardingStrategy::kFullShard,
-                    Optim::kSgdMomentum, 2, false, false, DType::kBFloat16},
+                    Optim::kSgdMomentum, 2, false, false, at::kBFloat16},
         OffloadCase{"W4_HybridShard2_Adam_Accumulate2", 4, ShardingStrategy::kHybridShard,
                     Optim::kAdam, 2, false, false, std::nullopt, 2}),
     [](const ::testing::TestParamInfo<OffloadCase>& info) { return info.param.name; });

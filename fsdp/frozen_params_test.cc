@@ -165,7 +165,7 @@ TEST_P(FrozenAndTrainableInOneUnit, MatchesLocalTrainingAndReducesOnlyTrainableB
     FsdpOptions options;
     options.strategy = c.strategy;
     options.offload_params = c.offload_params;
-    if (c.float32_compute) options.mixed_precision.param_dtype = DType::kFloat32;
+    if (c.float32_compute) options.mixed_precision.param_dtype = at::kFloat;
     auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
                                            *ModuleTypePolicy::Of<UnitModuleImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();

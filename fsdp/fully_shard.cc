@@ -107,12 +107,9 @@ FlatParamHandleOptions HandleOptionsFor(const PlannedUnit& planned, const FsdpOp
   handle_options.strategy = planned.strategy;
   handle_options.replicate_group = options.replicate_group;
   const MixedPrecision& mp = planned.mixed_precision;
-  if (mp.param_dtype) handle_options.param_dtype = ToScalarType(*mp.param_dtype);
+  handle_options.param_dtype = mp.param_dtype;
   // PyTorch's default: reduce in param_dtype when only that is set.
-  if (mp.reduce_dtype || mp.param_dtype) {
-    handle_options.reduce_dtype = ToScalarType(mp.reduce_dtype ? *mp.reduce_dtype
-                                                               : *mp.param_dtype);
-  }
+  handle_options.reduce_dtype = mp.reduce_dtype ? mp.reduce_dtype : mp.param_dtype;
   handle_options.keep_low_precision_grads = mp.keep_low_precision_grads;
   handle_options.offload_params = options.offload_params;
   handle_options.gradient_divide_factor = options.gradient_divide_factor;

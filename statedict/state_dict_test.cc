@@ -239,8 +239,8 @@ TEST(FullStateDict, MixedPrecisionGivesFullPrecision) {
                 model->register_buffer("scale", at::full({3}, 1.0 / 3));
                 const auto initial = Net()->named_parameters();  // Same values (deterministic).
                 FsdpOptions options;
-                options.mixed_precision.param_dtype = DType::kBFloat16;
-                options.mixed_precision.buffer_dtype = DType::kBFloat16;
+                options.mixed_precision.param_dtype = at::kBFloat16;
+                options.mixed_precision.buffer_dtype = at::kBFloat16;
                 auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
                                                        *ModuleTypePolicy::Of<BlockImpl>());
                 ASSERT_TRUE(wrapped.ok());
