@@ -1448,13 +1448,29 @@ set_tests_properties(//fsdp:failure_modes_test PROPERTIES TIMEOUT 300 ENVIRONMEN
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_failure_modes_test")
 endif()
 
+# //fsdp:flat_layout
+add_library(fsdp_flat_layout SHARED ${PROJECT_SOURCE_DIR}/fsdp/flat_layout.cc ${PROJECT_SOURCE_DIR}/fsdp/flat_layout.h)
+set_target_properties(fsdp_flat_layout PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
+target_link_libraries(fsdp_flat_layout PUBLIC fsdp_torch)
+target_include_directories(fsdp_flat_layout PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS fsdp_flat_layout EXPORT fsdp_cpp_targets)
+
+# //fsdp:flat_layout_test
+if(BUILD_TESTING)
+add_executable(fsdp_flat_layout_test ${PROJECT_SOURCE_DIR}/fsdp/flat_layout_test.cc)
+set_target_properties(fsdp_flat_layout_test PROPERTIES OUTPUT_NAME flat_layout_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
+target_link_libraries(fsdp_flat_layout_test PRIVATE fsdp_flat_layout third_party_gtest_main fsdp_torch)
+add_test(NAME //fsdp:flat_layout_test COMMAND fsdp_flat_layout_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//fsdp:flat_layout_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_flat_layout_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_flat_layout_test")
+endif()
+
 # //fsdp:flat_param_handle
 add_library(fsdp_flat_param_handle SHARED ${PROJECT_SOURCE_DIR}/fsdp/flat_param_handle.cc ${PROJECT_SOURCE_DIR}/fsdp/flat_param_handle.h)
 set_target_properties(fsdp_flat_param_handle PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
-target_link_libraries(fsdp_flat_param_handle PUBLIC fsdp_comm_hooks fsdp_fsdp_options base_status comm_collectives third_party_absl_base third_party_absl_status fsdp_torch)
+target_link_libraries(fsdp_flat_param_handle PUBLIC fsdp_comm_hooks fsdp_flat_layout fsdp_fsdp_options fsdp_gradient_reduction base_status comm_collectives third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(fsdp_flat_param_handle PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS fsdp_flat_param_handle EXPORT fsdp_cpp_targets)
-install(FILES ${PROJECT_SOURCE_DIR}/fsdp/flat_param_handle.h DESTINATION include/fsdp)
 
 # //fsdp:flat_param_handle_benchmark
 if(BUILD_TESTING)
@@ -1517,6 +1533,23 @@ target_link_libraries(fsdp_fully_shard_test PRIVATE fsdp_fully_shard fsdp_test_m
 add_test(NAME //fsdp:fully_shard_test COMMAND fsdp_fully_shard_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//fsdp:fully_shard_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_fully_shard_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_fully_shard_test")
+endif()
+
+# //fsdp:gradient_reduction
+add_library(fsdp_gradient_reduction SHARED ${PROJECT_SOURCE_DIR}/fsdp/gradient_reduction.cc ${PROJECT_SOURCE_DIR}/fsdp/gradient_reduction.h)
+set_target_properties(fsdp_gradient_reduction PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
+target_link_libraries(fsdp_gradient_reduction PUBLIC fsdp_comm_hooks fsdp_flat_layout comm_collectives fsdp_torch)
+target_include_directories(fsdp_gradient_reduction PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS fsdp_gradient_reduction EXPORT fsdp_cpp_targets)
+
+# //fsdp:gradient_reduction_test
+if(BUILD_TESTING)
+add_executable(fsdp_gradient_reduction_test ${PROJECT_SOURCE_DIR}/fsdp/gradient_reduction_test.cc)
+set_target_properties(fsdp_gradient_reduction_test PROPERTIES OUTPUT_NAME gradient_reduction_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
+target_link_libraries(fsdp_gradient_reduction_test PRIVATE fsdp_gradient_reduction comm_gloo_collectives comm_hybrid_groups testing_multi_rank third_party_c10d_gloo third_party_gtest_main fsdp_torch)
+add_test(NAME //fsdp:gradient_reduction_test COMMAND fsdp_gradient_reduction_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//fsdp:gradient_reduction_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_gradient_reduction_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_gradient_reduction_test")
 endif()
 
 # //fsdp:host_overhead_benchmark
@@ -1707,7 +1740,6 @@ set_target_properties(fsdp_unit_scheduler PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${
 target_link_libraries(fsdp_unit_scheduler PUBLIC fsdp_flat_param_handle fsdp_fsdp_options fsdp_runtime_streams fsdp_trace comm_collectives third_party_absl_base fsdp_torch)
 target_include_directories(fsdp_unit_scheduler PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS fsdp_unit_scheduler EXPORT fsdp_cpp_targets)
-install(FILES ${PROJECT_SOURCE_DIR}/fsdp/unit_scheduler.h DESTINATION include/fsdp)
 
 # //fsdp:unshard_controls_test
 if(BUILD_TESTING)
@@ -2167,7 +2199,7 @@ endif()
 # //policies:unit_options
 add_library(policies_unit_options SHARED ${PROJECT_SOURCE_DIR}/policies/unit_options.cc ${PROJECT_SOURCE_DIR}/policies/unit_options.h)
 set_target_properties(policies_unit_options PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/policies)
-target_link_libraries(policies_unit_options PUBLIC third_party_absl_base third_party_absl_status)
+target_link_libraries(policies_unit_options PUBLIC third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(policies_unit_options PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS policies_unit_options EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/policies/unit_options.h DESTINATION include/policies)

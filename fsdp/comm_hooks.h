@@ -1,7 +1,7 @@
 // Communication hooks: replace how a unit's gradients are reduced
 // (PyTorch's FullyShardedDataParallel.register_comm_hook).
 //
-//   auto hook = std::make_shared<fsdp::LowPrecisionCommHook>(fsdp::DType::kBFloat16);
+//   auto hook = std::make_shared<fsdp::LowPrecisionCommHook>(at::kBFloat16);
 //   FSDP_RETURN_IF_ERROR(fsdp_model->RegisterCommHook(hook));  // before the first forward
 //
 // A hook is an object, so its state lives in its members (PyTorch passes a
@@ -14,8 +14,9 @@
 // it:
 //   * when it issues the next unit's reduction, it calls Advance() on the
 //     one before (once per reduction): a reduction waits there for the
-//     collectives that read the flat gradient and issues the rest (hybrid
-//     sharding's replicate all-reduce), so that reductions in flight hold
+//     collectives that read the flat gradient and issues the rest (a
+//     second stage, as hybrid sharding's replicate all-reduce), so that
+//     reductions in flight hold
 //     at most one unit's flat gradient besides the one being issued
 //     (FSDP2 bounds its reduce-scatter inputs the same way; NO_SHARD,
 //     whose all-reduce is in place, holds them until the end);
@@ -35,27 +36,17 @@
 
 namespace fsdp {
 
+// What a hook is told about the unit whose gradient it reduces. Hybrid
+// sharding's replicate group and its partial sums are not here: hooks never
+// run under hybrid sharding (RegisterCommHook refuses them, as PyTorch
+// does), whose reduction is the runtime's own (fsdp/gradient_reduction.h).
 struct CommHookContext {
   Collectives& group;   // The unit's group: W ranks.
   bool sharded;         // False for NO_SHARD.
   const std::string& unit;  // The unit's name ("<root>" for the root).
-  // Hybrid sharding's replicate group (R ranks), whose ranks hold the same
-  // shard and average it among themselves; null otherwise. Only the
-  // built-in reduction (DefaultCommHook) runs under hybrid sharding:
-  // RegisterCommHook refuses user hooks there, as PyTorch does.
-  Collectives* replicate_group = nullptr;
   // FsdpOptions::gradient_divide_factor: divide the sum by this instead of
   // by the number of ranks (the built-in reduction divides before the sum).
   std::optional<double> divide_factor;
-  // Hybrid sharding only (FullyShardedModel::SetRequiresAllReduce). False:
-  // the replicate group's all-reduce is left out, and `out` holds this shard
-  // group's sum before the post-divide, which the runtime keeps and hands to
-  // the next reduction that all-reduces as `add_before_all_reduce`: added to
-  // that reduction's reduce-scatter result before its all-reduce (so the
-  // sum crosses the replicate group once, as FSDP2's partial reduce
-  // output does).
-  bool all_reduce = true;
-  at::Tensor add_before_all_reduce;
 };
 
 // A reduction in flight. Destroying one that was not waited for waits for
@@ -94,8 +85,8 @@ class CommHook {
   // parameters (its trainable segment, NOTE [Flat parameter] in
   // flat_param_handle.h: padded to W chunks, in the unit's reduction
   // dtype); the hook may modify it. It must
-  // leave in `out` the average over the group's ranks (times the replicate
-  // group's), or the sum divided by context.divide_factor when that is set:
+  // leave in `out` the average over the group's ranks, or the sum divided
+  // by context.divide_factor when that is set:
   // for a sharded unit `out` is this rank's chunk (grad.numel() / W
   // elements), for NO_SHARD it is `grad` itself (reduce in place). `out`
   // has grad's dtype. The reduction in flight keeps whatever tensors it
@@ -105,11 +96,9 @@ class CommHook {
 };
 
 // FSDP's built-in reduction, what every unit uses unless a hook is
-// registered: reduce-scatter (all-reduce for NO_SHARD), then under hybrid
-// sharding an all-reduce of the result over the replicate group, with
-// PyTorch's pre- and post-division (by the number of ranks averaged over)
-// to keep sums in range. Advance() waits for the reduce-scatter and issues
-// the replicate all-reduce; Wait() waits for that and post-divides.
+// registered: reduce-scatter (all-reduce for NO_SHARD) with PyTorch's pre-
+// and post-division (GradientDivisorsFor) to keep sums in range.
+// Advance() waits for the collective; Wait() waits and post-divides.
 class DefaultCommHook : public CommHook {
  public:
   std::string Name() const override { return "default"; }
@@ -119,16 +108,17 @@ class DefaultCommHook : public CommHook {
 
 // PyTorch's fp16_compress_hook / bf16_compress_hook: communicates the
 // gradient in `dtype` (half the bytes of float32) and writes the result back
-// in the gradient's own dtype.
+// in the gradient's own dtype. `dtype` must be a floating-point type
+// (at::kBFloat16, at::kHalf); the constructor throws otherwise.
 class LowPrecisionCommHook : public CommHook {
  public:
-  explicit LowPrecisionCommHook(DType dtype) : dtype_(dtype) {}
+  explicit LowPrecisionCommHook(at::ScalarType dtype);
   std::string Name() const override;
   std::unique_ptr<PendingReduction> Reduce(const CommHookContext& context, at::Tensor grad,
                                            at::Tensor out) override;
 
  private:
-  DType dtype_;
+  at::ScalarType dtype_;
 };
 
 // PyTorch's split of the 1/W gradient scaling: divide by this power of two
@@ -136,6 +126,15 @@ class LowPrecisionCommHook : public CommHook {
 // summands nor the sum of a low-precision gradient leave the representable
 // range.
 double GradientPredivideFactor(int world_size);
+
+// What the built-in reductions divide by before and after the sum of
+// `world_size` ranks' gradients: GradientPredivideFactor and the rest, or
+// with a divide factor all of it before (as FSDP2 does).
+struct GradientDivisors {
+  double pre = 1;
+  double post = 1;
+};
+GradientDivisors GradientDivisorsFor(int world_size, std::optional<double> divide_factor);
 
 }  // namespace fsdp
 

@@ -109,13 +109,13 @@ TEST(CommHooks, TheDefaultHookIsTheBuiltInReduction) {
 TEST(CommHooks, CompressedHooksHalveTheBytesAndStayClose) {
   for (ShardingStrategy strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kNoShard}) {
     const TrainingRun plain = Train(strategy, 3, NoHook);
-    for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    for (at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
       const TrainingRun hooked =
           Train(strategy, 3, [&] { return std::make_shared<LowPrecisionCommHook>(dtype); });
       const float difference = MaxDifference(plain, hooked);
       std::printf("| %s | %s_compress | gradient bytes/step %lld vs %lld | max |param diff| "
                   "%.2e |\n",
-                  ShardingStrategyName(strategy), DTypeName(dtype),
+                  ShardingStrategyName(strategy), DtypeFlagName(dtype),
                   static_cast<long long>(hooked.gradient_bytes_per_step),
                   static_cast<long long>(plain.gradient_bytes_per_step), difference);
       EXPECT_EQ(2 * hooked.gradient_bytes_per_step, plain.gradient_bytes_per_step);

@@ -19,6 +19,7 @@
 #include "ATen/ATen.h"
 #include "comm/gloo_collectives.h"
 #include "comm/hybrid_groups.h"
+#include "fsdp/flat_param_handle.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
@@ -57,7 +58,7 @@ struct OffloadCase {
   int micro_batches = 1;
   bool no_sync_first = false;  // The first micro-batch inside NoSync.
   bool clip = false;
-  std::optional<DType> param_dtype;
+  std::optional<at::ScalarType> param_dtype;
   int shard_group_size = 0;  // Hybrid: > 0.
 };
 
@@ -132,7 +133,7 @@ Trajectory TrainSharded(const OffloadCase& c, bool offload) {
           const FlatParamHandle& h = *unit->handle();
           EXPECT_TRUE(h.offloads_params());
           // Shard and gradient in host memory (the parameters' dtype).
-          EXPECT_EQ(h.ShardBytesOn(c10::DeviceType::CPU), 2 * h.shard_numel() * 4)
+          EXPECT_EQ(h.ShardBytesOn(c10::DeviceType::CPU), 2 * h.layout().shard_numel() * 4)
               << unit->fqn();
           // What the optimizer steps: host views of the shard and of the
           // sharded gradient.
@@ -208,7 +209,7 @@ INSTANTIATE_TEST_SUITE_P(
         OffloadCase{"W1_FullShard_Adam_Clip", 1, ShardingStrategy::kFullShard, Optim::kAdam, 1,
                     false, true},
         OffloadCase{"W2_FullShard_bf16_Accumulate2", 2, ShardingStrategy::kFullShard,
-                    Optim::kSgdMomentum, 2, false, false, DType::kBFloat16},
+                    Optim::kSgdMomentum, 2, false, false, at::kBFloat16},
         OffloadCase{"W4_HybridShard2_Adam_Accumulate2", 4, ShardingStrategy::kHybridShard,
                     Optim::kAdam, 2, false, false, std::nullopt, 2}),
     [](const ::testing::TestParamInfo<OffloadCase>& info) { return info.param.name; });

@@ -26,10 +26,12 @@
 #include "c10/cuda/CUDAFunctions.h"
 #include "comm/nccl_collectives.h"
 #include "comm/staged_collectives.h"
+#include "fsdp/flat_param_handle.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
 #include "fsdp/unit_forward.h"
+#include "fsdp/unit_scheduler.h"
 #include "fsdp/utilities.h"
 #include "gtest/gtest.h"
 #include "testing/multi_rank.h"
@@ -251,7 +253,7 @@ TEST(CudaFsdp, UnshardSeesShardUpdatesStillQueuedOnTheComputeStream) {
     auto group = CreateNcclCollectives(c10::make_intrusive<c10d::HashStore>(), 0, 1, 0).value();
     FsdpOptions options;
     options.strategy = strategy;
-    options.mixed_precision.param_dtype = DType::kBFloat16;  // NO_SHARD then copies too.
+    options.mixed_precision.param_dtype = at::kBFloat16;  // NO_SHARD then copies too.
     auto wrapped = FullyShardedModel::Wrap(model.ptr(), *group, options,
                                            *ModuleTypePolicy::Of<WideBlockImpl>())
                        .value();
@@ -281,7 +283,7 @@ TEST(CudaFsdp, AnUnshardAheadOfAQueuedShardUpdateIsGatheredAgain) {
     model->to(kCuda);
     auto group = CreateNcclCollectives(c10::make_intrusive<c10d::HashStore>(), 0, 1, 0).value();
     FsdpOptions options;
-    if (config == 1) options.mixed_precision.param_dtype = DType::kBFloat16;
+    if (config == 1) options.mixed_precision.param_dtype = at::kBFloat16;
     options.offload_params = config == 2;
     auto wrapped =
         FullyShardedModel::Wrap(model.ptr(), *group, options, *ModuleTypePolicy::Of<BlockImpl>())
@@ -340,7 +342,7 @@ TEST(CudaFsdp, OffloadedShardsArePinnedHostMemory) {
 TEST(CudaFsdp, Bf16MixedPrecisionTrainsCloseToFloat32) {
   const Trained local = Train(nullptr);
   FsdpOptions options;
-  options.mixed_precision.param_dtype = DType::kBFloat16;
+  options.mixed_precision.param_dtype = at::kBFloat16;
   ExpectClose(Train(&options), local, 5e-2);
 }
 
@@ -398,7 +400,7 @@ TEST(CudaFsdp, RanksSharingTheGpuMatchTheUnwrappedModel) {
                                           << (bf16 ? " bf16" : ""));
         FsdpOptions options;
         options.strategy = strategy;
-        if (bf16) options.mixed_precision.param_dtype = DType::kBFloat16;
+        if (bf16) options.mixed_precision.param_dtype = at::kBFloat16;
         absl::Status status = RunOnProcessRanks(world_size, [&](Collectives& host) {
           const RankRun on_host = TrainRank(host, options, c10::Device(c10::kCPU));
           std::unique_ptr<Collectives> staged = CreateStagedCollectives(host, kCuda);

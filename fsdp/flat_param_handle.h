@@ -4,6 +4,16 @@
 // unshard, reshard and gradient reduction are called by one class only,
 // the model's UnitScheduler (fsdp/unit_scheduler.h), which chooses streams,
 // labels and rate limits; this class does the tensor and collective work.
+// It is split by question, as FSDP2 splits FSDPParam / FSDPParamGroup /
+// foreach_reduce:
+//   * fsdp/flat_layout.h (FlatLayout): where each parameter lies in the
+//     flat parameter and in a rank's shard; pure arithmetic, no tensors.
+//   * this class: the storage (the shard, the full parameter and which of
+//     them the parameters point at: FullParamState) and the unshard and
+//     reshard collectives.
+//   * fsdp/gradient_reduction.h (GradientReduction): the gradient
+//     reduction pipeline, from .grad to the accumulated sharded gradient.
+// Internal to the core: not installed, not a public target.
 //
 // NOTE [Flat parameter]
 // The unit's parameters p_0 .. p_{k-1} (module registration order) are laid
@@ -49,7 +59,8 @@
 // so that low-precision sums neither overflow nor underflow), adding the
 // result to the unit's *sharded gradient*: one flat buffer laid out like the
 // trainable segment's part of the shard (the shard's first S_0 elements),
-// which accumulates across backward passes until the optimizer steps.
+// which accumulates across backward passes until the optimizer steps (all
+// of it GradientReduction's work, fsdp/gradient_reduction.h).
 // From the next Reshard on, p_i.grad is p_i's part of it, shaped like p_i's
 // data. These gradients share the buffer's memory but are not autograd views
 // (they are made with set_): libtorch's Optimizer::zero_grad() detaches
@@ -96,9 +107,17 @@
 #include "absl/status/statusor.h"
 #include "comm/collectives.h"
 #include "fsdp/comm_hooks.h"
+#include "fsdp/flat_layout.h"
 #include "fsdp/fsdp_options.h"
+#include "fsdp/gradient_reduction.h"
 
 namespace fsdp {
+
+// Which buffer the parameters point at. Sharded and unsharded as NOTE [Flat
+// parameter] says; kShardedKeepingFull: on their shards, with the full
+// parameter still allocated and valid (ReshardKeepingFull, WaitForUnshard),
+// so that the next unshard needs no all-gather.
+enum class FullParamState { kSharded, kUnsharded, kShardedKeepingFull };
 
 // Where the runtime is with one handle (checked at every transition).
 enum class HandleTrainingState {
@@ -110,25 +129,6 @@ enum class HandleTrainingState {
 };
 
 const char* HandleTrainingStateName(HandleTrainingState state);
-
-// One original parameter of a unit.
-struct FlatParamEntry {
-  std::string fqn;     // Name in the unwrapped model, e.g. "h.0.attn.c_attn.weight".
-  at::Tensor param;    // The module's parameter (a leaf; frozen or trainable).
-};
-
-// Where one original parameter lies in the flat parameter and in this
-// rank's shard.
-struct FlatParamInfo {
-  std::string fqn;
-  std::vector<int64_t> shape;
-  bool trainable = true;     // requires_grad at Create: its segment.
-  int64_t offset = 0;        // First element in the flat parameter.
-  int64_t numel = 0;
-  int64_t shard_offset = 0;  // First element of the part this rank owns,
-                             // relative to the start of p_i.
-  int64_t shard_numel = 0;   // Elements of p_i this rank owns (may be 0).
-};
 
 struct FlatParamHandleOptions {
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
@@ -217,7 +217,7 @@ class FlatParamHandle {
   void ReshardKeepingFull();
   void WaitForUnshard();
   void SnapshotShard();
-  bool holds_kept_full() const { return full_kept_; }
+  bool holds_kept_full() const { return full_state_ == FullParamState::kShardedKeepingFull; }
   bool KeptFullMatchesShard() const;
 
   // Waits for a pending StartUnshard (a prefetch that turned out not to be
@@ -254,27 +254,24 @@ class FlatParamHandle {
   // the unit may be resharded and other units may run;
   // AdvanceReduction lets the hook move its reduction on
   // (PendingReduction::Advance, fsdp/comm_hooks.h). Start REQUIRES:
-  // unsharded (or NO_SHARD), has_trainable_params(), no reduction
-  // pending. Finish throws the reduction's error, leaving none pending.
+  // unsharded (or NO_SHARD), trainable parameters, no reduction pending.
+  // Finish throws the reduction's error, leaving none pending.
   // `all_reduce` false (hybrid sharding, FullyShardedModel::
-  // SetRequiresAllReduce): the replicate group's all-reduce is left out and
-  // Finish keeps the shard group's sum aside instead of adding it to the
-  // sharded gradient; the next reduction that all-reduces adds it before its
-  // all-reduce (CommHookContext::all_reduce).
+  // SetRequiresAllReduce): GradientReduction::Start's.
   void StartReduceGradients(bool all_reduce = true);
-  void AdvanceReduction();
+  void AdvanceReduction() { reduction_->Advance(); }
   void FinishReduceGradients();
   void ReduceGradients();
-  bool has_pending_reduction() const { return pending_reduction_ != nullptr; }
+  bool has_pending_reduction() const { return reduction_->pending(); }
   // Reduced within the shard group, kept aside for the replicate group's
   // next all-reduce (StartReduceGradients(false)).
-  bool has_partial_reduction() const { return partial_reduced_.defined(); }
+  bool has_partial_reduction() const { return reduction_->has_partial(); }
 
   // Instead of ReduceGradients, under no_sync: the full gradients stay in
   // .grad (full shape, even after Reshard) and later backward passes add to
   // them, until a ReduceGradients reduces their sum. No communication.
   void KeepGradientsUnreduced();
-  bool holds_unreduced_gradients() const { return holds_unreduced_; }
+  bool holds_unreduced_gradients() const { return grad_state_ == GradState::kUnreduced; }
 
   // For summon_full_params. WritebackShard copies this rank's part of the
   // full parameter (which the caller may have modified in place) into the
@@ -291,11 +288,13 @@ class FlatParamHandle {
   // Reduce gradients through `hook` (fsdp/comm_hooks.h) instead of the
   // built-in reduction (DefaultCommHook); null restores it. The hook must
   // outlive its use.
-  void SetCommHook(CommHook* hook) { comm_hook_ = hook; }
+  void SetCommHook(CommHook* hook) { reduction_->SetCommHook(hook); }
   // Replaces FlatParamHandleOptions::gradient_divide_factor from the next
   // reduction on (unset: the average). Must be positive.
-  void SetGradientDivideFactor(std::optional<double> factor);
-  std::optional<double> gradient_divide_factor() const { return divide_factor_; }
+  void SetGradientDivideFactor(std::optional<double> factor) {
+    reduction_->SetDivideFactor(factor);
+  }
+  std::optional<double> gradient_divide_factor() const { return reduction_->divide_factor(); }
 
   HandleTrainingState training_state() const { return training_state_; }
   // Moves to `to`, checking that `from` is the current state; the error
@@ -304,19 +303,14 @@ class FlatParamHandle {
 
   const std::string& unit_name() const { return unit_name_; }
   ShardingStrategy strategy() const { return options_.strategy; }
-  bool is_unsharded() const { return unsharded_; }
+  bool is_unsharded() const { return full_state_ == FullParamState::kUnsharded; }
   // Whether Unshard has anything to do now: a strategy that shards, or a
   // low-precision or offload copy to make (not under kSummonFullParams).
   bool UnshardNeeded() const;
-  // Whether the unit has gradients to reduce: a trainable segment.
-  bool has_trainable_params() const { return segments_.front().trainable; }
-  int64_t trainable_numel() const { return trainable_numel_; }  // Unpadded.
-  bool uses_sharded_views() const { return options_.strategy != ShardingStrategy::kNoShard; }
-  const std::vector<FlatParamInfo>& params_info() const { return infos_; }
+  // Where each parameter lies in the flat parameter and in this rank's
+  // shard; sharded() is false under NO_SHARD.
+  const FlatLayout& layout() const { return layout_; }
   const std::vector<FlatParamEntry>& entries() const { return params_; }
-  int64_t flat_numel() const { return flat_numel_; }      // sum F_s, unpadded.
-  int64_t padded_numel() const { return padded_numel_; }  // P, the full buffer.
-  int64_t shard_numel() const { return local_shard_.numel(); }
 
   // This rank's shard (S elements, padding included).
   const at::Tensor& local_shard() const { return local_shard_; }
@@ -324,54 +318,39 @@ class FlatParamHandle {
   // elements [shard_offset, shard_offset + shard_numel) of the flattened
   // parameter), or under NO_SHARD the whole parameter in its shape. Writing
   // into it writes the shard (what state dict loading does).
-  at::Tensor LocalShardOf(size_t i) const { return ShardViewOf(local_shard_, i); }
-  // Parameter i's part of `flat`, a tensor laid out like the shard (or, for
-  // a trainable parameter, like the sharded gradient: the trainable
-  // segment's part of the shard), as LocalShardOf describes it.
-  at::Tensor ShardViewOf(const at::Tensor& flat, size_t i) const;
-  // Elements of the sharded gradient (the trainable segment's part of the
-  // shard; 0 without trainable parameters).
-  int64_t trainable_shard_numel() const;
+  at::Tensor LocalShardOf(size_t i) const { return layout_.ShardViewOf(local_shard_, i); }
   // For state laid out like the shard (an optimizer's elementwise state):
   // all-gathers `flat` from every rank of the shard group and returns it
-  // laid out like the flat parameter, where FullViewOf finds each
-  // parameter's part. `flat` has shard_numel() elements, or
-  // trainable_shard_numel() for state of the trainable parameters only (the
-  // sharded gradient's layout; only the trainable segment is gathered then,
-  // and the result is that segment). Blocking; every rank of the group must
-  // call it.
+  // laid out like the flat parameter, where layout().FullViewOf finds each
+  // parameter's part. `flat` has layout().shard_numel() elements, or
+  // layout().trainable_shard_numel() for state of the trainable
+  // parameters only (the sharded gradient's layout; only the trainable
+  // segment is gathered then, and the result is that segment). Blocking;
+  // every rank of the group must call it.
   at::Tensor AllGatherShardLike(const at::Tensor& flat) const;
-  // Parameter i's view, in its shape, of `full`, a tensor laid out like the
-  // flat parameter (or, for a trainable parameter, like its trainable
-  // segment alone).
-  at::Tensor FullViewOf(const at::Tensor& full, size_t i) const;
 
   // Bytes currently allocated for the full parameter (0 when resharded),
   // with the pieces ReshardAfterForward keeps: what the memory tests sample.
   int64_t full_param_bytes() const;
   // Where the unit computes (the parameters' device at Create) and where
   // its shard and sharded gradient live (the host when offloading).
-  c10::Device compute_device() const { return compute_device_; }
+  c10::Device compute_device() const { return placement_.compute_device; }
   bool offloads_params() const { return options_.offload_params; }
   // Bytes of the shard and of the sharded gradient (0 before the first
   // reduction) by where they live: what the offload tests measure.
   int64_t ShardBytesOn(c10::DeviceType type) const;
 
  private:
+  // Where .grad is with respect to the sharded gradient.
+  enum class GradState {
+    kSettled,    // .grad is what it was left as (the sharded gradient's parts, or none).
+    kToPublish,  // Reduced into the sharded gradient, not yet in .grad.
+    kUnreduced,  // .grad holds full, unreduced gradients (no_sync).
+  };
+
   FlatParamHandle(std::string unit_name, std::vector<FlatParamEntry> params,
                   Collectives& group, const FlatParamHandleOptions& options);
 
-  // One segment of the flat parameter (NOTE [Flat parameter]).
-  struct Segment {
-    bool trainable = false;
-    int64_t full_begin = 0;    // First element in the flat parameter.
-    int64_t padded_numel = 0;  // P_s = W * S_s.
-    int64_t shard_begin = 0;   // First element in the shard.
-    int64_t shard_numel = 0;   // S_s.
-  };
-  // Lays the parameters out in segments (infos_, segments_, segment_of_,
-  // and the sizes).
-  void LayOut();
   // Issues one all-gather per segment among the first `count`: each rank's
   // part of `shard` (laid out like the shard) into `full` (laid out like
   // the flat parameter). If issuing one throws, waits for those issued
@@ -384,31 +363,18 @@ class FlatParamHandle {
   void WaitForPendingUnshard();
   void PointParamsAtFull();
   void PointParamsAtShard();
-  // Points the parameters' .grad at their parts of sharded_grad_.
+  // Points the parameters' .grad at their parts of the sharded gradient.
   void PublishGradients();
-  // Allocates sharded_grad_ (zeroed, or adopting `initial`) and its aliases.
-  void AllocateShardedGrad(at::Tensor initial);
-  at::ScalarType GradDtype() const;  // Of the reduced gradient.
-  // `host` (the shard or sharded gradient) on the compute device in
-  // `dtype`: itself when it is there already, else a copy issued on the
-  // current stream.
-  at::Tensor OnComputeDevice(const at::Tensor& host, at::ScalarType dtype) const;
-  // A 1-D tensor in host memory (pinned for a CUDA compute device), for
-  // what offloading keeps there.
-  at::Tensor EmptyOnHost(int64_t numel, at::ScalarType dtype) const;
   std::string Describe() const;  // "unit 'h.0' on rank 1 of 4"
 
   const std::string unit_name_;
   std::vector<FlatParamEntry> params_;
-  std::vector<FlatParamInfo> infos_;
   Collectives& group_;
   const FlatParamHandleOptions options_;
-  const c10::Device compute_device_;
-  int64_t flat_numel_ = 0;
-  int64_t padded_numel_ = 0;
-  int64_t trainable_numel_ = 0;
-  std::vector<Segment> segments_;    // Trainable first; one or two.
-  std::vector<size_t> segment_of_;   // Parameter i's segment.
+  const UnitPlacement placement_;
+  const FlatLayout layout_;
+  // Declared after layout_, which it reads.
+  std::unique_ptr<GradientReduction> reduction_;
 
   at::Tensor local_shard_;   // S elements; NO_SHARD: F elements. Host when offloading.
   // P elements in compute_dtype_ on the compute device; storage freed while
@@ -416,33 +382,19 @@ class FlatParamHandle {
   // offloading.
   at::Tensor full_;
   std::vector<at::Tensor> full_views_;   // Parameter i's view of full_.
+  std::vector<at::Tensor> shard_views_;  // Parameter i's view of local_shard_.
   at::ScalarType compute_dtype_ = at::kFloat;  // param_dtype, or the shard's.
   bool low_precision_ = false;                 // compute_dtype_ != the shard's.
   at::Tensor summon_full_;   // Full precision, while a summon is unsharded.
   // The cast or device copy of the shard a pending all-gather sends.
   at::Tensor send_buffer_;
   at::Tensor shard_snapshot_;  // SnapshotShard's copy, until its all-gather is done.
-  bool full_kept_ = false;     // full_ holds the valid full parameter; params on the shard.
   // ReshardAfterForward's pieces, P / k elements in compute_dtype_.
   at::Tensor post_forward_shard_;
-  std::vector<at::Tensor> shard_views_;  // Parameter i's view of local_shard_.
-  // Like the trainable segment's part of local_shard_ (host when
-  // offloading); undefined until first needed.
-  at::Tensor sharded_grad_;
-  at::Tensor full_grad_;     // The trainable segment, while UnshardGradients is in effect.
-  std::vector<at::Tensor> grad_aliases_;  // Parameter i's part of sharded_grad_ (frozen: none).
-  bool gradients_pending_ = false;  // Reduced into sharded_grad_, not yet in .grad.
-  // The reduction in flight (StartReduceGradients) and where it leaves
-  // this rank's reduced part of the flat gradient.
-  std::unique_ptr<PendingReduction> pending_reduction_;
-  at::Tensor reduced_;
-  bool reduction_is_partial_ = false;  // The pending reduction leaves out the all-reduce.
-  at::Tensor partial_reduced_;         // has_partial_reduction().
-  bool holds_unreduced_ = false;    // .grad holds full, unreduced gradients.
+  at::Tensor full_grad_;  // The trainable segment, while UnshardGradients is in effect.
   std::vector<std::unique_ptr<CollectiveWork>> pending_unshard_;  // One per segment.
-  bool unsharded_ = false;
-  CommHook* comm_hook_ = nullptr;
-  std::optional<double> divide_factor_;
+  FullParamState full_state_ = FullParamState::kSharded;
+  GradState grad_state_ = GradState::kSettled;
   HandleTrainingState training_state_ = HandleTrainingState::kIdle;
 };
 

@@ -164,7 +164,7 @@ TEST_P(FlatParamHandleParity, MatchesLocalTraining) {
                 sharded ? units * c.micro_batches : 0);
       EXPECT_EQ(counted.Calls(CollectiveOp::kAllReduce), sharded ? 0 : units * c.micro_batches);
       int64_t padded_bytes = 0;
-      for (auto& h : handles) padded_bytes += h->padded_numel() * 4;
+      for (auto& h : handles) padded_bytes += h->layout().padded_numel() * 4;
       EXPECT_EQ(counted.Bytes(CollectiveOp::kAllGather),
                 per_pass * padded_bytes * c.micro_batches);
       EXPECT_EQ(counted.Bytes(CollectiveOp::kReduceScatter),
@@ -184,9 +184,9 @@ TEST_P(FlatParamHandleParity, MatchesLocalTraining) {
     // Persistent parameter storage is the shard, padding included.
     for (auto& h : handles) {
       const int64_t expected_shard =
-          sharded ? (h->flat_numel() + comm.world_size() - 1) / comm.world_size()
-                  : h->flat_numel();
-      EXPECT_EQ(h->shard_numel(), expected_shard);
+          sharded ? (h->layout().flat_numel() + comm.world_size() - 1) / comm.world_size()
+                  : h->layout().flat_numel();
+      EXPECT_EQ(h->layout().shard_numel(), expected_shard);
       EXPECT_EQ(h->full_param_bytes(), 0);
       h->Unshard();
     }
@@ -236,9 +236,9 @@ TEST(FlatParamHandle, ShardsWithPaddingAndKeepsParameterIdentity) {
     auto handle = FlatParamHandle::Create("unit", {{"a", a}, {"b", b}, {"c", c}}, comm);
     ASSERT_TRUE(handle.ok()) << handle.status();
     FlatParamHandle& h = **handle;
-    EXPECT_EQ(h.flat_numel(), 26);
-    EXPECT_EQ(h.padded_numel(), 27);
-    EXPECT_EQ(h.shard_numel(), 9);
+    EXPECT_EQ(h.layout().flat_numel(), 26);
+    EXPECT_EQ(h.layout().padded_numel(), 27);
+    EXPECT_EQ(h.layout().shard_numel(), 9);
     EXPECT_EQ(h.local_shard().nbytes(), 9 * 4) << "persistent storage is the shard";
     EXPECT_EQ(a.unsafeGetTensorImpl(), a_impl) << "the parameter keeps its identity";
     // Rank 0 owns a[0:9]; rank 1 a[9:15], b[0:3]; rank 2 b[3:7], c, padding.
@@ -247,7 +247,7 @@ TEST(FlatParamHandle, ShardsWithPaddingAndKeepsParameterIdentity) {
     EXPECT_EQ(a.numel(), owned[r][0]);
     EXPECT_EQ(b.numel(), owned[r][1]);
     EXPECT_EQ(c.numel(), owned[r][2]);
-    EXPECT_EQ(h.params_info()[1].shard_offset, r == 2 ? 3 : 0);
+    EXPECT_EQ(h.layout().params()[1].shard_offset, r == 2 ? 3 : 0);
     if (r == 1) {
       EXPECT_TRUE(at::equal(a.detach(), at::arange(9, 15, at::kFloat) + 100));
       EXPECT_TRUE(at::equal(b.detach(), at::arange(3, at::kFloat) + 200));
@@ -282,13 +282,14 @@ TEST(FlatParamHandle, FrozenAndTrainableParametersLieInTwoSegments) {
     auto handle = FlatParamHandle::Create("unit", {{"a", a}, {"b", b}, {"c", c}}, comm);
     ASSERT_TRUE(handle.ok()) << handle.status();
     FlatParamHandle& h = **handle;
-    EXPECT_EQ(h.flat_numel(), 11);
-    EXPECT_EQ(h.trainable_numel(), 7);
-    EXPECT_EQ(h.padded_numel(), 15);
-    EXPECT_EQ(h.shard_numel(), 5);
-    EXPECT_EQ(h.trainable_shard_numel(), 3);
-    EXPECT_EQ(h.params_info()[1].offset, 9) << "the frozen segment follows the padded trainable";
-    EXPECT_EQ(h.params_info()[2].offset, 5);
+    EXPECT_EQ(h.layout().flat_numel(), 11);
+    EXPECT_EQ(h.layout().trainable_numel(), 7);
+    EXPECT_EQ(h.layout().padded_numel(), 15);
+    EXPECT_EQ(h.layout().shard_numel(), 5);
+    EXPECT_EQ(h.layout().trainable_shard_numel(), 3);
+    EXPECT_EQ(h.layout().params()[1].offset, 9)
+        << "the frozen segment follows the padded trainable";
+    EXPECT_EQ(h.layout().params()[2].offset, 5);
     // Trainable segment [a0..a4 c0 c1 pad pad]: rank 0 a[0:3], rank 1
     // a[3:5] c[0:1], rank 2 c[1:2]. Frozen [b0..b3 pad pad]: two each.
     const int r = comm.rank();
@@ -347,8 +348,8 @@ TEST(FlatParamHandle, EmptyParametersAddNoSegment) {
     at::Tensor empty_frozen = at::ones({0});
     auto trainable = FlatParamHandle::Create("t", {{"a", a}, {"e", empty_frozen}}, comm);
     ASSERT_TRUE(trainable.ok()) << trainable.status();
-    EXPECT_TRUE((*trainable)->has_trainable_params());
-    EXPECT_EQ((*trainable)->shard_numel(), 3);
+    EXPECT_TRUE((*trainable)->layout().has_trainable_params());
+    EXPECT_EQ((*trainable)->layout().shard_numel(), 3);
     comm.ResetCounters();
     (*trainable)->Unshard();
     EXPECT_EQ(comm.counters().Calls(CollectiveOp::kAllGather), 1);
@@ -360,9 +361,9 @@ TEST(FlatParamHandle, EmptyParametersAddNoSegment) {
     at::Tensor empty_trainable = at::ones({0}).requires_grad_();
     auto frozen = FlatParamHandle::Create("f", {{"z", empty_trainable}, {"f", f}}, comm);
     ASSERT_TRUE(frozen.ok()) << frozen.status();
-    EXPECT_FALSE((*frozen)->has_trainable_params());
-    EXPECT_EQ((*frozen)->trainable_shard_numel(), 0);
-    EXPECT_EQ((*frozen)->shard_numel(), 2);
+    EXPECT_FALSE((*frozen)->layout().has_trainable_params());
+    EXPECT_EQ((*frozen)->layout().trainable_shard_numel(), 0);
+    EXPECT_EQ((*frozen)->layout().shard_numel(), 2);
   });
   EXPECT_TRUE(status.ok()) << status;
 }

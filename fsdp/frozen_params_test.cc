@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "fsdp/flat_param_handle.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_util.h"
 #include "fsdp/unit_module.h"
@@ -164,7 +165,7 @@ TEST_P(FrozenAndTrainableInOneUnit, MatchesLocalTrainingAndReducesOnlyTrainableB
     FsdpOptions options;
     options.strategy = c.strategy;
     options.offload_params = c.offload_params;
-    if (c.float32_compute) options.mixed_precision.param_dtype = DType::kFloat32;
+    if (c.float32_compute) options.mixed_precision.param_dtype = at::kFloat;
     auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
                                            *ModuleTypePolicy::Of<UnitModuleImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
@@ -174,11 +175,12 @@ TEST_P(FrozenAndTrainableInOneUnit, MatchesLocalTrainingAndReducesOnlyTrainableB
     const int64_t w = sharded ? c.world_size : 1;
     for (int b = 1; b <= kBlocks; ++b) {
       const FlatParamHandle& h = *fsdp.units()[b]->handle();
-      EXPECT_EQ(h.trainable_numel(), kTrainablePerBlock);
-      EXPECT_EQ(h.flat_numel(), kTrainablePerBlock + kFrozenPerBlock);
+      EXPECT_EQ(h.layout().trainable_numel(), kTrainablePerBlock);
+      EXPECT_EQ(h.layout().flat_numel(), kTrainablePerBlock + kFrozenPerBlock);
       // Two segments, each padded to a multiple of the shard group.
-      EXPECT_EQ(h.shard_numel(), (Padded(kTrainablePerBlock, w) + Padded(kFrozenPerBlock, w)) / w);
-      EXPECT_EQ(h.trainable_shard_numel(), Padded(kTrainablePerBlock, w) / w);
+      EXPECT_EQ(h.layout().shard_numel(),
+                (Padded(kTrainablePerBlock, w) + Padded(kFrozenPerBlock, w)) / w);
+      EXPECT_EQ(h.layout().trainable_shard_numel(), Padded(kTrainablePerBlock, w) / w);
     }
     EXPECT_THAT(fsdp.plan().ToString(),
                 HasSubstr(std::to_string(kTrainablePerBlock + kFrozenPerBlock) + " elements (" +
@@ -244,8 +246,9 @@ TEST_P(FrozenAndTrainableInOneUnit, MatchesLocalTrainingAndReducesOnlyTrainableB
     // Gradient memory only for the trainable segment.
     for (const auto& unit : fsdp.units()) {
       const FlatParamHandle& h = *unit->handle();
-      EXPECT_EQ(h.ShardBytesOn(c10::DeviceType::CPU),
-                (h.shard_numel() + h.trainable_shard_numel()) * at::elementSize(dtype))
+      EXPECT_EQ(
+          h.ShardBytesOn(c10::DeviceType::CPU),
+          (h.layout().shard_numel() + h.layout().trainable_shard_numel()) * at::elementSize(dtype))
           << unit->fqn();
     }
     EXPECT_EQ(fsdp.FullParamBytes(), 0);

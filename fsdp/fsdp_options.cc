@@ -43,6 +43,9 @@ absl::Status ValidateFsdpOptions(const FsdpOptions& options) {
         "group and the replicate group in replicate_group; the other strategies take no "
         "replicate group"));
   }
+  if (absl::Status mp = ValidateMixedPrecision(options.mixed_precision); !mp.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("FsdpOptions::mixed_precision: ", mp.message()));
+  }
   if (options.verify_collectives_every < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("FsdpOptions::verify_collectives_every must be >= 0 (0: never), got ",

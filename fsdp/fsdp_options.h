@@ -22,19 +22,6 @@ class Module;
 
 namespace fsdp {
 
-// The tensor dtype of a mixed-precision DType (policies/unit_options.h).
-inline at::ScalarType ToScalarType(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat16:
-      return at::kHalf;
-    case DType::kBFloat16:
-      return at::kBFloat16;
-    case DType::kFloat32:
-      break;
-  }
-  return at::kFloat;
-}
-
 // When, in backward, the next unit's all-gather is issued (PyTorch's
 // BackwardPrefetch): at the start of the current unit's backward, or after
 // its gradients are reduced.

@@ -19,7 +19,7 @@ struct Change {
 std::vector<Change> AgreedFieldChanges() {
   return {
       {"strategy", [](FsdpOptions& o) { o.strategy = ShardingStrategy::kShardGradOp; }},
-      {"mixed_precision", [](FsdpOptions& o) { o.mixed_precision.param_dtype = DType::kBFloat16; }},
+      {"mixed_precision", [](FsdpOptions& o) { o.mixed_precision.param_dtype = at::kBFloat16; }},
       {"backward_prefetch",
        [](FsdpOptions& o) { o.backward_prefetch = BackwardPrefetch::kBackwardPost; }},
       {"forward_prefetch", [](FsdpOptions& o) { o.forward_prefetch = true; }},
@@ -72,6 +72,19 @@ TEST(CrossRankOptionsKey, WhatMayDifferBetweenRanksLeavesTheKeyAlone) {
   on_gpu1.trace = &trace;
   on_gpu1.debug_log = [](const std::string&) {};
   EXPECT_EQ(CrossRankOptionsKey(on_gpu0), CrossRankOptionsKey(on_gpu1));
+}
+
+TEST(ValidateFsdpOptions, RefusesAMixedPrecisionDtypeThatIsNotFloatingPoint) {
+  FsdpOptions options;
+  options.mixed_precision.param_dtype = at::kBFloat16;
+  EXPECT_TRUE(ValidateFsdpOptions(options).ok());
+  options.mixed_precision.reduce_dtype = at::kInt;
+  const absl::Status refused = ValidateFsdpOptions(options);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("mixed_precision: MixedPrecision::reduce_dtype is Int, not a "
+                                   "floating-point type"),
+            std::string::npos)
+      << refused;
 }
 
 }  // namespace

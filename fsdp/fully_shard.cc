@@ -11,7 +11,9 @@
 #include "c10/core/StreamGuard.h"
 #include "c10/util/Exception.h"
 #include "fsdp/cross_rank_checks.h"
+#include "fsdp/flat_param_handle.h"
 #include "fsdp/unit_init.h"
+#include "fsdp/unit_scheduler.h"
 #include "torch/csrc/autograd/engine.h"
 #include "torch/csrc/autograd/function.h"
 #include "torch/csrc/autograd/function_hook.h"
@@ -86,6 +88,9 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<torch::nn::Module> root,
       group_(group),
       options_(options) {}
 
+FsdpUnit::FsdpUnit() = default;
+FsdpUnit::~FsdpUnit() = default;
+
 FullyShardedModel::~FullyShardedModel() {
   std::vector<std::pair<const torch::nn::Module*, FsdpUnit*>> registered;
   for (auto& unit : units_) {
@@ -102,12 +107,9 @@ FlatParamHandleOptions HandleOptionsFor(const PlannedUnit& planned, const FsdpOp
   handle_options.strategy = planned.strategy;
   handle_options.replicate_group = options.replicate_group;
   const MixedPrecision& mp = planned.mixed_precision;
-  if (mp.param_dtype) handle_options.param_dtype = ToScalarType(*mp.param_dtype);
+  handle_options.param_dtype = mp.param_dtype;
   // PyTorch's default: reduce in param_dtype when only that is set.
-  if (mp.reduce_dtype || mp.param_dtype) {
-    handle_options.reduce_dtype = ToScalarType(mp.reduce_dtype ? *mp.reduce_dtype
-                                                               : *mp.param_dtype);
-  }
+  handle_options.reduce_dtype = mp.reduce_dtype ? mp.reduce_dtype : mp.param_dtype;
   handle_options.keep_low_precision_grads = mp.keep_low_precision_grads;
   handle_options.offload_params = options.offload_params;
   handle_options.gradient_divide_factor = options.gradient_divide_factor;
@@ -252,8 +254,8 @@ void FullyShardedModel::LazyInit() {
   for (const auto& unit : units_) {
     UnitSignature signature{unit->fqn_, 0, "", unit->strategy_, unit->mixed_precision_};
     if (unit->handle_) {
-      signature.flat_numel = unit->handle_->flat_numel();
-      for (const FlatParamInfo& info : unit->handle_->params_info()) {
+      signature.flat_numel = unit->handle_->layout().flat_numel();
+      for (const FlatParamInfo& info : unit->handle_->layout().params()) {
         signature.trainable += info.trainable ? '1' : '0';
       }
     }
@@ -325,8 +327,8 @@ void FullyShardedModel::CheckTrainableAsWrapped(const FsdpUnit& unit) const {
   const FlatParamHandle& handle = *unit.handle_;
   for (size_t i = 0; i < handle.entries().size(); ++i) {
     const bool now = handle.entries()[i].param.requires_grad();
-    TORCH_CHECK(now == handle.params_info()[i].trainable, Describe(unit), ": '",
-                handle.params_info()[i].fqn, "' has requires_grad=", now ? "true" : "false",
+    TORCH_CHECK(now == handle.layout().params()[i].trainable, Describe(unit), ": '",
+                handle.layout().params()[i].fqn, "' has requires_grad=", now ? "true" : "false",
                 " but was ", now ? "frozen" : "trainable",
                 " when the model was wrapped; which parameters train is fixed at wrap time "
                 "(wrap again to change it)");
@@ -481,7 +483,7 @@ void FullyShardedModel::ReshardAfterBackward(FsdpUnit& unit) {
   // A reducing backward always reshards: its gradient shards reach .grad
   // only then, and the optimizer step that follows writes the shards.
   const bool keep = !unit.reshard_after_backward_ &&
-                    (!handle.has_trainable_params() || handle.holds_unreduced_gradients());
+                    (!handle.layout().has_trainable_params() || handle.holds_unreduced_gradients());
   if (keep && handle.is_unsharded()) {
     scheduler_->ReshardKeepingFull(handle);
   } else if (!(keep && handle.holds_kept_full())) {  // Kept by the post hook already.
@@ -491,7 +493,7 @@ void FullyShardedModel::ReshardAfterBackward(FsdpUnit& unit) {
 
 void FullyShardedModel::ReduceOrKeep(FsdpUnit& unit) {
   FlatParamHandle& handle = *unit.handle_;
-  if (!handle.has_trainable_params()) return;  // A frozen unit has no gradients.
+  if (!handle.layout().has_trainable_params()) return;  // A frozen unit has no gradients.
   if (no_sync_ || !unit.requires_gradient_sync_) {
     handle.KeepGradientsUnreduced();
     return;

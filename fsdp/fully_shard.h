@@ -54,16 +54,22 @@
 #include "absl/status/statusor.h"
 #include "comm/collectives.h"
 #include "fsdp/comm_hooks.h"
-#include "fsdp/flat_param_handle.h"
 #include "fsdp/fsdp_options.h"
+#include "fsdp/trace.h"
 #include "fsdp/unit_registry.h"
-#include "fsdp/unit_scheduler.h"
 #include "fsdp/wrap_plan.h"
 #include "policies/wrap_policy.h"
 #include "torch/csrc/autograd/variable.h"
 #include "torch/nn/module.h"
 
 namespace fsdp {
+
+// The core's own machinery (fsdp/flat_param_handle.h, fsdp/unit_scheduler.h)
+// is not installed: code outside the core sees a unit's handle and the
+// model's scheduler only as these names, as LevelDB's public headers name
+// what db/ implements.
+class FlatParamHandle;
+class UnitScheduler;
 
 // Releases the memory of every parameter and buffer of `module` and its
 // submodules, keeping their shapes, dtypes and identities, so that Wrap
@@ -117,6 +123,8 @@ const char* ModelTrainingStateName(ModelTrainingState state);  // "IDLE", ...
 // own) and its place in the runtime.
 class FsdpUnit {
  public:
+  FsdpUnit();
+  ~FsdpUnit();  // Where FlatParamHandle is complete.
   const std::string& fqn() const { return fqn_; }  // "" for the root.
   const torch::nn::Module& module() const { return *module_; }
   FlatParamHandle* handle() const { return handle_.get(); }

@@ -10,6 +10,7 @@
 
 #include "ATen/ATen.h"
 #include "absl/strings/str_cat.h"
+#include "fsdp/flat_param_handle.h"
 #include "fsdp/unit_forward.h"
 #include "fsdp/utilities.h"
 #include "gmock/gmock.h"
@@ -114,11 +115,11 @@ TEST_P(FullyShardParity, MatchesLocalTraining) {
     auto optimizer = MakeOptimizer(c.optim, model->parameters());
 
     // Largest full size of one block and of the root, for the memory bound.
-    int64_t root_bytes = fsdp.units()[0]->handle()->padded_numel() * 4;
+    int64_t root_bytes = fsdp.units()[0]->handle()->layout().padded_numel() * 4;
     int64_t max_block_bytes = 0;
     for (size_t u = 1; u < fsdp.units().size(); ++u) {
       max_block_bytes =
-          std::max(max_block_bytes, fsdp.units()[u]->handle()->padded_numel() * 4);
+          std::max(max_block_bytes, fsdp.units()[u]->handle()->layout().padded_numel() * 4);
     }
     int64_t peak_in_forward = 0, peak_in_backward = 0;
     g_in_block_forward = [&](int) {
@@ -982,14 +983,16 @@ TEST_P(NestedUnits, MatchLocalTrainingWithCountedCollectivesAndBoundedMemory) {
     EXPECT_THAT(fqns, ::testing::ElementsAre("", "outers.0", "outers.0.inner", "outers.1",
                                              "outers.1.inner"));
     EXPECT_EQ(fsdp.units()[0]->handle(), nullptr) << "the root holds no parameters";
-    EXPECT_EQ(fsdp.units()[1]->handle()->flat_numel(), 7 * 13 + 13) << "outer's own Linear only";
+    EXPECT_EQ(fsdp.units()[1]->handle()->layout().flat_numel(), 7 * 13 + 13)
+        << "outer's own Linear only";
     // Inside an inner block's forward, FULL_SHARD holds exactly that block
     // and its outer unit; no other unit's parameters.
     int64_t max_pair_bytes = 0;
     for (size_t u : {1, 3}) {
-      max_pair_bytes = std::max(max_pair_bytes, (fsdp.units()[u]->handle()->padded_numel() +
-                                                 fsdp.units()[u + 1]->handle()->padded_numel()) *
-                                                    4);
+      max_pair_bytes =
+          std::max(max_pair_bytes, (fsdp.units()[u]->handle()->layout().padded_numel() +
+                                    fsdp.units()[u + 1]->handle()->layout().padded_numel()) *
+                                       4);
     }
     int64_t peak_in_forward = 0;
     g_in_block_forward = [&](int) {

@@ -12,6 +12,7 @@
 #include "ATen/ATen.h"
 #include "comm/gloo_collectives.h"
 #include "comm/hybrid_groups.h"
+#include "fsdp/flat_param_handle.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
@@ -290,7 +291,7 @@ TEST_P(DeferredAllReduce, FirstMicroBatchDeferredMatchesTwoThatAllReduce) {
     ASSERT_EQ(fsdp.units().size(), 4u);
     if (c.blocks_no_shard) {
       EXPECT_EQ(fsdp.units()[1]->strategy(), ShardingStrategy::kNoShard);
-      EXPECT_FALSE(fsdp.units()[1]->handle()->uses_sharded_views());
+      EXPECT_FALSE(fsdp.units()[1]->handle()->layout().sharded());
     }
     const int64_t rows = kGlobalBatch / 4;
     auto backward = [&](Net& model, int micro) {
@@ -329,9 +330,9 @@ TEST_P(DeferredAllReduce, FirstMicroBatchDeferredMatchesTwoThatAllReduce) {
   EXPECT_TRUE(status.ok()) << status;
 }
 
-MixedPrecision Bf16Params(std::optional<DType> reduce_dtype) {
+MixedPrecision Bf16Params(std::optional<at::ScalarType> reduce_dtype) {
   MixedPrecision mp;
-  mp.param_dtype = DType::kBFloat16;
+  mp.param_dtype = at::kBFloat16;
   mp.reduce_dtype = reduce_dtype;
   return mp;
 }
@@ -354,7 +355,7 @@ INSTANTIATE_TEST_SUITE_P(
         DeferCase{"Zero2Offload", ShardingStrategy::kHybridShardZero2, false, true, {}, 1e-5,
                   1e-7},
         DeferCase{"Bf16ParamsFp32Reduce", ShardingStrategy::kHybridShard, false, false,
-                  Bf16Params(DType::kFloat32), 1e-5, 1e-7},
+                  Bf16Params(at::kFloat), 1e-5, 1e-7},
         DeferCase{"Bf16ParamsBf16Reduce", ShardingStrategy::kHybridShard, false, false,
                   Bf16Params(std::nullopt), 1.0 / 64, 2e-3}),
     [](const ::testing::TestParamInfo<DeferCase>& info) { return info.param.name; });
@@ -398,12 +399,12 @@ TEST(PostForwardGroup, BackwardGathersWithinTheGroupAndChangesNoNumber) {
   constexpr int kGroup = 2;
   const HybridShardLayout layout = HybridShardLayout::Create(kWorld, kGroup).value();
   struct Config {
-    std::optional<DType> param_dtype;
+    std::optional<at::ScalarType> param_dtype;
     bool offload_params;
   };
   for (const Config& config :
-       {Config{std::nullopt, false}, Config{DType::kBFloat16, false}, Config{std::nullopt, true}}) {
-    const std::optional<DType> param_dtype = config.param_dtype;
+       {Config{std::nullopt, false}, Config{at::kBFloat16, false}, Config{std::nullopt, true}}) {
+    const std::optional<at::ScalarType> param_dtype = config.param_dtype;
     SCOPED_TRACE(param_dtype ? "bfloat16" : config.offload_params ? "offload" : "float32");
     std::vector<Trajectory> runs(2);  // [plain, post-forward group], rank 0's.
     for (int post = 0; post < 2; ++post) {
@@ -427,7 +428,7 @@ TEST(PostForwardGroup, BackwardGathersWithinTheGroupAndChangesNoNumber) {
         FullyShardedModel& fsdp = **wrapped;
         int64_t held_between = 0;  // What the units should hold after forward.
         for (const auto& unit : fsdp.units()) {
-          const int64_t elements = unit->handle()->padded_numel();
+          const int64_t elements = unit->handle()->layout().padded_numel();
           held_between += (unit->is_root() ? elements : post == 1 ? elements / kGroup : 0) *
                           (param_dtype ? 2 : 4);
         }

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "fsdp/flat_param_handle.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
@@ -100,8 +101,8 @@ Trajectory TrainLocally(at::ScalarType compute, at::ScalarType reduce) {
 struct MpCase {
   const char* name;
   ShardingStrategy strategy;
-  std::optional<DType> param_dtype;
-  std::optional<DType> reduce_dtype;
+  std::optional<at::ScalarType> param_dtype;
+  std::optional<at::ScalarType> reduce_dtype;
 };
 
 std::string MpCaseName(const ::testing::TestParamInfo<MpCase>& info) { return info.param.name; }
@@ -110,9 +111,9 @@ class MixedPrecisionParity : public ::testing::TestWithParam<MpCase> {};
 
 TEST_P(MixedPrecisionParity, MatchesALocalReferenceWithTheSameCasts) {
   const MpCase c = GetParam();
-  const at::ScalarType compute = c.param_dtype ? ToScalarType(*c.param_dtype) : at::kFloat;
+  const at::ScalarType compute = c.param_dtype ? *c.param_dtype : at::kFloat;
   const at::ScalarType reduce =
-      c.reduce_dtype ? ToScalarType(*c.reduce_dtype) : compute;  // PyTorch's default.
+      c.reduce_dtype ? *c.reduce_dtype : compute;  // PyTorch's default.
   const Trajectory same_casts = TrainLocally(compute, reduce);
   const Trajectory full_precision = TrainLocally(at::kFloat, at::kFloat);
   std::vector<float> error(kWorld), error_vs_fp32(kWorld);
@@ -130,7 +131,7 @@ TEST_P(MixedPrecisionParity, MatchesALocalReferenceWithTheSameCasts) {
                 const int64_t compute_size = at::elementSize(compute);
                 int64_t root_bytes = 0, block_bytes = 0, reduce_bytes = 0;
                 for (const auto& unit : fsdp.units()) {
-                  const int64_t p = unit->handle()->padded_numel();
+                  const int64_t p = unit->handle()->layout().padded_numel();
                   (unit->is_root() ? root_bytes : block_bytes) += p * compute_size;
                   reduce_bytes += p * at::elementSize(reduce);
                 }
@@ -217,12 +218,12 @@ TEST_P(MixedPrecisionParity, MatchesALocalReferenceWithTheSameCasts) {
 INSTANTIATE_TEST_SUITE_P(
     Cases, MixedPrecisionParity,
     ::testing::Values(
-        MpCase{"FullShard_bf16_reduce_fp32", ShardingStrategy::kFullShard, DType::kBFloat16,
-               DType::kFloat32},
-        MpCase{"FullShard_bf16", ShardingStrategy::kFullShard, DType::kBFloat16, std::nullopt},
+        MpCase{"FullShard_bf16_reduce_fp32", ShardingStrategy::kFullShard, at::kBFloat16,
+               at::kFloat},
+        MpCase{"FullShard_bf16", ShardingStrategy::kFullShard, at::kBFloat16, std::nullopt},
         MpCase{"ShardGradOp_fp32_reduce_fp16", ShardingStrategy::kShardGradOp, std::nullopt,
-               DType::kFloat16},
-        MpCase{"NoShard_bf16", ShardingStrategy::kNoShard, DType::kBFloat16, std::nullopt}),
+               at::kHalf},
+        MpCase{"NoShard_bf16", ShardingStrategy::kNoShard, at::kBFloat16, std::nullopt}),
     MpCaseName);
 
 #if TORCH_VERSION_MAJOR >= 2
@@ -230,7 +231,7 @@ INSTANTIATE_TEST_SUITE_P(
 // compute is tested where the suite runs against it.
 INSTANTIATE_TEST_SUITE_P(Float16Compute, MixedPrecisionParity,
                          ::testing::Values(MpCase{"FullShard_fp16", ShardingStrategy::kFullShard,
-                                                  DType::kFloat16, std::nullopt}),
+                                                  at::kHalf, std::nullopt}),
                          MpCaseName);
 #endif
 
@@ -238,7 +239,7 @@ TEST(MixedPrecision, KeepLowPrecisionGradsLeavesReducedGradientsInReduceDtype) {
   ASSERT_TRUE(RunOnThreadRanks(kWorld, [&](Collectives& comm) {
                 Net model;
                 FsdpOptions options;
-                options.mixed_precision.param_dtype = DType::kBFloat16;
+                options.mixed_precision.param_dtype = at::kBFloat16;
                 options.mixed_precision.keep_low_precision_grads = true;
                 auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
                                                        *ModuleTypePolicy::Of<BlockImpl>());
@@ -276,7 +277,7 @@ TEST(MixedPrecision, APolicySetsItPerUnit) {
                 Chain model;
                 UnitOptions blocks_bf16;
                 blocks_bf16.mixed_precision = MixedPrecision{};
-                blocks_bf16.mixed_precision->param_dtype = DType::kBFloat16;
+                blocks_bf16.mixed_precision->param_dtype = at::kBFloat16;
                 blocks_bf16.mixed_precision->cast_forward_inputs = true;
                 LambdaPolicy policy(
                     [](const std::string&, const torch::nn::Module& m) {
@@ -305,6 +306,28 @@ TEST(MixedPrecision, APolicySetsItPerUnit) {
               }).ok());
 }
 
+// A per-unit dtype that is not floating-point is refused at Wrap, naming
+// the unit, as the root's is by ValidateFsdpOptions.
+TEST(MixedPrecision, APolicysNonFloatingDtypeIsRefused) {
+  ASSERT_TRUE(RunOnThreadRanks(1, [&](Collectives& comm) {
+                Chain model;
+                UnitOptions blocks_int;
+                blocks_int.mixed_precision = MixedPrecision{};
+                blocks_int.mixed_precision->param_dtype = at::kLong;
+                LambdaPolicy policy(
+                    [](const std::string&, const torch::nn::Module& m) {
+                      return dynamic_cast<const BlockImpl*>(&m) != nullptr;
+                    },
+                    blocks_int);
+                auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {}, policy);
+                ASSERT_FALSE(wrapped.ok());
+                EXPECT_EQ(wrapped.status().code(), absl::StatusCode::kInvalidArgument);
+                EXPECT_THAT(wrapped.status().message(),
+                            ::testing::HasSubstr("module 'blocks.0' with MixedPrecision::"
+                                                 "param_dtype is Long, not a floating-point"));
+              }).ok());
+}
+
 // output_dtype (FSDP2's): every unit returns float32 while it computes in
 // bfloat16. Casting bfloat16 to float32 and back is exact, so training must
 // equal the same model without output_dtype whose loss casts the output
@@ -315,10 +338,10 @@ TEST(MixedPrecision, OutputDtypeCastsWhatUnitsReturnAndTrainsAsAnExplicitCast) {
     const absl::Status trained = RunOnThreadRanks(kWorld, [&](Collectives& comm) {
       Chain model;
       FsdpOptions options;
-      options.mixed_precision.param_dtype = DType::kBFloat16;
+      options.mixed_precision.param_dtype = at::kBFloat16;
       options.mixed_precision.cast_forward_inputs = true;
       if (with_output_dtype == 0) {
-        options.mixed_precision.output_dtype = DType::kFloat32;
+        options.mixed_precision.output_dtype = at::kFloat;
       }
       auto wrapped =
           FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
@@ -355,7 +378,7 @@ TEST(MixedPrecision, BufferDtypeCastsFloatingBuffersAndRemembersTheirDtype) {
                 model->register_buffer("scale", at::full({3}, 1.0 / 3));
                 model->register_buffer("steps", at::full({1}, 5, at::kLong));
                 FsdpOptions options;
-                options.mixed_precision.buffer_dtype = DType::kBFloat16;
+                options.mixed_precision.buffer_dtype = at::kBFloat16;
                 auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
                                                        *ModuleTypePolicy::Of<BlockImpl>());
                 ASSERT_TRUE(wrapped.ok()) << wrapped.status();

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "fsdp/flat_param_handle.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
@@ -135,7 +136,9 @@ TEST(PolicyWrap, PerUnitStrategiesTakeEffectInTheRuntime) {
     // root and blocks.2 do.
     std::vector<int64_t> in_forward(3, -1);
     testing::g_in_block_forward = [&](int index) { in_forward[index] = fsdp.FullParamBytes(); };
-    auto full_bytes = [&](int unit) { return fsdp.units()[unit]->handle()->padded_numel() * 4; };
+    auto full_bytes = [&](int unit) {
+      return fsdp.units()[unit]->handle()->layout().padded_numel() * 4;
+    };
     TrainWrappedAndCompare(model, fsdp, comm, expected, [&](int step, const CollectiveCounters& c) {
       // Gathers: root once (kept for backward), blocks.1 once, blocks.2
       // twice; blocks.0 never. Reductions: three reduce-scatters and one

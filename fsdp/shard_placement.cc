@@ -9,11 +9,12 @@ ShardPlacements ShardPlacementsOf(const FullyShardedModel& model) {
   for (size_t u = 0; u < model.units().size(); ++u) {
     const FlatParamHandle* handle = model.units()[u]->handle();
     if (handle == nullptr) continue;
+    const FlatLayout& layout = handle->layout();
     for (size_t i = 0; i < handle->entries().size(); ++i) {
-      const FlatParamInfo& info = handle->params_info()[i];
+      const FlatParamInfo& info = layout.params()[i];
       ShardPlacement p;
       p.full_shape = info.shape;
-      p.sharded = handle->uses_sharded_views();
+      p.sharded = layout.sharded();
       p.lo = p.sharded ? info.shard_offset : 0;
       p.hi = p.sharded ? info.shard_offset + info.shard_numel : info.numel;
       p.local = handle->LocalShardOf(i).reshape({-1});

@@ -4,6 +4,7 @@
 
 #include "ATen/ATen.h"
 #include "comm/collectives.h"
+#include "fsdp/flat_param_handle.h"
 #include "fsdp/test_models.h"
 #include "gtest/gtest.h"
 #include "testing/multi_rank.h"

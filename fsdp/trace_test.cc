@@ -1,5 +1,6 @@
 // The runtime's observability: the state-transition log of one iteration and
 // the per-rank Chrome trace (fsdp/trace.h).
+#include "fsdp/flat_param_handle.h"
 #include "fsdp/trace.h"
 
 #include <algorithm>

@@ -1,7 +1,9 @@
 #include "fsdp/unit_forward.h"
 
 #include "fsdp/activation_checkpointing.h"
+#include "fsdp/flat_param_handle.h"
 #include "fsdp/fully_shard.h"
+#include "fsdp/unit_scheduler.h"
 
 namespace fsdp {
 
@@ -50,13 +52,13 @@ at::Tensor UnitForward::Input(const at::Tensor& input) const {
   const MixedPrecision& mp = unit_->mixed_precision_;
   const bool cast = unit_->is_root_ ? mp.cast_root_forward_inputs : mp.cast_forward_inputs;
   if (!cast || !mp.param_dtype) return input;
-  return input.to(ToScalarType(*mp.param_dtype));
+  return input.to(*mp.param_dtype);
 }
 
 at::Tensor UnitForward::CastOutput(const at::Tensor& output) const {
-  const std::optional<DType>& dtype = unit_->mixed_precision_.output_dtype;
+  const std::optional<at::ScalarType>& dtype = unit_->mixed_precision_.output_dtype;
   if (!dtype || !output.defined() || !output.is_floating_point()) return output;
-  return output.to(ToScalarType(*dtype));
+  return output.to(*dtype);
 }
 
 at::Tensor UnitForward::Return(at::Tensor output) {

@@ -82,11 +82,11 @@ void CastBuffers(torch::nn::Module& root, const WrapPlan& plan, const FsdpOption
         ignored.count(buffer.unsafeGetTensorImpl()) != 0) {
       continue;
     }
-    const std::optional<DType> dtype =
+    const std::optional<at::ScalarType> dtype =
         plan.units[plan.OwnerOf({item.key()})].mixed_precision.buffer_dtype;
-    if (!dtype || ToScalarType(*dtype) == buffer.scalar_type()) continue;
+    if (!dtype || *dtype == buffer.scalar_type()) continue;
     original.emplace(buffer.unsafeGetTensorImpl(), buffer.scalar_type());
-    buffer.set_data(buffer.to(ToScalarType(*dtype)));
+    buffer.set_data(buffer.to(*dtype));
   }
 }
 

@@ -283,10 +283,10 @@ TEST(UnitArgumentsMixedPrecision, CastsEveryTensorArgumentAndResult) {
     Probe probe;
     UnitModule root(std::make_shared<ProbeHolderImpl>(probe));
     FsdpOptions options;
-    options.mixed_precision.param_dtype = DType::kBFloat16;
+    options.mixed_precision.param_dtype = at::kBFloat16;
     options.mixed_precision.cast_forward_inputs = true;
     options.mixed_precision.cast_root_forward_inputs = false;
-    options.mixed_precision.output_dtype = DType::kFloat32;
+    options.mixed_precision.output_dtype = at::kFloat;
     auto wrapped =
         FullyShardedModel::Wrap(root.ptr(), comm, options, *ModuleTypePolicy::Of<UnitModuleImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();

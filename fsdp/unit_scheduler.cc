@@ -21,7 +21,7 @@ UnitScheduler::UnitScheduler(Collectives& group, const FsdpOptions& options, c10
       limiter_(options.limit_all_gathers ? 2 : 0) {}
 
 void UnitScheduler::IssueUnshard(FlatParamHandle& handle, const std::string& phase, bool snapshot) {
-  if (!handle.uses_sharded_views() || handle.is_unsharded() || handle.holds_kept_full() ||
+  if (!handle.layout().sharded() || handle.is_unsharded() || handle.holds_kept_full() ||
       handle.has_pending_unshard()) {
     return;
   }
@@ -64,10 +64,10 @@ void UnitScheduler::Prefetch(FlatParamHandle& handle, const std::string& phase) 
 }
 
 void UnitScheduler::Unshard(FlatParamHandle& handle, const std::string& phase) {
-  const bool gathers = handle.uses_sharded_views() && !handle.is_unsharded();
+  const bool gathers = handle.layout().sharded() && !handle.is_unsharded();
   TraceSpan unshard = gathers ? TraceSpan(trace_, "unshard", handle.unit_name()) : TraceSpan();
   IssueUnshard(handle, phase);
-  if (!handle.uses_sharded_views() && handle.UnshardNeeded() && !handle.is_unsharded()) {
+  if (!handle.layout().sharded() && handle.UnshardNeeded() && !handle.is_unsharded()) {
     // NO_SHARD's local copy (mixed precision, offload) reads the shard too.
     RuntimeStreams::WaitStream(streams_.all_gather(), streams_.compute());
   }
@@ -84,7 +84,7 @@ void UnitScheduler::Unshard(FlatParamHandle& handle, const std::string& phase) {
 void UnitScheduler::DiscardPrefetch(FlatParamHandle& handle) { handle.DiscardPendingUnshard(); }
 
 void UnitScheduler::Reshard(FlatParamHandle& handle) {
-  const bool frees = handle.uses_sharded_views() && handle.is_unsharded();
+  const bool frees = handle.layout().sharded() && handle.is_unsharded();
   TraceSpan span = frees ? TraceSpan(trace_, "reshard", handle.unit_name()) : TraceSpan();
   handle.Reshard();
   if (frees) limiter_.OnReshard(DeviceEvent::RecordOn(streams_.compute()));
@@ -93,7 +93,7 @@ void UnitScheduler::Reshard(FlatParamHandle& handle) {
 void UnitScheduler::ReshardKeepingFull(FlatParamHandle& handle) { handle.ReshardKeepingFull(); }
 
 void UnitScheduler::ReshardAfterForward(FlatParamHandle& handle) {
-  const bool frees = handle.uses_sharded_views() && handle.is_unsharded();
+  const bool frees = handle.layout().sharded() && handle.is_unsharded();
   TraceSpan span = frees ? TraceSpan(trace_, "reshard", handle.unit_name()) : TraceSpan();
   handle.ReshardAfterForward();
   if (frees) limiter_.OnReshard(DeviceEvent::RecordOn(streams_.compute()));
@@ -120,7 +120,7 @@ void UnitScheduler::ReduceGradients(FlatParamHandle& handle, bool all_reduce) {
   }
   RuntimeStreams::WaitStream(streams_.reduce_scatter(), streams_.compute());
   CollectiveLabel label(group_, replicate_group_, handle.unit_name(), "backward");
-  TraceSpan span(trace_, handle.uses_sharded_views() ? "reduce-scatter" : "all-reduce",
+  TraceSpan span(trace_, handle.layout().sharded() ? "reduce-scatter" : "all-reduce",
                  handle.unit_name());
   handle.StartReduceGradients(all_reduce);
   reducing_.push_back(&handle);

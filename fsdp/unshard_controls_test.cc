@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "fsdp/flat_param_handle.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
@@ -50,7 +51,7 @@ at::Tensor RankRows(const at::Tensor& batch, int rank, int world) {
 // Gradient accumulation over two micro-batches, the first without
 // gradient sync and, with `keep`, without resharding after its backward.
 AccumulationRun Accumulate(int world, ShardingStrategy strategy, bool keep,
-                           std::optional<DType> param_dtype = std::nullopt) {
+                           std::optional<at::ScalarType> param_dtype = std::nullopt) {
   AccumulationRun run;
   absl::Status status = RunOnThreadRanks(world, [&](Collectives& comm) {
     Net model;
@@ -95,12 +96,12 @@ AccumulationRun Accumulate(int world, ShardingStrategy strategy, bool keep,
 }
 
 // The net holds 7*13+13 + 13*11+11 + 11*9+9 + 9*5+5 = 416 parameters.
-int64_t BytesPerElement(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+int64_t BytesPerElement(at::ScalarType dtype) { return dtype == at::kFloat ? 4 : 2; }
 
 struct KeepCase {
   int world;
   ShardingStrategy strategy;
-  std::optional<DType> param_dtype;
+  std::optional<at::ScalarType> param_dtype;
 };
 
 class ReshardAfterBackward : public ::testing::TestWithParam<KeepCase> {};
@@ -127,7 +128,7 @@ TEST_P(ReshardAfterBackward, KeptParametersSkipTheNextAllGathersAndChangeNoNumbe
   const bool no_shard = c.strategy == ShardingStrategy::kNoShard;
   const int64_t forward_gathers = no_shard ? 0 : 4;  // The root and three blocks.
   const int64_t backward_gathers = c.strategy == ShardingStrategy::kFullShard ? 3 : 0;
-  const int64_t full_bytes = 416 * BytesPerElement(c.param_dtype.value_or(DType::kFloat32));
+  const int64_t full_bytes = 416 * BytesPerElement(c.param_dtype.value_or(at::kFloat));
   for (size_t i = 0; i < kept.losses.size(); ++i) {
     SCOPED_TRACE("micro-batch " + std::to_string(i));
     const bool first = i % kMicroBatches == 0;
@@ -151,12 +152,12 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(KeepCase{2, ShardingStrategy::kFullShard, std::nullopt},
                       KeepCase{3, ShardingStrategy::kFullShard, std::nullopt},
                       KeepCase{2, ShardingStrategy::kShardGradOp, std::nullopt},
-                      KeepCase{3, ShardingStrategy::kFullShard, DType::kBFloat16},
-                      KeepCase{2, ShardingStrategy::kNoShard, DType::kBFloat16}),
+                      KeepCase{3, ShardingStrategy::kFullShard, at::kBFloat16},
+                      KeepCase{2, ShardingStrategy::kNoShard, at::kBFloat16}),
     [](const ::testing::TestParamInfo<KeepCase>& info) {
       return "W" + std::to_string(info.param.world) + "_" +
              ShardingStrategyName(info.param.strategy) +
-             (info.param.param_dtype ? std::string("_") + DTypeName(*info.param.param_dtype)
+             (info.param.param_dtype ? std::string("_") + DtypeFlagName(*info.param.param_dtype)
                                      : std::string());
     });
 

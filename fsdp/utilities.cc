@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "c10/util/Exception.h"
+#include "fsdp/flat_param_handle.h"
 #include "fsdp/unit_scheduler.h"
 
 namespace fsdp {

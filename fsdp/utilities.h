@@ -14,7 +14,6 @@
 #include "ATen/core/Tensor.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "fsdp/flat_param_handle.h"
 #include "fsdp/fully_shard.h"
 #include "torch/nn/module.h"
 

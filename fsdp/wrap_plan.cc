@@ -116,6 +116,12 @@ absl::StatusOr<std::map<const torch::nn::Module*, UnitOptions>> ChooseUnits(
       return absl::InvalidArgumentError(
           absl::StrCat(where, "module '", it->second, "' twice"));
     }
+    if (target.options.mixed_precision) {
+      if (absl::Status mp = ValidateMixedPrecision(*target.options.mixed_precision); !mp.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, "module '", it->second, "' with ", mp.message()));
+      }
+    }
     if (dynamic_cast<const ShardableModule*>(target.module) == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(
           where, "module '", it->second, "' (", target.module->name(),

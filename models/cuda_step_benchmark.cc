@@ -204,8 +204,8 @@ void RunCaseOrThrow(benchmark::State& state, const Case& kase, const StepConfig&
     options.strategy = kase.strategy;
     options.offload_params = kase.offload;
     if (kase.bf16) {
-      options.mixed_precision.param_dtype = fsdp::DType::kBFloat16;
-      options.mixed_precision.reduce_dtype = fsdp::DType::kFloat32;
+      options.mixed_precision.param_dtype = at::kBFloat16;
+      options.mixed_precision.reduce_dtype = at::kFloat;
     }
     wrapped = fsdp::ValueOrThrow(fsdp::FullyShardedModel::Wrap(
         model.ptr(), *group.group, options, *fsdp::ModuleTypePolicy::Of<models::BlockImpl>()));

@@ -177,8 +177,8 @@ void TrainRank(fsdp::Collectives& world, fsdp::Collectives& shard, fsdp::Collect
   options.replicate_group = replicate;
   options.post_forward_group = post_forward;
   if (c.bf16) {
-    options.mixed_precision.param_dtype = fsdp::DType::kBFloat16;
-    options.mixed_precision.reduce_dtype = fsdp::DType::kFloat32;
+    options.mixed_precision.param_dtype = at::kBFloat16;
+    options.mixed_precision.reduce_dtype = at::kFloat;
   }
   auto wrapped = fsdp::FullyShardedModel::Wrap(model.ptr(), shard, options,
                                                *fsdp::ModuleTypePolicy::Of<BlockImpl>());

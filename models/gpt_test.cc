@@ -277,7 +277,7 @@ TEST_P(GptActivationCheckpointing, TrainsBitForBitAsWithout) {
   absl::Status status = RunOnThreadRanks(c.world_size, [&](fsdp::Collectives& comm) {
     fsdp::FsdpOptions options;
     options.strategy = c.strategy;
-    if (c.bf16) options.mixed_precision.param_dtype = fsdp::DType::kBFloat16;
+    if (c.bf16) options.mixed_precision.param_dtype = at::kBFloat16;
     const CheckpointRun plain = TrainWithCheckpointing(comm, options, TinyConfig(), false, false);
     const CheckpointRun checkpointed =
         TrainWithCheckpointing(comm, options, TinyConfig(), true, false);

@@ -579,11 +579,11 @@ absl::StatusOr<fsdp::FsdpOptions> FsdpOptionsFromFlags() {
   options.forward_prefetch = absl::GetFlag(FLAGS_forward_prefetch);
   options.offload_params = absl::GetFlag(FLAGS_offload_params);
   for (auto [flag, field] :
-       {std::pair<std::string, std::optional<fsdp::DType>*>{
+       {std::pair<std::string, std::optional<at::ScalarType>*>{
             absl::GetFlag(FLAGS_param_dtype), &options.mixed_precision.param_dtype},
         {absl::GetFlag(FLAGS_reduce_dtype), &options.mixed_precision.reduce_dtype}}) {
     if (flag.empty()) continue;
-    FSDP_ASSIGN_OR_RETURN(*field, fsdp::ParseDType(flag));
+    FSDP_ASSIGN_OR_RETURN(*field, fsdp::ParseDtypeFlag(flag));
   }
   return options;
 }

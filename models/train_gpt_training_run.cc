@@ -17,6 +17,7 @@
 #include "base/status.h"
 #include "checkpoint/checkpoint.h"
 #include "fsdp/activation_checkpointing.h"
+#include "fsdp/flat_param_handle.h"
 #include "fsdp/utilities.h"
 #include "models/train_gpt_checks.h"
 #include "models/train_gpt_config.h"

@@ -15,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "base/status.h"
 #include "comm/collectives.h"
+#include "fsdp/flat_param_handle.h"
 #include "optim/optim_internal.h"
 #include "statedict/load_check.h"
 #include "torch/csrc/jit/serialization/pickle.h"
@@ -69,24 +70,25 @@ void GatherUnitState(const FlatParamHandle& handle, const LocalStates& locals, b
     if (local == nullptr) continue;
     for (const auto& [key, t] : local->elementwise) {
       keys.emplace(key, t.options());
-      if (!handle.params_info()[i].trainable) frozen_keys.insert(key);
+      if (!handle.layout().params()[i].trainable) frozen_keys.insert(key);
     }
   }
   for (const auto& [key, options] : keys) {
-    const int64_t numel = frozen_keys.count(key) != 0 ? handle.shard_numel()
-                                                       : handle.trainable_shard_numel();
+    const int64_t numel = frozen_keys.count(key) != 0 ? handle.layout().shard_numel()
+                                                      : handle.layout().trainable_shard_numel();
     at::Tensor flat = at::zeros({numel}, options);
     for (size_t i = 0; i < entries.size(); ++i) {
       const ParamState* local = local_of(i);
       if (local == nullptr || local->elementwise.count(key) == 0) continue;
-      handle.ShardViewOf(flat, i).copy_(local->elementwise.at(key).reshape({-1}));
+      handle.layout().ShardViewOf(flat, i).copy_(local->elementwise.at(key).reshape({-1}));
     }
     const at::Tensor gathered = handle.AllGatherShardLike(flat);
     if (!keep) continue;
     for (size_t i = 0; i < entries.size(); ++i) {
       const ParamState* local = local_of(i);
       if (local == nullptr || local->elementwise.count(key) == 0) continue;
-      full[entries[i].param.unsafeGetTensorImpl()][key] = handle.FullViewOf(gathered, i).clone();
+      full[entries[i].param.unsafeGetTensorImpl()][key] =
+          handle.layout().FullViewOf(gathered, i).clone();
     }
   }
 }
@@ -113,7 +115,7 @@ absl::StatusOr<OptimStateDict> GatherOptimState(const torch::nn::Module& root,
   if (model != nullptr) {
     for (const auto& unit : model->units()) {
       const FlatParamHandle* handle = unit->handle();
-      if (handle != nullptr && handle->uses_sharded_views()) {
+      if (handle != nullptr && handle->layout().sharded()) {
         GatherUnitState(*handle, locals, keep, full);
       }
     }

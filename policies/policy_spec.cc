@@ -140,14 +140,14 @@ absl::StatusOr<UnitOptions> PolicySpec::GetUnitOptions() const {
   MixedPrecision mp;
   bool any = false;
   for (auto [key, field] :
-       {std::pair<const char*, std::optional<DType>*>{"param_dtype", &mp.param_dtype},
+       {std::pair<const char*, std::optional<at::ScalarType>*>{"param_dtype", &mp.param_dtype},
         {"reduce_dtype", &mp.reduce_dtype},
         {"buffer_dtype", &mp.buffer_dtype},
         {"output_dtype", &mp.output_dtype}}) {
     const std::string* value = Find(key);
     if (value == nullptr) continue;
     any = true;
-    absl::StatusOr<DType> dtype = ParseDType(*value);
+    absl::StatusOr<at::ScalarType> dtype = ParseDtypeFlag(*value);
     if (!dtype.ok()) return SpecError(text, absl::StrCat(key, ": ", dtype.status().message()));
     *field = *dtype;
   }

@@ -96,6 +96,9 @@ TEST(PolicyRegistry, BadSpecsAreErrorsNamingTheProblem) {
             "keep_low_precision_grads, cast_forward_inputs, min_numel, exclude, "
             "force_leaf)"},
            {"module:Block,param_dtype=fp8", "param_dtype: unknown dtype 'fp8'"},
+           // Other scalar types are not mixed-precision dtypes.
+           {"module:Block,reduce_dtype=int8", "reduce_dtype: unknown dtype 'int8'"},
+           {"module:Block,buffer_dtype=float64", "buffer_dtype: unknown dtype 'float64'"},
            {"module:Block,cast_forward_inputs=yes",
             "'cast_forward_inputs' must be true or false, got 'yes'"},
            {"size:1000", "takes only key=value arguments, got '1000'"},

@@ -1,10 +1,10 @@
 #include "policies/unit_options.h"
 
-#include "absl/status/status.h"
-#include "absl/strings/match.h"
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
@@ -49,39 +49,55 @@ absl::StatusOr<ShardingStrategy> ParseShardingStrategy(absl::string_view name) {
                    "_HYBRID_SHARD_ZERO2)"));
 }
 
-const char* DTypeName(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return "float32";
-    case DType::kFloat16:
-      return "float16";
-    case DType::kBFloat16:
-      return "bfloat16";
-  }
-  return "invalid";
-}
-
-absl::StatusOr<DType> ParseDType(absl::string_view name) {
-  for (auto [alias, dtype] : {std::pair<const char*, DType>{"float32", DType::kFloat32},
-                              {"fp32", DType::kFloat32},
-                              {"float", DType::kFloat32},
-                              {"float16", DType::kFloat16},
-                              {"fp16", DType::kFloat16},
-                              {"half", DType::kFloat16},
-                              {"bfloat16", DType::kBFloat16},
-                              {"bf16", DType::kBFloat16}}) {
+absl::StatusOr<at::ScalarType> ParseDtypeFlag(absl::string_view name) {
+  for (auto [alias, dtype] : {std::pair<const char*, at::ScalarType>{"float32", at::kFloat},
+                              {"fp32", at::kFloat},
+                              {"float", at::kFloat},
+                              {"float16", at::kHalf},
+                              {"fp16", at::kHalf},
+                              {"half", at::kHalf},
+                              {"bfloat16", at::kBFloat16},
+                              {"bf16", at::kBFloat16}}) {
     if (absl::EqualsIgnoreCase(name, alias)) return dtype;
   }
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown dtype '", name, "' (valid: float32/fp32, float16/fp16, bfloat16/bf16)"));
 }
 
+std::string DtypeFlagName(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat:
+      return "float32";
+    case at::kHalf:
+      return "float16";
+    case at::kBFloat16:
+      return "bfloat16";
+    default:
+      return c10::toString(dtype);
+  }
+}
+
+absl::Status ValidateMixedPrecision(const MixedPrecision& mp) {
+  for (auto [name, dtype] : {std::pair<const char*, const std::optional<at::ScalarType>*>{
+                                 "param_dtype", &mp.param_dtype},
+                             {"reduce_dtype", &mp.reduce_dtype},
+                             {"buffer_dtype", &mp.buffer_dtype},
+                             {"output_dtype", &mp.output_dtype}}) {
+    if (dtype->has_value() && !at::isFloatingType(**dtype)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("MixedPrecision::", name, " is ", DtypeFlagName(**dtype),
+                       ", not a floating-point type (float32, float16, bfloat16)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 std::string MixedPrecision::ToString() const {
   std::vector<std::string> parts;
-  if (param_dtype) parts.push_back(absl::StrCat("param_dtype=", DTypeName(*param_dtype)));
-  if (reduce_dtype) parts.push_back(absl::StrCat("reduce_dtype=", DTypeName(*reduce_dtype)));
-  if (buffer_dtype) parts.push_back(absl::StrCat("buffer_dtype=", DTypeName(*buffer_dtype)));
-  if (output_dtype) parts.push_back(absl::StrCat("output_dtype=", DTypeName(*output_dtype)));
+  if (param_dtype) parts.push_back(absl::StrCat("param_dtype=", DtypeFlagName(*param_dtype)));
+  if (reduce_dtype) parts.push_back(absl::StrCat("reduce_dtype=", DtypeFlagName(*reduce_dtype)));
+  if (buffer_dtype) parts.push_back(absl::StrCat("buffer_dtype=", DtypeFlagName(*buffer_dtype)));
+  if (output_dtype) parts.push_back(absl::StrCat("output_dtype=", DtypeFlagName(*output_dtype)));
   if (keep_low_precision_grads) parts.push_back("keep_low_precision_grads=true");
   if (cast_forward_inputs) parts.push_back("cast_forward_inputs=true");
   if (!cast_root_forward_inputs) parts.push_back("cast_root_forward_inputs=false");

@@ -2,14 +2,18 @@
 // strategies they choose from. This is the bottom of the option vocabulary:
 // the core's FsdpOptions (fsdp/fsdp_options.h) builds on it, so that
 // policies can name per-unit options without depending on the core.
+// Dtypes are libtorch's at::ScalarType (only c10/core/ScalarType.h is
+// included), one vocabulary from the flags to the tensors.
 #ifndef FSDP_POLICIES_UNIT_OPTIONS_H_
 #define FSDP_POLICIES_UNIT_OPTIONS_H_
 
 #include <optional>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "c10/core/ScalarType.h"
 
 namespace fsdp {
 
@@ -39,12 +43,14 @@ bool ReshardsAfterForward(ShardingStrategy strategy);
 // optional); the error lists the valid names.
 absl::StatusOr<ShardingStrategy> ParseShardingStrategy(absl::string_view name);
 
-// Floating-point types a unit may compute and communicate in.
-enum class DType { kFloat32, kFloat16, kBFloat16 };
-// "float32", "float16", "bfloat16".
-const char* DTypeName(DType dtype);
-// Also accepts fp32/float, fp16/half, bf16 (case-insensitive).
-absl::StatusOr<DType> ParseDType(absl::string_view name);
+// Mixed precision names its dtypes as libtorch does (at::ScalarType); these
+// two are the text form flags and policy specs use.
+// The inverse of DtypeFlagName: float32/fp32/float, float16/fp16/half,
+// bfloat16/bf16 (case-insensitive). Any other name, other scalar types
+// included ("int8", "float64"), is refused, the error listing the valid ones.
+absl::StatusOr<at::ScalarType> ParseDtypeFlag(absl::string_view name);
+// "float32", "float16", "bfloat16"; libtorch's name for any other type.
+std::string DtypeFlagName(at::ScalarType dtype);
 
 // PyTorch's MixedPrecision, per unit. The sharded parameters, and the
 // optimizer step on them, always stay in full precision; an unset dtype
@@ -52,13 +58,13 @@ absl::StatusOr<DType> ParseDType(absl::string_view name);
 struct MixedPrecision {
   // The all-gathered (unsharded) parameters: all-gathers, forward and
   // backward compute, and so the gradients autograd produces.
-  std::optional<DType> param_dtype;
+  std::optional<at::ScalarType> param_dtype;
   // The gradient reduce-scatter (all-reduce for NO_SHARD); defaults to
   // param_dtype, as in PyTorch.
-  std::optional<DType> reduce_dtype;
+  std::optional<at::ScalarType> reduce_dtype;
   // Floating-point buffers of the unit's modules are cast to it at Wrap and
   // stay so (FULL state dicts return them in their original dtype).
-  std::optional<DType> buffer_dtype;
+  std::optional<at::ScalarType> buffer_dtype;
   // Keep the reduced gradient in the reduction's dtype instead of upcasting
   // it to the parameters' (the optimizer must then accept it).
   bool keep_low_precision_grads = false;
@@ -70,7 +76,7 @@ struct MixedPrecision {
   // are cast to it, so that autograd casts their gradients back (FSDP2's
   // MixedPrecisionPolicy.output_dtype): a bfloat16 model handing float32
   // logits to its loss, say.
-  std::optional<DType> output_dtype;
+  std::optional<at::ScalarType> output_dtype;
 
   bool enabled() const {
     return param_dtype.has_value() || reduce_dtype.has_value() || buffer_dtype.has_value() ||
@@ -79,6 +85,12 @@ struct MixedPrecision {
   // "param_dtype=bfloat16,reduce_dtype=float32,..." (only what is set).
   std::string ToString() const;
 };
+
+// A MixedPrecision whose set dtypes are all floating-point
+// (at::isFloatingType); the first other one is named, as
+// InvalidArgument. FsdpOptions validation and the wrap plan (for a
+// policy's per-unit override) call it.
+absl::Status ValidateMixedPrecision(const MixedPrecision& mp);
 
 // Per-unit overrides chosen by a policy. A field left unset takes the
 // root's value (FsdpOptions).

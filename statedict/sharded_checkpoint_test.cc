@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "comm/gloo_collectives.h"
 #include "comm/hybrid_groups.h"
+#include "fsdp/flat_param_handle.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"

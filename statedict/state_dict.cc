@@ -15,6 +15,7 @@
 #include "base/status.h"
 #include "c10/core/GradMode.h"
 #include "comm/collectives.h"
+#include "fsdp/flat_param_handle.h"
 #include "fsdp/shard_placement.h"
 #include "fsdp/utilities.h"
 #include "statedict/load_check.h"
@@ -89,16 +90,19 @@ std::string LocalKey(const FsdpUnit& unit) {
 }
 
 at::Tensor LocalLayout(const FullyShardedModel& model, const FlatParamHandle& handle) {
-  std::vector<int64_t> layout = {model.group().world_size(), model.group().rank(),
-                                 static_cast<int64_t>(handle.strategy()), handle.flat_numel(),
-                                 handle.padded_numel(),
-                                 static_cast<int64_t>(handle.params_info().size())};
-  for (const FlatParamInfo& info : handle.params_info()) layout.push_back(info.numel);
+  std::vector<int64_t> layout = {model.group().world_size(),
+                                 model.group().rank(),
+                                 static_cast<int64_t>(handle.strategy()),
+                                 handle.layout().flat_numel(),
+                                 handle.layout().padded_numel(),
+                                 static_cast<int64_t>(handle.layout().params().size())};
+  for (const FlatParamInfo& info : handle.layout().params()) layout.push_back(info.numel);
   // A unit mixing frozen and trainable parameters lays them out in two
   // segments, trainable first: which parameter is which joins the layout
   // (only then, so that other units' layouts stay as they were).
-  if (handle.trainable_numel() != 0 && handle.trainable_numel() != handle.flat_numel()) {
-    for (const FlatParamInfo& info : handle.params_info()) layout.push_back(info.trainable);
+  if (handle.layout().trainable_numel() != 0 &&
+      handle.layout().trainable_numel() != handle.layout().flat_numel()) {
+    for (const FlatParamInfo& info : handle.layout().params()) layout.push_back(info.trainable);
   }
   return at::tensor(layout, at::kLong);
 }

@@ -8,6 +8,7 @@
 #include "ATen/ATen.h"
 #include "absl/strings/str_cat.h"
 #include "formats/torch_file.h"
+#include "fsdp/flat_param_handle.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
@@ -73,7 +74,7 @@ TEST_P(FullStateDictGather, EqualsTheUnwrappedModelsAndGathersOneUnitAtATime) {
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     int64_t largest_unit = 0;
     for (const auto& unit : (*wrapped)->units()) {
-      largest_unit = std::max(largest_unit, unit->handle()->padded_numel() * 4);
+      largest_unit = std::max(largest_unit, unit->handle()->layout().padded_numel() * 4);
     }
     FullStateDictStats stats;
     auto state = FullStateDict(**wrapped, {}, &stats);
@@ -238,8 +239,8 @@ TEST(FullStateDict, MixedPrecisionGivesFullPrecision) {
                 model->register_buffer("scale", at::full({3}, 1.0 / 3));
                 const auto initial = Net()->named_parameters();  // Same values (deterministic).
                 FsdpOptions options;
-                options.mixed_precision.param_dtype = DType::kBFloat16;
-                options.mixed_precision.buffer_dtype = DType::kBFloat16;
+                options.mixed_precision.param_dtype = at::kBFloat16;
+                options.mixed_precision.buffer_dtype = at::kBFloat16;
                 auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
                                                        *ModuleTypePolicy::Of<BlockImpl>());
                 ASSERT_TRUE(wrapped.ok());

@@ -49,8 +49,8 @@ case "$target" in
              formats/crc32.cc formats/atomic_file.cc "$proto_dir/formats/checkpoint_manifest.pb.cc"
              comm/collectives.cc comm/fingerprint.cc base/status.cc base/device_event.cc
              fsdp/activation_checkpointing.cc fsdp/comm_hooks.cc
-             fsdp/cross_rank_checks.cc fsdp/flat_param_handle.cc fsdp/fsdp_options.cc
-             fsdp/fully_shard.cc fsdp/runtime_streams.cc fsdp/trace.cc fsdp/unit_forward.cc
+             fsdp/cross_rank_checks.cc fsdp/flat_layout.cc fsdp/flat_param_handle.cc
+             fsdp/fsdp_options.cc fsdp/gradient_reduction.cc fsdp/fully_shard.cc fsdp/runtime_streams.cc fsdp/trace.cc fsdp/unit_forward.cc
              fsdp/unit_init.cc fsdp/unit_registry.cc fsdp/unit_scheduler.cc fsdp/utilities.cc
              fsdp/wrap_plan.cc policies/wrap_policy.cc policies/unit_options.cc policies/policy_spec.cc)
     extra_libs=(-lprotobuf) ;;
