@@ -97,7 +97,21 @@ absl::Status RefuseUnsupported(const json& root) {
           "; this LoRA implementation supports only its default"));
     }
   }
-  if (root.contains("bias") && root.at("bias") != "none") {
+  // PEFT's from_pretrained re-runs the init: pissa*, olora, corda*, loftq
+  // and lora_ga rewrite the base weight, and what they compute is not here.
+  // true, false, "gaussian", "eva", "orthogonal" and "mica" set only lora_A /
+  // lora_B, which the adapter file then overwrites.
+  if (root.contains("init_lora_weights")) {
+    const json& init = root.at("init_lora_weights");
+    static const std::set<std::string> kOnlyAdapter = {"gaussian", "eva", "orthogonal", "mica"};
+    if (!init.is_boolean() && !(init.is_string() && kOnlyAdapter.count(init.get<std::string>()))) {
+      return absl::UnimplementedError(absl::StrCat(
+          "adapter_config.json: 'init_lora_weights' is ", init.dump(),
+          "; supported: true, false, \"gaussian\", \"eva\", \"orthogonal\", \"mica\" (the "
+          "others rewrite the base weight)"));
+    }
+  }
+  if (root.contains("bias") && (!root.at("bias").is_string() || root.at("bias") != "none")) {
     return absl::UnimplementedError(absl::StrCat("adapter_config.json: 'bias' is ",
                                                  root.at("bias").dump(),
                                                  "; only \"none\" is supported"));
@@ -107,7 +121,8 @@ absl::Status RefuseUnsupported(const json& root) {
 
 absl::StatusOr<LoraConfig> ParseJson(const json& root) {
   if (!root.is_object()) return absl::InvalidArgumentError("adapter_config.json: not an object");
-  if (root.value("peft_type", std::string()) != "LORA") {
+  if (!root.contains("peft_type") || !root.at("peft_type").is_string() ||
+      root.at("peft_type").get<std::string>() != "LORA") {
     return absl::UnimplementedError(absl::StrCat(
         "adapter_config.json: 'peft_type' is ",
         root.contains("peft_type") ? root.at("peft_type").dump() : "absent", ", not \"LORA\""));
@@ -136,7 +151,7 @@ absl::StatusOr<LoraConfig> ParseJson(const json& root) {
     }
     config.use_rslora = root.at("use_rslora").get<bool>();
   }
-  const json targets = root.value("target_modules", json());
+  const json targets = root.contains("target_modules") ? root.at("target_modules") : json();
   if (targets.is_string()) {
     return absl::UnimplementedError(absl::StrCat(
         "adapter_config.json: 'target_modules' is the regular expression ", targets.dump(),

@@ -212,14 +212,25 @@ TEST(LoraTest, ParsesPeftConfigsAndRefusesWhatItDoesNotCompute) {
       {"modules_to_save", "[\"lm_head\"]"}, {"rank_pattern", "{\"q_proj\": 8}"},
       {"alpha_pattern", "{\"q_proj\": 8}"}, {"fan_in_fan_out", "true"},
       {"layers_to_transform", "[0]"}, {"target_modules", "\".*q_proj\""},
-      {"peft_type", "\"IA3\""}};
+      {"peft_type", "\"IA3\""}, {"peft_type", "1"}, {"peft_type", "null"},
+      {"init_lora_weights", "\"pissa\""}, {"init_lora_weights", "\"pissa_niter_4\""},
+      {"init_lora_weights", "\"olora\""}, {"init_lora_weights", "\"corda\""},
+      {"init_lora_weights", "\"loftq\""}, {"init_lora_weights", "\"lora_ga\""},
+      {"init_lora_weights", "1"}};
   for (const auto& [field, value] : unsupported) {
     auto refused = ParsePeftAdapterConfig(WithField(field, value));
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnimplemented) << field;
     EXPECT_TRUE(absl::StrContains(refused.status().message(), field)) << refused.status();
   }
+  // Variants of init_lora_weights that set only lora_A / lora_B, which the
+  // adapter file overwrites.
+  for (const char* init : {"true", "false", "\"gaussian\"", "\"eva\"", "\"orthogonal\"",
+                           "\"mica\""}) {
+    auto accepted = ParsePeftAdapterConfig(WithField("init_lora_weights", init));
+    EXPECT_TRUE(accepted.ok()) << init << ": " << accepted.status();
+  }
   for (const auto& [field, value] : std::vector<std::pair<const char*, const char*>>{
-           {"r", "\"4\""}, {"lora_alpha", "null"}, {"target_modules", "[1]"}, {"r", "0"}}) {
+           {"r", "\"4\""}, {"use_rslora", "\"yes\""}, {"lora_dropout", "\"0\""}, {"lora_alpha", "null"}, {"target_modules", "[1]"}, {"r", "0"}}) {
     auto refused = ParsePeftAdapterConfig(WithField(field, value));
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << field;
   }
