@@ -7,7 +7,9 @@
 #include <dirent.h>
 #include <sys/stat.h>
 
+#include <fstream>
 #include <iterator>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -222,6 +224,36 @@ absl::Status ReadBeforeAgreeing(const std::string& dir, Format format, FullyShar
   return absl::Status(stage.code(), absl::StrCat("nothing was loaded: ", stage.message()));
 }
 
+// CheckpointIoOptions::check_config on the config file `dir` holds.
+absl::Status CheckConfigFile(const std::string& dir, Format format,
+                             const CheckpointIoOptions& options) {
+  const std::string path = dir + "/" + options.hugging_face.config_file;
+  if (format != Format::kHuggingFace) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "LoadCheckpoint: '", dir, "' is ", FormatName(format), ", not a Hugging Face checkpoint "
+        "with '", options.hugging_face.config_file, "', which the options check"));
+  }
+  std::ifstream in(path);
+  if (!in) return absl::DataLossError(absl::StrCat("cannot open '", path, "'"));
+  std::stringstream text;
+  text << in.rdbuf();
+  const absl::Status checked = options.check_config(text.str());
+  if (checked.ok()) return checked;
+  return absl::Status(checked.code(), absl::StrCat("'", path, "': ", checked.message()));
+}
+
+// What the ranks must agree on of the options: the Hugging Face files'
+// (ranks passing other `tensors` would each load another set).
+std::string HuggingFaceFilesSeen(const CheckpointIoOptions& options) {
+  const HuggingFaceFiles& files = options.hugging_face;
+  return absl::StrCat("; Hugging Face files '", PrintableText(files.stem), "', prefix '",
+                      PrintableText(files.name_prefix), "', tensors ",
+                      static_cast<int>(files.tensors), ", config '",
+                      PrintableText(files.config_file), "' ",
+                      options.check_config ? "checked" : "unchecked", ", strict ",
+                      options.strict);
+}
+
 // A checkpoint of `format` beside one of another format would make the
 // directory ambiguous to LoadCheckpoint; the other is not ours to remove.
 absl::Status NoOtherFormat(const std::string& dir, const CheckpointIoOptions& options) {
@@ -296,6 +328,9 @@ absl::Status LoadCheckpoint(const std::string& dir, FullyShardedModel& model,
     try {
       local = ReadBeforeAgreeing(dir, *format, model, optimizer,
                                  train_state != nullptr ? &read : nullptr, staged);
+      if (local.ok() && options.check_config && *format != Format::kNone) {
+        local = CheckConfigFile(dir, *format, options);
+      }
     } catch (...) {
       local = StatusFromCurrentException();
     }
@@ -311,6 +346,7 @@ absl::Status LoadCheckpoint(const std::string& dir, FullyShardedModel& model,
     absl::StrAppend(&seen, " at step ", read.step, ", data position ", read.data_position,
                     ", labels ", labels);
   }
+  absl::StrAppend(&seen, HuggingFaceFilesSeen(options));
   FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, local, seen, dir));
   if (*format == Format::kNone) {
     return absl::NotFoundError(absl::StrCat("'", dir, "' holds no checkpoint (none of .metadata, "

@@ -46,6 +46,7 @@
 #define FSDP_CHECKPOINT_CHECKPOINT_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -162,7 +163,8 @@ struct HuggingFaceFiles {
   // Only these are saved, and only these loaded (the others keep their
   // values; strict then means that the files hold exactly these).
   HuggingFaceTensors tensors = HuggingFaceTensors::kAll;
-  // Save: the name under which CheckpointIoOptions::config_json is written.
+  // Save: the name under which CheckpointIoOptions::config_json is written;
+  // load: the file CheckpointIoOptions::check_config reads.
   std::string config_file = "config.json";
 
   bool operator==(const HuggingFaceFiles& other) const {
@@ -189,6 +191,13 @@ struct CheckpointIoOptions {
   std::string config_json;
   // Hugging Face, save and load: which tensors, names and files.
   HuggingFaceFiles hugging_face;
+  // Load, Hugging Face: when set, every rank reads hugging_face.config_file
+  // and passes its text here before the load's one agreement; a file that
+  // cannot be read (kDataLoss) or an error returned fails the load on every
+  // rank, naming the file. models::LoadPeftAdapter checks that
+  // adapter_config.json is the model's adapter this way. Refused for a
+  // directory holding another format.
+  std::function<absl::Status(const std::string& config_text)> check_config;
 };
 
 // Saves the model, the optimizer (when given) and `train_state` as a

@@ -325,17 +325,21 @@ absl::Status SavePeftAdapter(const std::string& dir, fsdp::FullyShardedModel& mo
 absl::Status LoadPeftAdapter(const std::string& dir, fsdp::FullyShardedModel& model,
                              const LoraConfig& config) {
   FSDP_RETURN_IF_ERROR(CheckAdaptersAre(model.units().front()->module(), config));
-  FSDP_ASSIGN_OR_RETURN(const LoraConfig read, ReadPeftAdapterConfig(dir));
-  if (!(read == config)) {
+  fsdp::CheckpointIoOptions options = PeftAdapterIoOptions();
+  // Checked inside the load's one agreement: a rank whose file differs
+  // fails every rank, instead of leaving the others waiting in the load.
+  options.check_config = [&config](const std::string& text) -> absl::Status {
+    FSDP_ASSIGN_OR_RETURN(const LoraConfig read, ParsePeftAdapterConfig(text));
+    if (read == config) return absl::OkStatus();
     return absl::FailedPreconditionError(absl::StrCat(
-        "'", dir, "/adapter_config.json' is another adapter than the model's (r ", read.r,
-        " vs ", config.r, ", lora_alpha ", read.lora_alpha, " vs ", config.lora_alpha,
-        ", target_modules ", absl::StrJoin(Sorted(read.target_modules), ","), " vs ",
+        "another adapter than the model's (r ", read.r, " vs ", config.r, ", lora_alpha ",
+        read.lora_alpha, " vs ", config.lora_alpha, ", target_modules ",
+        absl::StrJoin(Sorted(read.target_modules), ","), " vs ",
         absl::StrJoin(Sorted(config.target_modules), ","), ", use_rslora ", read.use_rslora,
         " vs ", config.use_rslora, ", lora_dropout ", read.lora_dropout, " vs ",
         config.lora_dropout, ")"));
-  }
-  return fsdp::LoadCheckpoint(dir, model, nullptr, nullptr, PeftAdapterIoOptions());
+  };
+  return fsdp::LoadCheckpoint(dir, model, nullptr, nullptr, options);
 }
 
 absl::Status MergeLoraAdapters(fsdp::FullyShardedModel& model) {

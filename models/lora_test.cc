@@ -343,6 +343,46 @@ TEST(LoraTest, AdapterDirectoryRoundTripsThroughFsdpAndBadOnesAreRefused) {
   EXPECT_TRUE(status.ok()) << status;
 }
 
+// A rank whose adapter_config.json differs, or is missing, or that passes
+// other Hugging Face options fails every rank in the load's one agreement:
+// none is left waiting in the load.
+TEST(LoraTest, ARankWithAnotherConfigFailsEveryRank) {
+  const std::string dir = TempDir("lora_config_agreement");
+  absl::Status status = RunOnThreadRanks(2, [&](fsdp::Collectives& comm) {
+    WithShardedLora(comm, 4, 9, [&](CausalLm&, fsdp::FullyShardedModel& sharded) {
+      ASSERT_TRUE(SavePeftAdapter(dir + "/adapter", sharded, TinyLora()).ok());
+    });
+  });
+  ASSERT_TRUE(status.ok()) << status;
+  LoraConfig r2 = TinyLora();
+  r2.r = 2;
+  for (const char* name : {"rank", "no_config"}) {
+    std::filesystem::create_directories(dir + "/" + name);
+    std::filesystem::copy_file(dir + "/adapter/adapter_model.safetensors",
+                               dir + "/" + name + "/adapter_model.safetensors");
+  }
+  WriteText(dir + "/rank/adapter_config.json", PeftAdapterConfigJson(r2));
+  status = RunOnThreadRanks(2, [&](fsdp::Collectives& comm) {
+    WithShardedLora(comm, 5, 0, [&](CausalLm&, fsdp::FullyShardedModel& sharded) {
+      for (const auto& [other, named] : std::vector<std::pair<std::string, std::string>>{
+               {"rank", "r 2 vs 3"}, {"no_config", "adapter_config.json"}}) {
+        const std::string path = dir + "/" + (comm.rank() == 1 ? other : "adapter");
+        absl::Status loaded = LoadPeftAdapter(path, sharded, TinyLora());
+        EXPECT_FALSE(loaded.ok()) << other << " on rank " << comm.rank();
+        EXPECT_TRUE(absl::StrContains(loaded.message(), named)) << loaded;
+      }
+      fsdp::CheckpointIoOptions options = PeftAdapterIoOptions();
+      if (comm.rank() == 1) options.hugging_face.tensors = fsdp::HuggingFaceTensors::kAll;
+      absl::Status loaded = fsdp::LoadCheckpoint(dir + "/adapter", sharded, nullptr, nullptr,
+                                                 options);
+      EXPECT_EQ(loaded.code(), absl::StatusCode::kFailedPrecondition) << loaded;
+      EXPECT_TRUE(absl::StrContains(loaded.message(), "tensors")) << loaded;
+      ASSERT_TRUE(LoadPeftAdapter(dir + "/adapter", sharded, TinyLora()).ok());
+    });
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
 // A base checkpoint (transformers' layout, no adapters) loads strictly into
 // a model with adapters with HuggingFaceTensors::kFrozen: the adapters keep
 // their values, a base tensor missing from the files is refused by name.
