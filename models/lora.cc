@@ -12,6 +12,7 @@
 
 #include "ATen/ATen.h"
 #include "ATen/CPUGeneratorImpl.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
@@ -171,6 +172,21 @@ absl::StatusOr<LoraConfig> ParseJson(const json& root) {
   return config;
 }
 
+// An adapter directory holds the trainable tensors, which must then be the
+// adapters' alone.
+absl::Status OnlyAdaptersTrain(const torch::nn::Module& model) {
+  for (const auto& item : model.named_parameters()) {
+    if (!item.value().requires_grad()) continue;
+    const std::string& name = item.key();
+    if (!absl::EndsWith(name, ".lora_A.weight") && !absl::EndsWith(name, ".lora_B.weight")) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "LoRA: '", name, "' is trainable but no lora_A / lora_B weight; PEFT's adapter "
+          "directory holds the adapters only (freeze it, or save it with SaveCheckpoint)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 std::vector<std::string> Sorted(std::vector<std::string> v) {
   std::sort(v.begin(), v.end());
   return v;
@@ -219,6 +235,15 @@ at::Tensor LoraLinearImpl::forward(const at::Tensor& x) {
 
 absl::Status ApplyLora(torch::nn::Module& model, const LoraConfig& config, uint64_t seed) {
   FSDP_RETURN_IF_ERROR(CheckConfig(config));
+  // A wrapped model's units hold their parameters flattened: new ones
+  // would belong to no unit.
+  for (const auto& item : model.named_modules()) {
+    if (fsdp::GetModuleUnit(item.value().get()) != nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "ApplyLora: the model is wrapped already ('", item.key().empty() ? "<root>" : item.key(),
+          "' is an FSDP unit); apply LoRA before FullyShardedModel::Wrap"));
+    }
+  }
   const auto linears = LoraLinears(model);
   std::map<std::string, int> matches;
   for (const std::string& t : config.target_modules) matches[t] = 0;
@@ -317,6 +342,7 @@ fsdp::CheckpointIoOptions PeftAdapterIoOptions() {
 absl::Status SavePeftAdapter(const std::string& dir, fsdp::FullyShardedModel& model,
                              const LoraConfig& config) {
   FSDP_RETURN_IF_ERROR(CheckAdaptersAre(model.units().front()->module(), config));
+  FSDP_RETURN_IF_ERROR(OnlyAdaptersTrain(model.units().front()->module()));
   fsdp::CheckpointIoOptions options = PeftAdapterIoOptions();
   options.config_json = PeftAdapterConfigJson(config);
   return fsdp::SaveCheckpoint(dir, model, nullptr, {}, options);
@@ -325,6 +351,7 @@ absl::Status SavePeftAdapter(const std::string& dir, fsdp::FullyShardedModel& mo
 absl::Status LoadPeftAdapter(const std::string& dir, fsdp::FullyShardedModel& model,
                              const LoraConfig& config) {
   FSDP_RETURN_IF_ERROR(CheckAdaptersAre(model.units().front()->module(), config));
+  FSDP_RETURN_IF_ERROR(OnlyAdaptersTrain(model.units().front()->module()));
   fsdp::CheckpointIoOptions options = PeftAdapterIoOptions();
   // Checked inside the load's one agreement: a rank whose file differs
   // fails every rank, instead of leaving the others waiting in the load.

@@ -99,9 +99,9 @@ TORCH_MODULE(LoraLinear);
 // rank: call with the same seed everywhere). All-or-nothing:
 // kInvalidArgument for a bad config (r < 1, dropout outside [0, 1), no
 // targets) or a target that matches no LoraLinear (naming it);
-// kFailedPrecondition when the model already has adapters.
-// REQUIRES: `model` is not yet wrapped (fsdp::FullyShardedModel::Wrap
-// flattens the parameters it finds).
+// kFailedPrecondition when the model already has adapters or is wrapped
+// already (any of its modules an FSDP unit: fsdp::FullyShardedModel::Wrap
+// flattens the parameters it finds, so apply LoRA before it).
 absl::Status ApplyLora(torch::nn::Module& model, const LoraConfig& config, uint64_t seed = 0);
 
 // PEFT's adapter_config.json: parsed (kInvalidArgument naming the field for
@@ -121,7 +121,9 @@ fsdp::CheckpointIoOptions PeftAdapterIoOptions();
 // the model holds them, gathered one unit at a time) and
 // adapter_config.json from `config`, atomically (checkpoint/checkpoint.h's
 // Hugging Face saves). Called by every rank, the model idle.
-// kFailedPrecondition when the model's adapters are not `config`'s.
+// kFailedPrecondition when the model's adapters are not `config`'s, or
+// when a trainable parameter is not a lora_A / lora_B weight (naming it;
+// the same for LoadPeftAdapter).
 absl::Status SavePeftAdapter(const std::string& dir, fsdp::FullyShardedModel& model,
                              const LoraConfig& config);
 

@@ -343,6 +343,32 @@ TEST(LoraTest, AdapterDirectoryRoundTripsThroughFsdpAndBadOnesAreRefused) {
   EXPECT_TRUE(status.ok()) << status;
 }
 
+// Adapters go on before Wrap; the adapter directory holds adapters only.
+TEST(LoraTest, RefusesApplyingAfterWrapAndSavingOtherTrainableTensors) {
+  const std::string dir = TempDir("lora_misuse");
+  absl::Status status = RunOnThreadRanks(2, [&](fsdp::Collectives& comm) {
+    CausalLm model(TinyConfig(), /*seed=*/1);
+    ASSERT_TRUE(ApplyLora(*model, TinyLora()).ok());
+    bool found = false;
+    for (auto& item : model->named_parameters()) {
+      if (item.key() != "model.norm.weight") continue;
+      item.value().set_requires_grad(true);
+      found = true;
+    }
+    ASSERT_TRUE(found);
+    auto sharded = fsdp::FullyShardedModel::Wrap(
+        model.ptr(), comm, {}, *fsdp::ModuleTypePolicy::Of<fsdp::UnitModuleImpl>());
+    ASSERT_TRUE(sharded.ok()) << sharded.status();
+    absl::Status applied = ApplyLora(*model, TinyLora());
+    EXPECT_EQ(applied.code(), absl::StatusCode::kFailedPrecondition) << applied;
+    EXPECT_TRUE(absl::StrContains(applied.message(), "Wrap")) << applied;
+    absl::Status saved = SavePeftAdapter(dir, **sharded, TinyLora());
+    EXPECT_EQ(saved.code(), absl::StatusCode::kFailedPrecondition) << saved;
+    EXPECT_TRUE(absl::StrContains(saved.message(), "'model.norm.weight'")) << saved;
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
 // A rank whose adapter_config.json differs, or is missing, or that passes
 // other Hugging Face options fails every rank in the load's one agreement:
 // none is left waiting in the load.
