@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
-#include <map>
 #include <set>
 #include <sstream>
 #include <utility>
@@ -25,9 +24,13 @@ namespace {
 
 using json = nlohmann::json;
 
-std::string LastComponent(const std::string& name) {
-  const size_t dot = name.rfind('.');
-  return dot == std::string::npos ? name : name.substr(dot + 1);
+// PEFT's rule (check_target_module_exists): a module is a target when its
+// name is one of the targets or ends with "." + one.
+const std::string* MatchingTarget(const std::string& name, const LoraConfig& config) {
+  for (const std::string& target : config.target_modules) {
+    if (name == target || absl::EndsWith(name, "." + target)) return &target;
+  }
+  return nullptr;
 }
 
 absl::Status CheckConfig(const LoraConfig& config) {
@@ -56,10 +59,9 @@ std::vector<std::pair<std::string, LoraLinearImpl*>> LoraLinears(const torch::nn
 // Whether the model's adapters are `config`'s: on exactly the targets'
 // LoraLinears, with its rank, scaling and dropout.
 absl::Status CheckAdaptersAre(const torch::nn::Module& model, const LoraConfig& config) {
-  const std::set<std::string> targets(config.target_modules.begin(), config.target_modules.end());
   size_t adapted = 0;
   for (const auto& [name, linear] : LoraLinears(model)) {
-    const bool target = targets.count(LastComponent(name)) > 0;
+    const bool target = MatchingTarget(name, config) != nullptr;
     if (target != linear->has_adapter() ||
         (target && (linear->r != config.r || linear->scaling != config.scaling() ||
                     linear->dropout != config.lora_dropout))) {
@@ -244,26 +246,29 @@ absl::Status ApplyLora(torch::nn::Module& model, const LoraConfig& config, uint6
           "' is an FSDP unit); apply LoRA before FullyShardedModel::Wrap"));
     }
   }
-  const auto linears = LoraLinears(model);
-  std::map<std::string, int> matches;
-  for (const std::string& t : config.target_modules) matches[t] = 0;
+  // As PEFT: a target that matches nothing is allowed while another
+  // matches; a match that cannot take an adapter is refused (PEFT would
+  // adapt it: an embedding, a plain Linear such as lm_head).
   std::vector<LoraLinearImpl*> targets;
-  for (const auto& [name, linear] : linears) {
-    if (linear->has_adapter()) {
+  for (const auto& item : model.named_modules()) {
+    const std::string* target = MatchingTarget(item.key(), config);
+    auto* linear = item.value()->as<LoraLinearImpl>();
+    if (linear != nullptr && linear->has_adapter()) {
       return absl::FailedPreconditionError(
-          absl::StrCat("ApplyLora: '", name, "' already has a LoRA adapter"));
+          absl::StrCat("ApplyLora: '", item.key(), "' already has a LoRA adapter"));
     }
-    auto it = matches.find(LastComponent(name));
-    if (it == matches.end()) continue;
-    ++it->second;
+    if (target == nullptr) continue;
+    if (linear == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ApplyLora: target module '", *target, "' matches '", item.key(),
+          "', which is no linear layer that takes an adapter (LoraLinear)"));
+    }
     targets.push_back(linear);
   }
-  for (const auto& [target, count] : matches) {
-    if (count == 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "ApplyLora: target module '", target, "' matches no linear layer of the model that "
-          "takes an adapter (LoraLinear)"));
-    }
+  if (targets.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ApplyLora: target modules '", absl::StrJoin(config.target_modules, "', '"),
+        "' match no linear layer of the model that takes an adapter (LoraLinear)"));
   }
   at::NoGradGuard no_grad;
   for (at::Tensor& p : model.parameters()) p.set_requires_grad(false);

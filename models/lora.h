@@ -93,12 +93,14 @@ struct LoraLinearImpl : torch::nn::Module {
 };
 TORCH_MODULE(LoraLinear);
 
-// Puts an adapter on every LoraLinear of `model` whose name's last
-// component is one of config.target_modules, and freezes every other
-// parameter. The adapters are initialized from `seed` (the same on every
-// rank: call with the same seed everywhere). All-or-nothing:
+// Puts an adapter on every LoraLinear of `model` whose name is one of
+// config.target_modules or ends with "." + one (PEFT's rule), and freezes
+// every other parameter. The adapters are initialized from `seed` (the same
+// on every rank: call with the same seed everywhere). All-or-nothing:
 // kInvalidArgument for a bad config (r < 1, dropout outside [0, 1), no
-// targets) or a target that matches no LoraLinear (naming it);
+// targets), targets that together match no LoraLinear (naming them; one
+// that matches nothing beside others that match is allowed, as in PEFT), or
+// a target that matches a module that is no LoraLinear (naming both);
 // kFailedPrecondition when the model already has adapters or is wrapped
 // already (any of its modules an FSDP unit: fsdp::FullyShardedModel::Wrap
 // flattens the parameters it finds, so apply LoRA before it).

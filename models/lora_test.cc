@@ -165,8 +165,24 @@ TEST(LoraTest, StartsAsTheBaseScalesAndFreezes) {
 }
 
 TEST(LoraTest, RefusesTargetsThatMatchNothingAndASecondAdapter) {
+  {  // PEFT's rule: one that matches nothing beside others is allowed, and a
+     // target may hold dots.
+    CausalLm model(TinyConfig());
+    LoraConfig lora = TinyLora();
+    lora.target_modules = {"qq_proj", "self_attn.q_proj"};
+    ASSERT_TRUE(ApplyLora(*model, lora).ok());
+    EXPECT_TRUE(Proj(*model, "layers.0.self_attn.q_proj").has_adapter());
+    EXPECT_FALSE(Proj(*model, "layers.0.self_attn.v_proj").has_adapter());
+  }
   CausalLm model(TinyConfig());
-  for (const char* target : {"qq_proj", "lm_head", "embed_tokens"}) {
+  {
+    LoraConfig lora = TinyLora();
+    lora.target_modules = {"qq_proj", "zz_proj"};
+    absl::Status status = ApplyLora(*model, lora);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_TRUE(absl::StrContains(status.message(), "'qq_proj', 'zz_proj'")) << status;
+  }
+  for (const char* target : {"lm_head", "embed_tokens", "mlp"}) {
     LoraConfig lora = TinyLora();
     lora.target_modules.push_back(target);
     absl::Status status = ApplyLora(*model, lora);
