@@ -163,6 +163,8 @@ struct HuggingFaceFiles {
   // Only these are saved, and only these loaded (the others keep their
   // values; strict then means that the files hold exactly these).
   HuggingFaceTensors tensors = HuggingFaceTensors::kAll;
+  // `stem` and `config_file` are file names inside the directory (not
+  // empty, no '/', not . or ..: kInvalidArgument otherwise).
   // Save: the name under which CheckpointIoOptions::config_json is written;
   // load: the file CheckpointIoOptions::check_config reads.
   std::string config_file = "config.json";
@@ -184,8 +186,8 @@ struct CheckpointIoOptions {
   // Save, Hugging Face: a new file before one would pass this size
   // (save_pretrained's max_shard_size and its default, 5 GB); floating-point
   // tensors written in `dtype` when set (bf16, as the hub keeps them); and
-  // `config_json`, the model's transformers config, as config.json when not
-  // empty.
+  // `config_json`, the model's transformers config, as
+  // hugging_face.config_file (config.json by default) when not empty.
   int64_t max_file_bytes = 5'000'000'000;
   std::optional<at::ScalarType> dtype;
   std::string config_json;
@@ -216,8 +218,8 @@ absl::Status SaveCheckpoint(const std::string& dir, FullyShardedModel& model,
 // weights; an optimizer is refused), and this project's older SHARDED
 // checkpoints (a manifest.pb; model and optimizer, step from its metadata).
 // kNotFound when `dir` holds no checkpoint (absent, or none of .metadata,
-// model.safetensors[.index.json], manifest.pb): a new run starts there (a
-// damaged checkpoint is kDataLoss, never kNotFound). A directory of the
+// <hugging_face.stem>.safetensors[.index.json], manifest.pb): a new run
+// starts there (a damaged checkpoint is kDataLoss, never kNotFound). A directory of the
 // main job's step-NNNNNNNN checkpoints is refused, naming them.
 // `train_state`, when given, is set from the checkpoint's (left as it is
 // when the checkpoint has none).
