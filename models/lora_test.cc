@@ -567,7 +567,9 @@ class Interop {
  public:
   explicit Interop(std::string dir) : dir_(std::move(dir)) {
     const std::string command =
-        absl::StrCat("timeout 300 ", ::fsdp::testing::TorchPython(), " ",
+        // Under the test's own timeout (size medium: 300 s), so that a stuck
+        // helper is reported by this test's message, not by bazel's kill.
+        absl::StrCat("timeout 240 ", ::fsdp::testing::TorchPython(), " ",
                      ::fsdp::testing::ScriptPath("models/peft_interop.py"), " serve ", dir_);
     pipe_ = popen(command.c_str(), "r");
   }
@@ -668,7 +670,7 @@ TEST(LoraTest, FineTuningMatchesPeftStepByStep) {
     for (int step = 0; step < kSteps; ++step) {
       const double diff = std::abs(losses[step] - ref.at("losses")[step].item<double>());
       max_loss = std::max(max_loss, diff);
-      EXPECT_LE(diff, 1e-4) << "step " << step;
+      EXPECT_LE(diff, 1e-5) << "step " << step;
     }
     double max_adapter = 0, moved = 0;
     const std::map<std::string, at::Tensor> ours = ReadAll(out + "/adapter_model.safetensors");
@@ -686,7 +688,7 @@ TEST(LoraTest, FineTuningMatchesPeftStepByStep) {
     }
     EXPECT_EQ(compared, ours.size());
     EXPECT_EQ(compared, 2u * 2u * 3u);
-    EXPECT_LE(max_adapter, 1e-3);
+    EXPECT_LE(max_adapter, 1e-5);
     EXPECT_GT(moved, 1e-2);  // Training moved the adapter: there was something to compare.
     std::printf("W = %d: max |loss - peft| over %d steps %.3g, max |adapter - peft's| %.3g "
                 "(training moved the adapter by up to %.3g)\n",
@@ -707,8 +709,8 @@ TEST(LoraTest, FineTuningMatchesPeftStepByStep) {
   }
   std::printf("PeftModel.from_pretrained of ours: max |adapter - peft's| %.3g, "
               "max |logits - peft's| %.3g\n", adapter, logits);
-  EXPECT_LE(adapter, 1e-3);
-  EXPECT_LE(logits, 1e-3);
+  EXPECT_LE(adapter, 1e-5);
+  EXPECT_LE(logits, 1e-5);
 }
 
 }  // namespace
