@@ -7,7 +7,9 @@
 #include <dirent.h>
 #include <sys/stat.h>
 
+#include <fstream>
 #include <iterator>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -141,6 +143,38 @@ bool HoldsStepDirectories(const std::string& dir) {
   return found;
 }
 
+// A safetensors file of a Hugging Face checkpoint in `dir`, of any stem
+// (transformers' model, PEFT's adapter_model, ...), or "" when none: beside
+// a Distributed Checkpoint it makes the directory ambiguous.
+std::string SafetensorsFile(const std::string& dir) {
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return "";
+  std::string found;
+  while (dirent* e = readdir(d)) {
+    const absl::string_view name = e->d_name;
+    if (found.empty() && (absl::EndsWith(name, ".safetensors") ||
+                          absl::EndsWith(name, ".safetensors.index.json"))) {
+      found = std::string(name);
+    }
+  }
+  closedir(d);
+  return found;
+}
+
+// HuggingFaceFiles' file names: each a plain name inside the directory.
+absl::Status CheckHuggingFaceFiles(const HuggingFaceFiles& files) {
+  for (const auto& [field, name] : {std::pair<const char*, const std::string*>{"stem", &files.stem},
+                                    {"config_file", &files.config_file}}) {
+    if (name->empty() || *name == "." || *name == ".." ||
+        name->find('/') != std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "CheckpointIoOptions::hugging_face.", field, " '", PrintableText(*name),
+          "': expected a file name inside the directory (not empty, no '/', not . or ..)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 enum class Format { kNone, kDcp, kSharded, kHuggingFace };
 
 // Which checkpoint `dir` holds, as this rank sees it.
@@ -149,11 +183,13 @@ absl::StatusOr<Format> FormatOf(const std::string& dir, const std::string& hf_st
   const bool dcp = IsDcpDirectory(dir);
   const bool sharded = IsFile(dir + "/manifest.pb");
   const bool hugging_face = IsHuggingFaceDirectory(dir, hf_stem);
-  if (dcp + sharded + hugging_face > 1) {
+  // Beside another format, a safetensors file of any stem is ambiguous.
+  const std::string safetensors = hugging_face || dcp || sharded ? SafetensorsFile(dir) : "";
+  if (dcp + sharded + !safetensors.empty() > 1) {
     return absl::DataLossError(absl::StrCat(
         "'", dir, "' holds more than one checkpoint (", dcp ? "a Distributed Checkpoint's "
         ".metadata, " : "", sharded ? "a SHARDED manifest.pb, " : "",
-        hugging_face ? "a Hugging Face checkpoint's safetensors, " : "",
+        safetensors.empty() ? "" : absl::StrCat("a Hugging Face checkpoint's ", safetensors, ", "),
         "): which one is the checkpoint is unclear; remove the others"));
   }
   if (dcp) return Format::kDcp;
@@ -222,15 +258,47 @@ absl::Status ReadBeforeAgreeing(const std::string& dir, Format format, FullyShar
   return absl::Status(stage.code(), absl::StrCat("nothing was loaded: ", stage.message()));
 }
 
+// CheckpointIoOptions::check_config on the config file `dir` holds.
+absl::Status CheckConfigFile(const std::string& dir, Format format,
+                             const CheckpointIoOptions& options) {
+  const std::string path = dir + "/" + options.hugging_face.config_file;
+  if (format != Format::kHuggingFace) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "LoadCheckpoint: '", dir, "' is ", FormatName(format), ", not a Hugging Face checkpoint "
+        "with '", options.hugging_face.config_file, "', which the options check"));
+  }
+  std::ifstream in(path);
+  if (!in) return absl::DataLossError(absl::StrCat("cannot open '", path, "'"));
+  std::stringstream text;
+  text << in.rdbuf();
+  const absl::Status checked = options.check_config(text.str());
+  if (checked.ok()) return checked;
+  return absl::Status(checked.code(), absl::StrCat("'", path, "': ", checked.message()));
+}
+
+// What the ranks must agree on of the options: the Hugging Face files'
+// (ranks passing other `tensors` would each load another set).
+std::string HuggingFaceFilesSeen(const CheckpointIoOptions& options) {
+  const HuggingFaceFiles& files = options.hugging_face;
+  return absl::StrCat("; Hugging Face files '", PrintableText(files.stem), "', prefix '",
+                      PrintableText(files.name_prefix), "', tensors ",
+                      static_cast<int>(files.tensors), ", config '",
+                      PrintableText(files.config_file), "' ",
+                      options.check_config ? "checked" : "unchecked", ", strict ",
+                      options.strict);
+}
+
 // A checkpoint of `format` beside one of another format would make the
 // directory ambiguous to LoadCheckpoint; the other is not ours to remove.
 absl::Status NoOtherFormat(const std::string& dir, const CheckpointIoOptions& options) {
   const CheckpointFormat format = options.format;
   const char* other = nullptr;
   if (IsFile(dir + "/manifest.pb")) other = "a SHARDED checkpoint (manifest.pb) of an earlier version";
-  if (format == CheckpointFormat::kDistributed &&
-      IsHuggingFaceDirectory(dir, options.hugging_face.stem)) {
-    other = "a Hugging Face checkpoint (safetensors)";
+  std::string safetensors;
+  if (format == CheckpointFormat::kDistributed) safetensors = SafetensorsFile(dir);
+  if (!safetensors.empty()) {
+    safetensors = absl::StrCat("a Hugging Face checkpoint (", safetensors, ")");
+    other = safetensors.c_str();
   }
   if (format == CheckpointFormat::kHuggingFace && IsDcpDirectory(dir)) {
     other = "a Distributed Checkpoint (.metadata)";
@@ -264,11 +332,14 @@ absl::Status SaveCheckpoint(const std::string& dir, FullyShardedModel& model,
           "SaveCheckpoint: a Hugging Face checkpoint holds the model's weights only; pass no "
           "optimizer and no train state (a Distributed Checkpoint keeps them)");
     }
-    FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, NoOtherFormat(dir, options)));
+    absl::Status ready = CheckHuggingFaceFiles(options.hugging_face);
+    if (ready.ok()) ready = NoOtherFormat(dir, options);
+    FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, ready));
     return checkpoint_internal::SaveHuggingFace(dir, model, options);
   }
   absl::StatusOr<std::vector<DcpItem>> items = TrainStateItems(train_state);
   absl::Status ready = items.status();
+  if (ready.ok()) ready = CheckHuggingFaceFiles(options.hugging_face);
   if (ready.ok()) ready = NoOtherFormat(dir, options);
   if (model.replicate_group() != nullptr) {
     FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, ready));
@@ -289,13 +360,18 @@ absl::Status LoadCheckpoint(const std::string& dir, FullyShardedModel& model,
   // directory differently (a network file system's cache) fail together
   // instead of waiting for each other in different loads.
   TrainState read = train_state != nullptr ? *train_state : TrainState{};
-  const absl::StatusOr<Format> format = FormatOf(dir, options.hugging_face.stem);
+  const absl::Status files = CheckHuggingFaceFiles(options.hugging_face);
+  const absl::StatusOr<Format> format =
+      files.ok() ? FormatOf(dir, options.hugging_face.stem) : absl::StatusOr<Format>(files);
   StagedDcp staged;
   absl::Status local = format.status();
   if (local.ok()) {
     try {
       local = ReadBeforeAgreeing(dir, *format, model, optimizer,
                                  train_state != nullptr ? &read : nullptr, staged);
+      if (local.ok() && options.check_config && *format != Format::kNone) {
+        local = CheckConfigFile(dir, *format, options);
+      }
     } catch (...) {
       local = StatusFromCurrentException();
     }
@@ -311,10 +387,12 @@ absl::Status LoadCheckpoint(const std::string& dir, FullyShardedModel& model,
     absl::StrAppend(&seen, " at step ", read.step, ", data position ", read.data_position,
                     ", labels ", labels);
   }
+  absl::StrAppend(&seen, HuggingFaceFilesSeen(options));
   FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, local, seen, dir));
   if (*format == Format::kNone) {
-    return absl::NotFoundError(absl::StrCat("'", dir, "' holds no checkpoint (none of .metadata, "
-                                            "model.safetensors[.index.json], manifest.pb)"));
+    return absl::NotFoundError(absl::StrCat("'", dir, "' holds no checkpoint (none of .metadata, ",
+                                            options.hugging_face.stem,
+                                            ".safetensors[.index.json], manifest.pb)"));
   }
   if (*format == Format::kHuggingFace) {
     if (optimizer != nullptr) {

@@ -46,6 +46,7 @@
 #define FSDP_CHECKPOINT_CHECKPOINT_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -162,7 +163,10 @@ struct HuggingFaceFiles {
   // Only these are saved, and only these loaded (the others keep their
   // values; strict then means that the files hold exactly these).
   HuggingFaceTensors tensors = HuggingFaceTensors::kAll;
-  // Save: the name under which CheckpointIoOptions::config_json is written.
+  // `stem` and `config_file` are file names inside the directory (not
+  // empty, no '/', not . or ..: kInvalidArgument otherwise).
+  // Save: the name under which CheckpointIoOptions::config_json is written;
+  // load: the file CheckpointIoOptions::check_config reads.
   std::string config_file = "config.json";
 
   bool operator==(const HuggingFaceFiles& other) const {
@@ -182,13 +186,20 @@ struct CheckpointIoOptions {
   // Save, Hugging Face: a new file before one would pass this size
   // (save_pretrained's max_shard_size and its default, 5 GB); floating-point
   // tensors written in `dtype` when set (bf16, as the hub keeps them); and
-  // `config_json`, the model's transformers config, as config.json when not
-  // empty.
+  // `config_json`, the model's transformers config, as
+  // hugging_face.config_file (config.json by default) when not empty.
   int64_t max_file_bytes = 5'000'000'000;
   std::optional<at::ScalarType> dtype;
   std::string config_json;
   // Hugging Face, save and load: which tensors, names and files.
   HuggingFaceFiles hugging_face;
+  // Load, Hugging Face: when set, every rank reads hugging_face.config_file
+  // and passes its text here before the load's one agreement; a file that
+  // cannot be read (kDataLoss) or an error returned fails the load on every
+  // rank, naming the file. models::LoadPeftAdapter checks that
+  // adapter_config.json is the model's adapter this way. Refused for a
+  // directory holding another format.
+  std::function<absl::Status(const std::string& config_text)> check_config;
 };
 
 // Saves the model, the optimizer (when given) and `train_state` as a
@@ -207,8 +218,8 @@ absl::Status SaveCheckpoint(const std::string& dir, FullyShardedModel& model,
 // weights; an optimizer is refused), and this project's older SHARDED
 // checkpoints (a manifest.pb; model and optimizer, step from its metadata).
 // kNotFound when `dir` holds no checkpoint (absent, or none of .metadata,
-// model.safetensors[.index.json], manifest.pb): a new run starts there (a
-// damaged checkpoint is kDataLoss, never kNotFound). A directory of the
+// <hugging_face.stem>.safetensors[.index.json], manifest.pb): a new run
+// starts there (a damaged checkpoint is kDataLoss, never kNotFound). A directory of the
 // main job's step-NNNNNNNN checkpoints is refused, naming them.
 // `train_state`, when given, is set from the checkpoint's (left as it is
 // when the checkpoint has none).

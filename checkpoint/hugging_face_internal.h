@@ -1,7 +1,8 @@
 // Internal to checkpoint/: SaveCheckpoint and LoadCheckpoint's Hugging Face
 // format (CheckpointFormat::kHuggingFace; checkpoint/checkpoint.h has the
 // contract). A model's weights as transformers' save_pretrained writes them
-// and from_pretrained reads them: config.json beside model.safetensors, or
+// and from_pretrained reads them (with the default HuggingFaceFiles):
+// config.json beside model.safetensors, or
 // beside model-0000K-of-0000N.safetensors and model.safetensors.index.json
 // (hf/safetensors.h), keyed by the unwrapped model's state_dict names.
 // PyTorch's counterpart is DCP's HuggingFaceStorageReader / Writer.
@@ -18,7 +19,7 @@
 // written once, under their first name in state_dict order (save_pretrained
 // keeps the embedding's); loading fills all names of a tensor from whichever
 // the checkpoint has. CheckpointIoOptions::hugging_face selects the tensors
-// (all, or the trainable ones), the names' prefix and the files' stem, for
+// (all, the trainable or the frozen ones), the names' prefix and the files' stem, for
 // saving and loading alike (PEFT's adapters).
 #ifndef FSDP_CHECKPOINT_HUGGING_FACE_INTERNAL_H_
 #define FSDP_CHECKPOINT_HUGGING_FACE_INTERNAL_H_

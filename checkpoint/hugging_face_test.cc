@@ -371,7 +371,25 @@ TEST(HuggingFaceCheckpoint, RefusesMisuseOnEveryRank) {
     const std::string hf = Dir("hf_for_optimizer");
     ASSERT_TRUE(SaveCheckpoint(hf, *fsdp, nullptr, {}, HuggingFace()).ok());
     EXPECT_THAT(LoadCheckpoint(hf, *fsdp, &sgd).ToString(), HasSubstr("pass no optimizer"));
-    EXPECT_THAT(SaveCheckpoint(hf, *fsdp).ToString(), HasSubstr("holds a Hugging Face checkpoint"));
+    EXPECT_THAT(SaveCheckpoint(hf, *fsdp).ToString(), HasSubstr("model.safetensors"));
+    // Beside an adapter's files (another stem) too, naming the file.
+    CheckpointIoOptions adapter = HuggingFace();
+    adapter.hugging_face.stem = "adapter_model";
+    const std::string adapter_dir = Dir("hf_adapter_stem");
+    ASSERT_TRUE(SaveCheckpoint(adapter_dir, *fsdp, nullptr, {}, adapter).ok());
+    EXPECT_THAT(SaveCheckpoint(adapter_dir, *fsdp).ToString(),
+                HasSubstr("adapter_model.safetensors"));
+    for (const char* bad : {"", ".", "..", "a/b"}) {
+      CheckpointIoOptions stem = HuggingFace(), config = HuggingFace();
+      stem.hugging_face.stem = bad;
+      config.hugging_face.config_file = bad;
+      for (const CheckpointIoOptions& options : {stem, config}) {
+        EXPECT_EQ(SaveCheckpoint(Dir("hf_bad_name"), *fsdp, nullptr, {}, options).code(),
+                  absl::StatusCode::kInvalidArgument) << "'" << bad << "'";
+        EXPECT_EQ(LoadCheckpoint(hf, *fsdp, nullptr, nullptr, options).code(),
+                  absl::StatusCode::kInvalidArgument) << "'" << bad << "'";
+      }
+    }
   });
   EXPECT_TRUE(status.ok()) << status;
 }

@@ -358,8 +358,12 @@ void FullyShardedModel::HookGradientAccumulators(FsdpUnit& unit) {
   if (current) return;
   for (auto& [node, key] : unit.accumulators_) node->del_post_hook(key);
   unit.accumulators_.clear();
+  unit.holds_frozen_params_ = false;  // NOTE [Frozen parameters in backward].
   for (const FlatParamEntry& entry : entries) {
-    if (!entry.param.requires_grad()) continue;
+    if (!entry.param.requires_grad()) {  // Full size here: an empty one computes nothing.
+      unit.holds_frozen_params_ = unit.holds_frozen_params_ || entry.param.numel() > 0;
+      continue;
+    }
     FsdpUnit::AccumulatorPtr node = torch::autograd::impl::grad_accumulator(entry.param);
     FsdpUnit* u = &unit;
     const uintptr_t key = node->add_post_hook(
@@ -466,11 +470,7 @@ void FullyShardedModel::PostBackward(FsdpUnit& unit) {
   // reshards it). The cost: its full parameters live through the rest of
   // the backward. TODO(issue 42): reshard when the gradient of the unit's
   // inputs is done, as FSDP2's RegisterPostBackwardFunction does.
-  bool holds_frozen = false;
-  for (const FlatParamEntry& entry : handle->entries()) {
-    holds_frozen = holds_frozen || !entry.param.requires_grad();
-  }
-  if (!holds_frozen) ReshardAfterBackward(unit);
+  if (!unit.holds_frozen_params_) ReshardAfterBackward(unit);
   unit.backward_span_.End();
   if (options_.backward_prefetch == BackwardPrefetch::kBackwardPost &&
       !unit.backward_prefetch_explicit_) {

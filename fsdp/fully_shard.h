@@ -168,6 +168,9 @@ class FsdpUnit {
   // Per backward pass.
   bool pre_backward_done_ = false;
   int gradients_ready_ = 0;
+  // Holds a frozen parameter with elements (NOTE [Frozen parameters in
+  // backward] in fully_shard.cc): set with the accumulators' hooks.
+  bool holds_frozen_params_ = false;
   // The parameters' gradient accumulators, with the key of FSDP's post hook.
   // Owned here: a variable holds its accumulator weakly, and a new one would
   // not carry the hook. (libtorch's owning pointer to a node is a

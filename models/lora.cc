@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
-#include <map>
 #include <set>
 #include <sstream>
 #include <utility>
@@ -12,6 +11,7 @@
 
 #include "ATen/ATen.h"
 #include "ATen/CPUGeneratorImpl.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
@@ -24,9 +24,13 @@ namespace {
 
 using json = nlohmann::json;
 
-std::string LastComponent(const std::string& name) {
-  const size_t dot = name.rfind('.');
-  return dot == std::string::npos ? name : name.substr(dot + 1);
+// PEFT's rule (check_target_module_exists): a module is a target when its
+// name is one of the targets or ends with "." + one.
+const std::string* MatchingTarget(const std::string& name, const LoraConfig& config) {
+  for (const std::string& target : config.target_modules) {
+    if (name == target || absl::EndsWith(name, "." + target)) return &target;
+  }
+  return nullptr;
 }
 
 absl::Status CheckConfig(const LoraConfig& config) {
@@ -55,10 +59,9 @@ std::vector<std::pair<std::string, LoraLinearImpl*>> LoraLinears(const torch::nn
 // Whether the model's adapters are `config`'s: on exactly the targets'
 // LoraLinears, with its rank, scaling and dropout.
 absl::Status CheckAdaptersAre(const torch::nn::Module& model, const LoraConfig& config) {
-  const std::set<std::string> targets(config.target_modules.begin(), config.target_modules.end());
   size_t adapted = 0;
   for (const auto& [name, linear] : LoraLinears(model)) {
-    const bool target = targets.count(LastComponent(name)) > 0;
+    const bool target = MatchingTarget(name, config) != nullptr;
     if (target != linear->has_adapter() ||
         (target && (linear->r != config.r || linear->scaling != config.scaling() ||
                     linear->dropout != config.lora_dropout))) {
@@ -97,7 +100,21 @@ absl::Status RefuseUnsupported(const json& root) {
           "; this LoRA implementation supports only its default"));
     }
   }
-  if (root.contains("bias") && root.at("bias") != "none") {
+  // PEFT's from_pretrained re-runs the init: pissa*, olora, corda*, loftq
+  // and lora_ga rewrite the base weight, and what they compute is not here.
+  // true, false, "gaussian", "eva", "orthogonal" and "mica" set only lora_A /
+  // lora_B, which the adapter file then overwrites.
+  if (root.contains("init_lora_weights")) {
+    const json& init = root.at("init_lora_weights");
+    static const std::set<std::string> kOnlyAdapter = {"gaussian", "eva", "orthogonal", "mica"};
+    if (!init.is_boolean() && !(init.is_string() && kOnlyAdapter.count(init.get<std::string>()))) {
+      return absl::UnimplementedError(absl::StrCat(
+          "adapter_config.json: 'init_lora_weights' is ", init.dump(),
+          "; supported: true, false, \"gaussian\", \"eva\", \"orthogonal\", \"mica\" (the "
+          "others rewrite the base weight)"));
+    }
+  }
+  if (root.contains("bias") && (!root.at("bias").is_string() || root.at("bias") != "none")) {
     return absl::UnimplementedError(absl::StrCat("adapter_config.json: 'bias' is ",
                                                  root.at("bias").dump(),
                                                  "; only \"none\" is supported"));
@@ -107,7 +124,8 @@ absl::Status RefuseUnsupported(const json& root) {
 
 absl::StatusOr<LoraConfig> ParseJson(const json& root) {
   if (!root.is_object()) return absl::InvalidArgumentError("adapter_config.json: not an object");
-  if (root.value("peft_type", std::string()) != "LORA") {
+  if (!root.contains("peft_type") || !root.at("peft_type").is_string() ||
+      root.at("peft_type").get<std::string>() != "LORA") {
     return absl::UnimplementedError(absl::StrCat(
         "adapter_config.json: 'peft_type' is ",
         root.contains("peft_type") ? root.at("peft_type").dump() : "absent", ", not \"LORA\""));
@@ -136,7 +154,7 @@ absl::StatusOr<LoraConfig> ParseJson(const json& root) {
     }
     config.use_rslora = root.at("use_rslora").get<bool>();
   }
-  const json targets = root.value("target_modules", json());
+  const json targets = root.contains("target_modules") ? root.at("target_modules") : json();
   if (targets.is_string()) {
     return absl::UnimplementedError(absl::StrCat(
         "adapter_config.json: 'target_modules' is the regular expression ", targets.dump(),
@@ -154,6 +172,21 @@ absl::StatusOr<LoraConfig> ParseJson(const json& root) {
   }
   FSDP_RETURN_IF_ERROR(CheckConfig(config));
   return config;
+}
+
+// An adapter directory holds the trainable tensors, which must then be the
+// adapters' alone.
+absl::Status OnlyAdaptersTrain(const torch::nn::Module& model) {
+  for (const auto& item : model.named_parameters()) {
+    if (!item.value().requires_grad()) continue;
+    const std::string& name = item.key();
+    if (!absl::EndsWith(name, ".lora_A.weight") && !absl::EndsWith(name, ".lora_B.weight")) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "LoRA: '", name, "' is trainable but no lora_A / lora_B weight; PEFT's adapter "
+          "directory holds the adapters only (freeze it, or save it with SaveCheckpoint)"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 std::vector<std::string> Sorted(std::vector<std::string> v) {
@@ -204,26 +237,38 @@ at::Tensor LoraLinearImpl::forward(const at::Tensor& x) {
 
 absl::Status ApplyLora(torch::nn::Module& model, const LoraConfig& config, uint64_t seed) {
   FSDP_RETURN_IF_ERROR(CheckConfig(config));
-  const auto linears = LoraLinears(model);
-  std::map<std::string, int> matches;
-  for (const std::string& t : config.target_modules) matches[t] = 0;
-  std::vector<LoraLinearImpl*> targets;
-  for (const auto& [name, linear] : linears) {
-    if (linear->has_adapter()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("ApplyLora: '", name, "' already has a LoRA adapter"));
+  // A wrapped model's units hold their parameters flattened: new ones
+  // would belong to no unit.
+  for (const auto& item : model.named_modules()) {
+    if (fsdp::GetModuleUnit(item.value().get()) != nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "ApplyLora: the model is wrapped already ('", item.key().empty() ? "<root>" : item.key(),
+          "' is an FSDP unit); apply LoRA before FullyShardedModel::Wrap"));
     }
-    auto it = matches.find(LastComponent(name));
-    if (it == matches.end()) continue;
-    ++it->second;
+  }
+  // As PEFT: a target that matches nothing is allowed while another
+  // matches; a match that cannot take an adapter is refused (PEFT would
+  // adapt it: an embedding, a plain Linear such as lm_head).
+  std::vector<LoraLinearImpl*> targets;
+  for (const auto& item : model.named_modules()) {
+    const std::string* target = MatchingTarget(item.key(), config);
+    auto* linear = item.value()->as<LoraLinearImpl>();
+    if (linear != nullptr && linear->has_adapter()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("ApplyLora: '", item.key(), "' already has a LoRA adapter"));
+    }
+    if (target == nullptr) continue;
+    if (linear == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ApplyLora: target module '", *target, "' matches '", item.key(),
+          "', which is no linear layer that takes an adapter (LoraLinear)"));
+    }
     targets.push_back(linear);
   }
-  for (const auto& [target, count] : matches) {
-    if (count == 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "ApplyLora: target module '", target, "' matches no linear layer of the model that "
-          "takes an adapter (LoraLinear)"));
-    }
+  if (targets.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ApplyLora: target modules '", absl::StrJoin(config.target_modules, "', '"),
+        "' match no linear layer of the model that takes an adapter (LoraLinear)"));
   }
   at::NoGradGuard no_grad;
   for (at::Tensor& p : model.parameters()) p.set_requires_grad(false);
@@ -302,6 +347,7 @@ fsdp::CheckpointIoOptions PeftAdapterIoOptions() {
 absl::Status SavePeftAdapter(const std::string& dir, fsdp::FullyShardedModel& model,
                              const LoraConfig& config) {
   FSDP_RETURN_IF_ERROR(CheckAdaptersAre(model.units().front()->module(), config));
+  FSDP_RETURN_IF_ERROR(OnlyAdaptersTrain(model.units().front()->module()));
   fsdp::CheckpointIoOptions options = PeftAdapterIoOptions();
   options.config_json = PeftAdapterConfigJson(config);
   return fsdp::SaveCheckpoint(dir, model, nullptr, {}, options);
@@ -310,17 +356,22 @@ absl::Status SavePeftAdapter(const std::string& dir, fsdp::FullyShardedModel& mo
 absl::Status LoadPeftAdapter(const std::string& dir, fsdp::FullyShardedModel& model,
                              const LoraConfig& config) {
   FSDP_RETURN_IF_ERROR(CheckAdaptersAre(model.units().front()->module(), config));
-  FSDP_ASSIGN_OR_RETURN(const LoraConfig read, ReadPeftAdapterConfig(dir));
-  if (!(read == config)) {
+  FSDP_RETURN_IF_ERROR(OnlyAdaptersTrain(model.units().front()->module()));
+  fsdp::CheckpointIoOptions options = PeftAdapterIoOptions();
+  // Checked inside the load's one agreement: a rank whose file differs
+  // fails every rank, instead of leaving the others waiting in the load.
+  options.check_config = [&config](const std::string& text) -> absl::Status {
+    FSDP_ASSIGN_OR_RETURN(const LoraConfig read, ParsePeftAdapterConfig(text));
+    if (read == config) return absl::OkStatus();
     return absl::FailedPreconditionError(absl::StrCat(
-        "'", dir, "/adapter_config.json' is another adapter than the model's (r ", read.r,
-        " vs ", config.r, ", lora_alpha ", read.lora_alpha, " vs ", config.lora_alpha,
-        ", target_modules ", absl::StrJoin(Sorted(read.target_modules), ","), " vs ",
+        "another adapter than the model's (r ", read.r, " vs ", config.r, ", lora_alpha ",
+        read.lora_alpha, " vs ", config.lora_alpha, ", target_modules ",
+        absl::StrJoin(Sorted(read.target_modules), ","), " vs ",
         absl::StrJoin(Sorted(config.target_modules), ","), ", use_rslora ", read.use_rslora,
         " vs ", config.use_rslora, ", lora_dropout ", read.lora_dropout, " vs ",
         config.lora_dropout, ")"));
-  }
-  return fsdp::LoadCheckpoint(dir, model, nullptr, nullptr, PeftAdapterIoOptions());
+  };
+  return fsdp::LoadCheckpoint(dir, model, nullptr, nullptr, options);
 }
 
 absl::Status MergeLoraAdapters(fsdp::FullyShardedModel& model) {

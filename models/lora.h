@@ -93,15 +93,17 @@ struct LoraLinearImpl : torch::nn::Module {
 };
 TORCH_MODULE(LoraLinear);
 
-// Puts an adapter on every LoraLinear of `model` whose name's last
-// component is one of config.target_modules, and freezes every other
-// parameter. The adapters are initialized from `seed` (the same on every
-// rank: call with the same seed everywhere). All-or-nothing:
+// Puts an adapter on every LoraLinear of `model` whose name is one of
+// config.target_modules or ends with "." + one (PEFT's rule), and freezes
+// every other parameter. The adapters are initialized from `seed` (the same
+// on every rank: call with the same seed everywhere). All-or-nothing:
 // kInvalidArgument for a bad config (r < 1, dropout outside [0, 1), no
-// targets) or a target that matches no LoraLinear (naming it);
-// kFailedPrecondition when the model already has adapters.
-// REQUIRES: `model` is not yet wrapped (fsdp::FullyShardedModel::Wrap
-// flattens the parameters it finds).
+// targets), targets that together match no LoraLinear (naming them; one
+// that matches nothing beside others that match is allowed, as in PEFT), or
+// a target that matches a module that is no LoraLinear (naming both);
+// kFailedPrecondition when the model already has adapters or is wrapped
+// already (any of its modules an FSDP unit: fsdp::FullyShardedModel::Wrap
+// flattens the parameters it finds, so apply LoRA before it).
 absl::Status ApplyLora(torch::nn::Module& model, const LoraConfig& config, uint64_t seed = 0);
 
 // PEFT's adapter_config.json: parsed (kInvalidArgument naming the field for
@@ -121,7 +123,9 @@ fsdp::CheckpointIoOptions PeftAdapterIoOptions();
 // the model holds them, gathered one unit at a time) and
 // adapter_config.json from `config`, atomically (checkpoint/checkpoint.h's
 // Hugging Face saves). Called by every rank, the model idle.
-// kFailedPrecondition when the model's adapters are not `config`'s.
+// kFailedPrecondition when the model's adapters are not `config`'s, or
+// when a trainable parameter is not a lora_A / lora_B weight (naming it;
+// the same for LoadPeftAdapter).
 absl::Status SavePeftAdapter(const std::string& dir, fsdp::FullyShardedModel& model,
                              const LoraConfig& config);
 

@@ -165,8 +165,24 @@ TEST(LoraTest, StartsAsTheBaseScalesAndFreezes) {
 }
 
 TEST(LoraTest, RefusesTargetsThatMatchNothingAndASecondAdapter) {
+  {  // PEFT's rule: one that matches nothing beside others is allowed, and a
+     // target may hold dots.
+    CausalLm model(TinyConfig());
+    LoraConfig lora = TinyLora();
+    lora.target_modules = {"qq_proj", "self_attn.q_proj"};
+    ASSERT_TRUE(ApplyLora(*model, lora).ok());
+    EXPECT_TRUE(Proj(*model, "layers.0.self_attn.q_proj").has_adapter());
+    EXPECT_FALSE(Proj(*model, "layers.0.self_attn.v_proj").has_adapter());
+  }
   CausalLm model(TinyConfig());
-  for (const char* target : {"qq_proj", "lm_head", "embed_tokens"}) {
+  {
+    LoraConfig lora = TinyLora();
+    lora.target_modules = {"qq_proj", "zz_proj"};
+    absl::Status status = ApplyLora(*model, lora);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_TRUE(absl::StrContains(status.message(), "'qq_proj', 'zz_proj'")) << status;
+  }
+  for (const char* target : {"lm_head", "embed_tokens", "mlp"}) {
     LoraConfig lora = TinyLora();
     lora.target_modules.push_back(target);
     absl::Status status = ApplyLora(*model, lora);
@@ -212,14 +228,25 @@ TEST(LoraTest, ParsesPeftConfigsAndRefusesWhatItDoesNotCompute) {
       {"modules_to_save", "[\"lm_head\"]"}, {"rank_pattern", "{\"q_proj\": 8}"},
       {"alpha_pattern", "{\"q_proj\": 8}"}, {"fan_in_fan_out", "true"},
       {"layers_to_transform", "[0]"}, {"target_modules", "\".*q_proj\""},
-      {"peft_type", "\"IA3\""}};
+      {"peft_type", "\"IA3\""}, {"peft_type", "1"}, {"peft_type", "null"},
+      {"init_lora_weights", "\"pissa\""}, {"init_lora_weights", "\"pissa_niter_4\""},
+      {"init_lora_weights", "\"olora\""}, {"init_lora_weights", "\"corda\""},
+      {"init_lora_weights", "\"loftq\""}, {"init_lora_weights", "\"lora_ga\""},
+      {"init_lora_weights", "1"}};
   for (const auto& [field, value] : unsupported) {
     auto refused = ParsePeftAdapterConfig(WithField(field, value));
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnimplemented) << field;
     EXPECT_TRUE(absl::StrContains(refused.status().message(), field)) << refused.status();
   }
+  // Variants of init_lora_weights that set only lora_A / lora_B, which the
+  // adapter file overwrites.
+  for (const char* init : {"true", "false", "\"gaussian\"", "\"eva\"", "\"orthogonal\"",
+                           "\"mica\""}) {
+    auto accepted = ParsePeftAdapterConfig(WithField("init_lora_weights", init));
+    EXPECT_TRUE(accepted.ok()) << init << ": " << accepted.status();
+  }
   for (const auto& [field, value] : std::vector<std::pair<const char*, const char*>>{
-           {"r", "\"4\""}, {"lora_alpha", "null"}, {"target_modules", "[1]"}, {"r", "0"}}) {
+           {"r", "\"4\""}, {"use_rslora", "\"yes\""}, {"lora_dropout", "\"0\""}, {"lora_alpha", "null"}, {"target_modules", "[1]"}, {"r", "0"}}) {
     auto refused = ParsePeftAdapterConfig(WithField(field, value));
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << field;
   }
@@ -327,6 +354,72 @@ TEST(LoraTest, AdapterDirectoryRoundTripsThroughFsdpAndBadOnesAreRefused) {
       ASSERT_TRUE(loaded.ok()) << loaded;
       at::NoGradGuard no_grad;
       EXPECT_TRUE(at::equal(model->forward(ids), saved_logits));
+    });
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+// Adapters go on before Wrap; the adapter directory holds adapters only.
+TEST(LoraTest, RefusesApplyingAfterWrapAndSavingOtherTrainableTensors) {
+  const std::string dir = TempDir("lora_misuse");
+  absl::Status status = RunOnThreadRanks(2, [&](fsdp::Collectives& comm) {
+    CausalLm model(TinyConfig(), /*seed=*/1);
+    ASSERT_TRUE(ApplyLora(*model, TinyLora()).ok());
+    bool found = false;
+    for (auto& item : model->named_parameters()) {
+      if (item.key() != "model.norm.weight") continue;
+      item.value().set_requires_grad(true);
+      found = true;
+    }
+    ASSERT_TRUE(found);
+    auto sharded = fsdp::FullyShardedModel::Wrap(
+        model.ptr(), comm, {}, *fsdp::ModuleTypePolicy::Of<fsdp::UnitModuleImpl>());
+    ASSERT_TRUE(sharded.ok()) << sharded.status();
+    absl::Status applied = ApplyLora(*model, TinyLora());
+    EXPECT_EQ(applied.code(), absl::StatusCode::kFailedPrecondition) << applied;
+    EXPECT_TRUE(absl::StrContains(applied.message(), "Wrap")) << applied;
+    absl::Status saved = SavePeftAdapter(dir, **sharded, TinyLora());
+    EXPECT_EQ(saved.code(), absl::StatusCode::kFailedPrecondition) << saved;
+    EXPECT_TRUE(absl::StrContains(saved.message(), "'model.norm.weight'")) << saved;
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+// A rank whose adapter_config.json differs, or is missing, or that passes
+// other Hugging Face options fails every rank in the load's one agreement:
+// none is left waiting in the load.
+TEST(LoraTest, ARankWithAnotherConfigFailsEveryRank) {
+  const std::string dir = TempDir("lora_config_agreement");
+  absl::Status status = RunOnThreadRanks(2, [&](fsdp::Collectives& comm) {
+    WithShardedLora(comm, 4, 9, [&](CausalLm&, fsdp::FullyShardedModel& sharded) {
+      ASSERT_TRUE(SavePeftAdapter(dir + "/adapter", sharded, TinyLora()).ok());
+    });
+  });
+  ASSERT_TRUE(status.ok()) << status;
+  LoraConfig r2 = TinyLora();
+  r2.r = 2;
+  for (const char* name : {"rank", "no_config"}) {
+    std::filesystem::create_directories(dir + "/" + name);
+    std::filesystem::copy_file(dir + "/adapter/adapter_model.safetensors",
+                               dir + "/" + name + "/adapter_model.safetensors");
+  }
+  WriteText(dir + "/rank/adapter_config.json", PeftAdapterConfigJson(r2));
+  status = RunOnThreadRanks(2, [&](fsdp::Collectives& comm) {
+    WithShardedLora(comm, 5, 0, [&](CausalLm&, fsdp::FullyShardedModel& sharded) {
+      for (const auto& [other, named] : std::vector<std::pair<std::string, std::string>>{
+               {"rank", "r 2 vs 3"}, {"no_config", "adapter_config.json"}}) {
+        const std::string path = dir + "/" + (comm.rank() == 1 ? other : "adapter");
+        absl::Status loaded = LoadPeftAdapter(path, sharded, TinyLora());
+        EXPECT_FALSE(loaded.ok()) << other << " on rank " << comm.rank();
+        EXPECT_TRUE(absl::StrContains(loaded.message(), named)) << loaded;
+      }
+      fsdp::CheckpointIoOptions options = PeftAdapterIoOptions();
+      if (comm.rank() == 1) options.hugging_face.tensors = fsdp::HuggingFaceTensors::kAll;
+      absl::Status loaded = fsdp::LoadCheckpoint(dir + "/adapter", sharded, nullptr, nullptr,
+                                                 options);
+      EXPECT_EQ(loaded.code(), absl::StatusCode::kFailedPrecondition) << loaded;
+      EXPECT_TRUE(absl::StrContains(loaded.message(), "tensors")) << loaded;
+      ASSERT_TRUE(LoadPeftAdapter(dir + "/adapter", sharded, TinyLora()).ok());
     });
   });
   EXPECT_TRUE(status.ok()) << status;
@@ -474,7 +567,9 @@ class Interop {
  public:
   explicit Interop(std::string dir) : dir_(std::move(dir)) {
     const std::string command =
-        absl::StrCat("timeout 300 ", ::fsdp::testing::TorchPython(), " ",
+        // Under the test's own timeout (size medium: 300 s), so that a stuck
+        // helper is reported by this test's message, not by bazel's kill.
+        absl::StrCat("timeout 240 ", ::fsdp::testing::TorchPython(), " ",
                      ::fsdp::testing::ScriptPath("models/peft_interop.py"), " serve ", dir_);
     pipe_ = popen(command.c_str(), "r");
   }
@@ -575,7 +670,7 @@ TEST(LoraTest, FineTuningMatchesPeftStepByStep) {
     for (int step = 0; step < kSteps; ++step) {
       const double diff = std::abs(losses[step] - ref.at("losses")[step].item<double>());
       max_loss = std::max(max_loss, diff);
-      EXPECT_LE(diff, 1e-4) << "step " << step;
+      EXPECT_LE(diff, 1e-5) << "step " << step;
     }
     double max_adapter = 0, moved = 0;
     const std::map<std::string, at::Tensor> ours = ReadAll(out + "/adapter_model.safetensors");
@@ -593,7 +688,7 @@ TEST(LoraTest, FineTuningMatchesPeftStepByStep) {
     }
     EXPECT_EQ(compared, ours.size());
     EXPECT_EQ(compared, 2u * 2u * 3u);
-    EXPECT_LE(max_adapter, 1e-3);
+    EXPECT_LE(max_adapter, 1e-5);
     EXPECT_GT(moved, 1e-2);  // Training moved the adapter: there was something to compare.
     std::printf("W = %d: max |loss - peft| over %d steps %.3g, max |adapter - peft's| %.3g "
                 "(training moved the adapter by up to %.3g)\n",
@@ -614,8 +709,8 @@ TEST(LoraTest, FineTuningMatchesPeftStepByStep) {
   }
   std::printf("PeftModel.from_pretrained of ours: max |adapter - peft's| %.3g, "
               "max |logits - peft's| %.3g\n", adapter, logits);
-  EXPECT_LE(adapter, 1e-3);
-  EXPECT_LE(logits, 1e-3);
+  EXPECT_LE(adapter, 1e-5);
+  EXPECT_LE(logits, 1e-5);
 }
 
 }  // namespace
