@@ -38,7 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "cmake" / "targets.cmake"
-QUERY = 'kind("cc_(library|test|binary)|genrule", //...)'
+QUERY = 'kind("cc_(library|test|binary)|genrule|filegroup", //...)'
 # Provided by CMakeLists.txt, or not built by CMake.
 EXTERNAL = {
     "//third_party:libtorch": "fsdp_torch",
@@ -99,6 +99,17 @@ def query():
 
 
 def generate(rules):
+    # A filegroup in a test's data stands for its files (a test's data may
+    # name another package's files only through one); it makes no target.
+    filegroups = {label: attrs.get("srcs", []) for kind, label, attrs in rules
+                  if kind == "filegroup"}
+    rules = [rule for rule in rules if rule[0] != "filegroup"]
+
+    def files_of(label):
+        if label not in filegroups:
+            return [label]
+        return [f for src in filegroups[label] for f in files_of(src)]
+
     generated = {}  # Output file label -> path under the build directory.
     for kind, label, attrs in rules:
         if kind == "genrule":
@@ -193,7 +204,7 @@ def generate(rules):
         if options:
             lines.append("target_link_options(%s %s %s)" % (target, scope, " ".join(options)))
         data_targets, data_files = [], []
-        for data in attrs.get("data", []):
+        for data in (f for d in attrs.get("data", []) for f in files_of(d)):
             (data_targets if data in rule_labels else data_files).append(data)
         for data in data_files:
             dpackage, dname = split(data)
