@@ -100,8 +100,8 @@ std::unique_ptr<PendingReduction> DefaultCommHook::Reduce(const CommHookContext&
 }
 
 LowPrecisionCommHook::LowPrecisionCommHook(at::ScalarType dtype) : dtype_(dtype) {
-  TORCH_CHECK(at::isFloatingType(dtype), "LowPrecisionCommHook: ", DtypeFlagName(dtype),
-              " is not a floating-point type");
+  TORCH_CHECK(IsMixedPrecisionDtype(dtype), "LowPrecisionCommHook: ", DtypeFlagName(dtype),
+              " is not one of float32, float16, bfloat16");
 }
 
 std::string LowPrecisionCommHook::Name() const {

@@ -74,17 +74,20 @@ TEST(CrossRankOptionsKey, WhatMayDifferBetweenRanksLeavesTheKeyAlone) {
   EXPECT_EQ(CrossRankOptionsKey(on_gpu0), CrossRankOptionsKey(on_gpu1));
 }
 
-TEST(ValidateFsdpOptions, RefusesAMixedPrecisionDtypeThatIsNotFloatingPoint) {
+TEST(ValidateFsdpOptions, RefusesADtypeMixedPrecisionDoesNotUse) {
   FsdpOptions options;
   options.mixed_precision.param_dtype = at::kBFloat16;
   EXPECT_TRUE(ValidateFsdpOptions(options).ok());
   options.mixed_precision.reduce_dtype = at::kInt;
   const absl::Status refused = ValidateFsdpOptions(options);
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(refused.message().find("mixed_precision: MixedPrecision::reduce_dtype is Int, not a "
-                                   "floating-point type"),
+  EXPECT_NE(refused.message().find("mixed_precision: MixedPrecision::reduce_dtype is Int, not one "
+                                   "of float32, float16, bfloat16"),
             std::string::npos)
       << refused;
+  // Floating-point, but no mixed precision: float64 is no lower precision.
+  options.mixed_precision.reduce_dtype = at::kDouble;
+  EXPECT_EQ(ValidateFsdpOptions(options).code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

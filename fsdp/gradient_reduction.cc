@@ -155,6 +155,10 @@ void GradientReduction::Start(const std::vector<FlatParamEntry>& params, bool al
   TORCH_CHECK(layout_.has_trainable_params(), who_,
               ": ReduceGradients on a unit without trainable parameters");
   TORCH_CHECK(!pending(), who_, ": ReduceGradients while the previous reduction is pending");
+  // Refused before the gradients are taken from the parameters, so that
+  // they survive the error.
+  TORCH_CHECK(hook_ == nullptr || !hybrid(), who_, ": the comm hook '", hook_->Name(),
+              "' cannot reduce under hybrid sharding (as in PyTorch)");
   at::NoGradGuard no_grad;
   // Copying the gradients in casts them to the reduction's dtype. Only the
   // trainable segment is reduced: it starts the flat parameter.
@@ -197,8 +201,6 @@ std::unique_ptr<PendingReduction> GradientReduction::Issue(at::Tensor flat_grad,
                 "' returned no reduction (a synchronous hook returns CompletedReduction())");
     return pending;
   }
-  TORCH_CHECK(hook_ == nullptr, who_, ": the comm hook '", hook_->Name(),
-              "' cannot reduce under hybrid sharding (as in PyTorch)");
   Collectives& replicate = *options_.replicate_group;
   // The average over every rank holding a replica of this shard: divided as
   // DefaultCommHook divides, over both groups' ranks.

@@ -124,7 +124,7 @@ TEST(GradientReduction, HybridPartialSumCrossesTheReplicateGroupOnce) {
 
 // Hooks never run under hybrid sharding (RegisterCommHook refuses them);
 // the pipeline refuses one set directly rather than skip the replicate
-// group.
+// group, and leaves the gradients where they were.
 TEST(GradientReduction, RefusesACommHookUnderHybridSharding) {
   const HybridShardLayout layout = HybridShardLayout::Create(2, 1).value();
   auto store = c10::make_intrusive<c10d::HashStore>();
@@ -144,6 +144,7 @@ TEST(GradientReduction, RefusesACommHookUnderHybridSharding) {
     unit.SetGrads(1.0f);
     EXPECT_THROW(reduction.Start(unit.params, true), c10::Error);
     EXPECT_FALSE(reduction.pending());
+    EXPECT_TRUE(unit.params[0].param.grad().defined()) << "refused before .grad is taken";
   });
   EXPECT_TRUE(status.ok()) << status;
 }

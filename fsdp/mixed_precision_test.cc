@@ -324,7 +324,7 @@ TEST(MixedPrecision, APolicysNonFloatingDtypeIsRefused) {
                 EXPECT_EQ(wrapped.status().code(), absl::StatusCode::kInvalidArgument);
                 EXPECT_THAT(wrapped.status().message(),
                             ::testing::HasSubstr("module 'blocks.0' with MixedPrecision::"
-                                                 "param_dtype is Long, not a floating-point"));
+                                                 "param_dtype is Long, not one of float32"));
               }).ok());
 }
 

@@ -193,6 +193,22 @@ TEST(PolicyWrap, ExamplePluginPolicyTrains) {
   EXPECT_TRUE(status.ok()) << status;
 }
 
+// A plan made on its own refuses the root's options as Wrap would, rather
+// than print a plan with them.
+TEST(PolicyWrap, PlanWrapRefusesTheRootsBadMixedPrecision) {
+  Net model;
+  auto policy = PolicyRegistry::Global().Build("module:Block");
+  ASSERT_TRUE(policy.ok());
+  FsdpOptions options;
+  options.mixed_precision.param_dtype = at::kDouble;
+  auto plan = PlanWrap(*model, /*world_size=*/8, options, **policy);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(plan.status().message(),
+              HasSubstr("mixed_precision: MixedPrecision::param_dtype is Double, not one of "
+                        "float32, float16, bfloat16"));
+}
+
 TEST(PolicyWrap, PlanWrapIsADryRunThatChangesNothing) {
   Net model;
   const at::Tensor before = model->blocks[0]->as<BlockImpl>()->fc->weight.clone();

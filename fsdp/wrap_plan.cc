@@ -216,6 +216,11 @@ absl::StatusOr<WrapPlan> PlanWrap(torch::nn::Module& root, int world_size,
   if (world_size < 1) {
     return absl::InvalidArgumentError(absl::StrCat("PlanWrap: world size ", world_size));
   }
+  // Wrap validates all of the root's options first; a plan made on its own
+  // must not print dtypes Wrap would refuse.
+  if (absl::Status mp = ValidateMixedPrecision(options.mixed_precision); !mp.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("mixed_precision: ", mp.message()));
+  }
   if (GetModuleUnit(&root) != nullptr) {
     return absl::AlreadyExistsError(
         absl::StrCat("the root module (", root.name(), ") is already part of a wrapped model"));

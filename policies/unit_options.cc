@@ -77,16 +77,20 @@ std::string DtypeFlagName(at::ScalarType dtype) {
   }
 }
 
+bool IsMixedPrecisionDtype(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
+}
+
 absl::Status ValidateMixedPrecision(const MixedPrecision& mp) {
   for (auto [name, dtype] : {std::pair<const char*, const std::optional<at::ScalarType>*>{
                                  "param_dtype", &mp.param_dtype},
                              {"reduce_dtype", &mp.reduce_dtype},
                              {"buffer_dtype", &mp.buffer_dtype},
                              {"output_dtype", &mp.output_dtype}}) {
-    if (dtype->has_value() && !at::isFloatingType(**dtype)) {
+    if (dtype->has_value() && !IsMixedPrecisionDtype(**dtype)) {
       return absl::InvalidArgumentError(
           absl::StrCat("MixedPrecision::", name, " is ", DtypeFlagName(**dtype),
-                       ", not a floating-point type (float32, float16, bfloat16)"));
+                       ", not one of float32, float16, bfloat16"));
     }
   }
   return absl::OkStatus();

@@ -86,10 +86,15 @@ struct MixedPrecision {
   std::string ToString() const;
 };
 
-// A MixedPrecision whose set dtypes are all floating-point
-// (at::isFloatingType); the first other one is named, as
-// InvalidArgument. FsdpOptions validation and the wrap plan (for a
-// policy's per-unit override) call it.
+// The dtypes mixed precision computes, gathers and reduces in: float32,
+// float16 and bfloat16, the ones ParseDtypeFlag names. Other floating
+// types are refused too: float64 is no lower precision, and the float8
+// types have no reduction arithmetic in the collectives.
+bool IsMixedPrecisionDtype(at::ScalarType dtype);
+
+// A MixedPrecision whose set dtypes all pass IsMixedPrecisionDtype; the
+// first other one is named, as InvalidArgument. FsdpOptions validation and
+// the wrap plan (for the root and for a policy's per-unit override) call it.
 absl::Status ValidateMixedPrecision(const MixedPrecision& mp);
 
 // Per-unit overrides chosen by a policy. A field left unset takes the
