@@ -1474,6 +1474,7 @@ set_target_properties(fsdp_flat_layout PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMA
 target_link_libraries(fsdp_flat_layout PUBLIC fsdp_torch)
 target_include_directories(fsdp_flat_layout PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS fsdp_flat_layout EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/fsdp/flat_layout.h DESTINATION include/fsdp)
 
 # //fsdp:flat_layout_test
 if(BUILD_TESTING)
@@ -1540,7 +1541,7 @@ endif()
 # //fsdp:fully_shard
 add_library(fsdp_fully_shard SHARED ${PROJECT_SOURCE_DIR}/fsdp/fully_shard.cc ${PROJECT_SOURCE_DIR}/fsdp/shard_placement.cc ${PROJECT_SOURCE_DIR}/fsdp/unit_forward.cc ${PROJECT_SOURCE_DIR}/fsdp/utilities.cc ${PROJECT_SOURCE_DIR}/fsdp/fully_shard.h ${PROJECT_SOURCE_DIR}/fsdp/shard_placement.h ${PROJECT_SOURCE_DIR}/fsdp/unit_forward.h ${PROJECT_SOURCE_DIR}/fsdp/utilities.h)
 set_target_properties(fsdp_fully_shard PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
-target_link_libraries(fsdp_fully_shard PUBLIC fsdp_activation_checkpointing fsdp_cross_rank_checks fsdp_flat_param_handle fsdp_fsdp_options fsdp_unit_init fsdp_unit_registry fsdp_unit_scheduler fsdp_wrap_plan base_status comm_collectives policies_wrap_policy third_party_absl_base third_party_absl_status fsdp_torch)
+target_link_libraries(fsdp_fully_shard PUBLIC fsdp_activation_checkpointing fsdp_cross_rank_checks fsdp_flat_layout fsdp_flat_param_handle fsdp_fsdp_options fsdp_unit_init fsdp_unit_registry fsdp_unit_scheduler fsdp_wrap_plan base_status comm_collectives policies_wrap_policy third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(fsdp_fully_shard PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS fsdp_fully_shard EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/fsdp/fully_shard.h ${PROJECT_SOURCE_DIR}/fsdp/shard_placement.h ${PROJECT_SOURCE_DIR}/fsdp/unit_forward.h ${PROJECT_SOURCE_DIR}/fsdp/utilities.h DESTINATION include/fsdp)

@@ -127,6 +127,8 @@ class FsdpUnit {
   ~FsdpUnit();  // Where FlatParamHandle is complete.
   const std::string& fqn() const { return fqn_; }  // "" for the root.
   const torch::nn::Module& module() const { return *module_; }
+  // The core's own; outside fsdp/, a unit's shard is read through
+  // UnitShard::Of (fsdp/shard_placement.h).
   FlatParamHandle* handle() const { return handle_.get(); }
   bool is_root() const { return is_root_; }
   // The root's strategy or the policy's override for this unit.

@@ -25,6 +25,19 @@ ShardPlacements ShardPlacementsOf(const FullyShardedModel& model) {
   return placements;
 }
 
+std::optional<UnitShard> UnitShard::Of(const FsdpUnit& unit) {
+  if (unit.handle() == nullptr) return std::nullopt;
+  return UnitShard(*unit.handle());
+}
+
+const FlatLayout& UnitShard::layout() const { return handle_->layout(); }
+ShardingStrategy UnitShard::strategy() const { return handle_->strategy(); }
+const at::Tensor& UnitShard::local() const { return handle_->local_shard(); }
+const at::Tensor& UnitShard::param(size_t i) const { return handle_->entries().at(i).param; }
+at::Tensor UnitShard::AllGather(const at::Tensor& shard_like) const {
+  return handle_->AllGatherShardLike(shard_like);
+}
+
 ShardPlacement PlacementOf(const ShardPlacements& placements, const at::Tensor& tensor) {
   auto it = placements.find(tensor.unsafeGetTensorImpl());
   if (it != placements.end()) return it->second;

@@ -1,5 +1,8 @@
 #include "fsdp/shard_placement.h"
 
+#include <map>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "ATen/ATen.h"
@@ -74,6 +77,54 @@ TEST_P(ShardPlacementTest, TheRanksPiecesAreTheFullTensorsAndViewTheShards) {
       ASSERT_EQ(covered[i], times) << full[k].first << " element " << i;
     }
   }
+}
+
+// A unit's shard as a whole (what LOCAL state dicts save and optimizer
+// state is gathered like): gathering it gives every parameter's full
+// tensor, and the parameters' placements are views of it.
+TEST_P(ShardPlacementTest, AUnitsShardGathersToTheFullTensorsAndHoldsThePlacements) {
+  constexpr int kWorld = 2;
+  Net reference;
+  std::map<std::string, at::Tensor> full;
+  for (const auto& item : reference->named_parameters()) {
+    full[item.key()] = item.value().detach().clone();
+  }
+  absl::Status status = RunOnThreadRanks(kWorld, [&](Collectives& comm) {
+    Net model;
+    FsdpOptions options;
+    options.strategy = GetParam();
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+    std::map<const void*, std::string> name_of;
+    for (const auto& item : model->named_parameters()) {
+      name_of[item.value().unsafeGetTensorImpl()] = item.key();
+    }
+    const ShardPlacements placements = ShardPlacementsOf(**wrapped);
+    size_t seen = 0;
+    for (size_t u = 0; u < (*wrapped)->units().size(); ++u) {
+      const std::optional<UnitShard> shard = UnitShard::Of(*(*wrapped)->units()[u]);
+      if (!shard.has_value()) continue;
+      const FlatLayout& layout = shard->layout();
+      EXPECT_EQ(shard->strategy(), GetParam());
+      EXPECT_EQ(layout.sharded(), GetParam() != ShardingStrategy::kNoShard);
+      ASSERT_EQ(shard->local().numel(), layout.shard_numel());
+      const at::Tensor gathered = shard->AllGather(shard->local());
+      for (size_t i = 0; i < layout.params().size(); ++i) {
+        const std::string& name = name_of.at(shard->param(i).unsafeGetTensorImpl());
+        EXPECT_TRUE(at::equal(layout.FullViewOf(gathered, i), full.at(name))) << name;
+        EXPECT_EQ(PlacementOf(placements, shard->param(i)).unit, static_cast<int>(u)) << name;
+        ++seen;
+      }
+      shard->local().fill_(static_cast<float>(u + 1));
+      for (size_t i = 0; i < layout.params().size(); ++i) {
+        const at::Tensor local = PlacementOf(placements, shard->param(i)).local;
+        EXPECT_TRUE(at::equal(local, at::full_like(local, static_cast<float>(u + 1))));
+      }
+    }
+    EXPECT_EQ(seen, full.size());
+  });
+  ASSERT_TRUE(status.ok()) << status;
 }
 
 TEST(ShardPlacement, ATensorNoUnitHoldsIsWholeAndInPlaceOnlyWhenContiguous) {

@@ -17,7 +17,7 @@
 #include "base/status.h"
 #include "checkpoint/checkpoint.h"
 #include "fsdp/activation_checkpointing.h"
-#include "fsdp/flat_param_handle.h"
+#include "fsdp/shard_placement.h"
 #include "fsdp/utilities.h"
 #include "models/train_gpt_checks.h"
 #include "models/train_gpt_config.h"
@@ -130,8 +130,8 @@ void TrainingRun::Wrap(fsdp::FsdpOptions options, const fsdp::WrapPolicy& policy
     LoadInitialState(*fsdp_model_, model_keys, print_);
   }
   for (const auto& unit : fsdp_model_->units()) {
-    if (unit->handle() != nullptr) {
-      report_.shard_param_bytes += unit->handle()->local_shard().nbytes();
+    if (const std::optional<fsdp::UnitShard> shard = fsdp::UnitShard::Of(*unit)) {
+      report_.shard_param_bytes += shard->local().nbytes();
     }
   }
   std::vector<std::vector<at::Tensor>> groups(1);

@@ -15,7 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "base/status.h"
 #include "comm/collectives.h"
-#include "fsdp/flat_param_handle.h"
+#include "fsdp/shard_placement.h"
 #include "optim/optim_internal.h"
 #include "statedict/load_check.h"
 #include "torch/csrc/jit/serialization/pickle.h"
@@ -51,44 +51,44 @@ std::optional<bool> DecoupledWeightDecayOf(const torch::optim::Optimizer& optimi
 using LocalStates = std::unordered_map<const void*, ParamState>;  // By TensorImpl.
 using FullTensors = std::unordered_map<const void*, std::map<std::string, at::Tensor>>;
 
-// The full elementwise tensors of the parameters of `handle` (sharded), one
+// The full elementwise tensors of the parameters of a sharded unit, one
 // state key at a time, each as one all-gather of a buffer laid out like the
 // unit's shard: its trainable segment alone, unless a frozen parameter has
 // the state too (Adagrad makes its `sum` for every parameter it is given).
 // Added to `full` only when `keep`.
-void GatherUnitState(const FlatParamHandle& handle, const LocalStates& locals, bool keep,
+void GatherUnitState(const UnitShard& shard, const LocalStates& locals, bool keep,
                      FullTensors& full) {
-  const std::vector<FlatParamEntry>& entries = handle.entries();
+  const FlatLayout& layout = shard.layout();
+  const size_t count = layout.params().size();
   auto local_of = [&](size_t i) -> const ParamState* {
-    auto it = locals.find(entries[i].param.unsafeGetTensorImpl());
+    auto it = locals.find(shard.param(i).unsafeGetTensorImpl());
     return it == locals.end() ? nullptr : &it->second;
   };
   std::map<std::string, at::TensorOptions> keys;  // Dtype and device of each state key.
   std::set<std::string> frozen_keys;  // Held by a frozen parameter too.
-  for (size_t i = 0; i < entries.size(); ++i) {
+  for (size_t i = 0; i < count; ++i) {
     const ParamState* local = local_of(i);
     if (local == nullptr) continue;
     for (const auto& [key, t] : local->elementwise) {
       keys.emplace(key, t.options());
-      if (!handle.layout().params()[i].trainable) frozen_keys.insert(key);
+      if (!layout.params()[i].trainable) frozen_keys.insert(key);
     }
   }
   for (const auto& [key, options] : keys) {
-    const int64_t numel = frozen_keys.count(key) != 0 ? handle.layout().shard_numel()
-                                                      : handle.layout().trainable_shard_numel();
+    const int64_t numel = frozen_keys.count(key) != 0 ? layout.shard_numel()
+                                                      : layout.trainable_shard_numel();
     at::Tensor flat = at::zeros({numel}, options);
-    for (size_t i = 0; i < entries.size(); ++i) {
+    for (size_t i = 0; i < count; ++i) {
       const ParamState* local = local_of(i);
       if (local == nullptr || local->elementwise.count(key) == 0) continue;
-      handle.layout().ShardViewOf(flat, i).copy_(local->elementwise.at(key).reshape({-1}));
+      layout.ShardViewOf(flat, i).copy_(local->elementwise.at(key).reshape({-1}));
     }
-    const at::Tensor gathered = handle.AllGatherShardLike(flat);
+    const at::Tensor gathered = shard.AllGather(flat);
     if (!keep) continue;
-    for (size_t i = 0; i < entries.size(); ++i) {
+    for (size_t i = 0; i < count; ++i) {
       const ParamState* local = local_of(i);
       if (local == nullptr || local->elementwise.count(key) == 0) continue;
-      full[entries[i].param.unsafeGetTensorImpl()][key] =
-          handle.layout().FullViewOf(gathered, i).clone();
+      full[shard.param(i).unsafeGetTensorImpl()][key] = layout.FullViewOf(gathered, i).clone();
     }
   }
 }
@@ -114,9 +114,9 @@ absl::StatusOr<OptimStateDict> GatherOptimState(const torch::nn::Module& root,
   FullTensors full;
   if (model != nullptr) {
     for (const auto& unit : model->units()) {
-      const FlatParamHandle* handle = unit->handle();
-      if (handle != nullptr && handle->layout().sharded()) {
-        GatherUnitState(*handle, locals, keep, full);
+      const std::optional<UnitShard> shard = UnitShard::Of(*unit);
+      if (shard.has_value() && shard->layout().sharded()) {
+        GatherUnitState(*shard, locals, keep, full);
       }
     }
   }

@@ -1,6 +1,7 @@
 // Optimizer state of FSDP models, keyed by parameter FQN, as PyTorch's
-// FSDP.optim_state_dict does. optim/ reaches the core only through the root
-// state (units and handles).
+// FSDP.optim_state_dict does. optim/ reaches the core through the model's
+// units and their shards (fsdp/shard_placement.h), never a unit's flat
+// parameter.
 //
 // An optimizer built after wrapping steps each original parameter's shard
 // (a 1-D piece of its unit's flat shard), so its per-parameter state is per

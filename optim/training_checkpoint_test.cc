@@ -11,7 +11,7 @@
 
 #include "ATen/ATen.h"
 #include "absl/strings/str_cat.h"
-#include "fsdp/flat_param_handle.h"
+#include "fsdp/shard_placement.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
@@ -239,12 +239,12 @@ TEST(TrainingCheckpoint, AModelOnlyCheckpointIsRefusedAndNothingChanges) {
     t.Step(comm, 0);
     ASSERT_TRUE(SaveShardedCheckpoint(*t.fsdp, dir).ok());
     Trainer fresh(comm);
-    const at::Tensor before = fresh.fsdp->units()[1]->handle()->local_shard().clone();
+    const at::Tensor before = UnitShard::Of(*fresh.fsdp->units()[1]).value().local().clone();
     absl::Status loaded = LoadTrainingCheckpoint(*fresh.fsdp, *fresh.optimizer, dir);
     ASSERT_FALSE(loaded.ok());
     EXPECT_THAT(loaded.message(), HasSubstr("missing: optim/group/0/param/"));
     EXPECT_TRUE(fresh.optimizer->state().empty()) << "the optimizer stays fresh";
-    EXPECT_TRUE(at::equal(fresh.fsdp->units()[1]->handle()->local_shard(), before));
+    EXPECT_TRUE(at::equal(UnitShard::Of(*fresh.fsdp->units()[1]).value().local(), before));
     // The model-only load of a training checkpoint works (optimizer entries
     // are ignored).
     ASSERT_TRUE(SaveTrainingCheckpoint(*t.fsdp, *t.optimizer, dir).ok());

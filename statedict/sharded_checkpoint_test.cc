@@ -17,7 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "comm/gloo_collectives.h"
 #include "comm/hybrid_groups.h"
-#include "fsdp/flat_param_handle.h"
+#include "fsdp/shard_placement.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
@@ -270,7 +270,9 @@ void ExpectLoadFails(const std::string& dir, const std::string& message) {
         FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
     std::vector<at::Tensor> before;
-    for (const auto& unit : (*wrapped)->units()) before.push_back(unit->handle()->local_shard().clone());
+    for (const auto& unit : (*wrapped)->units()) {
+      before.push_back(UnitShard::Of(*unit).value().local().clone());
+    }
     absl::Status loaded = LoadShardedCheckpoint(**wrapped, dir);
     ASSERT_FALSE(loaded.ok());
     EXPECT_THAT(loaded.message(), HasSubstr("nothing was loaded"));
@@ -278,7 +280,7 @@ void ExpectLoadFails(const std::string& dir, const std::string& message) {
       EXPECT_THAT(loaded.message(), HasSubstr(message));
     }
     for (size_t u = 0; u < before.size(); ++u) {
-      EXPECT_TRUE(at::equal(before[u], (*wrapped)->units()[u]->handle()->local_shard()));
+      EXPECT_TRUE(at::equal(before[u], UnitShard::Of(*(*wrapped)->units()[u]).value().local()));
     }
   });
   EXPECT_TRUE(status.ok()) << status;

@@ -15,7 +15,6 @@
 #include "base/status.h"
 #include "c10/core/GradMode.h"
 #include "comm/collectives.h"
-#include "fsdp/flat_param_handle.h"
 #include "fsdp/shard_placement.h"
 #include "fsdp/utilities.h"
 #include "statedict/load_check.h"
@@ -89,20 +88,20 @@ std::string LocalKey(const FsdpUnit& unit) {
   return unit.fqn().empty() ? "flat_param" : unit.fqn() + ".flat_param";
 }
 
-at::Tensor LocalLayout(const FullyShardedModel& model, const FlatParamHandle& handle) {
+at::Tensor LocalLayout(const FullyShardedModel& model, const UnitShard& shard) {
   std::vector<int64_t> layout = {model.group().world_size(),
                                  model.group().rank(),
-                                 static_cast<int64_t>(handle.strategy()),
-                                 handle.layout().flat_numel(),
-                                 handle.layout().padded_numel(),
-                                 static_cast<int64_t>(handle.layout().params().size())};
-  for (const FlatParamInfo& info : handle.layout().params()) layout.push_back(info.numel);
+                                 static_cast<int64_t>(shard.strategy()),
+                                 shard.layout().flat_numel(),
+                                 shard.layout().padded_numel(),
+                                 static_cast<int64_t>(shard.layout().params().size())};
+  for (const FlatParamInfo& info : shard.layout().params()) layout.push_back(info.numel);
   // A unit mixing frozen and trainable parameters lays them out in two
   // segments, trainable first: which parameter is which joins the layout
   // (only then, so that other units' layouts stay as they were).
-  if (handle.layout().trainable_numel() != 0 &&
-      handle.layout().trainable_numel() != handle.layout().flat_numel()) {
-    for (const FlatParamInfo& info : handle.layout().params()) layout.push_back(info.trainable);
+  if (shard.layout().trainable_numel() != 0 &&
+      shard.layout().trainable_numel() != shard.layout().flat_numel()) {
+    for (const FlatParamInfo& info : shard.layout().params()) layout.push_back(info.trainable);
   }
   return at::tensor(layout, at::kLong);
 }
@@ -260,10 +259,10 @@ absl::StatusOr<StateDict> LocalStateDict(const FullyShardedModel& model) {
   FSDP_RETURN_IF_ERROR(model.RequireIdle("LOCAL state dict"));
   StateDict out;
   for (const auto& unit : model.units()) {
-    const FlatParamHandle* handle = unit->handle();
-    if (handle == nullptr) continue;
-    out.emplace_back(LocalKey(*unit), handle->local_shard().detach().clone());
-    out.emplace_back(LocalKey(*unit) + "_layout", LocalLayout(model, *handle));
+    const std::optional<UnitShard> shard = UnitShard::Of(*unit);
+    if (!shard.has_value()) continue;
+    out.emplace_back(LocalKey(*unit), shard->local().detach().clone());
+    out.emplace_back(LocalKey(*unit) + "_layout", LocalLayout(model, *shard));
   }
   const ShardPlacements placements = ShardPlacementsOf(model);
   for (const auto& [name, tensor] : NamedTensors(model.units().front()->module())) {
@@ -284,10 +283,10 @@ absl::Status LoadLocalStateDict(FullyShardedModel& model, const StateDict& state
   std::vector<std::vector<int64_t>> shapes;
   std::vector<bool> is_layout;  // Compared, never copied.
   for (const auto& unit : model.units()) {
-    const FlatParamHandle* handle = unit->handle();
-    if (handle == nullptr) continue;
+    const std::optional<UnitShard> shard = UnitShard::Of(*unit);
+    if (!shard.has_value()) continue;
     const std::string key = LocalKey(*unit);
-    const at::Tensor mine = LocalLayout(model, *handle);
+    const at::Tensor mine = LocalLayout(model, *shard);
     auto saved = std::find_if(state.begin(), state.end(),
                               [&](const auto& entry) { return entry.first == key + "_layout"; });
     if (saved != state.end()) {
@@ -303,8 +302,8 @@ absl::Status LoadLocalStateDict(FullyShardedModel& model, const StateDict& state
         continue;
       }
     }
-    expected.emplace_back(key, handle->local_shard());
-    shapes.push_back(handle->local_shard().sizes().vec());
+    expected.emplace_back(key, shard->local());
+    shapes.push_back(shard->local().sizes().vec());
     is_layout.push_back(false);
     expected.emplace_back(key + "_layout", mine);
     shapes.push_back(mine.sizes().vec());

@@ -8,7 +8,7 @@
 #include "ATen/ATen.h"
 #include "absl/strings/str_cat.h"
 #include "formats/torch_file.h"
-#include "fsdp/flat_param_handle.h"
+#include "fsdp/shard_placement.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
 #include "fsdp/test_util.h"
@@ -47,7 +47,7 @@ std::vector<std::string> Keys(const StateDict& state) {
 std::vector<at::Tensor> Shards(const FullyShardedModel& model) {
   std::vector<at::Tensor> shards;
   for (const auto& unit : model.units()) {
-    if (unit->handle() != nullptr) shards.push_back(unit->handle()->local_shard().clone());
+    if (auto shard = UnitShard::Of(*unit)) shards.push_back(shard->local().clone());
   }
   return shards;
 }
@@ -74,7 +74,8 @@ TEST_P(FullStateDictGather, EqualsTheUnwrappedModelsAndGathersOneUnitAtATime) {
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     int64_t largest_unit = 0;
     for (const auto& unit : (*wrapped)->units()) {
-      largest_unit = std::max(largest_unit, unit->handle()->layout().padded_numel() * 4);
+      largest_unit =
+          std::max(largest_unit, UnitShard::Of(*unit).value().layout().padded_numel() * 4);
     }
     FullStateDictStats stats;
     auto state = FullStateDict(**wrapped, {}, &stats);
@@ -302,10 +303,10 @@ TEST_P(LocalStateDictLayout, RoundTripsInTheSameLayoutAndRefusesAnother) {
     auto wrapped =
         FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok());
-    for (const auto& unit : (*wrapped)->units()) unit->handle()->local_shard().fill_(-1);
+    for (const auto& unit : (*wrapped)->units()) UnitShard::Of(*unit).value().local().fill_(-1);
     absl::Status loaded = LoadLocalStateDict(**wrapped, saved[comm.rank()]);
     ASSERT_TRUE(loaded.ok()) << loaded;
-    EXPECT_TRUE(at::equal((*wrapped)->units()[1]->handle()->local_shard(),
+    EXPECT_TRUE(at::equal(UnitShard::Of(*(*wrapped)->units()[1]).value().local(),
                           saved[comm.rank()][2].second));
   });
   ASSERT_TRUE(status.ok()) << status;
@@ -349,10 +350,10 @@ TEST(LocalStateDictLayoutOfMixedUnits, WhichParametersTrainIsPartOfTheLayout) {
     auto state = LocalStateDict(**wrapped);
     ASSERT_TRUE(state.ok()) << state.status();
     saved[comm.rank()] = *state;
-    for (const auto& unit : (*wrapped)->units()) unit->handle()->local_shard().fill_(-1);
+    for (const auto& unit : (*wrapped)->units()) UnitShard::Of(*unit).value().local().fill_(-1);
     absl::Status loaded = LoadLocalStateDict(**wrapped, saved[comm.rank()]);
     ASSERT_TRUE(loaded.ok()) << loaded;
-    EXPECT_TRUE(at::equal((*wrapped)->units()[1]->handle()->local_shard(),
+    EXPECT_TRUE(at::equal(UnitShard::Of(*(*wrapped)->units()[1]).value().local(),
                           saved[comm.rank()][2].second));
   });
   ASSERT_TRUE(status.ok()) << status;
