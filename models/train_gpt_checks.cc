@@ -104,10 +104,15 @@ std::vector<std::string> DependentFlagProblems(bool settings_pending) {
         "--init_optim_state_dict");
   needs("export_optim_state_dict_keys", !absl::GetFlag(FLAGS_export_optim_state_dict).empty(),
         "--export_optim_state_dict");
-  for (const char* flag : {"eval_every", "eval_batches", "sample_tokens"}) {
-    needs(flag, settings_pending || !absl::GetFlag(FLAGS_data).empty(),
-          "--data (the held-out loss and the sample use its last tenth)");
+  const bool data = !absl::GetFlag(FLAGS_data).empty();
+  const bool data_tokens = !absl::GetFlag(FLAGS_data_tokens).empty();
+  for (const char* flag : {"eval_every", "eval_batches"}) {
+    needs(flag, settings_pending || data || data_tokens,
+          "--data or --data_tokens (the held-out loss uses its last tenth)");
   }
+  needs("sample_tokens", settings_pending || data,
+        "--data (the sample is bytes, printed as text)");
+  needs("data_tokens_dtype", settings_pending || data_tokens, "--data_tokens");
   needs("max_consecutive_skips", settings_pending || absl::GetFlag(FLAGS_on_nonfinite) == "skip",
         "--on_nonfinite=skip");
   needs("overwrite_exports",
@@ -123,20 +128,38 @@ std::vector<std::string> DependentFlagProblems(bool settings_pending) {
   return problems;
 }
 
-// Before any rank starts: the file is there and both parts hold a sequence.
+// Before any rank starts: one source, the file is there, it holds whole
+// token ids, and both parts hold a sequence.
 std::optional<std::string> DataProblem(int block_size) {
-  const std::string path = absl::GetFlag(FLAGS_data);
-  if (path.empty()) return std::nullopt;
+  const std::string bytes = absl::GetFlag(FLAGS_data), ids = absl::GetFlag(FLAGS_data_tokens);
+  const std::string dtype = absl::GetFlag(FLAGS_data_tokens_dtype);
+  if (dtype != "uint16" && dtype != "uint32") {
+    return absl::StrCat("--data_tokens_dtype=", dtype, ": must be uint16 or uint32");
+  }
+  if (!bytes.empty() && !ids.empty()) {
+    return absl::StrCat("--data=", bytes, " and --data_tokens=", ids,
+                        ": the job trains on one source; give one of them");
+  }
+  if (bytes.empty() && ids.empty()) return std::nullopt;
+  const std::string flag = bytes.empty() ? "--data_tokens" : "--data";
+  const std::string path = bytes.empty() ? ids : bytes;
+  const char* unit = bytes.empty() ? "tokens" : "bytes";
   struct stat info;
   if (stat(path.c_str(), &info) != 0 || !S_ISREG(info.st_mode)) {
-    return absl::StrCat("--data=", path, ": not a readable file");
+    return absl::StrCat(flag, "=", path, ": not a readable file");
   }
-  const int64_t size = info.st_size, held_out = HeldOutBytes(size);
+  const int64_t width = bytes.empty() ? (dtype == "uint32" ? 4 : 2) : 1;
+  if (info.st_size % width != 0) {
+    return absl::StrFormat("%s=%s: %d bytes are not a whole number of %d-byte %s ids "
+                           "(--data_tokens_dtype)",
+                           flag, path, info.st_size, width, dtype);
+  }
+  const int64_t size = info.st_size / width, held_out = HeldOutBytes(size);
   // Sampling needs room for more than one sequence (TokenSampler).
   if (held_out < block_size + 2) {
-    return absl::StrFormat("--data=%s: %d bytes hold %d held-out bytes (the last tenth), fewer "
-                           "than --block_size + 2 = %d",
-                           path, size, held_out, block_size + 2);
+    return absl::StrFormat("%s=%s: %d %s hold %d held-out %s (the last tenth), fewer than "
+                           "--block_size + 2 = %d",
+                           flag, path, size, unit, held_out, unit, block_size + 2);
   }
   return std::nullopt;
 }
@@ -457,6 +480,8 @@ constexpr RecordedSetting kRecordedSettings[] = {
     {"activation_checkpointing", nullptr},
     {"optimizer_kernel", nullptr},
     {"data", nullptr},
+    {"data_tokens", nullptr},
+    {"data_tokens_dtype", nullptr},
     {"replay_batches", nullptr},
     {"on_nonfinite", nullptr},
     {"max_consecutive_skips", nullptr},

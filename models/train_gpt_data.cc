@@ -1,5 +1,12 @@
 #include "models/train_gpt_data.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <stdexcept>
@@ -37,10 +44,53 @@ at::Tensor TokensOf(const std::string& bytes) {
       .to(at::kLong);
 }
 
+// --data_tokens' file mapped read-only, as an int16 / int32 tensor that
+// unmaps it when the last view goes.
+absl::StatusOr<at::Tensor> MapTokenFile(const std::string& path, at::ScalarType dtype) {
+  const std::string flag = absl::StrCat("--data_tokens=", path);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    return absl::NotFoundError(absl::StrCat(flag, ": cannot open it: ", std::strerror(errno)));
+  }
+  struct stat info;
+  const bool stat_ok = ::fstat(fd, &info) == 0;
+  const int64_t size = stat_ok ? info.st_size : 0;
+  const int64_t width = static_cast<int64_t>(c10::elementSize(dtype));
+  // The pre-launch checks said the same; the file may have changed since.
+  if (!stat_ok || size == 0 || size % width != 0) {
+    ::close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(
+        flag, ": ", size, " bytes are not a whole number of ", width, "-byte token ids"));
+  }
+  void* data = ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);  // The mapping keeps the file.
+  if (data == MAP_FAILED) {
+    return absl::InternalError(absl::StrCat(flag, ": cannot map it: ", std::strerror(errno)));
+  }
+  // from_blob's tensor is writable by type; nothing writes a corpus, and
+  // PROT_READ turns a mistake into a fault rather than a silent change.
+  return at::from_blob(
+      data, {size / width}, [size](void* p) { ::munmap(p, static_cast<size_t>(size)); },
+      at::TensorOptions().dtype(dtype));
+}
+
 }  // namespace
+
+at::ScalarType TokenFileDtype() {
+  return absl::GetFlag(FLAGS_data_tokens_dtype) == "uint32" ? at::kInt : at::kShort;
+}
 
 absl::StatusOr<Corpus> LoadCorpus() {
   Corpus corpus;
+  if (const std::string path = absl::GetFlag(FLAGS_data_tokens); !path.empty()) {
+    FSDP_ASSIGN_OR_RETURN(const at::Tensor tokens, MapTokenFile(path, TokenFileDtype()));
+    const int64_t held_out = HeldOutBytes(tokens.numel());
+    corpus.train = tokens.narrow(0, 0, tokens.numel() - held_out);
+    corpus.held_out = tokens.narrow(0, tokens.numel() - held_out, held_out);
+    corpus.source = absl::StrCat("--data_tokens=", path);
+    corpus.unit = "tokens";
+    return corpus;
+  }
   const std::string path = absl::GetFlag(FLAGS_data);
   if (path.empty()) {
     const std::string generated =
@@ -60,32 +110,55 @@ absl::StatusOr<Corpus> LoadCorpus() {
   const int64_t held_out = HeldOutBytes(tokens.numel());
   corpus.train = tokens.narrow(0, 0, tokens.numel() - held_out);
   corpus.held_out = tokens.narrow(0, tokens.numel() - held_out, held_out);
+  corpus.source = absl::StrCat("--data=", path);
   return corpus;
 }
 
 TokenSampler::TokenSampler(at::Tensor tokens, int64_t global_batch, int64_t block_size,
-                           uint64_t seed)
-    : tokens_(std::move(tokens)), global_batch_(global_batch), t_(block_size), sampler_(seed) {
+                           uint64_t seed, int64_t vocab_size, std::string source)
+    : tokens_(std::move(tokens)),
+      global_batch_(global_batch),
+      t_(block_size),
+      vocab_size_(vocab_size),
+      source_(std::move(source)),
+      sampler_(seed) {
   TORCH_CHECK(tokens_.numel() >= t_ + 2, "TokenSampler: ", tokens_.numel(),
               " tokens hold fewer than block_size + 2 = ", t_ + 2);
 }
 
 at::Tensor TokenSampler::Next() {
   std::vector<at::Tensor> rows;
+  std::vector<int64_t> offsets;
   for (int64_t i = 0; i < global_batch_; ++i) {
-    const int64_t offset = static_cast<int64_t>(sampler_() % (tokens_.numel() - t_ - 1));
-    rows.push_back(tokens_.narrow(0, offset, t_ + 1));
+    offsets.push_back(static_cast<int64_t>(sampler_() % (tokens_.numel() - t_ - 1)));
+    rows.push_back(tokens_.narrow(0, offsets.back(), t_ + 1));
   }
-  return at::stack(rows);
+  at::Tensor batch = at::stack(rows).to(at::kLong);
+  // The file's unsigned ids, read as signed: widened, then the sign bits
+  // the widening copied cleared.
+  if (tokens_.scalar_type() == at::kShort) batch.bitwise_and_(0xFFFF);
+  if (tokens_.scalar_type() == at::kInt) batch.bitwise_and_(int64_t{0xFFFFFFFF});
+  const at::Tensor bad = batch.ge(vocab_size_).logical_or_(batch.lt(0)).nonzero();
+  if (bad.size(0) != 0) {
+    const int64_t row = bad[0][0].item<int64_t>(), col = bad[0][1].item<int64_t>();
+    throw std::runtime_error(absl::StrFormat(
+        "%s: token id %d (the file's token %d, counting from 0) is not below the model's "
+        "vocabulary size %d",
+        source_.empty() ? std::string("the corpus") : source_, batch[row][col].item<int64_t>(),
+        tokens_.storage_offset() + offsets[row] + col, vocab_size_));
+  }
+  return batch;
 }
 
 void TokenSampler::Skip(int64_t batches) {
   sampler_.discard(static_cast<unsigned long long>(batches) * global_batch_);
 }
 
-BatchSource::BatchSource(const at::Tensor& tokens, int64_t global_batch, int64_t block_size,
-                         int steps)
-    : t_(block_size), sampler_(tokens, global_batch, block_size, absl::GetFlag(FLAGS_seed) + 1) {
+BatchSource::BatchSource(const Corpus& corpus, int64_t global_batch, int64_t block_size,
+                         int64_t vocab_size, int steps)
+    : t_(block_size),
+      sampler_(corpus.train, global_batch, block_size, absl::GetFlag(FLAGS_seed) + 1, vocab_size,
+               corpus.source) {
   const std::string path = absl::GetFlag(FLAGS_replay_batches);
   if (path.empty()) return;
   const fsdp::StateDict recorded = fsdp::ValueOrThrow(fsdp::LoadTorchStateDict(path));

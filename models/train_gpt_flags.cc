@@ -27,11 +27,18 @@ ABSL_FLAG(std::string, data, "",
           "Train on this file's bytes (tokens 0..255) instead of the generated corpus: the "
           "first 90% trains, the last 10% is held out for the eval loss and the prompt of "
           "the sample printed at the end.");
+ABSL_FLAG(std::string, data_tokens, "",
+          "Train on this file's token ids instead: nanoGPT's train.bin, little-endian ids of "
+          "--data_tokens_dtype and nothing else, split as --data. The file is mapped, not "
+          "read; an id at or above the model's vocabulary size stops the job at the batch "
+          "that draws it, naming its position.");
+ABSL_FLAG(std::string, data_tokens_dtype, "uint16", "--data_tokens' ids: uint16 or uint32.");
 ABSL_FLAG(int, eval_every, 50,
-          "With --data: the held-out loss every this many steps and after the last (0: only "
-          "after the last).");
+          "With --data or --data_tokens: the held-out loss every this many steps and after "
+          "the last (0: only after the last).");
 ABSL_FLAG(int, eval_batches, 4,
-          "With --data: global batches in the held-out loss, the same ones every time.");
+          "With --data or --data_tokens: global batches in the held-out loss, the same ones "
+          "every time.");
 ABSL_FLAG(int, sample_tokens, 64,
           "With --data: after training, generate this many bytes from a held-out prompt and "
           "print them (rank 0); 0: none.");

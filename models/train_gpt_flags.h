@@ -22,6 +22,8 @@ ABSL_DECLARE_FLAG(int, n_embd);
 ABSL_DECLARE_FLAG(double, dropout);
 ABSL_DECLARE_FLAG(bool, activation_checkpointing);
 ABSL_DECLARE_FLAG(std::string, data);
+ABSL_DECLARE_FLAG(std::string, data_tokens);
+ABSL_DECLARE_FLAG(std::string, data_tokens_dtype);
 ABSL_DECLARE_FLAG(int, eval_every);
 ABSL_DECLARE_FLAG(int, eval_batches);
 ABSL_DECLARE_FLAG(int, sample_tokens);

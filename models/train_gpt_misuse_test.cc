@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <fstream>
 #include <string>
@@ -401,14 +402,69 @@ TEST(TrainGptMisuse, TheJobSaysWhichSourceEachPartOfTheRunUses) {
   EXPECT_THAT(both.output,
               HasSubstr(absl::StrCat("data: training batches replayed from ", dir,
                                      "/batches.pt; the held-out loss and the sample from the "
-                                     "last tenth of ",
+                                     "last tenth of --data=",
                                      dir, "/corpus.txt (")));
   const CommandResult data =
       RunCommand(absl::StrCat(kJob, " --steps=2 --data=", dir, "/corpus.txt"));
   ASSERT_EQ(data.exit_code, 0) << data.output;
   EXPECT_THAT(data.output, HasSubstr(absl::StrCat("data: training batches from the first nine "
-                                                  "tenths of ",
+                                                  "tenths of --data=",
                                                   dir, "/corpus.txt (")));
+}
+
+// Writes `ids` to `path` as little-endian T (this host's order: x86).
+template <typename T>
+void WriteIds(const std::string& path, const std::vector<T>& ids) {
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(ids.data()),
+            static_cast<std::streamsize>(ids.size() * sizeof(T)));
+  ASSERT_TRUE(out.good()) << path;
+}
+
+// --data_tokens (nanoGPT's train.bin): ids equal to --data's bytes train
+// exactly as --data does, as uint16 and as uint32, and a file that is not
+// such ids, or ids the model has no embedding for, is refused naming it.
+TEST(TrainGptMisuse, TokenFilesTrainAsTheirBytesAndBadOnesAreRefused) {
+  const std::string dir = TempDir("data_tokens");
+  Shell(absl::StrCat("seq 1 20000 > ", dir, "/corpus.txt"));
+  const std::string text = ReadText(dir + "/corpus.txt");
+  WriteIds(dir + "/u16.bin", std::vector<uint16_t>(text.begin(), text.end()));
+  WriteIds(dir + "/u32.bin", std::vector<uint32_t>(text.begin(), text.end()));
+  const std::string run = absl::StrCat(kJob, " --steps=3 --eval_every=2 --metrics_jsonl=", dir);
+  for (const std::string& source :
+       {"/bytes.jsonl --data=" + dir + "/corpus.txt", "/u16.jsonl --data_tokens=" + dir + "/u16.bin",
+        "/u32.jsonl --data_tokens_dtype=uint32 --data_tokens=" + dir + "/u32.bin"}) {
+    const CommandResult trained = RunCommand(run + source);
+    ASSERT_EQ(trained.exit_code, 0) << trained.output;
+  }
+  const std::vector<double> bytes = LossesOf(dir + "/bytes.jsonl");
+  ASSERT_EQ(bytes.size(), 3u);
+  EXPECT_EQ(LossesOf(dir + "/u16.jsonl"), bytes);
+  EXPECT_EQ(LossesOf(dir + "/u32.jsonl"), bytes);
+
+  WriteIds(dir + "/odd.bin", std::vector<uint8_t>(4001, 1));
+  ExpectRefusedBeforeLaunch(
+      RunCommand(absl::StrCat(kJob, " --steps=2 --data_tokens=", dir, "/odd.bin")),
+      absl::StrCat("--data_tokens=", dir,
+                   "/odd.bin: 4001 bytes are not a whole number of 2-byte uint16 ids"));
+  ExpectStartRefuses(absl::StrCat(" --data=", dir, "/corpus.txt --data_tokens=", dir, "/u16.bin"),
+                     "the job trains on one source; give one of them");
+  ExpectStartRefuses(absl::StrCat(" --sample_tokens=8 --data_tokens=", dir, "/u16.bin"),
+                     "--sample_tokens=8: applies only with --data (the sample is bytes");
+  ExpectStartRefuses(absl::StrCat(" --data_tokens_dtype=int8 --data_tokens=", dir, "/u16.bin"),
+                     "--data_tokens_dtype=int8: must be uint16 or uint32");
+  ExpectStartRefuses(" --data_tokens_dtype=uint32", "--data_tokens_dtype=uint32: applies only "
+                                                    "with --data_tokens");
+  // 65535 read as uint16, not as -1: too large for the byte-level model's
+  // 256 embeddings, and named before the batch reaches it.
+  WriteIds(dir + "/large.bin", std::vector<uint16_t>(4000, 65535));
+  const CommandResult large =
+      RunCommand(absl::StrCat(kJob, " --steps=2 --data_tokens=", dir, "/large.bin"));
+  EXPECT_EQ(large.exit_code, 1) << large.output;
+  EXPECT_THAT(large.output,
+              HasSubstr(absl::StrCat("--data_tokens=", dir, "/large.bin: token id 65535 (the "
+                                     "file's token ")));
+  EXPECT_THAT(large.output, HasSubstr("is not below the model's vocabulary size 256"));
 }
 
 // Case 15: --lr=1e30 stopped at step 2, but step 1's checkpoint already held

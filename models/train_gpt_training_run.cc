@@ -47,7 +47,7 @@ TrainingRun::TrainingRun(fsdp::FsdpOptions options, const fsdp::WrapPolicy& poli
       corpus_(fsdp::ValueOrThrow(LoadCorpus())) {
   if (corpus_.held_out.defined()) {
     TokenSampler held_out(corpus_.held_out, per_rank_ * world_size_, config_.block_size,
-                          absl::GetFlag(FLAGS_seed) + 2);
+                          absl::GetFlag(FLAGS_seed) + 2, config_.vocab_size, corpus_.source);
     for (int i = 0; i < absl::GetFlag(FLAGS_eval_batches); ++i) {
       eval_batches_.push_back(held_out.Next());
     }
@@ -72,7 +72,8 @@ int TrainingRun::Run(const std::string& layout_note, const std::vector<std::stri
     for (const std::string& note : notes) std::printf("note: %s\n", note.c_str());
   }
   PrintHeader(layout_note);
-  batches_.emplace(corpus_.train, per_rank_ * world_size_, config_.block_size, steps_);
+  batches_.emplace(corpus_, per_rank_ * world_size_, config_.block_size, config_.vocab_size,
+                   steps_);
   ResumeIfAsked();
   report_.rss_before_steps = CurrentRssBytes();
   start_ = Clock::now();
@@ -87,7 +88,11 @@ int TrainingRun::Run(const std::string& layout_note, const std::vector<std::stri
       SaveCheckpoint(step);
     }
   }
-  if (corpus_.held_out.defined() && absl::GetFlag(FLAGS_sample_tokens) > 0) PrintSample();
+  // The sample prints bytes: --data's, not --data_tokens' ids.
+  if (corpus_.held_out.defined() && corpus_.held_out.scalar_type() == at::kLong &&
+      absl::GetFlag(FLAGS_sample_tokens) > 0) {
+    PrintSample();
+  }
   WriteOutputs();
   return Summarize();
 }
@@ -169,25 +174,23 @@ void TrainingRun::PrintHeader(const std::string& layout_note) const {
       mixed_precision_.enabled() ? (", " + mixed_precision_.ToString()).c_str() : "",
       static_cast<long long>(per_rank_ * world_size_),
       static_cast<long long>(config_.block_size));
-  // With both --replay_batches and --data, each part of the run has its
-  // own source: say which.
+  // With both --replay_batches and a corpus file, each part of the run has
+  // its own source: say which.
   const std::string replay = absl::GetFlag(FLAGS_replay_batches);
-  const std::string data = absl::GetFlag(FLAGS_data);
+  const char* uses = corpus_.held_out.scalar_type() == at::kLong ? "the held-out loss and the sample"
+                                                                 : "the held-out loss";
   const std::string held_out =
-      absl::StrFormat("the last tenth of %s (%d bytes)", data, corpus_.held_out.defined()
-                                                                    ? corpus_.held_out.numel()
-                                                                    : 0);
+      corpus_.source.empty()
+          ? std::string()
+          : absl::StrFormat("%s from the last tenth of %s (%d %s)", uses, corpus_.source,
+                            corpus_.held_out.numel(), corpus_.unit);
   if (!replay.empty()) {
     std::printf("data: training batches replayed from %s%s\n", replay.c_str(),
-                data.empty() ? ""
-                             : absl::StrCat("; the held-out loss and the sample from ",
-                                            held_out, " (--data)")
-                                   .c_str());
-  } else if (!data.empty()) {
-    std::printf("data: training batches from the first nine tenths of %s (%lld bytes); the "
-                "held-out loss and the sample from %s\n",
-                data.c_str(), static_cast<long long>(corpus_.train.numel()),
-                held_out.c_str());
+                held_out.empty() ? "" : absl::StrCat("; ", held_out).c_str());
+  } else if (!corpus_.source.empty()) {
+    std::printf("data: training batches from the first nine tenths of %s (%lld %s); %s\n",
+                corpus_.source.c_str(), static_cast<long long>(corpus_.train.numel()),
+                corpus_.unit, held_out.c_str());
   } else {
     std::printf("data: training batches from the generated corpus (%lld bytes of sums)\n",
                 static_cast<long long>(corpus_.train.numel()));
