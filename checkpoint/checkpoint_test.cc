@@ -50,10 +50,12 @@ struct Trainer {
   std::unique_ptr<FullyShardedModel> fsdp;
   std::unique_ptr<torch::optim::AdamW> optimizer;
 
-  explicit Trainer(Collectives& comm, bool freeze_head = false, const FsdpOptions& options = {}) {
+  explicit Trainer(const ProcessGroups& groups, bool freeze_head = false,
+                   const FsdpOptions& options = {}) {
     if (freeze_head) model->head->weight.requires_grad_(false);
-    fsdp = FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>())
-               .value();
+    fsdp =
+        FullyShardedModel::Wrap(model.ptr(), groups, options, *ModuleTypePolicy::Of<BlockImpl>())
+            .value();
     std::vector<at::Tensor> trainable;
     for (const at::Tensor& p : UniqueParameters(*model)) {
       if (p.requires_grad()) trainable.push_back(p);
@@ -297,8 +299,9 @@ TEST(StateDictOptions, FromRank0ReachesEveryReplicaUnderHybridSharding) {
     ASSERT_TRUE(groups.ok()) << groups.status();
     FsdpOptions options;
     options.strategy = ShardingStrategy::kHybridShard;
-    options.replicate_group = groups->replicate.get();
-    Trainer t(*groups->shard, /*freeze_head=*/false, options);
+    ProcessGroups hybrid(*groups->shard);
+    hybrid.replicate = groups->replicate.get();
+    Trainer t(hybrid, /*freeze_head=*/false, options);
     StateDictOptions from_rank0;
     from_rank0.broadcast_from_rank0 = true;
     const bool give = world.rank() == 0;

@@ -40,9 +40,9 @@ std::string Dir(const std::string& name) {
   return absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/", name);
 }
 
-std::unique_ptr<FullyShardedModel> Wrap(Net& model, Collectives& comm,
+std::unique_ptr<FullyShardedModel> Wrap(Net& model, const ProcessGroups& groups,
                                         const FsdpOptions& options = {}) {
-  return FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>())
+  return FullyShardedModel::Wrap(model.ptr(), groups, options, *ModuleTypePolicy::Of<BlockImpl>())
       .value();
 }
 
@@ -311,9 +311,10 @@ TEST(HuggingFaceCheckpoint, HybridShardingWritesOnceAndLoadsOnEveryReplica) {
     ASSERT_TRUE(groups.ok()) << groups.status();
     FsdpOptions options;
     options.strategy = ShardingStrategy::kHybridShard;
-    options.replicate_group = groups->replicate.get();
+    ProcessGroups hybrid(*groups->shard);
+    hybrid.replicate = groups->replicate.get();
     Net model;
-    auto fsdp = Wrap(model, *groups->shard, options);
+    auto fsdp = Wrap(model, hybrid, options);
     CheckpointIoOptions save = HuggingFace();
     save.max_file_bytes = 300;
     absl::Status saved_status = SaveCheckpoint(dir, *fsdp, nullptr, {}, save);
@@ -323,7 +324,7 @@ TEST(HuggingFaceCheckpoint, HybridShardingWritesOnceAndLoadsOnEveryReplica) {
     world.Barrier();
     Net fresh;
     for (at::Tensor& p : fresh->parameters()) p.detach().zero_();
-    auto loaded_model = Wrap(fresh, *groups->shard, options);
+    auto loaded_model = Wrap(fresh, hybrid, options);
     absl::Status loaded = LoadCheckpoint(dir, *loaded_model);
     ASSERT_TRUE(loaded.ok()) << "rank " << world.rank() << ": " << loaded;
     const StateDict got = FullState(*loaded_model);

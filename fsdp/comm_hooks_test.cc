@@ -254,8 +254,9 @@ TEST(CommHooks, MisuseIsRefusedByName) {
                 Net model;
                 FsdpOptions options;
                 options.strategy = ShardingStrategy::kHybridShard;
-                options.replicate_group = groups->replicate.get();
-                auto wrapped = FullyShardedModel::Wrap(model.ptr(), *groups->shard, options,
+                ProcessGroups hybrid(*groups->shard);
+                hybrid.replicate = groups->replicate.get();
+                auto wrapped = FullyShardedModel::Wrap(model.ptr(), hybrid, options,
                                                        *ModuleTypePolicy::Of<BlockImpl>());
                 ASSERT_TRUE(wrapped.ok());
                 EXPECT_THAT(

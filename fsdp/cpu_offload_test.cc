@@ -92,7 +92,7 @@ Trajectory TrainSharded(const OffloadCase& c, bool offload) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   absl::Status status = RunOnThreadRanks(c.world_size, [&](Collectives& comm) {
     HybridShardCollectives hybrid;
-    Collectives* shard_group = &comm;
+    ProcessGroups fsdp_groups(comm);
     FsdpOptions options;
     options.strategy = c.strategy;
     options.offload_params = offload;
@@ -106,11 +106,11 @@ Trajectory TrainSharded(const OffloadCase& c, bool offload) {
           gloo.group_name, GlooGroupConnector(store, gloo));
       ASSERT_TRUE(groups.ok()) << groups.status();
       hybrid = std::move(*groups);
-      shard_group = hybrid.shard.get();
-      options.replicate_group = hybrid.replicate.get();
+      fsdp_groups.shard = hybrid.shard.get();
+      fsdp_groups.replicate = hybrid.replicate.get();
     }
     Net model;
-    auto wrapped = FullyShardedModel::Wrap(model.ptr(), *shard_group, options,
+    auto wrapped = FullyShardedModel::Wrap(model.ptr(), fsdp_groups, options,
                                            *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     FullyShardedModel& fsdp = **wrapped;

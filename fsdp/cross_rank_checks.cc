@@ -10,11 +10,12 @@
 
 namespace fsdp {
 
-void CheckSameWrapOnEveryRank(Collectives& group, const FsdpOptions& options,
+void CheckSameWrapOnEveryRank(const ProcessGroups& groups, const FsdpOptions& options,
                               const std::vector<UnitSignature>& units) {
   // One all-gather of a fingerprint per rank; the unit count and total size
   // travel beside it so that the error can say what differs.
-  uint64_t hash = Fnv1aString(kFnv1aOffsetBasis, CrossRankOptionsKey(options));
+  Collectives& group = *groups.shard;
+  uint64_t hash = Fnv1aString(kFnv1aOffsetBasis, CrossRankOptionsKey(options, groups));
   int64_t elements = 0;
   for (const UnitSignature& unit : units) {
     elements += unit.flat_numel;
@@ -73,7 +74,7 @@ void CheckPostForwardGroup(Collectives& shard_group, Collectives& post_forward_g
   }
   const int wrong_ranks = static_cast<int>(wrong.item<double>());
   TORCH_CHECK(wrong_ranks == 0, "rank ", shard_group.rank(), " of ", shard_group.world_size(),
-              ": FsdpOptions::post_forward_group is not each rank's block of ", k,
+              ": ProcessGroups::post_forward is not each rank's block of ", k,
               " consecutive shard-group ranks on ", wrong_ranks,
               " rank(s); this rank's holds shard-group ranks {", mine,
               "} in its rank order, and should hold {", first, "..", first + k - 1,

@@ -27,7 +27,7 @@ struct UnitSignature {
   MixedPrecision mixed_precision;
 };
 
-// FsdpOptions::post_forward_group is every rank's block of k consecutive
+// ProcessGroups::post_forward is every rank's block of k consecutive
 // ranks of `shard_group`, in order (one all-gather over it, one all-reduce
 // over the shard group); throws on every rank otherwise, naming the ranks
 // this rank's group holds. Any k ranks would gather correct values (each
@@ -37,8 +37,9 @@ struct UnitSignature {
 void CheckPostForwardGroup(Collectives& shard_group, Collectives& post_forward_group);
 
 // The same units (pre-order), each with the same size, the same trainable
-// parameters, strategy and precision, and the same options (CrossRankOptionsKey) on every rank.
-void CheckSameWrapOnEveryRank(Collectives& group, const FsdpOptions& options,
+// parameters, strategy and precision, and the same options and group sizes
+// (CrossRankOptionsKey) on every rank; one all-gather over the shard group.
+void CheckSameWrapOnEveryRank(const ProcessGroups& groups, const FsdpOptions& options,
                               const std::vector<UnitSignature>& units);
 
 // The same units, in the same order, finished their first forward on every

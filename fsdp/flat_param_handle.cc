@@ -55,7 +55,7 @@ void WaitAll(std::vector<std::unique_ptr<CollectiveWork>> works) {
   if (first_error != nullptr) std::rethrow_exception(first_error);
 }
 
-FlatLayout LayOut(const std::vector<FlatParamEntry>& params, const FlatParamHandleOptions& options,
+FlatLayout LayOut(const std::vector<FlatParamEntry>& params, const ResolvedUnitOptions& options,
                   const Collectives& group) {
   std::vector<FlatLayout::Param> specs;
   for (const FlatParamEntry& p : params) {
@@ -129,19 +129,19 @@ absl::Status FlatParamHandle::CheckParams(const std::string& unit_name,
 
 absl::StatusOr<std::unique_ptr<FlatParamHandle>> FlatParamHandle::Create(
     std::string unit_name, std::vector<FlatParamEntry> params, Collectives& group,
-    const FlatParamHandleOptions& options) {
+    const ResolvedUnitOptions& options) {
   FSDP_RETURN_IF_ERROR(CheckParams(unit_name, params, group));
-  if (IsHybrid(options.strategy) && options.replicate_group == nullptr) {
+  if (IsHybrid(options.strategy) && options.replicate == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(
         "unit '", unit_name, "': ", ShardingStrategyName(options.strategy),
-        " needs a replicate group (FsdpOptions::replicate_group) besides the shard group"));
+        " needs a replicate group (ProcessGroups::replicate) besides the shard group"));
   }
   return std::unique_ptr<FlatParamHandle>(
       new FlatParamHandle(std::move(unit_name), std::move(params), group, options));
 }
 
 FlatParamHandle::FlatParamHandle(std::string unit_name, std::vector<FlatParamEntry> params,
-                                 Collectives& group, const FlatParamHandleOptions& options)
+                                 Collectives& group, const ResolvedUnitOptions& options)
     : unit_name_(std::move(unit_name)),
       params_(std::move(params)),
       group_(group),
@@ -176,7 +176,7 @@ FlatParamHandle::FlatParamHandle(std::string unit_name, std::vector<FlatParamEnt
   for (size_t i = 0; i < params_.size(); ++i) {
     shard_views_.push_back(layout_.ShardViewOf(local_shard_, i));
   }
-  compute_dtype_ = options_.param_dtype.value_or(local_shard_.scalar_type());
+  compute_dtype_ = options_.mixed_precision.param_dtype.value_or(local_shard_.scalar_type());
   low_precision_ = compute_dtype_ != local_shard_.scalar_type();
   if (layout_.sharded() || low_precision_ || options_.offload_params) {
     // The flat copy (on the compute device), no longer needed, serves as
@@ -193,10 +193,11 @@ FlatParamHandle::FlatParamHandle(std::string unit_name, std::vector<FlatParamEnt
   flat = at::Tensor();
   PointParamsAtShard();
   GradientReductionOptions reduction;
-  reduction.replicate_group = options_.replicate_group;
-  reduction.reduce_dtype = options_.reduce_dtype.value_or(compute_dtype_);
-  reduction.grad_dtype =
-      options_.keep_low_precision_grads ? reduction.reduce_dtype : local_shard_.scalar_type();
+  reduction.replicate = options_.replicate;
+  reduction.reduce_dtype = options_.reduce_dtype().value_or(compute_dtype_);
+  reduction.grad_dtype = options_.mixed_precision.keep_low_precision_grads
+                             ? reduction.reduce_dtype
+                             : local_shard_.scalar_type();
   reduction.divide_factor = options_.gradient_divide_factor;
   reduction_ = std::make_unique<GradientReduction>(unit_name_, Describe(), layout_, group_,
                                                    placement_, reduction);
@@ -334,7 +335,7 @@ void FlatParamHandle::StartUnshard() {
         training_state_ != HandleTrainingState::kSummonFullParams) {
       // Made on the compute stream, read by this all-gather, dropped after it.
       RecordUseOnCurrentStream(post_forward_shard_);
-      Collectives& post = *options_.post_forward_group;
+      Collectives& post = *options_.post_forward;
       int64_t begin = 0;
       for (const FlatLayout::Segment& seg : layout_.segments()) {
         const int64_t piece = seg.padded_numel / post.world_size();
@@ -447,7 +448,7 @@ void FlatParamHandle::DiscardPendingUnshard() {
 }
 
 void FlatParamHandle::ReshardAfterForward() {
-  Collectives* post = options_.post_forward_group;
+  Collectives* post = options_.post_forward;
   if (post == nullptr || !layout_.sharded() || !is_unsharded() || summon_full_.defined()) {
     Reshard();
     return;

@@ -74,7 +74,26 @@
 // segments are unpadded), the parameters always view it, and gradients are
 // all-reduced instead.
 //
-// CPU offload (FlatParamHandleOptions::offload_params): the *compute
+// Options: the unit's ResolvedUnitOptions (fsdp/fsdp_options.h), copied
+// once at Create. Hybrid sharding: the group passed to Create is the shard
+// group and `replicate` the replicate group (the ranks holding the same
+// shard); reduced gradients are then all-reduced over it and averaged over
+// both groups' ranks. Required by the hybrid strategies, allowed with any;
+// like `post_forward` (ReshardAfterForward), it must outlive the handle.
+//
+// Mixed precision (ResolvedUnitOptions::mixed_precision): unset param_dtype
+// computes in the parameters' dtype; an unset reduce_dtype() reduces in the
+// dtype of the gradients autograd produced.
+//  * param_dtype: the shard is cast to it and all-gathered in it (NO_SHARD:
+//    cast), and the parameters point at that low-precision copy between
+//    Unshard and Reshard — except under kSummonFullParams, which always
+//    unshards in full precision (summon_full_params, FULL state dicts).
+//  * reduce_dtype(): the gradient reduction runs in it.
+//  * keep_low_precision_grads: the reduced gradient stays in reduce_dtype;
+//    otherwise it is upcast to the parameters' dtype.
+// gradient_divide_factor is handed to the comm hook.
+//
+// CPU offload (ResolvedUnitOptions::offload_params): the *compute
 // device* is the device the parameters are on at Create. The shard and the
 // sharded gradient live in host memory (pinned when the compute device is
 // CUDA), so the parameters point at host tensors between Reshard and the
@@ -130,36 +149,6 @@ enum class HandleTrainingState {
 
 const char* HandleTrainingStateName(HandleTrainingState state);
 
-struct FlatParamHandleOptions {
-  ShardingStrategy strategy = ShardingStrategy::kFullShard;
-  // Hybrid sharding: the group passed to Create is the shard group and this
-  // is the replicate group (the ranks holding the same shard). Reduced
-  // gradients are then all-reduced over it and averaged over both groups'
-  // ranks. Required by the hybrid strategies, allowed with any; must outlive
-  // the handle.
-  Collectives* replicate_group = nullptr;
-  // Mixed precision, resolved (the caller applies PyTorch's defaults):
-  // unset param_dtype computes in the parameters' dtype; unset reduce_dtype
-  // reduces in the dtype of the gradients autograd produced.
-  //  * param_dtype: the shard is cast to it and all-gathered in it (NO_SHARD:
-  //    cast), and the parameters point at that low-precision copy between
-  //    Unshard and Reshard — except under kSummonFullParams, which always
-  //    unshards in full precision (summon_full_params, FULL state dicts).
-  //  * reduce_dtype: the gradient reduction runs in it.
-  //  * keep_low_precision_grads: the reduced gradient stays in reduce_dtype;
-  //    otherwise it is upcast to the parameters' dtype.
-  std::optional<at::ScalarType> param_dtype;
-  std::optional<at::ScalarType> reduce_dtype;
-  bool keep_low_precision_grads = false;
-  // See "CPU offload" above (PyTorch's CPUOffload(offload_params=True)).
-  bool offload_params = false;
-  // FsdpOptions::gradient_divide_factor, handed to the comm hook.
-  std::optional<double> gradient_divide_factor;
-  // FsdpOptions::post_forward_group (ReshardAfterForward); only for
-  // strategies that shard. Must outlive the handle.
-  Collectives* post_forward_group = nullptr;
-};
-
 class FlatParamHandle {
  public:
   // Flattens `params` into this rank's shard of `unit_name`. `group` is the
@@ -170,7 +159,7 @@ class FlatParamHandle {
   // All ranks of the group must call it with the same parameter layout.
   static absl::StatusOr<std::unique_ptr<FlatParamHandle>> Create(
       std::string unit_name, std::vector<FlatParamEntry> params, Collectives& group,
-      const FlatParamHandleOptions& options = {});
+      const ResolvedUnitOptions& options = {});
 
   // The checks of Create, without touching the parameters: lets a caller
   // that creates several handles fail before changing any.
@@ -231,11 +220,11 @@ class FlatParamHandle {
   void Reshard();
   // Reshard, keeping a copy of the part of every segment of the full
   // parameter (in its compute dtype, on the compute device) that this
-  // rank's place j in the k-rank post_forward_group stands for: elements
-  // [j * P_s / k, (j + 1) * P_s / k) of segment s. The next StartUnshard
-  // all-gathers those pieces over post_forward_group instead of the shards
-  // over the shard group, and the copy goes once it has. Without a
-  // post_forward_group, or not unsharded: Reshard.
+  // rank's place j in the k-rank post-forward group (ProcessGroups::
+  // post_forward) stands for: elements [j * P_s / k, (j + 1) * P_s / k) of
+  // segment s. The next StartUnshard all-gathers those pieces over that
+  // group instead of the shards over the shard group, and the copy goes
+  // once it has. Without a post-forward group, or not unsharded: Reshard.
   void ReshardAfterForward();
   bool holds_post_forward_shard() const { return post_forward_shard_.defined(); }
 
@@ -289,7 +278,7 @@ class FlatParamHandle {
   // built-in reduction (DefaultCommHook); null restores it. The hook must
   // outlive its use.
   void SetCommHook(CommHook* hook) { reduction_->SetCommHook(hook); }
-  // Replaces FlatParamHandleOptions::gradient_divide_factor from the next
+  // Replaces ResolvedUnitOptions::gradient_divide_factor from the next
   // reduction on (unset: the average). Must be positive.
   void SetGradientDivideFactor(std::optional<double> factor) {
     reduction_->SetDivideFactor(factor);
@@ -349,7 +338,7 @@ class FlatParamHandle {
   };
 
   FlatParamHandle(std::string unit_name, std::vector<FlatParamEntry> params,
-                  Collectives& group, const FlatParamHandleOptions& options);
+                  Collectives& group, const ResolvedUnitOptions& options);
 
   // Issues one all-gather per segment among the first `count`: each rank's
   // part of `shard` (laid out like the shard) into `full` (laid out like
@@ -370,7 +359,7 @@ class FlatParamHandle {
   const std::string unit_name_;
   std::vector<FlatParamEntry> params_;
   Collectives& group_;
-  const FlatParamHandleOptions options_;
+  const ResolvedUnitOptions options_;  // The unit's, copied once at Create.
   const UnitPlacement placement_;
   const FlatLayout layout_;
   // Declared after layout_, which it reads.

@@ -120,7 +120,7 @@ TEST_P(FlatParamHandleParity, MatchesLocalTraining) {
           if (item.key().rfind(prefix, 0) == 0) entries.push_back({item.key(), item.value()});
         }
       }
-      FlatParamHandleOptions options;
+      ResolvedUnitOptions options;
       options.strategy = c.strategy;
       auto handle = FlatParamHandle::Create(prefixes.front(), entries, comm, options);
       ASSERT_TRUE(handle.ok()) << handle.status();

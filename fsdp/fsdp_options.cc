@@ -4,12 +4,13 @@
 
 namespace fsdp {
 
-std::string CrossRankOptionsKey(const FsdpOptions& options) {
-  // Every field is bound by name, so that adding one to FsdpOptions breaks
-  // this line until the new field is either keyed below or named as one
-  // that may differ between ranks.
-  [[maybe_unused]] const auto& [strategy, replicate_group, post_forward_group, mixed_precision,
-                                backward_prefetch,
+std::string CrossRankOptionsKey(const FsdpOptions& options, const ProcessGroups& groups) {
+  // Every field is bound by name, so that adding one to FsdpOptions or
+  // ProcessGroups breaks these lines until the new field is either keyed
+  // below or named as one that may differ between ranks.
+  [[maybe_unused]] const auto& [shard /* its size is the plan's world size */, replicate_group,
+                                post_forward_group] = groups;
+  [[maybe_unused]] const auto& [strategy, mixed_precision, backward_prefetch,
                                 forward_prefetch, limit_all_gathers, check_execution_order,
                                 verify_collectives_every, offload_params, gradient_divide_factor,
                                 device_id, ignored_modules, sync_module_states, param_init_fn,
@@ -35,14 +36,6 @@ std::string CrossRankOptionsKey(const FsdpOptions& options) {
 }
 
 absl::Status ValidateFsdpOptions(const FsdpOptions& options) {
-  if (IsHybrid(options.strategy) != (options.replicate_group != nullptr)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "FsdpOptions::replicate_group is ", options.replicate_group != nullptr ? "set" : "not set",
-        " but the strategy is ", ShardingStrategyName(options.strategy),
-        ": hybrid sharding (HYBRID_SHARD, _HYBRID_SHARD_ZERO2) takes the shard group as the "
-        "group and the replicate group in replicate_group; the other strategies take no "
-        "replicate group"));
-  }
   if (absl::Status mp = ValidateMixedPrecision(options.mixed_precision); !mp.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("FsdpOptions::mixed_precision: ", mp.message()));
   }
@@ -55,6 +48,32 @@ absl::Status ValidateFsdpOptions(const FsdpOptions& options) {
     return absl::InvalidArgumentError(
         absl::StrCat("FsdpOptions::gradient_divide_factor must be positive, got ",
                      *options.gradient_divide_factor));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateProcessGroups(const ProcessGroups& groups, const FsdpOptions& options) {
+  if (groups.shard == nullptr) {
+    return absl::InvalidArgumentError("ProcessGroups::shard is null; it names the shard group");
+  }
+  if (IsHybrid(options.strategy) != (groups.replicate != nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ProcessGroups::replicate is ", groups.replicate != nullptr ? "set" : "not set",
+        " but the strategy is ", ShardingStrategyName(options.strategy),
+        ": hybrid sharding (HYBRID_SHARD, _HYBRID_SHARD_ZERO2) takes the shard group in "
+        "ProcessGroups::shard and the replicate group in ProcessGroups::replicate; the other "
+        "strategies take no replicate group"));
+  }
+  // Sizes only, the same on every rank; which ranks is checked at the
+  // first forward, where every rank can learn of a wrong group.
+  if (const Collectives* post = groups.post_forward; post != nullptr) {
+    const int k = post->world_size();
+    const int w = groups.shard->world_size();
+    if (k <= 1 || k >= w || w % k != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ProcessGroups::post_forward has ", k, " ranks but must have k with 1 < k < ", w,
+          " (the shard group's size) and k dividing it"));
+    }
   }
   return absl::OkStatus();
 }

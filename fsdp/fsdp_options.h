@@ -27,32 +27,48 @@ namespace fsdp {
 // its gradients are reduced.
 enum class BackwardPrefetch { kNone, kBackwardPre, kBackwardPost };
 
+// The process groups a model runs over (FSDP2's device mesh, as groups),
+// passed to FullyShardedModel::Wrap. Every group must outlive the model.
+//  * shard: the ranks a unit's parameters are sharded over. Never null.
+//  * replicate: hybrid sharding's replicate group; required by (and only
+//    allowed with) HYBRID_SHARD and _HYBRID_SHARD_ZERO2 as the root's
+//    strategy. The shard group is then this rank's shard group and this its
+//    replicate group (comm/hybrid_groups.h makes both); every unit's reduced
+//    gradients are all-reduced over it, whatever the unit's own strategy,
+//    and averaged over all shard x replicate ranks. Compared across ranks by
+//    its size. Null otherwise.
+//  * post_forward: FSDP2's reshard_after_forward as an int k: after
+//    forward, a unit that frees its full parameters then (FULL_SHARD,
+//    HYBRID_SHARD; not the root) keeps 1/k of them instead, the part this
+//    rank stands for in this group of k ranks, and its backward all-gathers
+//    over this group alone (within a node, say), not the whole shard group:
+//    k times the memory of a shard held between forward and backward, for a
+//    backward all-gather over k ranks. The group must be this rank's block
+//    of k consecutive ranks of the shard group (ranks (r / k) * k ... + k-1
+//    in it; HybridShardLayout(W, k)'s shard group, comm/hybrid_groups.h),
+//    with 1 < k < W and k dividing W: checked at Wrap (sizes) and at the
+//    first forward or Unshard (which ranks, on every rank). Numbers are
+//    unchanged: the all-gathers copy values. Compared across ranks by its
+//    size. Null: free everything (reshard_after_forward=True).
+//
+//   fsdp::ProcessGroups groups(*hybrid.shard);  // or just *collectives
+//   groups.replicate = hybrid.replicate.get();
+//   auto model = fsdp::FullyShardedModel::Wrap(root, groups, options, policy);
+struct ProcessGroups {
+  // Implicit on purpose: Wrap(module, *collectives, options, policy), the
+  // plain case of one group, reads as it always did.
+  ProcessGroups(Collectives& shard_group) : shard(&shard_group) {}  // NOLINT(runtime/explicit)
+
+  Collectives* shard;
+  Collectives* replicate = nullptr;
+  Collectives* post_forward = nullptr;
+};
+
 // The root's options; a wrap policy may override the per-unit ones
-// (policies/unit_options.h) for the units it chooses.
+// (policies/unit_options.h) for the units it chooses. The process groups
+// are not options: they are ProcessGroups, given to Wrap beside these.
 struct FsdpOptions {
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
-  // Hybrid sharding: required by (and only allowed with) HYBRID_SHARD and
-  // _HYBRID_SHARD_ZERO2 as the root's strategy. The group given to Wrap is
-  // then this rank's shard group and this its replicate group
-  // (comm/hybrid_groups.h makes both); every unit's reduced gradients are
-  // all-reduced over it, whatever the unit's own strategy, and averaged over
-  // all shard x replicate ranks. Compared across ranks by its size; must
-  // outlive the model.
-  Collectives* replicate_group = nullptr;
-  // FSDP2's reshard_after_forward as an int k: after forward, a unit that
-  // frees its full parameters then (FULL_SHARD, HYBRID_SHARD; not the root)
-  // keeps 1/k of them instead, the part this rank stands for in this group
-  // of k ranks, and its backward all-gathers over this group alone (within
-  // a node, say), not the whole shard group: k times the memory of a shard
-  // held between forward and backward, for a backward all-gather over k
-  // ranks. The group must be this rank's block of k consecutive ranks of the
-  // shard group (ranks (r / k) * k ... + k-1 in it; HybridShardLayout(W, k)'s
-  // shard group, comm/hybrid_groups.h), with 1 < k < W and k dividing W:
-  // checked at Wrap (sizes) and at the first forward or Unshard (which
-  // ranks, on every rank). Numbers are unchanged: the all-gathers copy
-  // values. Must outlive the model.
-  // Null: free everything (reshard_after_forward=True).
-  Collectives* post_forward_group = nullptr;
   // PyTorch's mixed_precision (policies/unit_options.h); a policy may
   // replace it per unit. Off by default.
   MixedPrecision mixed_precision;
@@ -132,6 +148,35 @@ struct FsdpOptions {
   DebugLog debug_log;
 };
 
+// One unit's options, resolved once at Wrap (ResolveUnitOptions,
+// fsdp/wrap_plan.h) from the root's FsdpOptions, the policy's UnitOptions
+// override and the model's ProcessGroups, and kept by the unit
+// (FsdpUnit::options()); its FlatParamHandle reads a copy made then.
+struct ResolvedUnitOptions {
+  // The root's strategy, or the policy's override.
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  // The root's mixed precision, or the policy's override, as a whole.
+  MixedPrecision mixed_precision;
+  // FsdpOptions::offload_params and the initial gradient_divide_factor
+  // (FullyShardedModel::SetGradientDivideFactor changes the handle's, not
+  // this).
+  bool offload_params = false;
+  std::optional<double> gradient_divide_factor;
+  // The groups it uses besides the shard group (ProcessGroups): the
+  // replicate group under a hybrid root, whatever the unit's own strategy;
+  // the post-forward group only for strategies that reshard after forward
+  // (ReshardsAfterForward). Null otherwise.
+  Collectives* replicate = nullptr;
+  Collectives* post_forward = nullptr;
+
+  // The dtype gradients are reduced in: reduce_dtype, or param_dtype when
+  // only that is set (PyTorch's default); unset: the gradients' own dtype.
+  std::optional<at::ScalarType> reduce_dtype() const {
+    return mixed_precision.reduce_dtype ? mixed_precision.reduce_dtype
+                                        : mixed_precision.param_dtype;
+  }
+};
+
 // The options every rank must set alike, as text
 // ("strategy=FULL_SHARD,...;"): a wrapped model's ranks compare its hash
 // with their wrap plans' before the first collective of training, and fail
@@ -139,13 +184,21 @@ struct FsdpOptions {
 // may differ between ranks: trace and debug_log, device_id's index (each
 // rank computes on its own device; the type is in), and which modules
 // ignored_modules points to (their count is in; the plan compares what they
-// leave). A new field of FsdpOptions does not compile until it is added
-// here (fsdp_options.cc).
-std::string CrossRankOptionsKey(const FsdpOptions& options);
+// leave). The replicate and post-forward groups count by their sizes
+// (0 when unset). A new field of FsdpOptions or ProcessGroups does not
+// compile until it is added here (fsdp_options.cc).
+std::string CrossRankOptionsKey(const FsdpOptions& options, const ProcessGroups& groups);
 
 // Options that contradict each other or are out of range: the first such,
 // named. Wrap refuses them.
 absl::Status ValidateFsdpOptions(const FsdpOptions& options);
+
+// Groups that do not fit the options or each other: no shard group, a
+// replicate group without a hybrid root strategy or the reverse, a
+// post-forward group whose size k is not 1 < k < W with k dividing the
+// shard group's size W. The first such, named. Wrap refuses them; which
+// ranks the post-forward group holds is checked at the first forward.
+absl::Status ValidateProcessGroups(const ProcessGroups& groups, const FsdpOptions& options);
 
 }  // namespace fsdp
 

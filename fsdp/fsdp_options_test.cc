@@ -36,42 +36,92 @@ std::vector<Change> AgreedFieldChanges() {
 }
 
 TEST(CrossRankOptionsKey, EveryFieldRanksMustAgreeOnChangesTheKey) {
-  const std::string defaults = CrossRankOptionsKey(FsdpOptions());
-  for (const Change& change : AgreedFieldChanges()) {
-    FsdpOptions changed;
-    change.apply(changed);
-    EXPECT_NE(CrossRankOptionsKey(changed), defaults) << change.field;
-  }
+  absl::Status status = testing::RunOnThreadRanks(1, [](Collectives& comm) {
+    const std::string defaults = CrossRankOptionsKey(FsdpOptions(), comm);
+    for (const Change& change : AgreedFieldChanges()) {
+      FsdpOptions changed;
+      change.apply(changed);
+      EXPECT_NE(CrossRankOptionsKey(changed, comm), defaults) << change.field;
+    }
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+// The key's text is hashed and compared across ranks, and ranks of
+// different builds (before and after ProcessGroups moved the groups out of
+// FsdpOptions) must still agree: it is pinned here byte for byte.
+TEST(CrossRankOptionsKey, IsPinned) {
+  absl::Status status = testing::RunOnThreadRanks(1, [](Collectives& comm) {
+    EXPECT_EQ(CrossRankOptionsKey(FsdpOptions(), comm),
+              "strategy=FULL_SHARD,replicate_group_size=0,post_forward_group_size=0,"
+              "mixed_precision={},backward_prefetch=1,forward_prefetch=0,"
+              "limit_all_gathers=1,check_execution_order=1,verify_collectives_every=0,"
+              "offload_params=0,gradient_divide_factor=unset,device_type=unset,"
+              "ignored_modules=0,sync_module_states=0,param_init_fn=unset;");
+  });
+  EXPECT_TRUE(status.ok()) << status;
 }
 
 TEST(CrossRankOptionsKey, TheReplicateAndPostForwardGroupsCountByTheirSizes) {
-  absl::Status status = testing::RunOnThreadRanks(1, [](Collectives& replicate) {
+  absl::Status status = testing::RunOnThreadRanks(1, [](Collectives& comm) {
     FsdpOptions hybrid;
     hybrid.strategy = ShardingStrategy::kHybridShard;
-    const std::string without = CrossRankOptionsKey(hybrid);
-    hybrid.replicate_group = &replicate;
-    EXPECT_NE(CrossRankOptionsKey(hybrid), without);
-    EXPECT_NE(CrossRankOptionsKey(hybrid).find("replicate_group_size=1"), std::string::npos)
-        << CrossRankOptionsKey(hybrid);
+    ProcessGroups groups(comm);
+    const std::string without = CrossRankOptionsKey(hybrid, groups);
+    groups.replicate = &comm;
+    EXPECT_NE(CrossRankOptionsKey(hybrid, groups), without);
+    EXPECT_NE(CrossRankOptionsKey(hybrid, groups).find("replicate_group_size=1"),
+              std::string::npos)
+        << CrossRankOptionsKey(hybrid, groups);
     FsdpOptions post_forward;
-    const std::string full_reshard = CrossRankOptionsKey(post_forward);
-    post_forward.post_forward_group = &replicate;
-    EXPECT_NE(CrossRankOptionsKey(post_forward), full_reshard);
-    EXPECT_NE(CrossRankOptionsKey(post_forward).find("post_forward_group_size=1"),
+    ProcessGroups with_post(comm);
+    const std::string full_reshard = CrossRankOptionsKey(post_forward, with_post);
+    with_post.post_forward = &comm;
+    EXPECT_NE(CrossRankOptionsKey(post_forward, with_post), full_reshard);
+    EXPECT_NE(CrossRankOptionsKey(post_forward, with_post).find("post_forward_group_size=1"),
               std::string::npos);
   });
   EXPECT_TRUE(status.ok()) << status;
 }
 
 TEST(CrossRankOptionsKey, WhatMayDifferBetweenRanksLeavesTheKeyAlone) {
-  FsdpOptions on_gpu0;
-  on_gpu0.device_id = c10::Device(c10::kCUDA, 0);
-  FsdpOptions on_gpu1 = on_gpu0;
-  on_gpu1.device_id = c10::Device(c10::kCUDA, 1);
-  TraceRecorder trace(/*rank=*/1);
-  on_gpu1.trace = &trace;
-  on_gpu1.debug_log = [](const std::string&) {};
-  EXPECT_EQ(CrossRankOptionsKey(on_gpu0), CrossRankOptionsKey(on_gpu1));
+  absl::Status status = testing::RunOnThreadRanks(1, [](Collectives& comm) {
+    FsdpOptions on_gpu0;
+    on_gpu0.device_id = c10::Device(c10::kCUDA, 0);
+    FsdpOptions on_gpu1 = on_gpu0;
+    on_gpu1.device_id = c10::Device(c10::kCUDA, 1);
+    TraceRecorder trace(/*rank=*/1);
+    on_gpu1.trace = &trace;
+    on_gpu1.debug_log = [](const std::string&) {};
+    EXPECT_EQ(CrossRankOptionsKey(on_gpu0, comm), CrossRankOptionsKey(on_gpu1, comm));
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+TEST(ValidateProcessGroups, AReplicateGroupGoesWithAHybridStrategy) {
+  absl::Status status = testing::RunOnThreadRanks(1, [](Collectives& comm) {
+    FsdpOptions hybrid;
+    hybrid.strategy = ShardingStrategy::kHybridShard;
+    ProcessGroups groups(comm);
+    const absl::Status missing = ValidateProcessGroups(groups, hybrid);
+    EXPECT_EQ(missing.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(missing.message().find("ProcessGroups::replicate is not set but the strategy is "
+                                     "HYBRID_SHARD"),
+              std::string::npos)
+        << missing;
+    groups.replicate = &comm;
+    EXPECT_TRUE(ValidateProcessGroups(groups, hybrid).ok());
+    const absl::Status extra = ValidateProcessGroups(groups, FsdpOptions());
+    EXPECT_NE(extra.message().find("ProcessGroups::replicate is set but the strategy is "
+                                   "FULL_SHARD"),
+              std::string::npos)
+        << extra;
+    ProcessGroups no_shard(comm);
+    no_shard.shard = nullptr;
+    EXPECT_EQ(ValidateProcessGroups(no_shard, FsdpOptions()).code(),
+              absl::StatusCode::kInvalidArgument);
+  });
+  EXPECT_TRUE(status.ok()) << status;
 }
 
 TEST(ValidateFsdpOptions, RefusesADtypeMixedPrecisionDoesNotUse) {

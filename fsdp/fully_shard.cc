@@ -63,14 +63,14 @@ absl::Status DeferParameterAllocation(torch::nn::Module& module) {
 absl::Status FullyShardedModel::RequireIdle(const std::string& what) const {
   if (training_state_ != ModelTrainingState::kIdle) {
     return absl::FailedPreconditionError(
-        absl::StrCat(what, " on rank ", group_.rank(),
+        absl::StrCat(what, " on rank ", group().rank(),
                      ": the model is in forward or backward; call it between steps"));
   }
   for (const auto& unit : units_) {
     if (unit->handle_ != nullptr &&
         unit->handle_->training_state() != HandleTrainingState::kIdle) {
       return absl::FailedPreconditionError(absl::StrCat(
-          what, " on rank ", group_.rank(), ": unit '", UnitName(unit->fqn_),
+          what, " on rank ", group().rank(), ": unit '", UnitName(unit->fqn_),
           "' is in state ", HandleTrainingStateName(unit->handle_->training_state()),
           " (inside SummonFullParams?)"));
     }
@@ -83,10 +83,8 @@ const char* ModelTrainingStateName(ModelTrainingState state) {
 }
 
 FullyShardedModel::FullyShardedModel(std::shared_ptr<torch::nn::Module> root,
-                                     Collectives& group, const FsdpOptions& options)
-    : root_(std::move(root)),
-      group_(group),
-      options_(options) {}
+                                     const ProcessGroups& groups, const FsdpOptions& options)
+    : root_(std::move(root)), groups_(groups), options_(options) {}
 
 FsdpUnit::FsdpUnit() = default;
 FsdpUnit::~FsdpUnit() = default;
@@ -101,23 +99,6 @@ FullyShardedModel::~FullyShardedModel() {
 }
 
 namespace {
-
-FlatParamHandleOptions HandleOptionsFor(const PlannedUnit& planned, const FsdpOptions& options) {
-  FlatParamHandleOptions handle_options;
-  handle_options.strategy = planned.strategy;
-  handle_options.replicate_group = options.replicate_group;
-  const MixedPrecision& mp = planned.mixed_precision;
-  handle_options.param_dtype = mp.param_dtype;
-  // PyTorch's default: reduce in param_dtype when only that is set.
-  handle_options.reduce_dtype = mp.reduce_dtype ? mp.reduce_dtype : mp.param_dtype;
-  handle_options.keep_low_precision_grads = mp.keep_low_precision_grads;
-  handle_options.offload_params = options.offload_params;
-  handle_options.gradient_divide_factor = options.gradient_divide_factor;
-  if (ReshardsAfterForward(planned.strategy)) {
-    handle_options.post_forward_group = options.post_forward_group;
-  }
-  return handle_options;
-}
 
 // Each unit's parameters as its handle's entries. All units are checked
 // before any handle swaps parameters to shards, so that a failed Wrap
@@ -136,20 +117,6 @@ absl::StatusOr<std::vector<std::vector<FlatParamEntry>>> CheckedEntries(const Wr
   return entries;
 }
 
-// Sizes only, the same on every rank; which ranks is checked at the
-// first forward, where every rank can learn of a wrong group.
-absl::Status CheckPostForwardGroupSize(const FsdpOptions& options, const Collectives& group) {
-  if (const Collectives* post = options.post_forward_group; post != nullptr) {
-    const int k = post->world_size();
-    if (k <= 1 || k >= group.world_size() || group.world_size() % k != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "FsdpOptions::post_forward_group has ", k, " ranks but must have k with 1 < k < ",
-          group.world_size(), " (the shard group's size) and k dividing it"));
-    }
-  }
-  return absl::OkStatus();
-}
-
 // The device the units compute on: device_id when set, else that of the
 // last unit's parameters (CPU for a model without any).
 c10::Device ComputeDevice(const std::vector<std::vector<FlatParamEntry>>& entries,
@@ -165,29 +132,31 @@ c10::Device ComputeDevice(const std::vector<std::vector<FlatParamEntry>>& entrie
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
-    std::shared_ptr<torch::nn::Module> root, Collectives& group, const FsdpOptions& options,
-    const WrapPolicy& policy) {
+    std::shared_ptr<torch::nn::Module> root, const ProcessGroups& groups,
+    const FsdpOptions& options, const WrapPolicy& policy) {
   if (!root) return absl::InvalidArgumentError("FullyShardedModel::Wrap: root is null");
+  if (groups.shard == nullptr) {
+    return absl::InvalidArgumentError("FullyShardedModel::Wrap: ProcessGroups::shard is null");
+  }
+  Collectives& group = *groups.shard;
   // Ranks can fail differently, so every error names the rank.
   const std::string who = absl::StrCat("rank ", group.rank(), " of ", group.world_size(), ": ");
   auto on_rank = [&who](const absl::Status& failed) {
     return absl::Status(failed.code(), absl::StrCat(who, failed.message()));
   };
+  if (absl::Status fit = ValidateProcessGroups(groups, options); !fit.ok()) return on_rank(fit);
   if (absl::Status valid = ValidateFsdpOptions(options); !valid.ok()) return on_rank(valid);
-  if (absl::Status sized = CheckPostForwardGroupSize(options, group); !sized.ok()) {
-    return on_rank(sized);
-  }
   absl::StatusOr<WrapPlan> plan = PlanWrap(*root, group.world_size(), options, policy);
   if (!plan.ok()) return on_rank(plan.status());
   if (absl::Status device_ok = CheckDeviceId(options, *plan); !device_ok.ok()) {
     return on_rank(device_ok);
   }
-  std::unique_ptr<FullyShardedModel> model(new FullyShardedModel(root, group, options));
+  std::unique_ptr<FullyShardedModel> model(new FullyShardedModel(root, groups, options));
   absl::StatusOr<std::vector<std::vector<FlatParamEntry>>> entries = CheckedEntries(*plan, group);
   if (!entries.ok()) return entries.status();
   const c10::Device device = ComputeDevice(*entries, options);
   try {
-    model->scheduler_ = std::make_unique<UnitScheduler>(group, model->options_, device);
+    model->scheduler_ = std::make_unique<UnitScheduler>(groups, model->options_, device);
   } catch (...) {
     const absl::Status failed = StatusFromCurrentException();
     return absl::Status(failed.code(), absl::StrCat(who, "cannot compute on ", device.str(),
@@ -203,24 +172,23 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
     unit->fqn_ = planned.fqn;
     unit->module_ = planned.module;
     unit->is_root_ = u == 0;
-    unit->strategy_ = planned.strategy;
-    unit->mixed_precision_ = planned.mixed_precision;
+    unit->options_ = ResolveUnitOptions(planned, options, groups);
     unit->model_ = model.get();
     if (!(*entries)[u].empty()) {
       // Deferred parameters get memory and values just before their handle
       // shards them: one unit at a time.
-      if (absl::Status ready = InitUnitParams(planned, modules, options, group); !ready.ok()) {
+      if (absl::Status ready = InitUnitParams(planned, modules, options, groups); !ready.ok()) {
         return on_rank(ready);
       }
       auto handle = FlatParamHandle::Create(UnitName(planned.fqn), std::move((*entries)[u]), group,
-                                            HandleOptionsFor(planned, options));
+                                            unit->options_);
       if (!handle.ok()) return handle.status();
       unit->handle_ = std::move(*handle);
     }
     model->units_.push_back(std::move(unit));
   }
   if (absl::Status buffers_ok =
-          InitBuffers(*root, modules, *plan, options, group, model->buffer_full_dtypes_);
+          InitBuffers(*root, modules, *plan, options, groups, model->buffer_full_dtypes_);
       !buffers_ok.ok()) {
     return on_rank(buffers_ok);
   }
@@ -238,7 +206,7 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
 
 std::string FullyShardedModel::Describe(const FsdpUnit& unit) const {
   return absl::StrCat("unit '", UnitName(unit.fqn_), "' on rank ",
-                      group_.rank(), " of ", group_.world_size());
+                      group().rank(), " of ", group().world_size());
 }
 
 int64_t FullyShardedModel::FullParamBytes() const {
@@ -252,7 +220,7 @@ int64_t FullyShardedModel::FullParamBytes() const {
 void FullyShardedModel::LazyInit() {
   std::vector<UnitSignature> units;
   for (const auto& unit : units_) {
-    UnitSignature signature{unit->fqn_, 0, "", unit->strategy_, unit->mixed_precision_};
+    UnitSignature signature{unit->fqn_, 0, "", unit->strategy(), unit->mixed_precision()};
     if (unit->handle_) {
       signature.flat_numel = unit->handle_->layout().flat_numel();
       for (const FlatParamInfo& info : unit->handle_->layout().params()) {
@@ -261,10 +229,8 @@ void FullyShardedModel::LazyInit() {
     }
     units.push_back(std::move(signature));
   }
-  CheckSameWrapOnEveryRank(group_, options_, units);
-  if (options_.post_forward_group != nullptr) {
-    CheckPostForwardGroup(group_, *options_.post_forward_group);
-  }
+  CheckSameWrapOnEveryRank(groups_, options_, units);
+  if (groups_.post_forward != nullptr) CheckPostForwardGroup(group(), *groups_.post_forward);
   initialized_ = true;
 }
 
@@ -284,8 +250,8 @@ void FullyShardedModel::ValidateKeptFullParams() {
     if (!kept[i]->KeptFullMatchesShard()) stale[i] = 1.0;
   }
   {
-    CollectiveLabel label(group_, "", "kept full parameters check");
-    group_.AllReduce(stale, ReduceOp::kSum)->Wait();
+    CollectiveLabel label(group(), "", "kept full parameters check");
+    group().AllReduce(stale, ReduceOp::kSum)->Wait();
   }
   for (size_t i = 0; i < kept.size(); ++i) {
     if (stale[i].item<double>() == 0) continue;
@@ -392,8 +358,8 @@ void FullyShardedModel::PostForward(FsdpUnit& unit, const std::vector<at::Tensor
     // come, every strategy frees them now.
     if (!backward_follows) {
       scheduler_->Reshard(*handle);
-    } else if (ReshardsAfterForward(unit.strategy_) && !unit.is_root_) {
-      scheduler_->ReshardAfterForward(*handle);  // Keeps a piece with a post_forward_group.
+    } else if (ReshardsAfterForward(unit.strategy()) && !unit.is_root_) {
+      scheduler_->ReshardAfterForward(*handle);  // Keeps a piece with a post-forward group.
     }
   }
   if (!backward_follows) {
@@ -576,14 +542,14 @@ absl::StatusOr<UnshardHandle> FullyShardedModel::Unshard(const torch::nn::Module
   FsdpUnit& unit = *units.front();
   if (backward_callback_queued_) {
     return absl::FailedPreconditionError(
-        absl::StrCat("Unshard on rank ", group_.rank(),
+        absl::StrCat("Unshard on rank ", group().rank(),
                      ": the model is in backward; unshard between steps "
                      "or in forward"));
   }
   FlatParamHandle* handle = unit.handle_.get();
   if (handle != nullptr && handle->training_state() != HandleTrainingState::kIdle) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "Unshard on rank ", group_.rank(), ": unit '", UnitName(unit.fqn_), "' is in state ",
+        "Unshard on rank ", group().rank(), ": unit '", UnitName(unit.fqn_), "' is in state ",
         HandleTrainingStateName(handle->training_state()), "; unshard it before its forward"));
   }
   // From a copy of the shard: a write before the forward must reach no
@@ -700,9 +666,9 @@ void FullyShardedModel::FinishBackward() {
   ++backward_passes_;
   if (options_.verify_collectives_every > 0 &&
       backward_passes_ % options_.verify_collectives_every == 0) {
-    group_.VerifyConsistency();
-    if (options_.replicate_group != nullptr) options_.replicate_group->VerifyConsistency();
-    if (options_.post_forward_group != nullptr) options_.post_forward_group->VerifyConsistency();
+    group().VerifyConsistency();
+    if (groups_.replicate != nullptr) groups_.replicate->VerifyConsistency();
+    if (groups_.post_forward != nullptr) groups_.post_forward->VerifyConsistency();
   }
 }
 
@@ -735,7 +701,7 @@ void FullyShardedModel::RecordExecutionOrder() {
   if (options_.check_execution_order) {
     std::vector<std::string> names;
     for (const auto& unit : units_) names.push_back(UnitName(unit->fqn_));
-    CheckSameExecutionOrderOnEveryRank(group_, post_forward_order_, names);
+    CheckSameExecutionOrderOnEveryRank(group(), post_forward_order_, names);
   }
   // Forward: the unit that entered forward next. Backward runs units in the
   // reverse of the order their forwards ended, so a unit's backward is
@@ -767,14 +733,14 @@ std::optional<at::ScalarType> FullyShardedModel::BufferFullPrecisionDtype(
 }
 
 absl::Status FullyShardedModel::RegisterCommHook(std::shared_ptr<CommHook> hook) {
-  const std::string who = absl::StrCat("rank ", group_.rank(), " of ", group_.world_size(),
+  const std::string who = absl::StrCat("rank ", group().rank(), " of ", group().world_size(),
                                        ": RegisterCommHook: ");
   if (hook == nullptr) return absl::InvalidArgumentError(who + "the hook is null");
   // Under a hybrid root every unit's gradients cross the replicate group,
   // whatever the unit's own strategy.
   for (const auto& unit : units_) {
     const ShardingStrategy strategy =
-        options_.replicate_group != nullptr ? options_.strategy : unit->strategy_;
+        groups_.replicate != nullptr ? options_.strategy : unit->strategy();
     if (IsHybrid(strategy)) {
       return absl::InvalidArgumentError(absl::StrCat(
           who, "unit '", UnitName(unit->fqn_), "' uses ", ShardingStrategyName(strategy),

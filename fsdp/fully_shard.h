@@ -13,6 +13,8 @@
 //
 //   auto wrapped = fsdp::FullyShardedModel::Wrap(
 //       model.ptr(), group, options, *fsdp::ModuleTypePolicy::Of<BlockImpl>());
+//   // group: a Collectives&, or fsdp::ProcessGroups with hybrid sharding's
+//   // replicate group or a post-forward group (fsdp/fsdp_options.h).
 //   torch::optim::AdamW optimizer(fsdp::UniqueParameters(*model), ...);  // the shards
 //   ... loss = ...model->forward(x)...; loss.backward(); optimizer.step(); ...
 //
@@ -131,10 +133,13 @@ class FsdpUnit {
   // UnitShard::Of (fsdp/shard_placement.h).
   FlatParamHandle* handle() const { return handle_.get(); }
   bool is_root() const { return is_root_; }
+  // The unit's options, resolved once at Wrap (fsdp/fsdp_options.h); its
+  // handle holds a copy made then.
+  const ResolvedUnitOptions& options() const { return options_; }
   // The root's strategy or the policy's override for this unit.
-  ShardingStrategy strategy() const { return strategy_; }
+  ShardingStrategy strategy() const { return options_.strategy; }
   // The root's mixed precision or the policy's override for this unit.
-  const MixedPrecision& mixed_precision() const { return mixed_precision_; }
+  const MixedPrecision& mixed_precision() const { return options_.mixed_precision; }
   // FullyShardedModel::SetRequiresGradientSync.
   bool requires_gradient_sync() const { return requires_gradient_sync_; }
   // FullyShardedModel::SetRequiresAllReduce.
@@ -148,10 +153,9 @@ class FsdpUnit {
 
   std::string fqn_;
   torch::nn::Module* module_ = nullptr;
+  ResolvedUnitOptions options_;
   std::unique_ptr<FlatParamHandle> handle_;
   bool is_root_ = false;
-  ShardingStrategy strategy_ = ShardingStrategy::kFullShard;
-  MixedPrecision mixed_precision_;
   bool requires_gradient_sync_ = true;
   bool requires_all_reduce_ = true;
   bool reshard_after_backward_ = true;
@@ -205,12 +209,17 @@ class FullyShardedModel {
  public:
   // Wraps `root` as the policy plans it (fsdp/wrap_plan.h has the rules):
   // the root and every module the policy chooses become units with their
-  // options, and their parameters are sharded over `group`, which must
-  // outlive the model. Fails, leaving the model untouched, with PlanWrap's
-  // errors or when a handle cannot flatten its parameters. Every rank must
-  // wrap the same plan (checked at the first forward or Unshard).
+  // options, and their parameters are sharded over `groups.shard`, with
+  // the replicate and post-forward groups as ProcessGroups describes
+  // (fsdp/fsdp_options.h); every group must outlive the model. A single
+  // Collectives& converts: Wrap(root, *collectives, options, policy).
+  // Fails, leaving the model untouched, with kInvalidArgument for options
+  // or groups that do not fit (ValidateFsdpOptions, ValidateProcessGroups),
+  // PlanWrap's errors, or when a handle cannot flatten its parameters.
+  // Every rank must wrap the same plan (checked at the first forward or
+  // Unshard).
   static absl::StatusOr<std::unique_ptr<FullyShardedModel>> Wrap(
-      std::shared_ptr<torch::nn::Module> root, Collectives& group,
+      std::shared_ptr<torch::nn::Module> root, const ProcessGroups& groups,
       const FsdpOptions& options, const WrapPolicy& policy);
 
   FullyShardedModel(const FullyShardedModel&) = delete;
@@ -226,9 +235,12 @@ class FullyShardedModel {
   const FsdpOptions& options() const { return options_; }
   // The plan the model was wrapped with (parameter lists without tensors).
   const WrapPlan& plan() const { return plan_; }
-  Collectives& group() const { return group_; }  // The shard group.
-  // Hybrid sharding's replicate group (FsdpOptions); null otherwise.
-  Collectives* replicate_group() const { return options_.replicate_group; }
+  // The groups given to Wrap.
+  const ProcessGroups& groups() const { return groups_; }
+  Collectives& group() const { return *groups_.shard; }  // The shard group.
+  // Hybrid sharding's replicate group (ProcessGroups::replicate); null
+  // otherwise.
+  Collectives* replicate_group() const { return groups_.replicate; }
   // Where the units' parameters are unsharded, resharded and reduced
   // (fsdp/unit_scheduler.h): for code that needs a unit's full parameters
   // between steps (SummonFullParams, FULL state dicts).
@@ -358,7 +370,7 @@ class FullyShardedModel {
                                                  double norm_type);
   friend absl::Status Apply(FullyShardedModel& model,
                             const std::function<void(torch::nn::Module&)>& fn);
-  FullyShardedModel(std::shared_ptr<torch::nn::Module> root, Collectives& group,
+  FullyShardedModel(std::shared_ptr<torch::nn::Module> root, const ProcessGroups& groups,
                     const FsdpOptions& options);
 
   // At the first forward or Unshard: checks that every rank wrapped the
@@ -403,7 +415,7 @@ class FullyShardedModel {
   std::string Describe(const FsdpUnit& unit) const;
 
   std::shared_ptr<torch::nn::Module> root_;
-  Collectives& group_;
+  const ProcessGroups groups_;
   const FsdpOptions options_;
   std::vector<std::unique_ptr<FsdpUnit>> units_;
   WrapPlan plan_;

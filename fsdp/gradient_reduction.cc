@@ -99,7 +99,7 @@ GradientReduction::GradientReduction(std::string unit_name, std::string who,
 GradientReduction::~GradientReduction() = default;
 
 bool GradientReduction::hybrid() const {
-  return options_.replicate_group != nullptr && options_.replicate_group->world_size() > 1;
+  return options_.replicate != nullptr && options_.replicate->world_size() > 1;
 }
 
 void GradientReduction::SetDivideFactor(std::optional<double> factor) {
@@ -201,7 +201,7 @@ std::unique_ptr<PendingReduction> GradientReduction::Issue(at::Tensor flat_grad,
                 "' returned no reduction (a synchronous hook returns CompletedReduction())");
     return pending;
   }
-  Collectives& replicate = *options_.replicate_group;
+  Collectives& replicate = *options_.replicate;
   // The average over every rank holding a replica of this shard: divided as
   // DefaultCommHook divides, over both groups' ranks.
   const GradientDivisors divisors =

@@ -60,7 +60,7 @@ void RecordUseOnCurrentStream(const at::Tensor& t);
 
 struct GradientReductionOptions {
   // Hybrid sharding's replicate group (null otherwise): see the top.
-  Collectives* replicate_group = nullptr;
+  Collectives* replicate = nullptr;
   at::ScalarType reduce_dtype = at::kFloat;  // The reduction runs in it.
   at::ScalarType grad_dtype = at::kFloat;    // The sharded gradient's.
   std::optional<double> divide_factor;       // FsdpOptions::gradient_divide_factor.

@@ -101,7 +101,7 @@ TEST(GradientReduction, HybridPartialSumCrossesTheReplicateGroupOnce) {
     Collectives& replicate = *groups->replicate;
     Unit unit(shard.world_size(), shard.rank());
     GradientReductionOptions options;
-    options.replicate_group = &replicate;
+    options.replicate = &replicate;
     GradientReduction reduction("u", "unit 'u'", unit.layout, shard, UnitPlacement{}, options);
     replicate.ResetCounters();
     // Backward 1 gives rank r the gradient r, backward 2 gives 10: the
@@ -136,7 +136,7 @@ TEST(GradientReduction, RefusesACommHookUnderHybridSharding) {
     ASSERT_TRUE(groups.ok()) << groups.status();
     Unit unit(groups->shard->world_size(), groups->shard->rank());
     GradientReductionOptions options;
-    options.replicate_group = groups->replicate.get();
+    options.replicate = groups->replicate.get();
     GradientReduction reduction("u", "unit 'u'", unit.layout, *groups->shard, UnitPlacement{},
                                 options);
     DefaultCommHook hook;

@@ -98,9 +98,10 @@ TEST_P(HybridShardParity, MatchesLocalTrainingAndTalksAcrossGroupsOnlyToReduce) 
     Net model;
     FsdpOptions options;
     options.strategy = c.strategy;
-    options.replicate_group = &replicate;
+    ProcessGroups hybrid(shard);
+    hybrid.replicate = &replicate;
     auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), shard, options, *ModuleTypePolicy::Of<BlockImpl>());
+        FullyShardedModel::Wrap(model.ptr(), hybrid, options, *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     FullyShardedModel& fsdp = **wrapped;
     auto optimizer = MakeSgd(model->parameters());
@@ -189,11 +190,12 @@ TEST(HybridShard, RequiresAllReduceFalseDefersTheSumAcrossGroups) {
     Collectives& replicate = *groups->replicate;
     FsdpOptions options;
     options.strategy = ShardingStrategy::kHybridShard;
-    options.replicate_group = &replicate;
+    ProcessGroups hybrid(shard);
+    hybrid.replicate = &replicate;
     Net deferred, reference;
-    auto wrapped_deferred =
-        FullyShardedModel::Wrap(deferred.ptr(), shard, options, *ModuleTypePolicy::Of<BlockImpl>());
-    auto wrapped_reference = FullyShardedModel::Wrap(reference.ptr(), shard, options,
+    auto wrapped_deferred = FullyShardedModel::Wrap(deferred.ptr(), hybrid, options,
+                                                    *ModuleTypePolicy::Of<BlockImpl>());
+    auto wrapped_reference = FullyShardedModel::Wrap(reference.ptr(), hybrid, options,
                                                      *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped_deferred.ok() && wrapped_reference.ok());
     const int64_t rows = kGlobalBatch / 4;
@@ -272,7 +274,8 @@ TEST_P(DeferredAllReduce, FirstMicroBatchDeferredMatchesTwoThatAllReduce) {
     Collectives& replicate = *groups->replicate;
     FsdpOptions options;
     options.strategy = c.strategy;
-    options.replicate_group = &replicate;
+    ProcessGroups hybrid(shard);
+    hybrid.replicate = &replicate;
     options.offload_params = c.offload_params;
     options.mixed_precision = c.mixed_precision;
     CustomPolicy policy([&](const std::string&,
@@ -283,8 +286,8 @@ TEST_P(DeferredAllReduce, FirstMicroBatchDeferredMatchesTwoThatAllReduce) {
       return unit;
     });
     Net deferred, reference;
-    auto wrapped_deferred = FullyShardedModel::Wrap(deferred.ptr(), shard, options, policy);
-    auto wrapped_reference = FullyShardedModel::Wrap(reference.ptr(), shard, options, policy);
+    auto wrapped_deferred = FullyShardedModel::Wrap(deferred.ptr(), hybrid, options, policy);
+    auto wrapped_reference = FullyShardedModel::Wrap(reference.ptr(), hybrid, options, policy);
     ASSERT_TRUE(wrapped_deferred.ok()) << wrapped_deferred.status();
     ASSERT_TRUE(wrapped_reference.ok()) << wrapped_reference.status();
     FullyShardedModel& fsdp = **wrapped_deferred;
@@ -368,14 +371,16 @@ TEST(HybridShard, NeedsAReplicateGroupExactlyWithAHybridStrategy) {
                 auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
                                                        *ModuleTypePolicy::Of<BlockImpl>());
                 EXPECT_THAT(wrapped.status().message(),
-                            HasSubstr("FsdpOptions::replicate_group is not set but the "
+                            HasSubstr("ProcessGroups::replicate is not set but the "
                                       "strategy is HYBRID_SHARD"));
                 options.strategy = ShardingStrategy::kFullShard;
-                options.replicate_group = &comm;
-                wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
+                ProcessGroups groups(comm);
+                groups.replicate = &comm;
+                wrapped = FullyShardedModel::Wrap(model.ptr(), groups, options,
                                                   *ModuleTypePolicy::Of<BlockImpl>());
                 EXPECT_THAT(wrapped.status().message(),
-                            HasSubstr("replicate_group is set but the strategy is FULL_SHARD"));
+                            HasSubstr("ProcessGroups::replicate is set but the strategy is "
+                                      "FULL_SHARD"));
               }).ok());
 }
 
@@ -421,8 +426,9 @@ TEST(PostForwardGroup, BackwardGathersWithinTheGroupAndChangesNoNumber) {
         FsdpOptions options;
         options.mixed_precision.param_dtype = param_dtype;
         options.offload_params = config.offload_params;
-        if (post == 1) options.post_forward_group = &pair;
-        auto wrapped = FullyShardedModel::Wrap(model.ptr(), world, options,
+        ProcessGroups fsdp_groups(world);
+        if (post == 1) fsdp_groups.post_forward = &pair;
+        auto wrapped = FullyShardedModel::Wrap(model.ptr(), fsdp_groups, options,
                                                *ModuleTypePolicy::Of<BlockImpl>());
         ASSERT_TRUE(wrapped.ok()) << wrapped.status();
         FullyShardedModel& fsdp = **wrapped;
@@ -477,9 +483,10 @@ TEST(PostForwardGroup, AGroupOfOtherRanksIsRefusedOnEveryRank) {
   absl::Status status = RunOnThreadRanks(kWorld, [&](Collectives& world) {
     Net model;
     FsdpOptions whole;
-    whole.post_forward_group = &world;  // k = W: nothing to save.
-    auto refused =
-        FullyShardedModel::Wrap(model.ptr(), world, whole, *ModuleTypePolicy::Of<BlockImpl>());
+    ProcessGroups whole_groups(world);
+    whole_groups.post_forward = &world;  // k = W: nothing to save.
+    auto refused = FullyShardedModel::Wrap(model.ptr(), whole_groups, whole,
+                                           *ModuleTypePolicy::Of<BlockImpl>());
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(refused.status().message(), HasSubstr("1 < k < 4"));
     GlooOptions gloo;
@@ -489,9 +496,10 @@ TEST(PostForwardGroup, AGroupOfOtherRanksIsRefusedOnEveryRank) {
     auto pair = GlooGroupConnector(store, gloo)(r < 2 ? "pair0" : "pair1", r < 2 ? r : 3 - r, 2);
     ASSERT_TRUE(pair.ok()) << pair.status();
     FsdpOptions options;
-    options.post_forward_group = pair->get();
-    auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), world, options, *ModuleTypePolicy::Of<BlockImpl>());
+    ProcessGroups with_pair(world);
+    with_pair.post_forward = pair->get();
+    auto wrapped = FullyShardedModel::Wrap(model.ptr(), with_pair, options,
+                                           *ModuleTypePolicy::Of<BlockImpl>());
     ASSERT_TRUE(wrapped.ok()) << wrapped.status();
     try {
       model->forward(Inputs(0, 0));
@@ -534,13 +542,14 @@ TEST(PostForwardGroup, AForwardWithoutBackwardKeepsNoPieces) {
       ASSERT_TRUE(groups.ok()) << groups.status();
       auto model = std::make_shared<DetachingNetImpl>();
       FsdpOptions options;
+      ProcessGroups fsdp_groups(world);
       if (zero2) {
         options.strategy = ShardingStrategy::kShardGradOp;
       } else {
-        options.post_forward_group = groups->shard.get();
+        fsdp_groups.post_forward = groups->shard.get();
       }
-      auto wrapped =
-          FullyShardedModel::Wrap(model, world, options, *ModuleTypePolicy::Of<BlockImpl>());
+      auto wrapped = FullyShardedModel::Wrap(model, fsdp_groups, options,
+                                             *ModuleTypePolicy::Of<BlockImpl>());
       ASSERT_TRUE(wrapped.ok()) << wrapped.status();
       at::Tensor out = model->forward(Inputs(0, 0));
       EXPECT_FALSE(out.requires_grad());

@@ -170,17 +170,17 @@ struct TrainingRecord {
   std::vector<std::string> events;
   std::map<std::string, at::Tensor> params;
 };
-TrainingRecord TrainTwoSteps(Collectives& group, EventLog& log, FsdpOptions options) {
+TrainingRecord TrainTwoSteps(const ProcessGroups& groups, EventLog& log, FsdpOptions options) {
   LoggedNet model;
-  auto wrapped = FullyShardedModel::Wrap(model.ptr(), group, options,
+  auto wrapped = FullyShardedModel::Wrap(model.ptr(), groups, options,
                                          *ModuleTypePolicy::Of<LoggedBlockImpl>());
   TORCH_CHECK(wrapped.ok(), wrapped.status().ToString());
   torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
-  const int world =
-      group.world_size() *
-      (options.replicate_group != nullptr ? options.replicate_group->world_size() : 1);
-  const int global_rank = options.replicate_group != nullptr
-                              ? options.replicate_group->rank() * group.world_size() + group.rank()
+  const Collectives& group = *groups.shard;
+  const Collectives* replicate = groups.replicate;
+  const int world = group.world_size() * (replicate != nullptr ? replicate->world_size() : 1);
+  const int global_rank = replicate != nullptr
+                              ? replicate->rank() * group.world_size() + group.rank()
                               : group.rank();
   const int64_t rows = kGlobalBatch / world;
   TrainingRecord run;
@@ -282,8 +282,9 @@ TEST(ReductionOverlap, HybridsReplicateAllReduceRunsWhileABackwardAfterItStarts)
                 RecordingCollectives replicate(*groups->replicate, "replicate ", log);
                 FsdpOptions options;
                 options.strategy = ShardingStrategy::kHybridShard;
-                options.replicate_group = &replicate;
-                runs[world.rank()] = TrainTwoSteps(shard, log, options);
+                ProcessGroups hybrid(shard);
+                hybrid.replicate = &replicate;
+                runs[world.rank()] = TrainTwoSteps(hybrid, log, options);
               }).ok());
   for (int rank = 0; rank < 4; ++rank) {
     SCOPED_TRACE(absl::StrCat("rank ", rank));

@@ -49,14 +49,14 @@ void UnitForward::Abandon() {
 
 at::Tensor UnitForward::Input(const at::Tensor& input) const {
   if (unit_ == nullptr || !input.defined() || !input.is_floating_point()) return input;
-  const MixedPrecision& mp = unit_->mixed_precision_;
+  const MixedPrecision& mp = unit_->options_.mixed_precision;
   const bool cast = unit_->is_root_ ? mp.cast_root_forward_inputs : mp.cast_forward_inputs;
   if (!cast || !mp.param_dtype) return input;
   return input.to(*mp.param_dtype);
 }
 
 at::Tensor UnitForward::CastOutput(const at::Tensor& output) const {
-  const std::optional<at::ScalarType>& dtype = unit_->mixed_precision_.output_dtype;
+  const std::optional<at::ScalarType>& dtype = unit_->options_.mixed_precision.output_dtype;
   if (!dtype || !output.defined() || !output.is_floating_point()) return output;
   return output.to(*dtype);
 }

@@ -24,21 +24,19 @@ std::set<const c10::TensorImpl*> IgnoredBuffers(const FsdpOptions& options) {
 
 // For sync_module_states: rank 0's values of `t` on every rank; under
 // hybrid sharding over the shard group, then the replicate group.
-void BroadcastFromRankZero(const at::Tensor& t, const FsdpOptions& options, Collectives& group) {
-  group.Broadcast(t, /*root=*/0)->Wait();
-  if (options.replicate_group != nullptr) {
-    options.replicate_group->Broadcast(t, /*root=*/0)->Wait();
-  }
+void BroadcastFromRankZero(const at::Tensor& t, const ProcessGroups& groups) {
+  groups.shard->Broadcast(t, /*root=*/0)->Wait();
+  if (groups.replicate != nullptr) groups.replicate->Broadcast(t, /*root=*/0)->Wait();
 }
 
 // One unit's parameters as one flat broadcast, so that the extra memory is
 // one unit's.
-void SyncUnitParams(const PlannedUnit& unit, const FsdpOptions& options, Collectives& group) {
+void SyncUnitParams(const PlannedUnit& unit, const ProcessGroups& groups) {
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> parts;
   for (const at::Tensor& p : unit.params) parts.push_back(p.detach().reshape({-1}));
   at::Tensor flat = at::cat(parts);
-  BroadcastFromRankZero(flat, options, group);
+  BroadcastFromRankZero(flat, groups);
   int64_t offset = 0;
   for (const at::Tensor& p : unit.params) {
     p.detach().copy_(flat.narrow(0, offset, p.numel()).view(p.sizes()));
@@ -48,16 +46,17 @@ void SyncUnitParams(const PlannedUnit& unit, const FsdpOptions& options, Collect
 
 // Buffers outside ignored modules. Non-floating buffers travel as float64
 // (the collectives carry floating types; integers up to 2^53 are exact).
-void SyncBuffers(torch::nn::Module& root, const FsdpOptions& options, Collectives& group) {
+void SyncBuffers(torch::nn::Module& root, const FsdpOptions& options,
+                 const ProcessGroups& groups) {
   at::NoGradGuard no_grad;
   const std::set<const c10::TensorImpl*> ignored = IgnoredBuffers(options);
   for (const at::Tensor& buffer : root.buffers()) {
     if (!buffer.defined() || ignored.count(buffer.unsafeGetTensorImpl()) != 0) continue;
     if (buffer.is_floating_point() && buffer.is_contiguous()) {
-      BroadcastFromRankZero(buffer, options, group);
+      BroadcastFromRankZero(buffer, groups);
     } else {
       at::Tensor wire = buffer.to(at::kDouble).contiguous();
-      BroadcastFromRankZero(wire, options, group);
+      BroadcastFromRankZero(wire, groups);
       buffer.copy_(wire);
     }
   }
@@ -174,16 +173,15 @@ absl::Status CheckDeviceId(const FsdpOptions& options, const WrapPlan& plan) {
   return absl::OkStatus();
 }
 
-
 absl::Status InitUnitParams(const PlannedUnit& unit, const ModulesByName& modules,
-                            const FsdpOptions& options, Collectives& group) {
+                            const FsdpOptions& options, const ProcessGroups& groups) {
   try {
     FSDP_RETURN_IF_ERROR(MaterializeUnit(unit, modules, options));
     if (options.device_id) MoveToDevice(unit.params, *options.device_id);
     if (options.sync_module_states) {
-      CollectiveLabel label(group, options.replicate_group, UnitName(unit.fqn),
+      CollectiveLabel label(*groups.shard, groups.replicate, UnitName(unit.fqn),
                             "sync_module_states");
-      SyncUnitParams(unit, options, group);
+      SyncUnitParams(unit, groups);
     }
   } catch (...) {
     const absl::Status failed = StatusFromCurrentException();
@@ -195,7 +193,8 @@ absl::Status InitUnitParams(const PlannedUnit& unit, const ModulesByName& module
 }
 
 absl::Status InitBuffers(torch::nn::Module& root, const ModulesByName& modules,
-                         const WrapPlan& plan, const FsdpOptions& options, Collectives& group,
+                         const WrapPlan& plan, const FsdpOptions& options,
+                         const ProcessGroups& groups,
                          std::map<const c10::TensorImpl*, at::ScalarType>& original_dtypes) {
   try {
     // Buffers of modules without parameters of their own can still be
@@ -226,8 +225,8 @@ absl::Status InitBuffers(torch::nn::Module& root, const ModulesByName& modules,
       MoveToDevice(buffers, *options.device_id);
     }
     if (options.sync_module_states) {
-      CollectiveLabel label(group, options.replicate_group, "buffers", "sync_module_states");
-      SyncBuffers(root, options, group);
+      CollectiveLabel label(*groups.shard, groups.replicate, "buffers", "sync_module_states");
+      SyncBuffers(root, options, groups);
     }
     CastBuffers(root, plan, options, original_dtypes);
   } catch (...) {

@@ -33,16 +33,18 @@ absl::Status CheckDeviceId(const FsdpOptions& options, const WrapPlan& plan);
 // The unit's parameters, ready to shard: deferred ones allocated and
 // filled by param_init_fn (once per owning module, with that module's
 // deferred buffers), moved to device_id, and set to rank 0's values under
-// sync_module_states (one flat broadcast per unit).
+// sync_module_states (one flat broadcast per unit, over the shard group and
+// then the replicate group).
 absl::Status InitUnitParams(const PlannedUnit& unit, const ModulesByName& modules,
-                            const FsdpOptions& options, Collectives& group);
+                            const FsdpOptions& options, const ProcessGroups& groups);
 
 // Every buffer outside ignored modules: deferred ones allocated and filled
 // by param_init_fn, moved to device_id, set to rank 0's values under
 // sync_module_states, and cast to the buffer_dtype of the unit owning it;
 // `original_dtypes` gets the dtype of each buffer cast.
 absl::Status InitBuffers(torch::nn::Module& root, const ModulesByName& modules,
-                         const WrapPlan& plan, const FsdpOptions& options, Collectives& group,
+                         const WrapPlan& plan, const FsdpOptions& options,
+                         const ProcessGroups& groups,
                          std::map<const c10::TensorImpl*, at::ScalarType>& original_dtypes);
 
 }  // namespace fsdp

@@ -10,10 +10,9 @@
 
 namespace fsdp {
 
-UnitScheduler::UnitScheduler(Collectives& group, const FsdpOptions& options, c10::Device device)
-    : group_(group),
-      replicate_group_(options.replicate_group),
-      post_forward_group_(options.post_forward_group),
+UnitScheduler::UnitScheduler(const ProcessGroups& groups, const FsdpOptions& options,
+                             c10::Device device)
+    : groups_(groups),
       trace_(options.trace),
       debug_log_(options.debug_log),
       offload_params_(options.offload_params),
@@ -39,7 +38,7 @@ void UnitScheduler::IssueUnshard(FlatParamHandle& handle, const std::string& pha
   // gather (the optimizer step, a state dict load): gather it after that.
   RuntimeStreams::WaitStream(streams_.all_gather(), streams_.compute());
   c10::StreamGuard on_all_gather(streams_.all_gather());
-  CollectiveLabel label(group_, post_forward_group_, handle.unit_name(), phase);
+  CollectiveLabel label(*groups_.shard, groups_.post_forward, handle.unit_name(), phase);
   TraceSpan span(trace_, "all-gather issue", handle.unit_name());
   handle.StartUnshard();
 }
@@ -100,7 +99,7 @@ void UnitScheduler::ReshardAfterForward(FlatParamHandle& handle) {
 }
 
 void UnitScheduler::UnshardGradients(FlatParamHandle& handle, const std::string& phase) {
-  CollectiveLabel label(group_, handle.unit_name(), phase);
+  CollectiveLabel label(*groups_.shard, handle.unit_name(), phase);
   handle.UnshardGradients();
 }
 
@@ -115,11 +114,11 @@ void UnitScheduler::ReduceGradients(FlatParamHandle& handle, bool all_reduce) {
   // computed since.
   for (; advanced_ < reducing_.size(); ++advanced_) {
     FlatParamHandle* earlier = reducing_[advanced_];
-    CollectiveLabel label(group_, replicate_group_, earlier->unit_name(), "backward");
+    CollectiveLabel label(*groups_.shard, groups_.replicate, earlier->unit_name(), "backward");
     earlier->AdvanceReduction();
   }
   RuntimeStreams::WaitStream(streams_.reduce_scatter(), streams_.compute());
-  CollectiveLabel label(group_, replicate_group_, handle.unit_name(), "backward");
+  CollectiveLabel label(*groups_.shard, groups_.replicate, handle.unit_name(), "backward");
   TraceSpan span(trace_, handle.layout().sharded() ? "reduce-scatter" : "all-reduce",
                  handle.unit_name());
   handle.StartReduceGradients(all_reduce);
@@ -134,7 +133,7 @@ void UnitScheduler::WaitForReductions() {
   {
     c10::StreamGuard on_reduce_scatter(streams_.reduce_scatter());
     for (FlatParamHandle* handle : reducing) {
-      CollectiveLabel label(group_, replicate_group_, handle->unit_name(), "backward");
+      CollectiveLabel label(*groups_.shard, groups_.replicate, handle->unit_name(), "backward");
       TraceSpan span(trace_, "reduction wait", handle->unit_name());
       try {
         handle->FinishReduceGradients();

@@ -35,9 +35,9 @@ namespace fsdp {
 class UnitScheduler {
  public:
   // Streams on `device` (where the units compute); throws c10::Error when
-  // the device has none to give. `group` and the options' replicate group,
-  // trace recorder and debug log must outlive the scheduler.
-  UnitScheduler(Collectives& group, const FsdpOptions& options, c10::Device device);
+  // the device has none to give. `groups` and the options' trace recorder
+  // and debug log must outlive the scheduler.
+  UnitScheduler(const ProcessGroups& groups, const FsdpOptions& options, c10::Device device);
   UnitScheduler(const UnitScheduler&) = delete;
   UnitScheduler& operator=(const UnitScheduler&) = delete;
 
@@ -73,7 +73,7 @@ class UnitScheduler {
   // (FlatParamHandle::ReshardKeepingFull).
   void ReshardKeepingFull(FlatParamHandle& handle);
   // Reshard after forward: FlatParamHandle::ReshardAfterForward, which
-  // keeps this rank's piece for FsdpOptions::post_forward_group.
+  // keeps this rank's piece for ProcessGroups::post_forward.
   void ReshardAfterForward(FlatParamHandle& handle);
   // Between steps: the handle's full gradients in .grad, all-gathered
   // from its sharded ones on the compute stream (FlatParamHandle::
@@ -102,9 +102,7 @@ class UnitScheduler {
   void Move(FlatParamHandle& handle, HandleTrainingState from, HandleTrainingState to);
 
  private:
-  Collectives& group_;
-  Collectives* const replicate_group_;
-  Collectives* const post_forward_group_;
+  const ProcessGroups groups_;
   TraceRecorder* const trace_;
   const DebugLog debug_log_;
   const bool offload_params_;

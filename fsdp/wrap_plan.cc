@@ -253,6 +253,18 @@ absl::StatusOr<WrapPlan> PlanWrap(torch::nn::Module& root, int world_size,
   return plan;
 }
 
+ResolvedUnitOptions ResolveUnitOptions(const PlannedUnit& unit, const FsdpOptions& options,
+                                       const ProcessGroups& groups) {
+  ResolvedUnitOptions resolved;
+  resolved.strategy = unit.strategy;
+  resolved.mixed_precision = unit.mixed_precision;
+  resolved.offload_params = options.offload_params;
+  resolved.gradient_divide_factor = options.gradient_divide_factor;
+  resolved.replicate = groups.replicate;
+  if (ReshardsAfterForward(unit.strategy)) resolved.post_forward = groups.post_forward;
+  return resolved;
+}
+
 std::string WrapPlan::ToString() const {
   std::string out = absl::StrCat("FSDP wrap plan: policy '", policy, "', world size ",
                                  world_size, ", root strategy ",

@@ -91,6 +91,12 @@ struct WrapPlan {
 absl::StatusOr<WrapPlan> PlanWrap(torch::nn::Module& root, int world_size,
                                   const FsdpOptions& options, const WrapPolicy& policy);
 
+// `unit`'s options, resolved once (Wrap keeps them in the unit): the
+// plan's strategy and mixed precision (the root's or the policy's), the
+// root's offload and divide factor, and which of `groups` the unit uses.
+ResolvedUnitOptions ResolveUnitOptions(const PlannedUnit& unit, const FsdpOptions& options,
+                                       const ProcessGroups& groups);
+
 }  // namespace fsdp
 
 #endif  // FSDP_FSDP_WRAP_PLAN_H_

@@ -5,7 +5,7 @@
 // for FULL_SHARD and SHARD_GRAD_OP, at W = 4 as HYBRID_SHARD (2 replicas of
 // 2-rank shard groups: FSDP2's 2-D mesh), at W = 4 as FULL_SHARD
 // resharding to pairs after forward (FSDP2's reshard_after_forward=2, our
-// FsdpOptions::post_forward_group), and in bfloat16 mixed precision.
+// ProcessGroups::post_forward), and in bfloat16 mixed precision.
 // Every step's global mean loss and the final parameters must agree.
 //
 // Tolerances and why. Both sides run the same libtorch kernels on the same
@@ -168,19 +168,16 @@ Trajectory TrainWithFsdp2(const std::string& dir, const ParityCase& c) {
 
 // Trains on this rank's rows of each step's batch; rank 0 returns the full
 // parameters.
-void TrainRank(fsdp::Collectives& world, fsdp::Collectives& shard, fsdp::Collectives* replicate,
-               fsdp::Collectives* post_forward, const ParityCase& c, const at::Tensor& tokens,
-               Trajectory& out) {
+void TrainRank(fsdp::Collectives& world, const fsdp::ProcessGroups& groups, const ParityCase& c,
+               const at::Tensor& tokens, Trajectory& out) {
   Gpt model(Config());
   fsdp::FsdpOptions options;
   options.strategy = c.strategy;
-  options.replicate_group = replicate;
-  options.post_forward_group = post_forward;
   if (c.bf16) {
     options.mixed_precision.param_dtype = at::kBFloat16;
     options.mixed_precision.reduce_dtype = at::kFloat;
   }
-  auto wrapped = fsdp::FullyShardedModel::Wrap(model.ptr(), shard, options,
+  auto wrapped = fsdp::FullyShardedModel::Wrap(model.ptr(), groups, options,
                                                *fsdp::ModuleTypePolicy::Of<BlockImpl>());
   ASSERT_TRUE(wrapped.ok()) << wrapped.status();
   torch::optim::AdamW adamw(
@@ -207,7 +204,7 @@ Trajectory TrainWithOurs(const ParityCase& c, const at::Tensor& tokens) {
   Trajectory t;
   if (c.strategy != ShardingStrategy::kHybridShard && c.post_forward_group_size == 0) {
     EXPECT_TRUE(RunOnThreadRanks(c.world_size, [&](fsdp::Collectives& world) {
-                  TrainRank(world, world, nullptr, nullptr, c, tokens, t);
+                  TrainRank(world, world, c, tokens, t);
                 }).ok());
     return t;
   }
@@ -225,11 +222,13 @@ Trajectory TrainWithOurs(const ParityCase& c, const at::Tensor& tokens) {
                 auto groups = fsdp::CreateHybridShardCollectives(
                     world.rank(), layout, gloo.group_name, fsdp::GlooGroupConnector(store, gloo));
                 ASSERT_TRUE(groups.ok()) << groups.status();
+                fsdp::ProcessGroups fsdp_groups(hybrid ? *groups->shard : world);
                 if (hybrid) {
-                  TrainRank(world, *groups->shard, groups->replicate.get(), nullptr, c, tokens, t);
+                  fsdp_groups.replicate = groups->replicate.get();
                 } else {
-                  TrainRank(world, world, nullptr, groups->shard.get(), c, tokens, t);
+                  fsdp_groups.post_forward = groups->shard.get();
                 }
+                TrainRank(world, fsdp_groups, c, tokens, t);
               }).ok());
   return t;
 }

@@ -106,7 +106,6 @@ int RunRank(const fsdp::LaunchEnvironment& env, fsdp::FsdpOptions options,
   const Placement placement =
       fsdp::ValueOrThrow(ResolvePlacement(env.local_rank, env.local_world_size));
   RankGroups groups = ConnectGroups(env, placement, fsdp::IsHybrid(options.strategy));
-  options.replicate_group = groups.hybrid.replicate.get();
   if (!placement.device.is_cpu()) options.device_id = placement.device;
   try {
     return TrainingRun(options, policy, *groups.world, groups.hybrid, placement.device)

@@ -117,8 +117,10 @@ void TrainingRun::Wrap(fsdp::FsdpOptions options, const fsdp::WrapPolicy& policy
   for (const auto& item : model_->named_parameters()) {
     if (item.value().dim() >= 2) matrices.insert(item.key());
   }
+  fsdp::ProcessGroups fsdp_groups(fsdp_group_);
+  fsdp_groups.replicate = hybrid_.replicate.get();  // Null unless hybrid.
   fsdp_model_ = fsdp::ValueOrThrow(
-      fsdp::FullyShardedModel::Wrap(model_.ptr(), fsdp_group_, options, policy));
+      fsdp::FullyShardedModel::Wrap(model_.ptr(), fsdp_groups, options, policy));
   if (absl::GetFlag(FLAGS_activation_checkpointing)) {
     const std::vector<std::string> checkpointed =
         fsdp::ValueOrThrow(fsdp::ApplyActivationCheckpointing(

@@ -22,7 +22,7 @@ enum class ShardingStrategy {
   kFullShard,    // Shard all three; reshard after forward, re-gather for backward.
   kShardGradOp,  // Shard all three; keep full parameters from forward to backward.
   kNoShard,      // Replicate; all-reduce gradients (DDP semantics).
-  // Hybrid sharding (FsdpOptions::replicate_group): FULL_SHARD or
+  // Hybrid sharding (ProcessGroups::replicate): FULL_SHARD or
   // SHARD_GRAD_OP within a shard group, replicated across shard groups; each
   // rank's reduced gradient shard is then all-reduced over its replicate
   // group (the ranks holding the same shard).

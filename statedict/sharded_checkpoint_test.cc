@@ -200,8 +200,9 @@ TEST(ShardedCheckpoint, HybridShardingWritesOneCopyThatLoadsElsewhere) {
                 Net model;
                 FsdpOptions options;
                 options.strategy = ShardingStrategy::kHybridShard;
-                options.replicate_group = groups->replicate.get();
-                auto wrapped = FullyShardedModel::Wrap(model.ptr(), *groups->shard, options,
+                ProcessGroups hybrid(*groups->shard);
+                hybrid.replicate = groups->replicate.get();
+                auto wrapped = FullyShardedModel::Wrap(model.ptr(), hybrid, options,
                                                        *ModuleTypePolicy::Of<BlockImpl>());
                 ASSERT_TRUE(wrapped.ok()) << wrapped.status();
                 auto optimizer = MakeOptimizer(Optim::kAdam, model->parameters());
