@@ -50,14 +50,23 @@ absl::StatusOr<at::Tensor> MapTokenFile(const std::string& path, at::ScalarType 
   const std::string flag = absl::StrCat("--data_tokens=", path);
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
-    return absl::NotFoundError(absl::StrCat(flag, ": cannot open it: ", std::strerror(errno)));
+    const int error = errno;
+    return absl::Status(absl::ErrnoToStatusCode(error),
+                        absl::StrCat(flag, ": cannot open it: ", std::strerror(error)));
   }
   struct stat info;
-  const bool stat_ok = ::fstat(fd, &info) == 0;
-  const int64_t size = stat_ok ? info.st_size : 0;
+  if (::fstat(fd, &info) != 0) {
+    const int error = errno;
+    ::close(fd);
+    return absl::Status(absl::ErrnoToStatusCode(error),
+                        absl::StrCat(flag, ": cannot stat it: ", std::strerror(error)));
+  }
+  const int64_t size = info.st_size;
   const int64_t width = static_cast<int64_t>(c10::elementSize(dtype));
   // The pre-launch checks said the same; the file may have changed since.
-  if (!stat_ok || size == 0 || size % width != 0) {
+  // (It must not change while the run maps it: a file cut short under the
+  // mapping faults the rank that reads the lost pages.)
+  if (size == 0 || size % width != 0) {
     ::close(fd);
     return absl::InvalidArgumentError(absl::StrCat(
         flag, ": ", size, " bytes are not a whole number of ", width, "-byte token ids"));
@@ -77,7 +86,11 @@ absl::StatusOr<at::Tensor> MapTokenFile(const std::string& path, at::ScalarType 
 }  // namespace
 
 at::ScalarType TokenFileDtype() {
-  return absl::GetFlag(FLAGS_data_tokens_dtype) == "uint32" ? at::kInt : at::kShort;
+  const std::string dtype = absl::GetFlag(FLAGS_data_tokens_dtype);
+  // PreLaunchProblems refused any other name, a recorded one included.
+  TORCH_CHECK(dtype == "uint16" || dtype == "uint32", "--data_tokens_dtype=", dtype,
+              ": must be uint16 or uint32");
+  return dtype == "uint32" ? at::kInt : at::kShort;
 }
 
 absl::StatusOr<Corpus> LoadCorpus() {

@@ -28,10 +28,11 @@ ABSL_FLAG(std::string, data, "",
           "first 90% trains, the last 10% is held out for the eval loss and the prompt of "
           "the sample printed at the end.");
 ABSL_FLAG(std::string, data_tokens, "",
-          "Train on this file's token ids instead: nanoGPT's train.bin, little-endian ids of "
-          "--data_tokens_dtype and nothing else, split as --data. The file is mapped, not "
-          "read; an id at or above the model's vocabulary size stops the job at the batch "
-          "that draws it, naming its position.");
+          "Train on this file's token ids instead: nanoGPT's train.bin layout, little-endian "
+          "ids of --data_tokens_dtype and nothing else, split as --data. The file is mapped, "
+          "not read, and must not change during the run. The byte-level GPT embeds ids "
+          "0..255 only: an id at or above that stops the job at the batch that draws it, "
+          "naming its position.");
 ABSL_FLAG(std::string, data_tokens_dtype, "uint16", "--data_tokens' ids: uint16 or uint32.");
 ABSL_FLAG(int, eval_every, 50,
           "With --data or --data_tokens: the held-out loss every this many steps and after "

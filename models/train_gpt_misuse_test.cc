@@ -455,6 +455,18 @@ TEST(TrainGptMisuse, TokenFilesTrainAsTheirBytesAndBadOnesAreRefused) {
                      "--data_tokens_dtype=int8: must be uint16 or uint32");
   ExpectStartRefuses(" --data_tokens_dtype=uint32", "--data_tokens_dtype=uint32: applies only "
                                                     "with --data_tokens");
+  // The corpus is one choice: a run resumed with --data_tokens takes
+  // neither the recorded --data nor its dtype.
+  const CommandResult first = RunCommand(absl::StrCat(
+      kJob, " --steps=1 --checkpoint_every=1 --checkpoint_dir=", dir, "/ckpt --data=", dir,
+      "/corpus.txt"));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const CommandResult switched = RunCommand(absl::StrCat(
+      kJob, " --steps=2 --resume --checkpoint_dir=", dir, "/ckpt --data_tokens=", dir, "/u16.bin"));
+  EXPECT_EQ(switched.exit_code, 0) << switched.output;
+  EXPECT_THAT(switched.output, HasSubstr(absl::StrCat("training batches from the first nine "
+                                                      "tenths of --data_tokens=",
+                                                      dir, "/u16.bin")));
   // 65535 read as uint16, not as -1: too large for the byte-level model's
   // 256 embeddings, and named before the batch reaches it.
   WriteIds(dir + "/large.bin", std::vector<uint16_t>(4000, 65535));

@@ -29,12 +29,11 @@ fi
 # parameter stays inside fsdp/ (other packages read a unit's shard through
 # fsdp/shard_placement.h), and the file formats include neither the core
 # nor comm/.
-layering_includes=$( {
-  grep -rnE '#include "fsdp/(flat_param_handle|gradient_reduction)\.h"' \
-    --include='*.h' --include='*.cc' --include='*.cu' . --exclude-dir=fsdp \
-    --exclude-dir='bazel-*' --exclude-dir='build*' --exclude-dir=.git
-  grep -rnE '#include "(fsdp|comm)/' formats/
-} 2>/dev/null)
+layering_includes=$(
+  git ls-files '*.h' '*.cc' '*.cu' | grep -v '^fsdp/' |
+    xargs grep -nE '#include *[<"]fsdp/(flat_param_handle|gradient_reduction)\.h'
+  git ls-files 'formats/*.h' 'formats/*.cc' | xargs grep -nE '#include *[<"](fsdp|comm)/'
+)
 if [[ -n "$layering_includes" ]]; then
   echo "layering: these includes cross a package boundary the architecture forbids" \
        "(fsdp/BUILD.bazel, formats/BUILD.bazel):" >&2
