@@ -64,6 +64,12 @@ absl::Status ValidateProcessGroups(const ProcessGroups& groups, const FsdpOption
         "ProcessGroups::shard and the replicate group in ProcessGroups::replicate; the other "
         "strategies take no replicate group"));
   }
+  if (groups.replicate == groups.shard) {
+    return absl::InvalidArgumentError(
+        "ProcessGroups::replicate is the shard group; hybrid sharding needs two groups that "
+        "cross (each rank in one of each: comm/hybrid_groups.h forms them), or reduces every "
+        "gradient twice over the same ranks");
+  }
   // Sizes only, the same on every rank; which ranks is checked at the
   // first forward, where every rank can learn of a wrong group.
   if (const Collectives* post = groups.post_forward; post != nullptr) {

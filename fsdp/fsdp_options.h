@@ -194,8 +194,8 @@ std::string CrossRankOptionsKey(const FsdpOptions& options, const ProcessGroups&
 absl::Status ValidateFsdpOptions(const FsdpOptions& options);
 
 // Groups that do not fit the options or each other: no shard group, a
-// replicate group without a hybrid root strategy or the reverse, a
-// post-forward group whose size k is not 1 < k < W with k dividing the
+// replicate group without a hybrid root strategy or the reverse, the shard
+// group passed as the replicate group too, a post-forward group whose size k is not 1 < k < W with k dividing the
 // shard group's size W. The first such, named. Wrap refuses them; which
 // ranks the post-forward group holds is checked at the first forward.
 absl::Status ValidateProcessGroups(const ProcessGroups& groups, const FsdpOptions& options);

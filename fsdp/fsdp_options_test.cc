@@ -99,27 +99,38 @@ TEST(CrossRankOptionsKey, WhatMayDifferBetweenRanksLeavesTheKeyAlone) {
 }
 
 TEST(ValidateProcessGroups, AReplicateGroupGoesWithAHybridStrategy) {
+  // Two one-rank groups, distinct objects: the shard and the replicate group.
   absl::Status status = testing::RunOnThreadRanks(1, [](Collectives& comm) {
-    FsdpOptions hybrid;
-    hybrid.strategy = ShardingStrategy::kHybridShard;
-    ProcessGroups groups(comm);
-    const absl::Status missing = ValidateProcessGroups(groups, hybrid);
-    EXPECT_EQ(missing.code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(missing.message().find("ProcessGroups::replicate is not set but the strategy is "
-                                     "HYBRID_SHARD"),
-              std::string::npos)
-        << missing;
-    groups.replicate = &comm;
-    EXPECT_TRUE(ValidateProcessGroups(groups, hybrid).ok());
-    const absl::Status extra = ValidateProcessGroups(groups, FsdpOptions());
-    EXPECT_NE(extra.message().find("ProcessGroups::replicate is set but the strategy is "
-                                   "FULL_SHARD"),
-              std::string::npos)
-        << extra;
-    ProcessGroups no_shard(comm);
-    no_shard.shard = nullptr;
-    EXPECT_EQ(ValidateProcessGroups(no_shard, FsdpOptions()).code(),
-              absl::StatusCode::kInvalidArgument);
+    absl::Status inner = testing::RunOnThreadRanks(1, [&comm](Collectives& other) {
+      FsdpOptions hybrid;
+      hybrid.strategy = ShardingStrategy::kHybridShard;
+      ProcessGroups groups(comm);
+      const absl::Status missing = ValidateProcessGroups(groups, hybrid);
+      EXPECT_EQ(missing.code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_NE(missing.message().find("ProcessGroups::replicate is not set but the strategy is "
+                                       "HYBRID_SHARD"),
+                std::string::npos)
+          << missing;
+      groups.replicate = &other;
+      EXPECT_TRUE(ValidateProcessGroups(groups, hybrid).ok());
+      const absl::Status extra = ValidateProcessGroups(groups, FsdpOptions());
+      EXPECT_NE(extra.message().find("ProcessGroups::replicate is set but the strategy is "
+                                     "FULL_SHARD"),
+                std::string::npos)
+          << extra;
+      // One group as both would reduce every gradient twice over it.
+      groups.replicate = &comm;
+      const absl::Status same = ValidateProcessGroups(groups, hybrid);
+      EXPECT_EQ(same.code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_NE(same.message().find("ProcessGroups::replicate is the shard group"),
+                std::string::npos)
+          << same;
+      ProcessGroups no_shard(comm);
+      no_shard.shard = nullptr;
+      EXPECT_EQ(ValidateProcessGroups(no_shard, FsdpOptions()).code(),
+                absl::StatusCode::kInvalidArgument);
+    });
+    EXPECT_TRUE(inner.ok()) << inner;
   });
   EXPECT_TRUE(status.ok()) << status;
 }
@@ -138,6 +149,18 @@ TEST(ValidateFsdpOptions, RefusesADtypeMixedPrecisionDoesNotUse) {
   // Floating-point, but no mixed precision: float64 is no lower precision.
   options.mixed_precision.reduce_dtype = at::kDouble;
   EXPECT_EQ(ValidateFsdpOptions(options).code(), absl::StatusCode::kInvalidArgument);
+  // Buffers and outputs are cast locally only: any floating type, as in
+  // PyTorch.
+  options.mixed_precision.reduce_dtype = at::kFloat;
+  options.mixed_precision.buffer_dtype = at::kDouble;
+  options.mixed_precision.output_dtype = at::kDouble;
+  EXPECT_TRUE(ValidateFsdpOptions(options).ok()) << ValidateFsdpOptions(options);
+  options.mixed_precision.output_dtype = at::kLong;
+  const absl::Status integral = ValidateFsdpOptions(options);
+  EXPECT_NE(integral.message().find("MixedPrecision::output_dtype is Long, not a floating-point "
+                                    "type"),
+            std::string::npos)
+      << integral;
 }
 
 }  // namespace

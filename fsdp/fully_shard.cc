@@ -144,8 +144,8 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::Wrap(
   auto on_rank = [&who](const absl::Status& failed) {
     return absl::Status(failed.code(), absl::StrCat(who, failed.message()));
   };
-  if (absl::Status fit = ValidateProcessGroups(groups, options); !fit.ok()) return on_rank(fit);
   if (absl::Status valid = ValidateFsdpOptions(options); !valid.ok()) return on_rank(valid);
+  if (absl::Status fit = ValidateProcessGroups(groups, options); !fit.ok()) return on_rank(fit);
   absl::StatusOr<WrapPlan> plan = PlanWrap(*root, group.world_size(), options, policy);
   if (!plan.ok()) return on_rank(plan.status());
   if (absl::Status device_ok = CheckDeviceId(options, *plan); !device_ok.ok()) {

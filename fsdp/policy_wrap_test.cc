@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "absl/strings/str_cat.h"
 #include "fsdp/flat_param_handle.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
@@ -207,6 +208,29 @@ TEST(PolicyWrap, PlanWrapRefusesTheRootsBadMixedPrecision) {
   EXPECT_THAT(plan.status().message(),
               HasSubstr("mixed_precision: MixedPrecision::param_dtype is Double, not one of "
                         "float32, float16, bfloat16"));
+}
+
+// A policy cannot make a unit hybrid under a non-hybrid root: Wrap takes a
+// replicate group only with a hybrid root, so the plan refuses it before
+// any unit is sharded, naming the module.
+TEST(PolicyWrap, AHybridUnitUnderANonHybridRootIsRefusedByThePlan) {
+  Net model;
+  auto policy = PolicyRegistry::Global().Build("module:Block,strategy=hybrid_shard");
+  ASSERT_TRUE(policy.ok()) << policy.status();
+  auto plan = PlanWrap(*model, /*world_size=*/4, {}, **policy);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(plan.status().message(),
+              HasSubstr("module 'blocks.0' with strategy HYBRID_SHARD but the root's strategy "
+                        "is FULL_SHARD: a unit can be hybrid only when the root is"));
+  absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
+    Net wrapped_model;
+    auto wrapped = FullyShardedModel::Wrap(wrapped_model.ptr(), comm, {}, **policy);
+    ASSERT_FALSE(wrapped.ok());
+    EXPECT_THAT(wrapped.status().message(), HasSubstr(absl::StrCat("rank ", comm.rank(), " of 2")));
+    EXPECT_EQ(GetModuleUnit(wrapped_model.get()), nullptr);
+  });
+  EXPECT_TRUE(status.ok()) << status;
 }
 
 TEST(PolicyWrap, PlanWrapIsADryRunThatChangesNothing) {

@@ -116,6 +116,17 @@ absl::StatusOr<std::map<const torch::nn::Module*, UnitOptions>> ChooseUnits(
       return absl::InvalidArgumentError(
           absl::StrCat(where, "module '", it->second, "' twice"));
     }
+    // A hybrid unit needs the replicate group, which Wrap takes only
+    // with a hybrid root (ValidateProcessGroups).
+    if (target.options.strategy && IsHybrid(*target.options.strategy) &&
+        !IsHybrid(options.strategy)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, "module '", it->second, "' with strategy ",
+          ShardingStrategyName(*target.options.strategy), " but the root's strategy is ",
+          ShardingStrategyName(options.strategy),
+          ": a unit can be hybrid only when the root is (FsdpOptions::strategy hybrid, with "
+          "ProcessGroups::replicate)"));
+    }
     if (target.options.mixed_precision) {
       if (absl::Status mp = ValidateMixedPrecision(*target.options.mixed_precision); !mp.ok()) {
         return absl::InvalidArgumentError(

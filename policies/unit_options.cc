@@ -82,15 +82,23 @@ bool IsMixedPrecisionDtype(at::ScalarType dtype) {
 }
 
 absl::Status ValidateMixedPrecision(const MixedPrecision& mp) {
-  for (auto [name, dtype] : {std::pair<const char*, const std::optional<at::ScalarType>*>{
-                                 "param_dtype", &mp.param_dtype},
-                             {"reduce_dtype", &mp.reduce_dtype},
-                             {"buffer_dtype", &mp.buffer_dtype},
-                             {"output_dtype", &mp.output_dtype}}) {
+  using Dtype = const std::optional<at::ScalarType>*;
+  // What the collectives gather and reduce in.
+  for (auto [name, dtype] : {std::pair<const char*, Dtype>{"param_dtype", &mp.param_dtype},
+                             {"reduce_dtype", &mp.reduce_dtype}}) {
     if (dtype->has_value() && !IsMixedPrecisionDtype(**dtype)) {
       return absl::InvalidArgumentError(
           absl::StrCat("MixedPrecision::", name, " is ", DtypeFlagName(**dtype),
                        ", not one of float32, float16, bfloat16"));
+    }
+  }
+  // Only cast locally: any floating type, as PyTorch allows (float64 too).
+  for (auto [name, dtype] : {std::pair<const char*, Dtype>{"buffer_dtype", &mp.buffer_dtype},
+                             {"output_dtype", &mp.output_dtype}}) {
+    if (dtype->has_value() && !at::isFloatingType(**dtype)) {
+      return absl::InvalidArgumentError(absl::StrCat("MixedPrecision::", name, " is ",
+                                                     DtypeFlagName(**dtype),
+                                                     ", not a floating-point type"));
     }
   }
   return absl::OkStatus();

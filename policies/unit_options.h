@@ -88,13 +88,17 @@ struct MixedPrecision {
 
 // The dtypes mixed precision computes, gathers and reduces in: float32,
 // float16 and bfloat16, the ones ParseDtypeFlag names. Other floating
-// types are refused too: float64 is no lower precision, and the float8
-// types have no reduction arithmetic in the collectives.
+// types are refused for parameters and reductions: float64 is no lower
+// precision, and the float8 types have no reduction arithmetic in the
+// collectives.
 bool IsMixedPrecisionDtype(at::ScalarType dtype);
 
-// A MixedPrecision whose set dtypes all pass IsMixedPrecisionDtype; the
-// first other one is named, as InvalidArgument. FsdpOptions validation and
-// the wrap plan (for the root and for a policy's per-unit override) call it.
+// A MixedPrecision whose param_dtype and reduce_dtype pass
+// IsMixedPrecisionDtype and whose buffer_dtype and output_dtype are
+// floating types (cast locally only, so float64 is allowed, as in
+// PyTorch); the first other one is named, as InvalidArgument. FsdpOptions
+// validation and the wrap plan (for the root and for a policy's per-unit
+// override) call it.
 absl::Status ValidateMixedPrecision(const MixedPrecision& mp);
 
 // Per-unit overrides chosen by a policy. A field left unset takes the
