@@ -15,12 +15,15 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/internal/parse.h"
 #include "absl/flags/reflection.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
 #include "formats/dcp.h"
+#include "hf/model_config.h"
 #include "models/train_gpt_flags.h"
+#include "models/train_gpt_model.h"
 #include "optim/flat_shard_optimizers.h"
 #include "policies/registry.h"
 #include "policies/unit_options.h"
@@ -120,8 +123,19 @@ std::vector<std::string> DependentFlagProblems(bool settings_pending) {
   needs("overwrite_exports",
         !absl::GetFlag(FLAGS_export_state_dict).empty() ||
             !absl::GetFlag(FLAGS_export_optim_state_dict).empty() ||
-            !absl::GetFlag(FLAGS_export_dcp).empty(),
-        "--export_state_dict, --export_optim_state_dict or --export_dcp");
+            !absl::GetFlag(FLAGS_export_dcp).empty() || !absl::GetFlag(FLAGS_export_hf).empty() ||
+            !absl::GetFlag(FLAGS_export_peft).empty(),
+        "an --export_* flag");
+  const bool hf_model = settings_pending || !absl::GetFlag(FLAGS_hf_model).empty();
+  for (const char* flag : {"export_hf", "lora_r", "init_peft"}) {
+    needs(flag, hf_model, "--hf_model (a Hugging Face model's directory)");
+  }
+  const bool lora_r = settings_pending || absl::GetFlag(FLAGS_lora_r) > 0;
+  for (const char* flag : {"lora_alpha", "lora_dropout", "lora_targets"}) {
+    needs(flag, lora_r, "--lora_r > 0");
+  }
+  needs("export_peft", lora_r || !absl::GetFlag(FLAGS_init_peft).empty(),
+        "LoRA adapters (--lora_r or --init_peft)");
   if (const int step = absl::GetFlag(FLAGS_TEST_nan_loss_at_step);
       step > absl::GetFlag(FLAGS_steps)) {
     problems.push_back(absl::StrFormat("--TEST_nan_loss_at_step=%d: beyond --steps=%d", step,
@@ -164,6 +178,36 @@ std::optional<std::string> DataProblem(int block_size) {
                            flag, path, size, unit, held_out, unit, block_size + 2);
   }
   return std::nullopt;
+}
+
+// --hf_model's: the byte-level GPT's shape flags are its config's there,
+// its weights come from its directory, and --init_peft's config sets the
+// adapters; the config itself is read before launch.
+std::vector<std::string> HfModelProblems() {
+  std::vector<std::string> problems;
+  const auto not_with = [&](const char* flag, const char* with, const char* why) {
+    if (Given(flag)) {
+      problems.push_back(absl::StrCat("--", flag, ": not with --", with, " (", why, ")"));
+    }
+  };
+  if (const std::string dir = absl::GetFlag(FLAGS_hf_model); !dir.empty()) {
+    for (const char* flag : {"n_layer", "n_head", "n_embd", "dropout"}) {
+      not_with(flag, "hf_model", "the model's config.json sets its shape");
+    }
+    not_with("init_state_dict", "hf_model", "the model's weights are its directory's");
+    not_with("sample_tokens", "hf_model", "the sample prints bytes; the model's ids are its "
+             "tokenizer's");
+    if (absl::StatusOr<fsdp::hf::CausalLmConfig> config = fsdp::hf::ReadCausalLmConfig(dir);
+        !config.ok()) {
+      problems.push_back(absl::StrCat("--hf_model=", dir, ": ", config.status().message()));
+    }
+  }
+  if (!absl::GetFlag(FLAGS_init_peft).empty()) {
+    for (const char* flag : {"lora_r", "lora_alpha", "lora_dropout", "lora_targets"}) {
+      not_with(flag, "init_peft", "the adapter's adapter_config.json sets it");
+    }
+  }
+  return problems;
 }
 
 // A rough upper bound of one rank's training memory: parameters, gradients
@@ -213,6 +257,7 @@ std::vector<std::string> CountProblems(int world_size, std::optional<int> launch
   at_least("eval_every", absl::GetFlag(FLAGS_eval_every), 0);
   at_least("eval_batches", absl::GetFlag(FLAGS_eval_batches), 1);
   at_least("sample_tokens", absl::GetFlag(FLAGS_sample_tokens), 0);
+  at_least("lora_r", absl::GetFlag(FLAGS_lora_r), 0);
   if (std::optional<std::string> problem = DataProblem(block_size)) problems.push_back(*problem);
   if (launcher_world_size.has_value() && Given("world_size") &&
       absl::GetFlag(FLAGS_world_size) != *launcher_world_size) {
@@ -249,7 +294,9 @@ std::vector<std::string> RealValueProblems() {
         Real{"beta2", absl::GetFlag(FLAGS_beta2), 0, true, 1, "in [0, 1)"},
         Real{"eps", absl::GetFlag(FLAGS_eps), 0, false, kInf, "> 0 and finite"},
         Real{"grad_clip", absl::GetFlag(FLAGS_grad_clip), 0, true, kInf,
-             ">= 0 and finite (0: off)"}}) {
+             ">= 0 and finite (0: off)"},
+        Real{"lora_alpha", absl::GetFlag(FLAGS_lora_alpha), 0, false, kInf, "> 0 and finite"},
+        Real{"lora_dropout", absl::GetFlag(FLAGS_lora_dropout), 0, true, 1, "in [0, 1)"}}) {
     if (!r.value.has_value()) continue;
     const double v = *r.value;
     const bool ok = std::isfinite(v) && (r.min_inclusive ? v >= r.min : v > r.min) && v < r.below;
@@ -323,6 +370,8 @@ std::vector<std::string> LayoutAndCheckpointProblems(fsdp::ShardingStrategy stra
 
 // The run too large for this host's memory, with `ranks_on_host` ranks.
 std::optional<std::string> MemoryProblem(int ranks_on_host) {
+  // The estimate is the byte-level GPT's; a --hf_model's size is its own.
+  if (!absl::GetFlag(FLAGS_hf_model).empty()) return std::nullopt;
   const double need = EstimatedRankBytes() * ranks_on_host;
   const double have =
       static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
@@ -348,6 +397,7 @@ std::vector<std::string> FlagProblems(fsdp::ShardingStrategy strategy, int world
   append(CountProblems(world_size, launcher_world_size, settings_pending));
   append(RealValueProblems());
   append(TrainingChoiceProblems());
+  append(HfModelProblems());
   append(LayoutAndCheckpointProblems(strategy, world_size, settings_pending));
   // What a flag's value is wrong with comes first; then which flags lack
   // the flag they need, and the inputs.
@@ -372,6 +422,8 @@ std::vector<fsdp::OutputPath> Outputs() {
   add("--checkpoint_dir", absl::GetFlag(FLAGS_checkpoint_dir), true,
       {"step-*", fsdp::DirectoryLock::kFileName});
   add("--export_dcp", absl::GetFlag(FLAGS_export_dcp), true, {});
+  add("--export_hf", absl::GetFlag(FLAGS_export_hf), true, {});
+  add("--export_peft", absl::GetFlag(FLAGS_export_peft), true, {});
   add("--trace_dir", absl::GetFlag(FLAGS_trace_dir), true,
       {"trace_rank*.json", fsdp::DirectoryLock::kFileName});
   add("--export_state_dict", absl::GetFlag(FLAGS_export_state_dict), false, {});
@@ -417,8 +469,7 @@ absl::StatusOr<std::vector<fsdp::DirectoryLock>> LockOutputDirectories() {
 absl::Status CheckExportsReplaceNothing() {
   if (absl::GetFlag(FLAGS_overwrite_exports)) return absl::OkStatus();
   for (const fsdp::OutputPath& output : Outputs()) {
-    if (output.flag == "--export_state_dict" || output.flag == "--export_optim_state_dict" ||
-        output.flag == "--export_dcp") {
+    if (absl::StartsWith(output.flag, "--export_")) {
       FSDP_RETURN_IF_ERROR(fsdp::CheckNothingToReplace(output, "--overwrite_exports"));
     }
   }
@@ -460,6 +511,7 @@ struct RecordedSetting {
 
 constexpr char kOptimizerState[] = "its optimizer state is of that optimizer and grouping";
 constexpr char kModelShape[] = "its model has that shape";
+constexpr char kTrainable[] = "its trainable parameters are those adapters";
 
 constexpr RecordedSetting kRecordedSettings[] = {
     {"optimizer", kOptimizerState},
@@ -468,6 +520,12 @@ constexpr RecordedSetting kRecordedSettings[] = {
     {"n_head", kModelShape},
     {"n_embd", kModelShape},
     {"block_size", kModelShape},
+    {"hf_model", kModelShape},
+    {"lora_r", kTrainable},
+    {"lora_targets", kTrainable},
+    {"init_peft", kTrainable},
+    {"lora_alpha", nullptr},
+    {"lora_dropout", nullptr},
     {"world_size", nullptr},
     {"batch_size", nullptr},
     {"seed", nullptr},
@@ -605,6 +663,10 @@ absl::StatusOr<std::unique_ptr<fsdp::WrapPolicy>> BuildWrapPolicy() {
   const std::string plugin = absl::GetFlag(FLAGS_policy_plugin);
   if (!plugin.empty()) {
     if (absl::Status s = fsdp::LoadPolicyPlugin(plugin); !s.ok()) return s;
+  }
+  // A --hf_model's blocks are its decoder layers, not the GPT's Block.
+  if (!absl::GetFlag(FLAGS_hf_model).empty() && !Given("wrap_policy")) {
+    return HfModelLayerPolicy();
   }
   return fsdp::PolicyRegistry::Global().Build(absl::GetFlag(FLAGS_wrap_policy));
 }

@@ -23,6 +23,33 @@ ABSL_FLAG(bool, activation_checkpointing, false,
           "Recompute each block's activations in backward instead of keeping them "
           "(fsdp/activation_checkpointing.h): about one more forward per step for most of the "
           "activation memory.");
+ABSL_FLAG(std::string, hf_model, "",
+          "Train this open-weight model instead of the byte-level GPT: a Hugging Face "
+          "directory (config.json of model_type llama, mistral, qwen2 or qwen3, and the "
+          "weights as model.safetensors or sharded with model.safetensors.index.json, as "
+          "transformers' save_pretrained writes them). Each decoder layer is an FSDP unit "
+          "and every rank reads only its shards' rows; training computes in float32. "
+          "--n_layer, --n_head, --n_embd and --dropout are the config's; --block_size is "
+          "the sequence length. Train on --data_tokens (ids of the model's tokenizer).");
+ABSL_FLAG(std::string, export_hf, "",
+          "With --hf_model: write the trained model here as transformers' save_pretrained "
+          "does (config.json, safetensors and their index), for from_pretrained; with LoRA "
+          "adapters, merged into the base weights first (after --export_peft is written).");
+ABSL_FLAG(int, lora_r, 0,
+          "With --hf_model: LoRA adapters of this rank (PEFT's r) on --lora_targets, the base "
+          "frozen; 0: none, the whole model trains.");
+ABSL_FLAG(double, lora_alpha, 8, "PEFT's lora_alpha: the adapters' scale is lora_alpha / r.");
+ABSL_FLAG(double, lora_dropout, 0, "PEFT's lora_dropout, in [0, 1).");
+ABSL_FLAG(std::vector<std::string>, lora_targets, (std::vector<std::string>{"q_proj", "v_proj"}),
+          "PEFT's target_modules: the projections that get adapters (q_proj, k_proj, v_proj, "
+          "o_proj, gate_proj, up_proj, down_proj).");
+ABSL_FLAG(std::string, init_peft, "",
+          "With --hf_model: start the adapters from this PEFT adapter directory "
+          "(adapter_config.json and adapter_model.safetensors, e.g. written by peft's "
+          "save_pretrained); its config sets r, alpha, dropout and the targets, so --lora_* "
+          "are not given.");
+ABSL_FLAG(std::string, export_peft, "",
+          "With LoRA adapters: write them here as PEFT does, for PeftModel.from_pretrained.");
 ABSL_FLAG(std::string, data, "",
           "Train on this file's bytes (tokens 0..255) instead of the generated corpus: the "
           "first 90% trains, the last 10% is held out for the eval loss and the prompt of "

@@ -14,6 +14,7 @@
 #include "checkpoint/checkpoint.h"
 #include "formats/torch_file.h"
 #include "models/output_paths.h"
+#include "models/gpt.h"
 #include "models/train_gpt_flags.h"
 #include "models/train_gpt_training_run.h"
 #include "optim/dcp_checkpoint.h"
@@ -32,9 +33,9 @@ std::string TrainingRun::BrokenWeights(int step) {
   std::string mine;
   {
     at::NoGradGuard no_grad;
-    EvalMode eval(*model_);
-    const int64_t t = config_.block_size;
-    const float loss = models::LanguageModelLoss(model_->forward(last_batch_.narrow(1, 0, t)),
+    EvalMode eval(model_->module());
+    const int64_t t = block_size_;
+    const float loss = models::LanguageModelLoss(model_->Logits(last_batch_.narrow(1, 0, t)),
                                                  last_batch_.narrow(1, 1, t))
                            .item<float>();
     if (!std::isfinite(loss)) {
@@ -45,7 +46,7 @@ std::string TrainingRun::BrokenWeights(int step) {
   const auto finite = [](const at::Tensor& t) {
     return !t.defined() || t.numel() == 0 || at::isfinite(t).all().item<bool>();
   };
-  for (const auto& item : model_->named_parameters()) {
+  for (const auto& item : model_->module().named_parameters()) {
     if (mine.empty() && !finite(item.value())) {
       mine = absl::StrCat("the parameter '", item.key(), "' holds values that are not finite");
     }
@@ -128,7 +129,9 @@ void TrainingRun::WriteOutputs() {
   }
   const bool exports = !absl::GetFlag(FLAGS_export_state_dict).empty() ||
                        !absl::GetFlag(FLAGS_export_optim_state_dict).empty() ||
-                       !absl::GetFlag(FLAGS_export_dcp).empty();
+                       !absl::GetFlag(FLAGS_export_dcp).empty() ||
+                       !absl::GetFlag(FLAGS_export_hf).empty() ||
+                       !absl::GetFlag(FLAGS_export_peft).empty();
   if (const std::string broken = exports ? BrokenWeights(steps_) : ""; !broken.empty()) {
     StopForBrokenWeights(steps_, broken, "the exports were");
   }
@@ -160,6 +163,8 @@ void TrainingRun::WriteOutputs() {
       std::printf("wrote model and optimizer as a Distributed Checkpoint to %s\n", dir.c_str());
     }
   }
+  // Last: merging adapters for --export_hf changes the model.
+  model_->Export(*fsdp_model_, print_);
 }
 
 }  // namespace train_gpt

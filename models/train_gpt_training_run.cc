@@ -1,3 +1,4 @@
+#include "models/gpt.h"
 #include "models/train_gpt_training_run.h"
 
 #include <algorithm>
@@ -40,14 +41,14 @@ TrainingRun::TrainingRun(fsdp::FsdpOptions options, const fsdp::WrapPolicy& poli
       world_size_(world.world_size()),
       print_(rank_ == 0),
       trace_(rank_),
-      config_(GptConfigFromFlags()),
-      model_(config_),
+      model_(fsdp::ValueOrThrow(JobModelFromFlags())),
+      block_size_(absl::GetFlag(FLAGS_block_size)),
       steps_(absl::GetFlag(FLAGS_steps)),
       per_rank_(absl::GetFlag(FLAGS_batch_size)),
       corpus_(fsdp::ValueOrThrow(LoadCorpus())) {
   if (corpus_.held_out.defined()) {
-    TokenSampler held_out(corpus_.held_out, per_rank_ * world_size_, config_.block_size,
-                          absl::GetFlag(FLAGS_seed) + 2, config_.vocab_size, corpus_.source);
+    TokenSampler held_out(corpus_.held_out, per_rank_ * world_size_, block_size_,
+                          absl::GetFlag(FLAGS_seed) + 2, model_->vocab_size(), corpus_.source);
     for (int i = 0; i < absl::GetFlag(FLAGS_eval_batches); ++i) {
       eval_batches_.push_back(held_out.Next());
     }
@@ -72,8 +73,7 @@ int TrainingRun::Run(const std::string& layout_note, const std::vector<std::stri
     for (const std::string& note : notes) std::printf("note: %s\n", note.c_str());
   }
   PrintHeader(layout_note);
-  batches_.emplace(corpus_, per_rank_ * world_size_, config_.block_size, config_.vocab_size,
-                   steps_);
+  batches_.emplace(corpus_, per_rank_ * world_size_, block_size_, model_->vocab_size(), steps_);
   ResumeIfAsked();
   report_.rss_before_steps = CurrentRssBytes();
   start_ = Clock::now();
@@ -88,9 +88,10 @@ int TrainingRun::Run(const std::string& layout_note, const std::vector<std::stri
       SaveCheckpoint(step);
     }
   }
-  // The sample prints bytes: --data's, not --data_tokens' ids.
+  // The sample prints bytes: --data's, not --data_tokens' ids, and only
+  // from a model whose ids are bytes.
   if (corpus_.held_out.defined() && corpus_.held_out.scalar_type() == at::kLong &&
-      absl::GetFlag(FLAGS_sample_tokens) > 0) {
+      model_->ids_are_bytes() && absl::GetFlag(FLAGS_sample_tokens) > 0) {
     PrintSample();
   }
   WriteOutputs();
@@ -106,25 +107,27 @@ void TrainingRun::Wrap(fsdp::FsdpOptions options, const fsdp::WrapPolicy& policy
   }
   strategy_ = options.strategy;
   mixed_precision_ = options.mixed_precision;
-  for (const auto& p : model_->parameters()) report_.unsharded_param_bytes += p.nbytes();
-  // Tied: counted once.
-  report_.unsharded_param_bytes -= model_->lm_head->weight.nbytes();
+  torch::nn::Module& module = model_->module();
+  // Tied parameters (the GPT's head and embedding) count once.
+  for (const at::Tensor& p : fsdp::UniqueParameters(module)) {
+    report_.unsharded_param_bytes += p.nbytes();
+    if (p.requires_grad()) trainable_param_bytes_ += p.nbytes();
+  }
   std::set<std::string> model_keys;
-  for (const auto& [name, tensor] : fsdp::ModuleStateDict(*model_)) model_keys.insert(name);
+  for (const auto& [name, tensor] : fsdp::ModuleStateDict(module)) model_keys.insert(name);
   // Wrapping makes the parameters 1-D views of flat shards: nanoGPT's
   // grouping goes by their dimensions before.
   std::set<std::string> matrices;
-  for (const auto& item : model_->named_parameters()) {
+  for (const auto& item : module.named_parameters()) {
     if (item.value().dim() >= 2) matrices.insert(item.key());
   }
   fsdp::ProcessGroups fsdp_groups(fsdp_group_);
   fsdp_groups.replicate = hybrid_.replicate.get();  // Null unless hybrid.
   fsdp_model_ = fsdp::ValueOrThrow(
-      fsdp::FullyShardedModel::Wrap(model_.ptr(), fsdp_groups, options, policy));
+      fsdp::FullyShardedModel::Wrap(model_->shared_module(), fsdp_groups, options, policy));
   if (absl::GetFlag(FLAGS_activation_checkpointing)) {
     const std::vector<std::string> checkpointed =
-        fsdp::ValueOrThrow(fsdp::ApplyActivationCheckpointing(
-            *model_, *fsdp::ModuleTypePolicy::Of<models::BlockImpl>()));
+        fsdp::ValueOrThrow(fsdp::ApplyActivationCheckpointing(module, *model_->BlockPolicy()));
     if (print_) {
       std::printf("activation checkpointing: %s\n", absl::StrJoin(checkpointed, ", ").c_str());
     }
@@ -133,8 +136,11 @@ void TrainingRun::Wrap(fsdp::FsdpOptions options, const fsdp::WrapPolicy& policy
     std::printf("%s", fsdp_model_->plan().ToString().c_str());
   }
   // A resumed run's state is its checkpoint's.
-  if (!absl::GetFlag(FLAGS_init_state_dict).empty() && !Resuming()) {
-    LoadInitialState(*fsdp_model_, model_keys, print_);
+  if (!Resuming()) {
+    model_->LoadStartingWeights(*fsdp_model_, print_);
+    if (!absl::GetFlag(FLAGS_init_state_dict).empty()) {
+      LoadInitialState(*fsdp_model_, model_keys, print_);
+    }
   }
   for (const auto& unit : fsdp_model_->units()) {
     if (const std::optional<fsdp::UnitShard> shard = fsdp::UnitShard::Of(*unit)) {
@@ -145,16 +151,16 @@ void TrainingRun::Wrap(fsdp::FsdpOptions options, const fsdp::WrapPolicy& policy
   if (absl::GetFlag(FLAGS_weight_decay_groups) == "nanogpt") {
     groups.resize(2);
     std::set<const void*> seen;
-    for (const auto& item : model_->named_parameters()) {
+    for (const auto& item : module.named_parameters()) {
       if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;  // Tied.
       groups[matrices.count(item.key()) != 0 ? 0 : 1].push_back(item.value());
     }
   } else {
-    groups[0] = fsdp::UniqueParameters(*model_);
+    groups[0] = fsdp::UniqueParameters(module);
   }
   optimizer_ = MakeOptimizer(groups);
   if (!absl::GetFlag(FLAGS_init_optim_state_dict).empty() && !Resuming()) {
-    LoadInitialOptimizerState(*model_, *fsdp_model_, *optimizer_, print_);
+    LoadInitialOptimizerState(module, *fsdp_model_, *optimizer_, print_);
   }
 }
 
@@ -167,15 +173,18 @@ void TrainingRun::OpenRunCheckpoints() {
 
 void TrainingRun::PrintHeader(const std::string& layout_note) const {
   if (!print_) return;
-  std::printf(
-      "GPT %lld layers x %lld heads x %lld wide, %.2f M parameters; %d ranks, %s%s%s, "
-      "global batch %lld x %lld tokens\n",
-      static_cast<long long>(config_.n_layer), static_cast<long long>(config_.n_head),
-      static_cast<long long>(config_.n_embd), report_.unsharded_param_bytes / 4 / 1e6,
-      world_size_, fsdp::ShardingStrategyName(strategy_), layout_note.c_str(),
-      mixed_precision_.enabled() ? (", " + mixed_precision_.ToString()).c_str() : "",
-      static_cast<long long>(per_rank_ * world_size_),
-      static_cast<long long>(config_.block_size));
+  const std::string trainable =
+      trainable_param_bytes_ == report_.unsharded_param_bytes
+          ? std::string()
+          : absl::StrFormat(" (%.3f%% trainable)",
+                            100.0 * trainable_param_bytes_ / report_.unsharded_param_bytes);
+  std::printf("%s, %.2f M parameters%s; %d ranks, %s%s%s, global batch %lld x %lld tokens\n",
+              model_->Description().c_str(), report_.unsharded_param_bytes / 4 / 1e6,
+              trainable.c_str(),
+              world_size_, fsdp::ShardingStrategyName(strategy_), layout_note.c_str(),
+              mixed_precision_.enabled() ? (", " + mixed_precision_.ToString()).c_str() : "",
+              static_cast<long long>(per_rank_ * world_size_),
+              static_cast<long long>(block_size_));
   // With both --replay_batches and a corpus file, each part of the run has
   // its own source: say which.
   const std::string replay = absl::GetFlag(FLAGS_replay_batches);
@@ -229,9 +238,9 @@ void TrainingRun::ResumeIfAsked() {
 }
 
 StepResult TrainingRun::Step(int step) {
-  const int64_t t = config_.block_size;
+  const int64_t t = block_size_;
   const at::Tensor global_batch = batches_->Next(step);
-  if (config_.dropout > 0) {
+  if (model_->draws_random_numbers()) {
     // libtorch seeds its default generator at random; a seed of the run's,
     // the rank's and the step's makes the masks reproducible, different
     // on each rank, and the same after --resume as without a stop.
@@ -245,13 +254,13 @@ StepResult TrainingRun::Step(int step) {
   }
   at::Tensor batch = global_batch.narrow(0, rank_ * per_rank_, per_rank_).to(device_);
   last_batch_ = batch;
-  at::Tensor loss = models::LanguageModelLoss(model_->forward(batch.narrow(1, 0, t)),
-                                              batch.narrow(1, 1, t));
+  at::Tensor loss =
+      models::LanguageModelLoss(model_->Logits(batch.narrow(1, 0, t)), batch.narrow(1, 1, t));
   if (step == absl::GetFlag(FLAGS_TEST_nan_loss_at_step) && rank_ == world_size_ - 1) {
     loss = loss * std::numeric_limits<float>::quiet_NaN();
   }
   loss.backward();
-  if (step == steps_) report_.gradient_bytes = LocalGradientBytes(*model_);
+  if (step == steps_) report_.gradient_bytes = LocalGradientBytes(model_->module());
   const double clip = absl::GetFlag(FLAGS_grad_clip);
   StepResult result;
   result.grad_norm =
@@ -293,7 +302,7 @@ void TrainingRun::SkipNonFinite(int step, const StepResult& result) {
 void TrainingRun::Log(int step, const StepResult& result, std::optional<float> held_out_loss) {
   const double elapsed = std::chrono::duration<double>(Clock::now() - start_).count();
   const int done = step - first_step_ + 1;
-  const double tokens_per_s = done * per_rank_ * world_size_ * config_.block_size / elapsed;
+  const double tokens_per_s = done * per_rank_ * world_size_ * block_size_ / elapsed;
   if (metrics_ != nullptr) {
     std::fprintf(
         metrics_, "{\"step\": %d, \"loss\": %s, \"tokens_per_s\": %.1f, \"grad_norm\": %s%s%s}\n",
@@ -323,13 +332,12 @@ void TrainingRun::Log(int step, const StepResult& result, std::optional<float> h
 
 float TrainingRun::HeldOutLoss() {
   at::NoGradGuard no_grad;
-  EvalMode eval(*model_);
-  const int64_t t = config_.block_size;
+  EvalMode eval(model_->module());
+  const int64_t t = block_size_;
   at::Tensor sum = at::zeros({1}, at::TensorOptions().device(device_));
   for (const at::Tensor& global : eval_batches_) {
     const at::Tensor batch = global.narrow(0, rank_ * per_rank_, per_rank_).to(device_);
-    sum += models::LanguageModelLoss(model_->forward(batch.narrow(1, 0, t)),
-                                     batch.narrow(1, 1, t))
+    sum += models::LanguageModelLoss(model_->Logits(batch.narrow(1, 0, t)), batch.narrow(1, 1, t))
                .to(at::kFloat);
   }
   at::Tensor mean = sum / static_cast<double>(eval_batches_.size());
@@ -339,8 +347,8 @@ float TrainingRun::HeldOutLoss() {
 
 void TrainingRun::PrintSample() {
   at::NoGradGuard no_grad;
-  EvalMode eval(*model_);
-  const int64_t t = config_.block_size;
+  EvalMode eval(model_->module());
+  const int64_t t = block_size_;
   const int64_t prompt = std::min<int64_t>({t, 32, corpus_.held_out.numel()});
   std::vector<int64_t> tokens(corpus_.held_out.data_ptr<int64_t>(),
                               corpus_.held_out.data_ptr<int64_t>() + prompt);
@@ -351,7 +359,7 @@ void TrainingRun::PrintSample() {
         at::tensor(std::vector<int64_t>(tokens.end() - n, tokens.end()), at::kLong)
             .view({1, n})
             .to(device_);
-    const at::Tensor logits = model_->forward(context)[0][n - 1].to(at::kCPU, at::kFloat);
+    const at::Tensor logits = model_->Logits(context)[0][n - 1].to(at::kCPU, at::kFloat);
     // Temperature 0.8: most of the distribution's shape, fewer stray bytes.
     at::Tensor next = at::multinomial((logits / 0.8).softmax(0), 1, false, generator)
                           .to(at::kDouble);
@@ -378,7 +386,7 @@ int TrainingRun::Summarize() {
   report_.peak_device_bytes = PeakDeviceBytes(device_);
   report_.device = device_.str();
   report_.unsharded_optimizer_state_bytes =
-      report_.unsharded_param_bytes * (absl::GetFlag(FLAGS_optimizer) == "sgd" ? 1 : 2);
+      trainable_param_bytes_ * (absl::GetFlag(FLAGS_optimizer) == "sgd" ? 1 : 2);
   // FSDP's traffic, whichever groups carried it.
   fsdp::CollectiveCounters traffic = fsdp_group_.counters();
   if (hybrid_.replicate) {

@@ -23,8 +23,8 @@
 #include "fsdp/fsdp_options.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/trace.h"
-#include "models/gpt.h"
 #include "models/train_gpt_data.h"
+#include "models/train_gpt_model.h"
 #include "models/train_gpt_report.h"
 #include "optim/run_checkpoints.h"
 #include "policies/wrap_policy.h"
@@ -127,8 +127,8 @@ class TrainingRun {
   const int rank_, world_size_;
   const bool print_;
   fsdp::TraceRecorder trace_;
-  const models::GptConfig config_;
-  models::Gpt model_;
+  const std::unique_ptr<JobModel> model_;
+  const int64_t block_size_;
   fsdp::ShardingStrategy strategy_{};
   fsdp::MixedPrecision mixed_precision_;
   std::unique_ptr<fsdp::FullyShardedModel> fsdp_model_;
@@ -146,6 +146,7 @@ class TrainingRun {
   int first_step_ = 1;
   Clock::time_point start_;
   RankReport report_;
+  int64_t trainable_param_bytes_ = 0;  // Unsharded; tied parameters once.
   std::optional<float> first_loss_, last_loss_;
   int skipped_ = 0, skipped_in_a_row_ = 0;
 };
