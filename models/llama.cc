@@ -152,27 +152,45 @@ at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor&
   return h + mlp->forward(post_attention_layernorm->forward(h));
 }
 
-LlamaModelImpl::LlamaModelImpl(const LlamaConfig& config) {
+namespace {
+
+// Releases `module`'s memory right after it is built (defer_allocation).
+void Defer(torch::nn::Module& module) {
+  const absl::Status deferred = fsdp::DeferParameterAllocation(module);
+  TORCH_CHECK(deferred.ok(), "CausalLm: ", std::string(deferred.message()));
+}
+
+}  // namespace
+
+LlamaModelImpl::LlamaModelImpl(const LlamaConfig& config, bool defer_allocation) {
   embed_tokens =
       register_module("embed_tokens", torch::nn::Embedding(config.vocab_size, config.hidden_size));
+  if (defer_allocation) Defer(*embed_tokens);
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
     layer_list.push_back(LlamaLayer{LlamaDecoderLayer(config)});
+    if (defer_allocation) Defer(*layer_list.back());
     layers->push_back(layer_list.back());
   }
   norm = register_module("norm", RmsNorm(config.hidden_size, config.rms_norm_eps));
+  if (defer_allocation) Defer(*norm);
 }
 
 LmHeadImpl::LmHeadImpl(at::Tensor tensor) { weight = register_parameter("weight", tensor); }
 
 at::Tensor LmHeadImpl::forward(const at::Tensor& x) const { return at::linear(x, weight); }
 
-CausalLmImpl::CausalLmImpl(const LlamaConfig& config, uint64_t seed) : config(config) {
-  model = register_module("model", LlamaModel(config));
+CausalLmImpl::CausalLmImpl(const LlamaConfig& config, uint64_t seed, bool defer_allocation)
+    : config(config) {
+  model = register_module("model", LlamaModel(config, defer_allocation));
   at::Tensor head = config.tie_word_embeddings ? model->embed_tokens->weight
                                                : at::empty({config.vocab_size, config.hidden_size});
   lm_head = register_module("lm_head", LmHead(head));
   inv_freq = RotaryInverseFrequencies(config);
+  if (defer_allocation) {
+    if (!config.tie_word_embeddings) Defer(*lm_head);
+    return;
+  }
   // transformers' _init_weights, from a generator of our own so that every
   // rank builds the same model.
   at::Generator gen = at::detail::createCPUGenerator(seed);
@@ -189,6 +207,12 @@ CausalLmImpl::CausalLmImpl(const LlamaConfig& config, uint64_t seed) : config(co
       p.normal_(0.0, 0.02, gen);
     }
   }
+}
+
+void ZeroParameters(torch::nn::Module& module) {
+  at::NoGradGuard no_grad;
+  for (at::Tensor& p : module.parameters(/*recurse=*/false)) p.zero_();
+  for (at::Tensor& b : module.buffers(/*recurse=*/false)) b.zero_();
 }
 
 at::Tensor CausalLmImpl::forward(const at::Tensor& input_ids) {

@@ -102,8 +102,9 @@ TORCH_MODULE(LlamaDecoderLayer);
 using LlamaLayer = fsdp::UnitModule<LlamaDecoderLayerImpl>;
 
 // transformers' LlamaModel: embeddings, layers, final norm.
+// `defer_allocation`: see CausalLmImpl.
 struct LlamaModelImpl : torch::nn::Module {
-  explicit LlamaModelImpl(const LlamaConfig& config);
+  explicit LlamaModelImpl(const LlamaConfig& config, bool defer_allocation = false);
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};  // Of LlamaLayer.
   std::vector<LlamaLayer> layer_list;     // The same, typed.
@@ -123,8 +124,17 @@ TORCH_MODULE(LmHead);
 // does (normal(0, 0.02) for linears and embeddings, ones for norms, zero
 // biases) from `seed`, the same on every rank; a checkpoint usually
 // replaces them.
+//
+// `defer_allocation`: for a model whose weights all come from a checkpoint.
+// Each layer's memory is released (fsdp::DeferParameterAllocation) as soon
+// as it is built, so that no rank ever holds the whole model: Wrap gives
+// the parameters memory one unit at a time through
+// FsdpOptions::param_init_fn (ZeroParameters below will do), and the
+// checkpoint their values. Not initialized from `seed`; not usable before
+// Wrap.
 struct CausalLmImpl : torch::nn::Module, fsdp::ShardableModule {
-  explicit CausalLmImpl(const LlamaConfig& config, uint64_t seed = 0);
+  explicit CausalLmImpl(const LlamaConfig& config, uint64_t seed = 0,
+                        bool defer_allocation = false);
   // input_ids: [b, t] int64. Returns logits [b, t, vocab_size] (in the
   // parameters' dtype).
   at::Tensor forward(const at::Tensor& input_ids);
@@ -134,6 +144,10 @@ struct CausalLmImpl : torch::nn::Module, fsdp::ShardableModule {
   at::Tensor inv_freq;  // Not a parameter or buffer: not in checkpoints.
 };
 TORCH_MODULE(CausalLm);
+
+// An FsdpOptions::param_init_fn for weights a checkpoint will replace:
+// zeroes `module`'s own parameters and buffers.
+void ZeroParameters(torch::nn::Module& module);
 
 // transformers' ForCausalLMLoss: mean cross-entropy (in float32) of logits
 // [b, t, V] at position i against labels[i + 1], labels equal to -100

@@ -39,6 +39,7 @@ class GptJobModel final : public JobModel {
     return absl::StrFormat("GPT %d layers x %d heads x %d wide", config_.n_layer, config_.n_head,
                            config_.n_embd);
   }
+  std::function<void(torch::nn::Module&)> param_init_fn() const override { return nullptr; }
   bool draws_random_numbers() const override { return config_.dropout > 0; }
   bool ids_are_bytes() const override { return true; }
   // Its starting weights are --init_state_dict's (train_gpt_initial_state.h)
@@ -67,7 +68,7 @@ class HfJobModel final : public JobModel {
       : dir_(std::move(dir)),
         config_json_(std::move(config_json)),
         lora_(std::move(lora)),
-        model_(config, seed) {}
+        model_(config, seed, /*defer_allocation=*/true) {}
 
   // Before Wrap: the adapters' parameters must be in the units.
   absl::Status AddAdapters(uint64_t seed) {
@@ -91,6 +92,9 @@ class HfJobModel final : public JobModel {
                             absl::StrJoin(lora_->target_modules, ","));
     }
     return text;
+  }
+  std::function<void(torch::nn::Module&)> param_init_fn() const override {
+    return models::ZeroParameters;
   }
   bool draws_random_numbers() const override {
     return lora_.has_value() && lora_->lora_dropout > 0;

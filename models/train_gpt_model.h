@@ -9,6 +9,7 @@
 #define FSDP_MODELS_TRAIN_GPT_MODEL_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -35,6 +36,10 @@ class JobModel {
   virtual std::unique_ptr<fsdp::WrapPolicy> BlockPolicy() const = 0;
   // The start of the header line: "GPT 2 layers x 4 heads x 64 wide".
   virtual std::string Description() const = 0;
+  // FsdpOptions::param_init_fn for a model built without memory (a
+  // --hf_model: no rank holds it whole; its values are the checkpoint's);
+  // null for one built with its values.
+  virtual std::function<void(torch::nn::Module&)> param_init_fn() const = 0;
   // Whether its forward draws random numbers in training (dropout).
   virtual bool draws_random_numbers() const = 0;
   // Whether the ids are bytes, so that a generated sample is text.

@@ -105,6 +105,7 @@ void TrainingRun::Wrap(fsdp::FsdpOptions options, const fsdp::WrapPolicy& policy
       std::fprintf(stderr, "[fsdp rank %d] %s\n", rank, line.c_str());
     };
   }
+  options.param_init_fn = model_->param_init_fn();
   strategy_ = options.strategy;
   mixed_precision_ = options.mixed_precision;
   torch::nn::Module& module = model_->module();
@@ -114,7 +115,9 @@ void TrainingRun::Wrap(fsdp::FsdpOptions options, const fsdp::WrapPolicy& policy
     if (p.requires_grad()) trainable_param_bytes_ += p.nbytes();
   }
   std::set<std::string> model_keys;
-  for (const auto& [name, tensor] : fsdp::ModuleStateDict(module)) model_keys.insert(name);
+  // Names only: the tensors may have no memory yet (a --hf_model's).
+  for (const auto& item : module.named_parameters()) model_keys.insert(item.key());
+  for (const auto& item : module.named_buffers()) model_keys.insert(item.key());
   // Wrapping makes the parameters 1-D views of flat shards: nanoGPT's
   // grouping goes by their dimensions before.
   std::set<std::string> matrices;
