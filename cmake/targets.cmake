@@ -2015,10 +2015,22 @@ file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/models_train_gpt_concurrent_ru
 set_tests_properties(//models:train_gpt_concurrent_runs_test PROPERTIES RUN_SERIAL TRUE)
 endif()
 
+# //models:train_gpt_hf_test
+if(BUILD_TESTING)
+add_executable(models_train_gpt_hf_test ${PROJECT_SOURCE_DIR}/models/train_gpt_hf_test.cc)
+set_target_properties(models_train_gpt_hf_test PROPERTIES OUTPUT_NAME train_gpt_hf_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
+target_link_libraries(models_train_gpt_hf_test PRIVATE models_job_test_util testing_torch_python third_party_absl_base third_party_gtest_main)
+configure_file(${PROJECT_SOURCE_DIR}/models/hf_job_interop.py "${CMAKE_BINARY_DIR}/models/hf_job_interop.py" COPYONLY)
+add_dependencies(models_train_gpt_hf_test models_train_gpt)
+add_test(NAME //models:train_gpt_hf_test COMMAND models_train_gpt_hf_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//models:train_gpt_hf_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/models_train_gpt_hf_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/models_train_gpt_hf_test")
+endif()
+
 # //models:train_gpt_job
-add_library(models_train_gpt_job SHARED ${PROJECT_SOURCE_DIR}/models/train_gpt_checks.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_config.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_config.h ${PROJECT_SOURCE_DIR}/models/train_gpt_data.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_data.h ${PROJECT_SOURCE_DIR}/models/train_gpt_flags.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_initial_state.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_initial_state.h ${PROJECT_SOURCE_DIR}/models/train_gpt_optimizer.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_optimizer.h ${PROJECT_SOURCE_DIR}/models/train_gpt_outputs.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_report.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_report.h ${PROJECT_SOURCE_DIR}/models/train_gpt_run.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_start.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_training_run.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_training_run.h ${PROJECT_SOURCE_DIR}/models/train_gpt_checks.h ${PROJECT_SOURCE_DIR}/models/train_gpt_flags.h ${PROJECT_SOURCE_DIR}/models/train_gpt_run.h ${PROJECT_SOURCE_DIR}/models/train_gpt_start.h)
+add_library(models_train_gpt_job SHARED ${PROJECT_SOURCE_DIR}/models/train_gpt_checks.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_config.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_config.h ${PROJECT_SOURCE_DIR}/models/train_gpt_data.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_data.h ${PROJECT_SOURCE_DIR}/models/train_gpt_flags.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_initial_state.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_initial_state.h ${PROJECT_SOURCE_DIR}/models/train_gpt_model.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_model.h ${PROJECT_SOURCE_DIR}/models/train_gpt_optimizer.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_optimizer.h ${PROJECT_SOURCE_DIR}/models/train_gpt_outputs.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_report.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_report.h ${PROJECT_SOURCE_DIR}/models/train_gpt_run.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_start.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_training_run.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_training_run.h ${PROJECT_SOURCE_DIR}/models/train_gpt_checks.h ${PROJECT_SOURCE_DIR}/models/train_gpt_flags.h ${PROJECT_SOURCE_DIR}/models/train_gpt_run.h ${PROJECT_SOURCE_DIR}/models/train_gpt_start.h)
 set_target_properties(models_train_gpt_job PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models)
-target_link_libraries(models_train_gpt_job PUBLIC models_gpt models_output_paths base_directory_lock base_status checkpoint_checkpoint comm_collectives comm_hybrid_groups comm_launch_environment comm_rendezvous comm_staged_collectives fsdp_activation_checkpointing fsdp_fully_shard fsdp_trace optim_dcp_checkpoint optim_flat_shard_optimizers optim_optim_state optim_run_checkpoints optim_torch_optim_file optim_training_checkpoint policies_builtin_policies policies_registry formats_dcp statedict_dcp_sharded statedict_state_dict formats_torch_file third_party_absl_flags fsdp_torch)
+target_link_libraries(models_train_gpt_job PUBLIC models_gpt models_llama models_lora models_output_paths base_directory_lock base_status checkpoint_checkpoint comm_collectives comm_hybrid_groups comm_launch_environment comm_rendezvous comm_staged_collectives fsdp_activation_checkpointing fsdp_fully_shard fsdp_trace fsdp_unit_module hf_model_config optim_dcp_checkpoint optim_flat_shard_optimizers optim_optim_state optim_run_checkpoints optim_torch_optim_file optim_training_checkpoint policies_builtin_policies policies_registry formats_dcp statedict_dcp_sharded statedict_state_dict formats_torch_file third_party_absl_flags fsdp_torch)
 
 # //models:train_gpt_misuse_test
 if(BUILD_TESTING)

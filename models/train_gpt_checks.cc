@@ -559,10 +559,15 @@ const RecordedSetting* FindRecordedSetting(const std::string& name) {
 
 std::string Shown(const std::string& value) { return value.empty() ? "''" : value; }
 
+// The corpus is one choice of three flags: a run given any of them takes
+// none from its checkpoint, so that --data_tokens given on resume meets
+// neither the recorded --data nor a recorded dtype of another file.
 constexpr const char* kDataSettings[] = {"data", "data_tokens", "data_tokens_dtype"};
-bool IsDataSetting(const std::string& name) {
+bool CorpusGivenInstead(const std::string& name) {
   return std::find(std::begin(kDataSettings), std::end(kDataSettings), name) !=
-         std::end(kDataSettings);
+             std::end(kDataSettings) &&
+         std::any_of(std::begin(kDataSettings), std::end(kDataSettings),
+                     [](const char* data) { return Given(data); });
 }
 
 }  // namespace
@@ -594,13 +599,7 @@ absl::StatusOr<std::vector<std::string>> TakeSettingsFromCheckpoint(
     absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
     const bool launcher_decides = name == "world_size" && launcher_world_size.has_value();
     if (Given(name.c_str()) || launcher_decides || flag->CurrentValue() == recorded) continue;
-    // The corpus is one choice of three flags: a run given any of them
-    // takes none from its checkpoint, so that --data_tokens given on resume
-    // meets neither the recorded --data nor a recorded dtype of another file.
-    if (IsDataSetting(name) && std::any_of(std::begin(kDataSettings), std::end(kDataSettings),
-                                           [](const char* data) { return Given(data); })) {
-      continue;
-    }
+    if (CorpusGivenInstead(name)) continue;
     std::string error;
     if (!flag->ParseFrom(recorded, &error)) {
       refused.push_back(absl::StrCat("the checkpoint '", from.path, "' records --", name, "=",
