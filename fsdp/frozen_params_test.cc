@@ -271,6 +271,37 @@ TEST_P(FrozenAndTrainableInOneUnit, MatchesLocalTrainingAndReducesOnlyTrainableB
 // Which parameters train is fixed when the model is wrapped (it fixes the
 // segments); a later change is named at the next forward, before the unit
 // gathers anything.
+// A unit with frozen parameters reshards as soon as its backward is done
+// (its adapters' gradients and its input's gradient), not at the end of
+// the whole backward: when the gradient reaches the model's input, the
+// last thing backward computes, both blocks are sharded again, so a LoRA
+// model is never unsharded whole. The input requires grad so that the
+// first block's input gradient is computed too.
+TEST(FrozenAndTrainable, AUnitReshardsOnceItsInputsGradientIsComputed) {
+  absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
+    auto model = UnitModel();
+    auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, {},
+                                           *ModuleTypePolicy::Of<UnitModuleImpl>());
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+    FullyShardedModel& fsdp = **wrapped;
+    ASSERT_EQ(fsdp.units().size(), 3u);
+    for (int step = 0; step < 2; ++step) {
+      at::Tensor x = Inputs(step).narrow(0, comm.rank() * 3, 3).clone().requires_grad_(true);
+      std::vector<bool> unsharded_at_input;
+      x.register_hook([&](const at::Tensor& grad) {
+        for (size_t u = 1; u < fsdp.units().size(); ++u) {
+          unsharded_at_input.push_back(fsdp.units()[u]->handle()->is_unsharded());
+        }
+        return grad;
+      });
+      at::mse_loss(model->forward(x), Targets(step).narrow(0, comm.rank() * 3, 3)).backward();
+      EXPECT_EQ(unsharded_at_input, (std::vector<bool>{false, false})) << "step " << step;
+      EXPECT_TRUE(x.grad().defined());
+    }
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
 TEST(FrozenAndTrainable, ChangingRequiresGradAfterWrappingIsAnError) {
   absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
     auto model = UnitModel();

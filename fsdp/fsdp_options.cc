@@ -67,8 +67,8 @@ absl::Status ValidateProcessGroups(const ProcessGroups& groups, const FsdpOption
   if (groups.replicate == groups.shard) {
     return absl::InvalidArgumentError(
         "ProcessGroups::replicate is the shard group; hybrid sharding needs two groups that "
-        "cross (each rank in one of each: comm/hybrid_groups.h forms them), or reduces every "
-        "gradient twice over the same ranks");
+        "cross (each rank in one of each: comm/hybrid_groups.h forms them): one group passed "
+        "as both would reduce every gradient twice over it");
   }
   // Sizes only, the same on every rank; which ranks is checked at the
   // first forward, where every rank can learn of a wrong group.

@@ -267,7 +267,11 @@ void FullyShardedModel::ValidateKeptFullParams() {
 void FullyShardedModel::PreForward(FsdpUnit& unit) {
   if (!initialized_) LazyInit();
   forward_ran_ = true;
-  if (training_state_ == ModelTrainingState::kIdle) ValidateKeptFullParams();
+  if (training_state_ == ModelTrainingState::kIdle) {
+    ValidateKeptFullParams();
+    // A forward that no backward followed leaves inputs counted.
+    for (auto& each : units_) each->input_gradients_pending_ = 0;
+  }
   unit.forward_span_ = TraceSpan(options_.trace, "forward", UnitName(unit.fqn_));
   FlatParamHandle* handle = unit.handle_.get();
   if (handle == nullptr) {
@@ -431,17 +435,32 @@ void FullyShardedModel::PostBackward(FsdpUnit& unit) {
   // gradient does not end the unit's backward when it also holds frozen
   // ones: the gradient of the unit's input through a frozen weight (a LoRA
   // adapter's base, models/lora.h) may still be computed after every
-  // adapter's gradient, from the frozen weight saved for backward. Such a
-  // unit stays unsharded until the end of backward (FinishBackward
-  // reshards it). The cost: its full parameters live through the rest of
-  // the backward. TODO(issue 42): reshard when the gradient of the unit's
-  // inputs is done, as FSDP2's RegisterPostBackwardFunction does.
-  if (!unit.holds_frozen_params_) ReshardAfterBackward(unit);
+  // adapter's gradient, from the frozen weight saved for backward. Every
+  // other use of a frozen weight in backward lies on the way to a
+  // trainable parameter's gradient, so once those and the inputs'
+  // gradients are done the unit is finished: UnitForward::Input passes
+  // each forward input that requires grad through an identity node whose
+  // backward calls InputGradientDone, and whichever of the two comes last
+  // reshards (FSDP2's RegisterPostBackwardFunction). A unit whose inputs
+  // need no gradient has none pending and reshards here. Without this, a
+  // LoRA model's units stayed unsharded to the end of backward: the whole
+  // model at once.
+  if (!unit.holds_frozen_params_ || unit.input_gradients_pending_ == 0) {
+    ReshardAfterBackward(unit);
+  }
   unit.backward_span_.End();
   if (options_.backward_prefetch == BackwardPrefetch::kBackwardPost &&
       !unit.backward_prefetch_explicit_) {
     Prefetch(unit.backward_prefetch_);
   }
+}
+
+void FullyShardedModel::InputGradientDone(FsdpUnit& unit) {
+  if (--unit.input_gradients_pending_ > 0) return;
+  // Before its trainable gradients are all in, PostBackward reshards later.
+  FlatParamHandle* handle = unit.handle_.get();
+  if (handle == nullptr || handle->training_state() != HandleTrainingState::kBackwardPost) return;
+  ReshardAfterBackward(unit);
 }
 
 void FullyShardedModel::ReshardAfterBackward(FsdpUnit& unit) {
@@ -651,6 +670,7 @@ void FullyShardedModel::FinishBackward() {
     unit->backward_span_.End();
     unit->pre_backward_done_ = false;
     unit->gradients_ready_ = 0;
+    unit->input_gradients_pending_ = 0;  // An input whose gradient was not needed.
   }
   try {
     scheduler_->WaitForReductions();  // After the loop: it may have issued some.

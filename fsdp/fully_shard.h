@@ -177,6 +177,9 @@ class FsdpUnit {
   // Holds a frozen parameter with elements (NOTE [Frozen parameters in
   // backward] in fully_shard.cc): set with the accumulators' hooks.
   bool holds_frozen_params_ = false;
+  // Such a unit's forward inputs whose gradient backward has yet to
+  // compute (UnitForward::Input counts them).
+  int input_gradients_pending_ = 0;
   // The parameters' gradient accumulators, with the key of FSDP's post hook.
   // Owned here: a variable holds its accumulator weakly, and a new one would
   // not carry the hook. (libtorch's owning pointer to a node is a
@@ -389,6 +392,9 @@ class FullyShardedModel {
   void PostForward(FsdpUnit& unit, const std::vector<at::Tensor>& outputs);
   void PreBackward(FsdpUnit& unit);
   void PostBackward(FsdpUnit& unit);
+  // The gradient of one of a unit's forward inputs is computed (NOTE
+  // [Frozen parameters in backward]).
+  void InputGradientDone(FsdpUnit& unit);
   void FinishBackward();
   void ReduceOrKeep(FsdpUnit& unit);
   // After the unit's backward: frees its full parameters unless

@@ -1,9 +1,13 @@
 #include "fsdp/unit_forward.h"
 
+#include <cstdint>
+
+#include "c10/core/GradMode.h"
 #include "fsdp/activation_checkpointing.h"
 #include "fsdp/flat_param_handle.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/unit_scheduler.h"
+#include "torch/csrc/autograd/custom_function.h"
 
 namespace fsdp {
 
@@ -47,12 +51,35 @@ void UnitForward::Abandon() {
   }
 }
 
+// Identity in forward; its backward runs once the gradient of the unit's
+// input is complete (NOTE [Frozen parameters in backward] in
+// fully_shard.cc).
+struct UnitForward::InputGradientHook : torch::autograd::Function<InputGradientHook> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
+                            FsdpUnit* unit) {
+    ctx->saved_data["unit"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(unit));
+    return input.view_as(input);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto* unit = reinterpret_cast<FsdpUnit*>(
+        static_cast<intptr_t>(ctx->saved_data["unit"].toInt()));
+    unit->model_->InputGradientDone(*unit);
+    return {grads[0], torch::autograd::Variable()};
+  }
+};
+
 at::Tensor UnitForward::Input(const at::Tensor& input) const {
   if (unit_ == nullptr || !input.defined() || !input.is_floating_point()) return input;
+  at::Tensor in = input;
+  if (unit_->holds_frozen_params_ && in.requires_grad() && c10::GradMode::is_enabled()) {
+    ++unit_->input_gradients_pending_;
+    in = InputGradientHook::apply(in, unit_);
+  }
   const MixedPrecision& mp = unit_->options_.mixed_precision;
   const bool cast = unit_->is_root_ ? mp.cast_root_forward_inputs : mp.cast_forward_inputs;
-  if (!cast || !mp.param_dtype) return input;
-  return input.to(*mp.param_dtype);
+  if (!cast || !mp.param_dtype) return in;
+  return in.to(*mp.param_dtype);
 }
 
 at::Tensor UnitForward::CastOutput(const at::Tensor& output) const {

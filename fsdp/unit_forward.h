@@ -49,6 +49,9 @@ class UnitForward {
   std::vector<at::Tensor> Return(std::vector<at::Tensor> outputs);
 
  private:
+  // Marks when the gradient of a unit's input is computed (unit_forward.cc).
+  struct InputGradientHook;
+
   void Abandon();  // Reshards and idles the unit after an exception.
   at::Tensor CastOutput(const at::Tensor& output) const;
 

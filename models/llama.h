@@ -146,7 +146,8 @@ struct CausalLmImpl : torch::nn::Module, fsdp::ShardableModule {
 TORCH_MODULE(CausalLm);
 
 // An FsdpOptions::param_init_fn for weights a checkpoint will replace:
-// zeroes `module`'s own parameters and buffers.
+// zeroes `module`'s own parameters and buffers (a buffer the checkpoint
+// does not hold stays zero; the Llama family has none).
 void ZeroParameters(torch::nn::Module& module);
 
 // transformers' ForCausalLMLoss: mean cross-entropy (in float32) of logits

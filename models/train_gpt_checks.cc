@@ -183,7 +183,7 @@ std::optional<std::string> DataProblem(int block_size) {
 // --hf_model's: the byte-level GPT's shape flags are its config's there,
 // its weights come from its directory, and --init_peft's config sets the
 // adapters; the config itself is read before launch.
-std::vector<std::string> HfModelProblems() {
+std::vector<std::string> HfModelProblems(bool settings_pending) {
   std::vector<std::string> problems;
   const auto not_with = [&](const char* flag, const char* with, const char* why) {
     if (Given(flag)) {
@@ -195,8 +195,15 @@ std::vector<std::string> HfModelProblems() {
       not_with(flag, "hf_model", "the model's config.json sets its shape");
     }
     not_with("init_state_dict", "hf_model", "the model's weights are its directory's");
-    not_with("sample_tokens", "hf_model", "the sample prints bytes; the model's ids are its "
-             "tokenizer's");
+    not_with("sample_tokens", "hf_model",
+             "the sample prints bytes; the model's ids are its tokenizer's");
+    // Bytes (--data, the generated corpus) are no tokenizer's ids.
+    if (!settings_pending && absl::GetFlag(FLAGS_data_tokens).empty() &&
+        absl::GetFlag(FLAGS_replay_batches).empty()) {
+      problems.push_back(absl::StrCat("--hf_model=", dir, ": give its tokenizer's ids with "
+                                      "--data_tokens (or --replay_batches); --data and the "
+                                      "generated corpus are bytes"));
+    }
     if (absl::StatusOr<fsdp::hf::CausalLmConfig> config = fsdp::hf::ReadCausalLmConfig(dir);
         !config.ok()) {
       problems.push_back(absl::StrCat("--hf_model=", dir, ": ", config.status().message()));
@@ -397,7 +404,7 @@ std::vector<std::string> FlagProblems(fsdp::ShardingStrategy strategy, int world
   append(CountProblems(world_size, launcher_world_size, settings_pending));
   append(RealValueProblems());
   append(TrainingChoiceProblems());
-  append(HfModelProblems());
+  append(HfModelProblems(settings_pending));
   append(LayoutAndCheckpointProblems(strategy, world_size, settings_pending));
   // What a flag's value is wrong with comes first; then which flags lack
   // the flag they need, and the inputs.
@@ -511,7 +518,7 @@ struct RecordedSetting {
 
 constexpr char kOptimizerState[] = "its optimizer state is of that optimizer and grouping";
 constexpr char kModelShape[] = "its model has that shape";
-constexpr char kTrainable[] = "its trainable parameters are those adapters";
+constexpr char kTrainable[] = "its trainable parameters are those adapters, so scaled";
 
 constexpr RecordedSetting kRecordedSettings[] = {
     {"optimizer", kOptimizerState},
@@ -524,7 +531,7 @@ constexpr RecordedSetting kRecordedSettings[] = {
     {"lora_r", kTrainable},
     {"lora_targets", kTrainable},
     {"init_peft", kTrainable},
-    {"lora_alpha", nullptr},
+    {"lora_alpha", kTrainable},
     {"lora_dropout", nullptr},
     {"world_size", nullptr},
     {"batch_size", nullptr},
@@ -664,7 +671,9 @@ absl::StatusOr<std::unique_ptr<fsdp::WrapPolicy>> BuildWrapPolicy() {
     if (absl::Status s = fsdp::LoadPolicyPlugin(plugin); !s.ok()) return s;
   }
   // A --hf_model's blocks are its decoder layers, not the GPT's Block.
-  if (!absl::GetFlag(FLAGS_hf_model).empty() && !Given("wrap_policy")) {
+  const absl::CommandLineFlag* wrap_policy = absl::FindCommandLineFlag("wrap_policy");
+  if (!absl::GetFlag(FLAGS_hf_model).empty() &&
+      wrap_policy->CurrentValue() == wrap_policy->DefaultValue()) {
     return HfModelLayerPolicy();
   }
   return fsdp::PolicyRegistry::Global().Build(absl::GetFlag(FLAGS_wrap_policy));

@@ -189,6 +189,18 @@ BatchSource::BatchSource(const Corpus& corpus, int64_t global_batch, int64_t blo
                                          " of shape ", c10::str(replay_.sizes()))
                           : std::string("no 'tokens' entry")));
   }
+  // Every rank checks the whole file, so that an id past the model's
+  // embedding stops every rank here rather than one inside its forward.
+  const at::Tensor bad = replay_.ge(vocab_size).logical_or_(replay_.lt(0)).nonzero();
+  if (bad.size(0) > 0) {
+    const int64_t step = bad[0][0].item<int64_t>(), row = bad[0][1].item<int64_t>(),
+                  col = bad[0][2].item<int64_t>();
+    throw std::runtime_error(absl::StrFormat(
+        "--replay_batches=%s: step %d's sequence %d holds id %d at position %d, outside the "
+        "model's vocabulary size %d",
+        path, replay_first_step_ + step, row, replay_[step][row][col].item<int64_t>(), col,
+        vocab_size));
+  }
   const int64_t last = replay_first_step_ + replay_.size(0) - 1;
   if (replay_first_step_ != 1 || steps > last) {
     throw std::runtime_error(absl::StrFormat(

@@ -156,12 +156,16 @@ TEST_F(TrainGptHf, FlagsThatDoNotFitAreRefusedBeforeLaunch) {
            {" --lora_r=4", "--lora_r=4: applies only with --hf_model"},
            {" --export_hf=" + *dir_ + "/gpt.hf", "applies only with --hf_model"},
            {" --hf_model=" + *dir_ + "/absent", "--hf_model=" + *dir_ + "/absent: "},
-           {llama + " --lora_r=4 --lora_targets=qkv_proj", "qkv_proj"},
+           {llama + " --lora_r=4 --lora_targets=qkv_proj", "LoRA: "},
        }) {
     const CommandResult run = RunCommand(Job(absl::StrCat("--world_size=2", c.flags)));
     EXPECT_NE(run.exit_code, 0) << c.flags;
     EXPECT_THAT(run.output, HasSubstr(c.error)) << c.flags;
   }
+  // Bytes are no tokenizer's ids: the generated corpus is refused.
+  const CommandResult bytes = RunCommand(absl::StrCat(kTrainGpt, llama, " --steps=1"));
+  EXPECT_NE(bytes.exit_code, 0);
+  EXPECT_THAT(bytes.output, HasSubstr("give its tokenizer's ids with --data_tokens"));
 }
 
 }  // namespace

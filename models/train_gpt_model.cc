@@ -2,8 +2,12 @@
 
 #include <cstdio>
 #include <fstream>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <sstream>
+#include <stdexcept>
+#include <string>
 #include <utility>
 
 #include "absl/flags/flag.h"

@@ -25,7 +25,9 @@ class JobModel {
  public:
   virtual ~JobModel() = default;
 
-  // The module FSDP wraps: the root of the model.
+  // The module FSDP wraps: the root of the model (a reference, and the
+  // owning pointer Wrap takes). The model is the job's to change (train,
+  // load): these hand it out mutable.
   virtual torch::nn::Module& module() const = 0;
   virtual std::shared_ptr<torch::nn::Module> shared_module() const = 0;
   // Logits [b, t, vocab_size()] of token ids [b, t].

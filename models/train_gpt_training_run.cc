@@ -1,4 +1,3 @@
-#include "models/gpt.h"
 #include "models/train_gpt_training_run.h"
 
 #include <algorithm>
@@ -20,6 +19,7 @@
 #include "fsdp/activation_checkpointing.h"
 #include "fsdp/shard_placement.h"
 #include "fsdp/utilities.h"
+#include "models/gpt.h"
 #include "models/train_gpt_checks.h"
 #include "models/train_gpt_config.h"
 #include "models/train_gpt_flags.h"
@@ -150,16 +150,22 @@ void TrainingRun::Wrap(fsdp::FsdpOptions options, const fsdp::WrapPolicy& policy
       report_.shard_param_bytes += shard->local().nbytes();
     }
   }
+  // The trainable parameters only (a LoRA base is frozen), as peft's and
+  // PyTorch's optimizers are given them: a frozen one never has state, and
+  // a checkpoint or export of the optimizer's would list it.
   std::vector<std::vector<at::Tensor>> groups(1);
   if (absl::GetFlag(FLAGS_weight_decay_groups) == "nanogpt") {
     groups.resize(2);
     std::set<const void*> seen;
     for (const auto& item : module.named_parameters()) {
+      if (!item.value().requires_grad()) continue;
       if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;  // Tied.
       groups[matrices.count(item.key()) != 0 ? 0 : 1].push_back(item.value());
     }
   } else {
-    groups[0] = fsdp::UniqueParameters(module);
+    for (const at::Tensor& p : fsdp::UniqueParameters(module)) {
+      if (p.requires_grad()) groups[0].push_back(p);
+    }
   }
   optimizer_ = MakeOptimizer(groups);
   if (!absl::GetFlag(FLAGS_init_optim_state_dict).empty() && !Resuming()) {
@@ -191,8 +197,8 @@ void TrainingRun::PrintHeader(const std::string& layout_note) const {
   // With both --replay_batches and a corpus file, each part of the run has
   // its own source: say which.
   const std::string replay = absl::GetFlag(FLAGS_replay_batches);
-  const char* uses = corpus_.held_out.scalar_type() == at::kLong ? "the held-out loss and the sample"
-                                                                 : "the held-out loss";
+  const bool sample = corpus_.held_out.scalar_type() == at::kLong && model_->ids_are_bytes();
+  const char* uses = sample ? "the held-out loss and the sample" : "the held-out loss";
   const std::string held_out =
       corpus_.source.empty()
           ? std::string()

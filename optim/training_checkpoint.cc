@@ -1,6 +1,5 @@
 #include "optim/training_checkpoint.h"
 
-#include <algorithm>
 #include <map>
 #include <optional>
 #include <utility>
@@ -128,19 +127,6 @@ absl::StatusOr<OptimizerTensors> OptimizerCheckpointTensors(
   return out;
 }
 
-// Frozen parameters (requires_grad false: a LoRA base) never have a
-// gradient, so never optimizer state; the model's tensors hold them. They
-// are left out on save and on load alike, so the group indices agree.
-void DropFrozen(std::vector<std::vector<const ParamPlace*>>& groups) {
-  for (auto& group : groups) {
-    group.erase(std::remove_if(group.begin(), group.end(),
-                               [](const ParamPlace* place) {
-                                 return !place->param.requires_grad();
-                               }),
-                group.end());
-  }
-}
-
 }  // namespace
 
 absl::Status SaveTrainingCheckpoint(FullyShardedModel& model, torch::optim::Optimizer& optimizer,
@@ -149,7 +135,6 @@ absl::Status SaveTrainingCheckpoint(FullyShardedModel& model, torch::optim::Opti
   try {
     const Places places = PlacesOf(model.units().front()->module(), &model);
     FSDP_ASSIGN_OR_RETURN(auto groups, GroupsOf(optimizer, places));
-    DropFrozen(groups);
     // A parameter without state is so on every rank (the same steps ran
     // everywhere), so returning here does not leave other ranks waiting.
     absl::StatusOr<OptimizerTensors> optim = OptimizerCheckpointTensors(optimizer, groups, false);
@@ -168,7 +153,6 @@ absl::Status LoadTrainingCheckpoint(FullyShardedModel& model, torch::optim::Opti
   try {
     const Places places = PlacesOf(model.units().front()->module(), &model);
     FSDP_ASSIGN_OR_RETURN(auto groups, GroupsOf(optimizer, places));
-    DropFrozen(groups);
     std::vector<const ParamPlace*> all;
     for (const auto& group : groups) all.insert(all.end(), group.begin(), group.end());
     const std::vector<optim_internal::OptimizerStateKey> created =

@@ -70,17 +70,13 @@ struct Trainer {
   // `freeze_weight`: blocks.1's weight frozen, so that unit holds frozen and
   // trainable parameters (its bias moves ahead of the weight in the flat
   // parameter); the optimizer gets the trainable ones.
-  // `frozen_in_optimizer`: the optimizer gets every parameter, the frozen
-  // one too (as a model's parameters() are often passed), which never
-  // gets a gradient or optimizer state.
-  explicit Trainer(Collectives& comm, Kind kind = Kind::kAdamW, bool freeze_weight = false,
-                   bool frozen_in_optimizer = false) {
+  explicit Trainer(Collectives& comm, Kind kind = Kind::kAdamW, bool freeze_weight = false) {
     if (freeze_weight) model->blocks[1]->as<BlockImpl>()->fc->weight.requires_grad_(false);
     fsdp =
         FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>()).value();
     std::vector<at::Tensor> trainable;
     for (const at::Tensor& p : UniqueParameters(*model)) {
-      if (p.requires_grad() || frozen_in_optimizer) trainable.push_back(p);
+      if (p.requires_grad()) trainable.push_back(p);
     }
     optimizer = Make(kind, trainable);
   }
@@ -207,25 +203,6 @@ TEST(TrainingCheckpoint, AUnitWithFrozenAndTrainableParametersResumesElsewhere) 
                                        t.model->blocks[1]->as<BlockImpl>()->fc->weight,
                                        initial));
                                  });
-}
-
-// A frozen parameter the optimizer was given has no optimizer state, ever:
-// the checkpoint leaves it to the model's tensors and resumes exactly.
-TEST(TrainingCheckpoint, AFrozenParameterInTheOptimizerNeedsNoState) {
-  const std::string dir = Dir("frozen_in_optimizer");
-  absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
-    Trainer t(comm, Kind::kAdamW, /*freeze_weight=*/true, /*frozen_in_optimizer=*/true);
-    for (int step = 0; step < 2; ++step) t.Step(comm, step);
-    const absl::Status saved = SaveTrainingCheckpoint(*t.fsdp, *t.optimizer, dir);
-    ASSERT_TRUE(saved.ok()) << saved;
-    const float want = t.Step(comm, 2);
-    Trainer resumed(comm, Kind::kAdamW, /*freeze_weight=*/true, /*frozen_in_optimizer=*/true);
-    const absl::Status loaded = LoadTrainingCheckpoint(*resumed.fsdp, *resumed.optimizer, dir);
-    ASSERT_TRUE(loaded.ok()) << loaded;
-    EXPECT_EQ(resumed.Step(comm, 2), want);
-    EXPECT_EQ(resumed.optimizer->state().size(), t.optimizer->state().size());
-  });
-  EXPECT_TRUE(status.ok()) << status;
 }
 
 // Another optimizer's checkpoint is refused with a message that says what

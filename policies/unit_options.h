@@ -95,8 +95,8 @@ bool IsMixedPrecisionDtype(at::ScalarType dtype);
 
 // A MixedPrecision whose param_dtype and reduce_dtype pass
 // IsMixedPrecisionDtype and whose buffer_dtype and output_dtype are
-// floating types (cast locally only, so float64 is allowed, as in
-// PyTorch); the first other one is named, as InvalidArgument. FsdpOptions
+// floating types (cast locally only, so float64 and the float8 types are
+// allowed, as in PyTorch); the first other one is named, as InvalidArgument. FsdpOptions
 // validation and the wrap plan (for the root and for a policy's per-unit
 // override) call it.
 absl::Status ValidateMixedPrecision(const MixedPrecision& mp);
