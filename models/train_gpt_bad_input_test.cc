@@ -125,9 +125,7 @@ TEST(TrainGpt, BadFlagsAreRefusedNamingTheProblem) {
       {"--sample_tokens=8", 2, "--sample_tokens=8: applies only with --data"},
       {"--max_consecutive_skips=3", 2,
        "--max_consecutive_skips=3: applies only with --on_nonfinite=skip"},
-      {"--overwrite_exports", 2,
-       "--overwrite_exports=true: applies only with --export_state_dict, "
-       "--export_optim_state_dict or --export_dcp"},
+      {"--overwrite_exports", 2, "--overwrite_exports=true: applies only with an --export_* flag"},
       {"--TEST_nan_loss_at_step=-1", 2, "--TEST_nan_loss_at_step=-1: must be >= 0"},
       {"--TEST_nan_loss_at_step=9", 2, "--TEST_nan_loss_at_step=9: beyond --steps=3"},
       {"--collectives=pigeon", 2, "--collectives=pigeon: must be auto, gloo, nccl or staged"},
