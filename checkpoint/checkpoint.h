@@ -40,8 +40,10 @@
 // entry or rank at fault, and every rank returns one when any rank fails.
 // Loads check everything first: a bad file, directory or dict changes
 // nothing on any rank. Only a failure while applying what was read (out of
-// memory) can leave some ranks loaded and others not; the ranks that loaded
-// then return kAborted, saying that the ranks disagree.
+// memory; for a Hugging Face checkpoint, which is read in place, a read
+// error after the checks) can leave ranks apart (a Hugging Face one partly
+// loaded); the ranks that loaded then return kAborted, saying that the
+// ranks disagree.
 #ifndef FSDP_CHECKPOINT_CHECKPOINT_H_
 #define FSDP_CHECKPOINT_CHECKPOINT_H_
 
@@ -131,9 +133,11 @@ enum class CheckpointFormat {
   // published only when whole (the index last; files of an earlier export
   // under the same names are replaced); a tied tensor is written once, under
   // its first name, as save_pretrained does. Loading reads on each rank
-  // only the elements its shards hold and casts floating-point tensors to
-  // the model's dtypes (a bf16 checkpoint into a float32 model), as
-  // from_pretrained does.
+  // only the elements its shards hold, straight into them, and casts
+  // floating-point tensors to the model's dtypes (a bf16 checkpoint into a
+  // float32 model), as from_pretrained does: a load holds no second copy
+  // of the rank's share. Every file's header and every tensor's name, dtype
+  // and shape are checked before the first read.
   kHuggingFace,
 };
 

@@ -10,7 +10,13 @@
 // Loading: every rank reads, with positional reads, only the elements of
 // each tensor that its shards hold (under NO_SHARD, all of it); every rank
 // must see the same files (checked: the ranks compare what they read).
-// Floating-point tensors are cast to the model's dtype. All-or-nothing.
+// Floating-point tensors are cast to the model's dtype. Every file's header
+// and every tensor's name, dtype and shape are checked on every rank before
+// any tensor is read; the reads then go straight into the shards (through
+// an 8 MiB buffer when they cast or the shard is on a device), so a load
+// costs no more memory than the model's shards. Only a read that fails
+// after the checks (an I/O error, a file truncated meanwhile) leaves the
+// model partly loaded, and every rank then returns an error that says so.
 //
 // Saving: the units are gathered one at a time (VisitFullStateDict) and one
 // rank (rank 0 of the shard group and of the replicate group) streams each

@@ -148,27 +148,29 @@ FlatParamHandle::FlatParamHandle(std::string unit_name, std::vector<FlatParamEnt
       options_(options),
       placement_{params_.front().param.device(), options.offload_params},
       layout_(LayOut(params_, options, group)) {
-  // Flatten the current values (identical on every rank: the caller's
-  // contract) and keep this rank's part.
+  // This rank's part of the current values (identical on every rank: the
+  // caller's contract), copied straight from the parameters: the flat
+  // parameter is never built whole, so wrapping costs at most one unit's
+  // parameters above the shards (a deferred unit's, just materialized).
   const at::TensorOptions tensor_options = params_.front().param.options().requires_grad(false);
-  at::Tensor flat = at::zeros({layout_.padded_numel()}, tensor_options);
+  int64_t shard_numel = 0;
+  for (const FlatLayout::Segment& seg : layout_.segments()) shard_numel += seg.shard_numel;
+  local_shard_ = options_.offload_params
+                     ? placement_.EmptyOnHost(shard_numel, params_.front().param.scalar_type())
+                     : at::empty({shard_numel}, tensor_options);
   {
     at::NoGradGuard no_grad;
+    local_shard_.zero_();  // The padding.
     for (size_t i = 0; i < params_.size(); ++i) {
       const FlatParamInfo& info = layout_.params()[i];
-      flat.narrow(0, info.offset, info.numel).copy_(params_[i].param.detach().reshape({-1}));
+      const at::Tensor value = params_[i].param.detach();
+      if (!layout_.sharded()) {
+        layout_.ShardViewOf(local_shard_, i).copy_(value);
+      } else if (info.shard_numel > 0) {
+        layout_.ShardViewOf(local_shard_, i)
+            .copy_(value.reshape({-1}).narrow(0, info.shard_offset, info.shard_numel));
+      }
     }
-  }
-  std::vector<at::Tensor> mine;
-  for (const FlatLayout::Segment& seg : layout_.segments()) {
-    mine.push_back(flat.narrow(0, layout_.OwnedBegin(seg, layout_.rank()), seg.shard_numel));
-  }
-  if (options_.offload_params) {
-    const at::Tensor shard = at::cat(mine);
-    local_shard_ = placement_.EmptyOnHost(shard.numel(), shard.scalar_type());
-    local_shard_.copy_(shard);
-  } else {
-    local_shard_ = at::cat(mine);
   }
   // The views parameters swap between are made once: building a view costs
   // about as much as the swap itself, and views of full_ stay valid while
@@ -179,18 +181,13 @@ FlatParamHandle::FlatParamHandle(std::string unit_name, std::vector<FlatParamEnt
   compute_dtype_ = options_.mixed_precision.param_dtype.value_or(local_shard_.scalar_type());
   low_precision_ = compute_dtype_ != local_shard_.scalar_type();
   if (layout_.sharded() || low_precision_ || options_.offload_params) {
-    // The flat copy (on the compute device), no longer needed, serves as
-    // the full buffer when the dtypes agree: one unit's memory less at wrap
-    // time.
-    full_ = low_precision_
-                ? at::empty({layout_.padded_numel()}, tensor_options.dtype(compute_dtype_))
-                : flat;
+    // Never written before it is freed: its pages are never touched.
+    full_ = at::empty({layout_.padded_numel()}, tensor_options.dtype(compute_dtype_));
     for (const FlatParamInfo& info : layout_.params()) {  // Views need the storage allocated.
       full_views_.push_back(full_.narrow(0, info.offset, info.numel).view(info.shape));
     }
     FreeStorage(full_);
   }
-  flat = at::Tensor();
   PointParamsAtShard();
   GradientReductionOptions reduction;
   reduction.replicate = options_.replicate;

@@ -390,6 +390,39 @@ absl::StatusOr<at::Tensor> SafetensorsFile::ReadFlat(absl::string_view name, int
   return ReadBytes(*entry, static_cast<uint64_t>(lo * entry->element_size), {hi - lo});
 }
 
+absl::Status SafetensorsFile::ReadFlatInto(absl::string_view name, int64_t lo, int64_t hi,
+                                           const at::Tensor& out) const {
+  FSDP_ASSIGN_OR_RETURN(const SafetensorsEntry* entry, Require(name));
+  FSDP_RETURN_IF_ERROR(CheckRange("elements", lo, hi, entry->numel(), name));
+  if (entry->dtype == at::ScalarType::Undefined) {
+    return absl::UnimplementedError(absl::StrCat("tensor '", entry->name, "' in ", path_, " is ",
+                                                 entry->dtype_name,
+                                                 ", a dtype this library does not read"));
+  }
+  if (out.dim() != 1 || out.numel() != hi - lo) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "reading elements [", lo, ", ", hi, ") of tensor '", name, "' into a tensor of shape [",
+        absl::StrJoin(out.sizes(), ", "), "]: it must be 1-D, of ", hi - lo, " elements"));
+  }
+  const uint64_t start = layout_.data_start + entry->begin;
+  const auto element = static_cast<uint64_t>(entry->element_size);
+  if (out.device().is_cpu() && out.is_contiguous() && out.scalar_type() == entry->dtype) {
+    return ReadAt(fd_->get(), out.data_ptr(), static_cast<uint64_t>(hi - lo) * element,
+                  start + static_cast<uint64_t>(lo) * element, path_);
+  }
+  const int64_t chunk = std::max<int64_t>(1, static_cast<int64_t>(kReadChunkBytes / element));
+  at::Tensor buffer = at::empty({std::min(chunk, hi - lo)},
+                                at::TensorOptions().dtype(entry->dtype));
+  for (int64_t from = lo; from < hi; from += chunk) {
+    const int64_t n = std::min(chunk, hi - from);
+    at::Tensor part = buffer.narrow(0, 0, n);
+    FSDP_RETURN_IF_ERROR(ReadAt(fd_->get(), part.data_ptr(), static_cast<uint64_t>(n) * element,
+                                start + static_cast<uint64_t>(from) * element, path_));
+    out.narrow(0, from - lo, n).copy_(part);
+  }
+  return absl::OkStatus();
+}
+
 // ---------------------------------------------------------------------------
 // Writing one file.
 
@@ -682,6 +715,12 @@ absl::StatusOr<at::Tensor> SafetensorsCheckpoint::ReadFlat(absl::string_view nam
                                                            int64_t hi) const {
   FSDP_ASSIGN_OR_RETURN(const SafetensorsFile* file, Require(name));
   return file->ReadFlat(name, lo, hi);
+}
+
+absl::Status SafetensorsCheckpoint::ReadFlatInto(absl::string_view name, int64_t lo, int64_t hi,
+                                                 const at::Tensor& out) const {
+  FSDP_ASSIGN_OR_RETURN(const SafetensorsFile* file, Require(name));
+  return file->ReadFlatInto(name, lo, hi, out);
 }
 
 absl::StatusOr<SafetensorsCheckpointWriter> SafetensorsCheckpointWriter::Create(

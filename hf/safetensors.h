@@ -101,6 +101,14 @@ class SafetensorsFile {
   absl::StatusOr<at::Tensor> ReadRows(absl::string_view name, int64_t lo, int64_t hi) const;
   // Elements [lo, hi) of the flattened tensor, 1-D.
   absl::StatusOr<at::Tensor> ReadFlat(absl::string_view name, int64_t lo, int64_t hi) const;
+  // The same elements written into `out` (1-D, hi - lo elements, any dtype
+  // the entry's casts to, any device), without holding them twice: read
+  // straight into `out` when it is a contiguous CPU tensor of the entry's
+  // dtype, else through a buffer of at most kReadChunkBytes. On an error,
+  // part of `out` may have been written.
+  absl::Status ReadFlatInto(absl::string_view name, int64_t lo, int64_t hi,
+                            const at::Tensor& out) const;
+  static constexpr uint64_t kReadChunkBytes = 8 << 20;
 
  private:
   class Descriptor;
@@ -184,6 +192,8 @@ class SafetensorsCheckpoint {
   absl::StatusOr<at::Tensor> Read(absl::string_view name) const;
   absl::StatusOr<at::Tensor> ReadRows(absl::string_view name, int64_t lo, int64_t hi) const;
   absl::StatusOr<at::Tensor> ReadFlat(absl::string_view name, int64_t lo, int64_t hi) const;
+  absl::Status ReadFlatInto(absl::string_view name, int64_t lo, int64_t hi,
+                            const at::Tensor& out) const;
 
  private:
   absl::StatusOr<const SafetensorsFile*> Require(absl::string_view name) const;

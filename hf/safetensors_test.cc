@@ -95,6 +95,47 @@ TEST(SafetensorsTest, RoundTripsEveryDTypeWholeByRowsAndFlat) {
   EXPECT_EQ(file->Read("nope").status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST(SafetensorsTest, ReadsARangeIntoATensorDirectlyOrCastInChunks) {
+  const std::string path = TempDir("read_into") + "/t.safetensors";
+  // More elements than one chunk holds, so that the cast goes chunk by chunk.
+  const int64_t numel = SafetensorsFile::kReadChunkBytes / 2 * 2 + 5;
+  const at::Tensor big = at::randn({numel}).to(at::kBFloat16);
+  const at::Tensor small = at::randn({3, 4});
+  WriteFile(path, {{"big", big}, {"small", small}});
+  auto file = SafetensorsFile::Open(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+
+  at::Tensor same = at::zeros({6});
+  ASSERT_TRUE(file->ReadFlatInto("small", 3, 9, same).ok());
+  EXPECT_TRUE(at::equal(same, small.flatten().slice(0, 3, 9)));
+
+  const int64_t lo = 7, hi = numel - 2;
+  at::Tensor cast = at::zeros({hi - lo});
+  ASSERT_TRUE(file->ReadFlatInto("big", lo, hi, cast).ok());
+  EXPECT_TRUE(at::equal(cast, big.slice(0, lo, hi).to(at::kFloat)));
+  // Into a view of a larger tensor (a rank's part of a flat shard).
+  at::Tensor shard = at::full({20}, -1.0);
+  ASSERT_TRUE(file->ReadFlatInto("big", 0, 10, shard.narrow(0, 5, 10)).ok());
+  EXPECT_TRUE(at::equal(shard.narrow(0, 5, 10), big.slice(0, 0, 10).to(at::kFloat)));
+  EXPECT_EQ(shard[4].item<float>(), -1.0f);
+  EXPECT_EQ(shard[15].item<float>(), -1.0f);
+
+  EXPECT_EQ(file->ReadFlatInto("small", 0, 6, at::zeros({5})).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(file->ReadFlatInto("small", 0, 6, at::zeros({2, 3})).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(file->ReadFlatInto("small", 10, 13, at::zeros({3})).code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(file->ReadFlatInto("nope", 0, 1, at::zeros({1})).code(),
+            absl::StatusCode::kNotFound);
+
+  // A file cut short after its header was read: the read names the file.
+  std::filesystem::resize_file(path, std::filesystem::file_size(path) - 64);
+  const absl::Status cut = file->ReadFlatInto("small", 0, 12, at::zeros({12}));
+  EXPECT_EQ(cut.code(), absl::StatusCode::kDataLoss) << cut;
+  EXPECT_NE(cut.message().find(path), std::string::npos) << cut;
+}
+
 TEST(SafetensorsTest, RefusesHeadersThatDoNotDescribeTheFile) {
   const std::string dir = TempDir("bad_headers");
   struct Case {

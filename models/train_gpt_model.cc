@@ -1,5 +1,6 @@
 #include "models/train_gpt_model.h"
 
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -110,11 +111,15 @@ class HfJobModel final : public JobModel {
     // The adapters are not in the base's files: they keep their
     // initialization, or take --init_peft's below.
     if (lora_.has_value()) base.hugging_face.tensors = fsdp::HuggingFaceTensors::kFrozen;
+    const auto start = std::chrono::steady_clock::now();
     if (absl::Status loaded = fsdp::LoadCheckpoint(dir_, wrapped, nullptr, nullptr, base);
         !loaded.ok()) {
       throw std::runtime_error(absl::StrCat("--hf_model=", dir_, ": ", loaded.message()));
     }
-    if (print) std::printf("loaded the weights of %s\n", dir_.c_str());
+    if (print) {
+      std::printf("loaded the weights of %s in %.2f s\n", dir_.c_str(),
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
     if (const std::string peft = absl::GetFlag(FLAGS_init_peft); !peft.empty()) {
       if (absl::Status loaded = models::LoadPeftAdapter(peft, wrapped, *lora_); !loaded.ok()) {
         throw std::runtime_error(absl::StrCat("--init_peft=", peft, ": ", loaded.message()));

@@ -1,9 +1,11 @@
 #include "models/train_gpt_report.h"
 
+#include <malloc.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 
 #include "ATen/ATen.h"
@@ -37,6 +39,35 @@ int64_t CurrentRssBytes() {
   return resident_pages * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
 }
 
+namespace {
+
+// Fixing the mmap threshold also stops glibc raising the trim threshold
+// with it (to twice the mmap threshold), so that is set too.
+void FixHeapThresholds(int mmap_bytes, int trim_bytes) {
+#if defined(__GLIBC__)
+  for (const char* chosen :
+       {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"}) {
+    if (std::getenv(chosen) != nullptr) return;
+  }
+  mallopt(M_MMAP_THRESHOLD, mmap_bytes);
+  mallopt(M_TRIM_THRESHOLD, trim_bytes);
+#else
+  (void)mmap_bytes;
+  (void)trim_bytes;
+#endif
+}
+
+}  // namespace
+
+void BeginModelBuild() { FixHeapThresholds(1 << 20, 2 << 20); }
+void EndModelBuild() { FixHeapThresholds(32 << 20, 64 << 20); }
+
+int64_t PeakRssBytes() {
+  struct rusage usage;
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<int64_t>(usage.ru_maxrss) * 1024;
+}
+
 int64_t LocalGradientBytes(torch::nn::Module& model) {
   int64_t bytes = 0;
   for (const at::Tensor& p : fsdp::UniqueParameters(model)) {
@@ -61,15 +92,14 @@ int64_t LocalOptimizerStateBytes(torch::optim::Optimizer& optimizer) {
 }
 
 void PrintRankReport(int rank, const RankReport& r, const fsdp::CollectiveCounters& c) {
-  struct rusage usage;
-  getrusage(RUSAGE_SELF, &usage);
   constexpr double kMiB = 1048576.0;
   const std::string line = absl::StrFormat(
-      "rank %d: peak RSS %.1f MiB (%.1f before the first step)%s; held / unsharded: parameters "
-      "%.2f / %.2f MiB, gradients "
+      "rank %d: peak RSS %.1f MiB (%.1f before the first step, peak %.1f in the %.1f s until "
+      "then)%s; held / unsharded: parameters %.2f / %.2f MiB, gradients "
       "%.2f / %.2f MiB, optimizer state %.2f / %.2f MiB; all-gathered %.1f MiB in %d calls, "
       "reduce-scattered %.1f MiB in %d calls, all-reduced %.1f MiB in %d calls\n",
-      rank, usage.ru_maxrss / 1024.0, r.rss_before_steps / kMiB,
+      rank, PeakRssBytes() / kMiB, r.rss_before_steps / kMiB, r.peak_rss_before_steps / kMiB,
+      r.seconds_before_steps,
       r.peak_device_bytes
           ? absl::StrFormat(", peak %s memory %.1f MiB", r.device, *r.peak_device_bytes / kMiB)
           : "",

@@ -14,6 +14,7 @@
 #include "comm/staged_collectives.h"
 #include "models/train_gpt_config.h"
 #include "models/train_gpt_flags.h"
+#include "models/train_gpt_report.h"
 #include "models/train_gpt_training_run.h"
 #ifdef FSDP_WITH_NCCL
 #include "comm/nccl_collectives.h"
@@ -107,6 +108,7 @@ int RunRank(const fsdp::LaunchEnvironment& env, fsdp::FsdpOptions options,
       fsdp::ValueOrThrow(ResolvePlacement(env.local_rank, env.local_world_size));
   RankGroups groups = ConnectGroups(env, placement, fsdp::IsHybrid(options.strategy));
   if (!placement.device.is_cpu()) options.device_id = placement.device;
+  BeginModelBuild();  // TrainingRun::Run ends it before the first step.
   try {
     return TrainingRun(options, policy, *groups.world, groups.hybrid, placement.device)
         .Run(groups.layout_note, notes);

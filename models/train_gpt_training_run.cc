@@ -75,8 +75,11 @@ int TrainingRun::Run(const std::string& layout_note, const std::vector<std::stri
   PrintHeader(layout_note);
   batches_.emplace(corpus_, per_rank_ * world_size_, block_size_, model_->vocab_size(), steps_);
   ResumeIfAsked();
+  EndModelBuild();
   report_.rss_before_steps = CurrentRssBytes();
+  report_.peak_rss_before_steps = PeakRssBytes();
   start_ = Clock::now();
+  report_.seconds_before_steps = std::chrono::duration<double>(start_ - created_).count();
   for (int step = first_step_; step <= steps_; ++step) {
     const StepResult result = Step(step);
     const int eval_every = absl::GetFlag(FLAGS_eval_every);

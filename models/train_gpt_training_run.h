@@ -127,6 +127,7 @@ class TrainingRun {
   const int rank_, world_size_;
   const bool print_;
   fsdp::TraceRecorder trace_;
+  const Clock::time_point created_ = Clock::now();  // Before the model is built.
   const std::unique_ptr<JobModel> model_;
   const int64_t block_size_;
   fsdp::ShardingStrategy strategy_{};

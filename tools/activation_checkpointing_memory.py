@@ -39,7 +39,7 @@ def run_case(binary, world_size, checkpointing, steps, device, model):
     if out.returncode != 0:
         sys.exit(f"{' '.join(args)} failed ({out.returncode}):\n{text}")
     peaks = [float(m) for m in re.findall(r"peak RSS ([0-9.]+) MiB", text)]
-    before = [float(m) for m in re.findall(r"\(([0-9.]+) before the first step\)", text)]
+    before = [float(m) for m in re.findall(r"\(([0-9.]+) before the first step", text)]
     rates = re.findall(r"step +\d+/\d+ +loss ([0-9.]+) +(\d+) tokens/s", text)
     if len(peaks) != world_size or len(before) != world_size or not rates:
         sys.exit(f"unexpected output of {' '.join(args)}:\n{text}")
