@@ -424,7 +424,7 @@ absl::Status LoadCheckpoint(const std::string& dir, FullyShardedModel& model,
   } catch (...) {
     applied = StatusFromCurrentException();
   }
-  FSDP_RETURN_IF_ERROR(checkpoint_internal::AgreeAfterLoad(model, applied, "the checkpoint"));
+  FSDP_RETURN_IF_ERROR(checkpoint_internal::AgreeAfterLoad(model, applied, "checkpoint"));
   if (train_state != nullptr) *train_state = read;
   return absl::OkStatus();
 }

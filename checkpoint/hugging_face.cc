@@ -228,6 +228,8 @@ bool IsHuggingFaceDirectory(const std::string& dir, const std::string& stem) {
 
 absl::Status LoadHuggingFace(const std::string& dir, FullyShardedModel& model,
                              const CheckpointIoOptions& options) {
+  CollectiveLabel label(model.group(), model.replicate_group(), "",
+                        "loading a Hugging Face checkpoint");
   std::string seen = "an unreadable checkpoint";
   absl::StatusOr<LoadPlan> plan = absl::UnknownError("not planned");
   try {
@@ -254,7 +256,7 @@ absl::Status LoadHuggingFace(const std::string& dir, FullyShardedModel& model,
     applied = absl::Status(thrown.code(), absl::StrCat(thrown.message(), "; the model may "
                                                        "now be partly loaded"));
   }
-  return AgreeAfterLoad(model, applied, "the model's parameters");
+  return AgreeAfterLoad(model, applied, "model's parameters");
 }
 
 absl::Status SaveHuggingFace(const std::string& dir, FullyShardedModel& model,

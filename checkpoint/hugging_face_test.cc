@@ -1,5 +1,6 @@
 #include "checkpoint/checkpoint.h"
 
+#include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -18,6 +19,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "hf/safetensors.h"
+#include "testing/fault_injection.h"
 #include "testing/multi_rank.h"
 #include "torch/csrc/distributed/c10d/HashStore.hpp"
 #include "torch/optim/sgd.h"
@@ -28,6 +30,9 @@ namespace fsdp {
 namespace {
 
 using ::fsdp::testing::BlockImpl;
+using ::fsdp::testing::Fault;
+using ::fsdp::testing::FaultInjectingCollectives;
+using ::fsdp::testing::FaultKind;
 using ::fsdp::testing::Inputs;
 using ::fsdp::testing::kGlobalBatch;
 using ::fsdp::testing::Net;
@@ -393,6 +398,54 @@ TEST(HuggingFaceCheckpoint, RefusesMisuseOnEveryRank) {
     }
   });
   EXPECT_TRUE(status.ok()) << status;
+}
+
+// A read that fails after every check passed and the ranks agreed to load
+// (here the file's last bytes cut between that agreement and the reads)
+// cannot be taken back: every rank fails, the one whose read failed saying
+// that the model may be partly loaded, the others that another rank could
+// not load, so that no rank trains on as if the load had landed.
+TEST(HuggingFaceCheckpoint, AReadFailingAfterTheChecksFailsEveryRankAndSaysSo) {
+  const std::string dir = Dir("hf_cut_while_loading");
+  absl::Status saved = RunOnThreadRanks(2, [&](Collectives& comm) {
+    Net model;
+    auto fsdp = Wrap(model, comm);
+    Train(model, comm);
+    ASSERT_TRUE(SaveCheckpoint(dir, *fsdp, nullptr, {}, HuggingFace()).ok());
+  });
+  ASSERT_TRUE(saved.ok()) << saved;
+  const std::string file = dir + "/model.safetensors";
+  const uintmax_t size = std::filesystem::file_size(file);
+  std::vector<absl::Status> loaded(2);
+  absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
+    FaultInjectingCollectives faulty(comm);
+    if (comm.rank() == 1) {
+      Fault cut;
+      cut.kind = FaultKind::kRunAfter;
+      cut.phase = "loading a Hugging Face checkpoint";
+      cut.run_after = [&] { std::filesystem::resize_file(file, size - 4); };
+      faulty.Inject(cut);
+    }
+    Net model;
+    auto fsdp = Wrap(model, faulty);
+    loaded[comm.rank()] = LoadCheckpoint(dir, *fsdp);
+    EXPECT_EQ(faulty.fired().size(), comm.rank() == 1 ? 1u : 0u);
+  });
+  ASSERT_TRUE(status.ok()) << status;
+  ASSERT_EQ(std::filesystem::file_size(file), size - 4) << "the file was not cut";
+  int partly = 0;
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_FALSE(loaded[rank].ok()) << "rank " << rank;
+    const std::string message(loaded[rank].message());
+    if (message.find("the model may now be partly loaded") != std::string::npos) {
+      ++partly;
+      EXPECT_THAT(message, HasSubstr(file)) << "rank " << rank;
+    } else {
+      EXPECT_THAT(message, HasSubstr("this rank loaded the model's parameters but another could "
+                                     "not")) << "rank " << rank;
+    }
+  }
+  EXPECT_GE(partly, 1);
 }
 
 }  // namespace

@@ -12,7 +12,11 @@
 namespace models {
 namespace {
 
-LoraLinear MakeLinear(int64_t in, int64_t out, bool bias) { return LoraLinear(in, out, bias); }
+// Uninitialized: CausalLm's own initialization or a deferred model's
+// param_init_fn and checkpoint fill every projection.
+LoraLinear MakeLinear(int64_t in, int64_t out, bool bias) {
+  return LoraLinear(in, out, bias, /*initialize=*/false);
+}
 
 bool EndsWith(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;

@@ -217,13 +217,16 @@ bool LoraConfig::operator==(const LoraConfig& other) const {
          Sorted(target_modules) == Sorted(other.target_modules) && use_rslora == other.use_rslora;
 }
 
-LoraLinearImpl::LoraLinearImpl(int64_t in_features, int64_t out_features, bool with_bias) {
-  // torch::nn::Linear's initialization (a model's own usually replaces it).
+LoraLinearImpl::LoraLinearImpl(int64_t in_features, int64_t out_features, bool with_bias,
+                               bool initialize) {
   weight = register_parameter("weight", at::empty({out_features, in_features}));
+  if (with_bias) bias = register_parameter("bias", at::empty({out_features}));
+  if (!initialize) return;
+  at::NoGradGuard no_grad;
   torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0));
   if (with_bias) {
     const double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
-    bias = register_parameter("bias", at::empty({out_features}).uniform_(-bound, bound));
+    bias.uniform_(-bound, bound);
   }
 }
 

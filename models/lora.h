@@ -78,7 +78,11 @@ struct LoraConfig {
 
 // A linear layer that may carry a LoRA adapter (see the top).
 struct LoraLinearImpl : torch::nn::Module {
-  LoraLinearImpl(int64_t in_features, int64_t out_features, bool bias);
+  // Initialized as torch::nn::Linear, or left uninitialized (`initialize`
+  // false) for a model whose own initialization or checkpoint fills it:
+  // drawing a billion random numbers that are then replaced is most of a
+  // large model's build time.
+  LoraLinearImpl(int64_t in_features, int64_t out_features, bool bias, bool initialize = true);
   at::Tensor forward(const at::Tensor& x);
   // Whether an adapter is on.
   bool has_adapter() const { return !lora_A.is_empty(); }

@@ -22,6 +22,8 @@ const char* FaultKindName(FaultKind kind) {
       return "mismatch size";
     case FaultKind::kMismatchOp:
       return "mismatch op";
+    case FaultKind::kRunAfter:
+      return "run after";
   }
   return "invalid";
 }
@@ -74,6 +76,14 @@ std::unique_ptr<CollectiveWork> FaultInjectingCollectives::Preempt(
   }
 }
 
+std::unique_ptr<CollectiveWork> FaultInjectingCollectives::Follow(
+    const std::optional<Fault>& fault, std::unique_ptr<CollectiveWork> work) {
+  if (!fault || fault->kind != FaultKind::kRunAfter) return work;
+  work->Wait();
+  fault->run_after();
+  return MakeCompletedWork();
+}
+
 std::unique_ptr<CollectiveWork> FaultInjectingCollectives::DoAllGather(const at::Tensor& output,
                                                                        const at::Tensor& input) {
   const std::optional<Fault> fault = Match();
@@ -85,7 +95,7 @@ std::unique_ptr<CollectiveWork> FaultInjectingCollectives::DoAllGather(const at:
                                       input.narrow(0, 0, n));
   }
   if (fault && fault->kind == FaultKind::kMismatchOp) return inner_.Broadcast(output, 0);
-  return inner_.AllGatherIntoTensor(output, input);
+  return Follow(fault, inner_.AllGatherIntoTensor(output, input));
 }
 
 std::unique_ptr<CollectiveWork> FaultInjectingCollectives::DoReduceScatter(
@@ -99,7 +109,7 @@ std::unique_ptr<CollectiveWork> FaultInjectingCollectives::DoReduceScatter(
                                       input.narrow(0, 0, n * world_size()), op);
   }
   if (fault && fault->kind == FaultKind::kMismatchOp) return inner_.Broadcast(input, 0);
-  return inner_.ReduceScatterTensor(output, input, op);
+  return Follow(fault, inner_.ReduceScatterTensor(output, input, op));
 }
 
 std::unique_ptr<CollectiveWork> FaultInjectingCollectives::DoAllReduce(const at::Tensor& tensor,
@@ -111,7 +121,7 @@ std::unique_ptr<CollectiveWork> FaultInjectingCollectives::DoAllReduce(const at:
     return inner_.AllReduce(tensor.view({-1}).narrow(0, 0, tensor.numel() - 1), op);
   }
   if (fault && fault->kind == FaultKind::kMismatchOp) return inner_.Broadcast(tensor, 0);
-  return inner_.AllReduce(tensor, op);
+  return Follow(fault, inner_.AllReduce(tensor, op));
 }
 
 std::unique_ptr<CollectiveWork> FaultInjectingCollectives::DoBroadcast(const at::Tensor& tensor,
@@ -125,7 +135,7 @@ std::unique_ptr<CollectiveWork> FaultInjectingCollectives::DoBroadcast(const at:
   if (fault && fault->kind == FaultKind::kMismatchOp) {
     return inner_.AllReduce(tensor, ReduceOp::kSum);
   }
-  return inner_.Broadcast(tensor, root);
+  return Follow(fault, inner_.Broadcast(tensor, root));
 }
 
 void FaultInjectingCollectives::DoBarrier() {
@@ -136,6 +146,7 @@ void FaultInjectingCollectives::DoBarrier() {
   }
   CollectiveLabel label(inner_, label_unit(), label_phase());
   inner_.Barrier();
+  if (fault && fault->kind == FaultKind::kRunAfter) fault->run_after();
 }
 
 std::vector<std::string> RankErrors(int world_size, const RankBody& body,

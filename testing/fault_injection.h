@@ -19,6 +19,7 @@
 #define FSDP_TESTING_FAULT_INJECTION_H_
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -36,6 +37,9 @@ enum class FaultKind {
   kSkip,          // Do not issue it; report success (a rank skipping it).
   kMismatchSize,  // Issue it with one element less per rank.
   kMismatchOp,    // Issue a broadcast of the same buffer instead.
+  kRunAfter,      // Issue it, wait for it, then call `run_after`: a test
+                  // that changes the world between two collectives (a file
+                  // truncated after the ranks agreed to read it).
 };
 
 const char* FaultKindName(FaultKind kind);
@@ -49,6 +53,7 @@ struct Fault {
   // Fire at the `occurrence`-th matching collective (0: the first).
   int occurrence = 0;
   std::chrono::milliseconds delay{0};  // kDelay.
+  std::function<void()> run_after;     // kRunAfter.
 };
 
 class FaultInjectingCollectives final : public Collectives {
@@ -76,6 +81,10 @@ class FaultInjectingCollectives final : public Collectives {
   // Applies kDelay/kFail/kSkip; returns the work to hand back for kFail and
   // kSkip (null: issue the collective).
   std::unique_ptr<CollectiveWork> Preempt(const std::optional<Fault>& fault);
+  // `work` as issued, or for kRunAfter waited for, followed by `run_after`
+  // and handed back completed.
+  static std::unique_ptr<CollectiveWork> Follow(const std::optional<Fault>& fault,
+                                                std::unique_ptr<CollectiveWork> work);
 
   Collectives& inner_;
   mutable std::mutex mu_;

@@ -6,7 +6,8 @@
 # cases again under compute-sanitizer's memcheck where installed), trains the main
 # job on the GPU (one rank over NCCL, with the flat-shard optimizer's exact
 # and fused kernels; two ranks sharing the GPU, staged; checkpoints saved
-# there and resumed),
+# there and resumed; a small Hugging Face Llama fine-tuned with LoRA in
+# bfloat16 with activation checkpointing, one rank and two sharing the GPU),
 # runs the training-step benchmark on both sides (ours, models/cuda_step_benchmark.cc;
 # PyTorch's FullyShardedDataParallel and fully_shard,
 # models/fsdp_step_benchmark.py) and writes them side by side; with two GPUs
@@ -180,6 +181,24 @@ if ((cuda_built)); then
       loss_falls timeout -k 10 90 "$build/models/train_gpt" \
       --device="$device" --world_size="$ranks" --steps=60 --log_every=20 --print_plan=false
   done
+  # Fine-tuning an open-weight model: a small random Llama in Hugging Face's
+  # layout (tools/tiny_hf_llama.py needs only torch), LoRA adapters over the
+  # frozen base in bfloat16, each decoder layer's forward recomputed in
+  # backward; the adapters exported in PEFT's format and merged into HF's.
+  hf=/tmp/fsdp_gpu_hf_llama
+  rm -rf "$hf"
+  if stage tiny_hf_llama "$out/cuda_test.log" python3 tools/tiny_hf_llama.py "$hf"; then
+    for ranks in 1 2; do
+      device=cuda
+      ((ranks > 1)) && device=cuda:0
+      stage "hf_lora_bf16_checkpointed_${device}_w$ranks" "$out/cuda_test.log" \
+        loss_falls timeout -k 10 90 "$build/models/train_gpt" \
+        --hf_model="$hf/model" --data_tokens="$hf/tokens.bin" --lora_r=8 \
+        --param_dtype=bfloat16 --activation_checkpointing --device="$device" \
+        --world_size="$ranks" --steps=60 --log_every=20 --print_plan=false \
+        --export_peft="$hf/peft_w$ranks" --export_hf="$hf/merged_w$ranks"
+    done
+  fi
   # The runs above step the shards with FlatShardAdamW's kExact kernel (the
   # default); this one with PyTorch's fused CUDA kernel.
   stage train_gpt_cuda_w1_fused_optimizer "$out/cuda_test.log" \
