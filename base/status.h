@@ -55,6 +55,18 @@ T ValueOrThrow(absl::StatusOr<T> result) {
 // inside a `catch` block.
 absl::Status StatusFromCurrentException(absl::StatusCode code = absl::StatusCode::kInternal);
 
+// `step()`'s status, or what it threw as one (StatusFromCurrentException):
+// a rank that must still reach the collectives after a local step (a write,
+// a commit) runs the step so, so that its failure is reported, not a hang.
+template <typename Step>
+absl::Status CatchAsStatus(Step&& step) {
+  try {
+    return step();
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+}
+
 // `text` as a message may quote it: bytes that are not printable text
 // (control characters but newline and tab, DEL, bytes outside valid UTF-8)
 // become \xNN, so that a name read from a damaged file neither cuts a

@@ -6,6 +6,8 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <string>
@@ -158,6 +160,28 @@ TEST(Checkpoint, SavesAndLoadsTheModelAlone) {
     EXPECT_THAT(with_optimizer.message(), HasSubstr("optim"));
   });
   EXPECT_TRUE(second.ok()) << second;
+}
+
+// A save killed mid-write leaves temporary files beside the checkpoint; the
+// next save of the same directory, in either format the front door writes,
+// removes them.
+TEST(Checkpoint, TheNextSaveRemovesWhatAKilledSaveLeft) {
+  for (const CheckpointFormat format :
+       {CheckpointFormat::kDistributed, CheckpointFormat::kHuggingFace}) {
+    const std::string dir = Dir(format == CheckpointFormat::kDistributed ? "leftovers_dcp"
+                                                                         : "leftovers_hf");
+    std::filesystem::create_directories(dir);
+    const std::string left = dir + "/__1_0.distcp.tmp-999999-7";
+    std::ofstream(left) << "half a file";
+    absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
+      Trainer t(comm);
+      CheckpointIoOptions options;
+      options.format = format;
+      ASSERT_TRUE(SaveCheckpoint(dir, *t.fsdp, nullptr, {}, options).ok());
+    });
+    ASSERT_TRUE(status.ok()) << status;
+    EXPECT_FALSE(std::filesystem::exists(left)) << dir;
+  }
 }
 
 // No checkpoint there: kNotFound, and nothing changes, so a new run starts.

@@ -298,16 +298,18 @@ absl::Status SaveHuggingFace(const std::string& dir, FullyShardedModel& model,
   // leaves the earlier export as it was.
   FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, written));
   if (writes) {
-    try {
-      written = writer->Commit();
-      if (written.ok() && !options.config_json.empty()) {
-        written = WriteFileAtomically(dir + "/" + options.hugging_face.config_file,
-                                      options.config_json.data(),
-                                      options.config_json.size());
+    written = CatchAsStatus([&] {
+      FSDP_RETURN_IF_ERROR(writer->Commit());
+      if (!options.config_json.empty()) {
+        FSDP_RETURN_IF_ERROR(WriteFileAtomically(dir + "/" + options.hugging_face.config_file,
+                                                 options.config_json.data(),
+                                                 options.config_json.size()));
       }
-    } catch (...) {
-      written = StatusFromCurrentException();
-    }
+      // The job's one writer is done: what temporary files remain are
+      // those of saves that were killed.
+      RemoveAbandonedTempFiles(dir);
+      return absl::OkStatus();
+    });
   }
   return AgreeAcrossRanks(model, written);
 }

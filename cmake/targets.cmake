@@ -1304,6 +1304,16 @@ target_link_libraries(formats_atomic_file PUBLIC third_party_absl_base third_par
 target_include_directories(formats_atomic_file PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS formats_atomic_file EXPORT fsdp_cpp_targets)
 
+# //formats:atomic_file_test
+if(BUILD_TESTING)
+add_executable(formats_atomic_file_test ${PROJECT_SOURCE_DIR}/formats/atomic_file_test.cc)
+set_target_properties(formats_atomic_file_test PROPERTIES OUTPUT_NAME atomic_file_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/formats ENABLE_EXPORTS ON)
+target_link_libraries(formats_atomic_file_test PRIVATE formats_atomic_file third_party_absl_base third_party_gtest_main)
+add_test(NAME //formats:atomic_file_test COMMAND formats_atomic_file_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//formats:atomic_file_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/formats_atomic_file_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/formats_atomic_file_test")
+endif()
+
 # //formats:checkpoint_manifest_proto
 add_library(formats_checkpoint_manifest_proto SHARED ${CMAKE_BINARY_DIR}/formats/checkpoint_manifest.pb.cc ${CMAKE_BINARY_DIR}/formats/checkpoint_manifest.pb.h)
 set_target_properties(formats_checkpoint_manifest_proto PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/formats)
@@ -2851,7 +2861,7 @@ endif()
 # //statedict:dcp_sharded
 add_library(statedict_dcp_sharded SHARED ${PROJECT_SOURCE_DIR}/statedict/dcp_sharded.cc ${PROJECT_SOURCE_DIR}/statedict/dcp_sharded.h)
 set_target_properties(statedict_dcp_sharded PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/statedict)
-target_link_libraries(statedict_dcp_sharded PUBLIC statedict_state_dict base_status comm_collectives formats_dcp fsdp_fully_shard third_party_absl_base third_party_absl_status fsdp_torch)
+target_link_libraries(statedict_dcp_sharded PUBLIC statedict_state_dict base_status comm_collectives formats_atomic_file formats_dcp fsdp_fully_shard third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(statedict_dcp_sharded PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS statedict_dcp_sharded EXPORT fsdp_cpp_targets)
 
@@ -2897,7 +2907,7 @@ install(TARGETS statedict_load_check EXPORT fsdp_cpp_targets)
 if(BUILD_TESTING)
 add_executable(statedict_sharded_checkpoint_test ${PROJECT_SOURCE_DIR}/statedict/sharded_checkpoint_test.cc)
 set_target_properties(statedict_sharded_checkpoint_test PROPERTIES OUTPUT_NAME sharded_checkpoint_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/statedict ENABLE_EXPORTS ON)
-target_link_libraries(statedict_sharded_checkpoint_test PRIVATE statedict_state_dict comm_collectives comm_gloo_collectives comm_hybrid_groups third_party_c10d_gloo fsdp_fully_shard fsdp_test_models fsdp_test_util testing_multi_rank third_party_absl_base third_party_gtest_main fsdp_torch)
+target_link_libraries(statedict_sharded_checkpoint_test PRIVATE statedict_state_dict comm_collectives comm_gloo_collectives comm_hybrid_groups formats_atomic_file third_party_c10d_gloo fsdp_fully_shard fsdp_test_models fsdp_test_util testing_multi_rank third_party_absl_base third_party_gtest_main fsdp_torch)
 add_test(NAME //statedict:sharded_checkpoint_test COMMAND statedict_sharded_checkpoint_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//statedict:sharded_checkpoint_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/statedict_sharded_checkpoint_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/statedict_sharded_checkpoint_test")

@@ -1,6 +1,9 @@
 #include "formats/atomic_file.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -31,6 +34,14 @@ absl::StatusOr<AtomicFileWriter> AtomicFileWriter::Open(const std::string& path)
   std::string temp = absl::StrCat(path, ".tmp-", getpid(), "-", counter++);
   const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return ErrnoError("cannot create", temp);
+  // Marks the file as this live writer's (RemoveAbandonedTempFiles). A file
+  // system without flock (some network mounts) still gets atomic writes.
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0 && errno != ENOLCK && errno != EOPNOTSUPP) {
+    const absl::Status locked = ErrnoError("cannot lock", temp);
+    ::unlink(temp.c_str());
+    ::close(fd);
+    return locked;
+  }
   return AtomicFileWriter(path, std::move(temp), fd);
 }
 
@@ -42,14 +53,20 @@ AtomicFileWriter::AtomicFileWriter(AtomicFileWriter&& other) noexcept
       temp_path_(std::move(other.temp_path_)),
       fd_(std::exchange(other.fd_, -1)),
       bytes_written_(other.bytes_written_),
+      flushed_(other.flushed_),
       committed_(std::exchange(other.committed_, true)) {}
 
 AtomicFileWriter::~AtomicFileWriter() {
-  if (fd_ >= 0) ::close(fd_);
+  // Removed while still locked: no clean-up mistakes it for abandoned.
   if (!committed_ && !temp_path_.empty()) ::unlink(temp_path_.c_str());
+  if (fd_ >= 0) ::close(fd_);
 }
 
 absl::Status AtomicFileWriter::Write(const void* data, size_t size) {
+  if (flushed_ || fd_ < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot write '", temp_path_, "': the file was flushed or committed"));
+  }
   const char* bytes = static_cast<const char*>(data);
   while (size > 0) {
     const ssize_t n = ::write(fd_, bytes, size);
@@ -65,10 +82,9 @@ absl::Status AtomicFileWriter::Write(const void* data, size_t size) {
 }
 
 absl::Status AtomicFileWriter::Flush() {
-  if (fd_ < 0) return absl::OkStatus();
+  if (flushed_ || fd_ < 0) return absl::OkStatus();
   if (::fsync(fd_) != 0) return ErrnoError("cannot flush", temp_path_);
-  const int fd = std::exchange(fd_, -1);
-  if (::close(fd) != 0) return ErrnoError("cannot close", temp_path_);
+  flushed_ = true;
   return absl::OkStatus();
 }
 
@@ -78,6 +94,9 @@ absl::Status AtomicFileWriter::Commit() {
     return ErrnoError(absl::StrCat("cannot rename '", temp_path_, "' to"), path_);
   }
   committed_ = true;
+  // Closed after the rename, so that the temporary name is locked as long
+  // as it exists. fsync reported any write error already.
+  ::close(std::exchange(fd_, -1));
   const std::string dir = DirectoryOf(path_);
   const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dir_fd >= 0) {
@@ -92,6 +111,46 @@ absl::Status WriteFileAtomically(const std::string& path, const void* data, size
   if (!writer.ok()) return writer.status();
   if (absl::Status s = writer->Write(data, size); !s.ok()) return s;
   return writer->Commit();
+}
+
+namespace {
+
+// "<name>.tmp-<digits>-<digits>", as AtomicFileWriter::Open names them.
+bool IsTempFileName(const std::string& name) {
+  const size_t at = name.rfind(".tmp-");
+  if (at == std::string::npos || at == 0) return false;
+  const std::string rest = name.substr(at + 5);
+  const size_t dash = rest.find('-');
+  if (dash == std::string::npos || dash == 0 || dash + 1 == rest.size()) return false;
+  for (size_t i = 0; i < rest.size(); ++i) {
+    if (i != dash && (rest[i] < '0' || rest[i] > '9')) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+std::vector<std::string> RemoveAbandonedTempFiles(const std::string& dir) {
+  std::vector<std::string> removed;
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return removed;
+  while (const dirent* entry = ::readdir(d)) {
+    const std::string name = entry->d_name;
+    if (!IsTempFileName(name)) continue;
+    const std::string path = dir + "/" + name;
+    const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) continue;
+    struct stat st;
+    // Locked by another open file: its writer lives. Where flock does not
+    // work at all, nothing is removed.
+    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && ::flock(fd, LOCK_EX | LOCK_NB) == 0 &&
+        ::unlink(path.c_str()) == 0) {
+      removed.push_back(name);
+    }
+    ::close(fd);
+  }
+  ::closedir(d);
+  return removed;
 }
 
 }  // namespace fsdp

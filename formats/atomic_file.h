@@ -3,12 +3,22 @@
 // then renamed over the target (rename is atomic within a file system), and
 // the directory entry is flushed too. An interrupted write leaves at most a
 // stray "<target>.tmp-<pid>-<n>" file, never a truncated target.
+//
+// The writer holds an exclusive flock(2) on its temporary file until it is
+// renamed or removed; the kernel drops the lock when the process dies. So a
+// temporary file nobody holds locked is one whose writer is gone, whichever
+// process or host it was (RemoveAbandonedTempFiles): a live writer's file
+// is never taken for one. The one exception is a file created and not yet
+// locked (between open and flock, microseconds): the savers clean up only
+// at a point where no rank of their own job writes to the directory, and
+// two jobs never write to one directory at a time (base/directory_lock.h).
 #ifndef FSDP_FORMATS_ATOMIC_FILE_H_
 #define FSDP_FORMATS_ATOMIC_FILE_H_
 
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -27,10 +37,12 @@ class AtomicFileWriter {
   ~AtomicFileWriter();
 
   absl::Status Write(const void* data, size_t size);
-  // fsync and close the temporary file, so that a writer of several files
-  // learns that all are durable before it renames any. No Write after it.
+  // fsync the temporary file, so that a writer of several files learns that
+  // all are durable before it renames any. No Write after it. The file
+  // stays open (and locked) until Commit or destruction.
   absl::Status Flush();
-  // Flush (unless done), rename over the target, fsync the directory.
+  // Flush (unless done), rename over the target, close, fsync the
+  // directory.
   absl::Status Commit();
 
   int64_t bytes_written() const { return bytes_written_; }
@@ -42,11 +54,20 @@ class AtomicFileWriter {
   std::string temp_path_;
   int fd_ = -1;
   int64_t bytes_written_ = 0;
+  bool flushed_ = false;
   bool committed_ = false;
 };
 
 // The whole of `data` as the file at `path`, atomically.
 absl::Status WriteFileAtomically(const std::string& path, const void* data, size_t size);
+
+// Removes the temporary files in `dir` ("<name>.tmp-<pid>-<n>", regular
+// files) that no live AtomicFileWriter holds: those of a save that was
+// killed or crashed. Returns the names removed. Best effort: a file it
+// cannot open or remove stays (for the next save to try), and so does every
+// other file. Call it where no writer of this job is between creating a
+// temporary file and locking it (see the top).
+std::vector<std::string> RemoveAbandonedTempFiles(const std::string& dir);
 
 }  // namespace fsdp
 

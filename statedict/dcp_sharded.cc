@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
+#include "formats/atomic_file.h"
 
 namespace fsdp {
 namespace {
@@ -164,16 +165,6 @@ std::string Who(const Collectives& group) {
   return absl::StrCat("rank ", group.rank(), " of ", group.world_size());
 }
 
-// A local failure becomes this rank's report: every rank reaches every
-// collective, whatever happens to it locally.
-absl::Status Guarded(const std::function<absl::Status()>& phase) {
-  try {
-    return phase();
-  } catch (...) {
-    return StatusFromCurrentException();
-  }
-}
-
 // A failure as "<code>|<message>", and back (kInternal if malformed).
 std::string EncodeFailure(const absl::Status& status) {
   return absl::StrCat(static_cast<int>(status.code()), "|", status.message());
@@ -305,7 +296,7 @@ absl::Status SaveShardedDcp(Collectives& group, const std::string& dir,
     std::vector<DcpStoredEntry> mine;  // and where its items went.
     absl::Status written = ready;
     if (written.ok()) {
-      written = Guarded(
+      written = CatchAsStatus(
           [&] { return WriteThisRanksFile(rank, dir, save_id, tensors, values, owner, mine); });
     }
     std::string report;
@@ -320,7 +311,9 @@ absl::Status SaveShardedDcp(Collectives& group, const std::string& dir,
 
     std::string outcome;  // Rank 0's: empty when the checkpoint landed.
     if (rank == 0) {
-      const absl::Status committed = Guarded([&] {
+      // A local failure becomes this rank's report: every rank reaches
+      // every collective, whatever happens to it locally.
+      const absl::Status committed = CatchAsStatus([&] {
         return CommitEveryRanksChunks(dir, world, reports, tensors, owner, mine);
       });
       if (!committed.ok()) {
@@ -330,6 +323,9 @@ absl::Status SaveShardedDcp(Collectives& group, const std::string& dir,
         }
         outcome = EncodeFailure(committed);
       }
+      // Every rank of the job has finished writing: what temporary files
+      // remain are those of saves that were killed.
+      RemoveAbandonedTempFiles(dir);
     }
     // A flag first: a save that landed costs one collective, not the two
     // of a message.
@@ -452,12 +448,12 @@ absl::Status StageShardedDcp(const std::string& dir, std::vector<DcpTensorShard>
   staged.tensors = std::move(tensors);
   staged.staging.assign(staged.tensors.size(), at::Tensor());
   staged.stats = ShardedLoadStats();
-  return Guarded(
+  return CatchAsStatus(
       [&] { return StageThisRanksParts(dir, staged.tensors, staged.staging, staged.stats); });
 }
 
 absl::Status ApplyStagedDcp(const StagedDcpLoad& staged) {
-  return Guarded([&] {
+  return CatchAsStatus([&] {
     at::NoGradGuard no_grad;
     for (size_t k = 0; k < staged.tensors.size(); ++k) {
       if (staged.staging[k].defined() && staged.staging[k].numel() > 0) {

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -61,6 +62,23 @@ std::string Header(uint64_t id, int rank, int world) {
   std::memcpy(&header[16], &r, 8);
   std::memcpy(&header[24], &w, 8);
   return header;
+}
+
+// A checkpoint id's two 32-bit halves, from the random device or, where it
+// fails (no entropy source), the clock and the process.
+at::Tensor RandomIdHalves() {
+  uint64_t id = 0;
+  try {
+    std::random_device random;
+    id = static_cast<uint64_t>(random()) << 32 | random();
+  } catch (const std::exception&) {
+    id = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
+         (static_cast<uint64_t>(getpid()) << 40);
+  }
+  at::Tensor halves = at::empty({2}, at::kDouble);
+  halves[0] = static_cast<double>(id >> 32);
+  halves[1] = static_cast<double>(id & 0xffffffffu);
+  return halves;
 }
 
 // Which ranks report failure; every rank must call.
@@ -501,18 +519,18 @@ absl::Status SaveCheckpointTensors(Collectives& group, const std::string& dir,
     // A random id, as two 32-bit halves (exact in the float64 that
     // broadcast carries).
     at::Tensor id_tensor = at::zeros({2}, at::kDouble);
-    if (rank == 0) {
-      std::random_device random;
-      id_tensor[0] = static_cast<double>(random());
-      id_tensor[1] = static_cast<double>(random());
-    }
+    if (rank == 0) id_tensor.copy_(RandomIdHalves());
     group.Broadcast(id_tensor, 0)->Wait();
     const uint64_t id = static_cast<uint64_t>(id_tensor[0].item<double>()) << 32 |
                         static_cast<uint64_t>(id_tensor[1].item<double>());
 
+    // Whatever happens locally (an error or a throw: a tensor that cannot
+    // be read, out of memory), every rank reaches the collectives below
+    // and learns that the checkpoint failed.
     checkpoint::RankReport report;
     report.set_rank(rank);
-    absl::Status written = WriteShardFile(dir, id, rank, world, tensors, report);
+    absl::Status written =
+        CatchAsStatus([&] { return WriteShardFile(dir, id, rank, world, tensors, report); });
     if (!written.ok()) {
       report.Clear();
       report.set_rank(rank);
@@ -520,8 +538,14 @@ absl::Status SaveCheckpointTensors(Collectives& group, const std::string& dir,
     }
     const std::vector<std::string> reports = AllGatherBytes(group, report.SerializeAsString());
 
-    const absl::Status manifest_status =
-        rank == 0 ? WriteManifest(dir, id, world, tensors, metadata, reports) : absl::OkStatus();
+    absl::Status manifest_status;
+    if (rank == 0) {
+      manifest_status = CatchAsStatus(
+          [&] { return WriteManifest(dir, id, world, tensors, metadata, reports); });
+      // Every rank has finished writing: what temporary files remain are
+      // those of saves that were killed.
+      RemoveAbandonedTempFiles(dir);
+    }
     // Everyone learns whether the checkpoint landed.
     const std::vector<int> failed = FailedRanks(group, rank == 0 && !manifest_status.ok());
     if (failed.empty()) return absl::OkStatus();

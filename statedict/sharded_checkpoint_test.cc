@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <map>
@@ -17,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "comm/gloo_collectives.h"
 #include "comm/hybrid_groups.h"
+#include "formats/atomic_file.h"
 #include "fsdp/shard_placement.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/test_models.h"
@@ -398,6 +400,57 @@ TEST(ShardedCheckpoint, AFailedSaveFailsOnEveryRankAndWritesNoManifest) {
     }
   });
   EXPECT_TRUE(status.ok()) << status;
+}
+
+// A rank whose write throws (a tensor without data here; out of memory or
+// a device error alike) still reaches the save's collectives: every rank
+// returns the failure instead of waiting for it, and no manifest is
+// written.
+TEST(ShardedCheckpoint, ARankWhoseWriteThrowsFailsTheSaveOnEveryRankWithoutAHang) {
+  const std::string dir = NewDir("throwing_save");
+  absl::Status status = RunOnThreadRanks(3, [&](Collectives& comm) {
+    CheckpointTensor t;
+    t.fqn = "w";
+    t.shape = {6};
+    t.sharded = true;
+    t.lo = 2 * comm.rank();
+    t.hi = t.lo + 2;
+    t.local = comm.rank() == 1 ? at::empty({2}, at::TensorOptions().device(at::kMeta))
+                               : at::ones({2});
+    absl::Status saved = SaveCheckpointTensors(comm, dir, {t}, {});
+    ASSERT_FALSE(saved.ok()) << "rank " << comm.rank();
+    EXPECT_THAT(saved.message(), HasSubstr("was not saved (no manifest written)"));
+    if (comm.rank() == 0) EXPECT_THAT(saved.message(), HasSubstr("rank 1: "));
+  });
+  EXPECT_TRUE(status.ok()) << status;
+  EXPECT_NE(access((dir + "/manifest.pb").c_str(), F_OK), 0);
+}
+
+// The temporary files a killed save left (no live writer holds them) are
+// removed by the next save of the directory; another writer's, still
+// open, is not.
+TEST(ShardedCheckpoint, TheNextSaveRemovesTheTempFilesOfAKilledOne) {
+  const std::string dir = NewDir("killed_save_leftovers");
+  const std::string left = dir + "/shard-1-of-2-00000000000000ab.bin.tmp-999999-0";
+  std::ofstream(left) << "half a shard";
+  absl::StatusOr<AtomicFileWriter> live = AtomicFileWriter::Open(dir + "/notes.txt");
+  ASSERT_TRUE(live.ok()) << live.status();
+  absl::Status status = RunOnThreadRanks(2, [&](Collectives& comm) {
+    Net model;
+    auto wrapped =
+        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
+    ASSERT_TRUE(wrapped.ok());
+    ASSERT_TRUE(SaveShardedCheckpoint(**wrapped, dir).ok());
+  });
+  ASSERT_TRUE(status.ok()) << status;
+  EXPECT_NE(access(left.c_str(), F_OK), 0) << "the killed save's file is still there";
+  int temporaries = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    temporaries += entry.path().filename().string().find(".tmp-") != std::string::npos;
+  }
+  EXPECT_EQ(temporaries, 1) << "the live writer's file should stay";
+  EXPECT_TRUE(live->Write("x", 1).ok());
+  EXPECT_TRUE(live->Commit().ok());
 }
 
 }  // namespace
