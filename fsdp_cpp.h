@@ -7,7 +7,8 @@
 //                       wrap policies, fsdp::UnitModule (fsdp/fully_shard.h,
 //                       fsdp/unit_module.h, policies/wrap_policy.h)
 //   between steps       NoSync, SummonFullParams, ClipGradNorm, Apply,
-//                       UniqueParameters (fsdp/utilities.h)
+//                       UniqueParameters (fsdp/utilities.h); CheckReplicas,
+//                       CheckGradientNormAgrees (checkpoint/replicas.h)
 //   state               Get/SetModelStateDict, Get/SetOptimizerStateDict,
 //                       Save/LoadCheckpoint, Save/LoadTorchFile
 //                       (checkpoint/checkpoint.h; Hugging Face
@@ -22,6 +23,7 @@
 
 #include "base/status.h"
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/replicas.h"
 #include "comm/rendezvous.h"
 #include "fsdp/fsdp_options.h"
 #include "fsdp/fully_shard.h"

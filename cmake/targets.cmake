@@ -59,12 +59,12 @@ file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/base_status_test")
 endif()
 
 # //checkpoint:checkpoint
-add_library(checkpoint_checkpoint SHARED ${PROJECT_SOURCE_DIR}/checkpoint/agree.cc ${PROJECT_SOURCE_DIR}/checkpoint/agree.h ${PROJECT_SOURCE_DIR}/checkpoint/checkpoint.cc ${PROJECT_SOURCE_DIR}/checkpoint/hugging_face.cc ${PROJECT_SOURCE_DIR}/checkpoint/hugging_face_internal.h ${PROJECT_SOURCE_DIR}/checkpoint/state_dict.cc ${PROJECT_SOURCE_DIR}/checkpoint/checkpoint.h)
+add_library(checkpoint_checkpoint SHARED ${PROJECT_SOURCE_DIR}/checkpoint/agree.cc ${PROJECT_SOURCE_DIR}/checkpoint/agree.h ${PROJECT_SOURCE_DIR}/checkpoint/checkpoint.cc ${PROJECT_SOURCE_DIR}/checkpoint/hugging_face.cc ${PROJECT_SOURCE_DIR}/checkpoint/hugging_face_internal.h ${PROJECT_SOURCE_DIR}/checkpoint/replicas.cc ${PROJECT_SOURCE_DIR}/checkpoint/state_dict.cc ${PROJECT_SOURCE_DIR}/checkpoint/checkpoint.h ${PROJECT_SOURCE_DIR}/checkpoint/replicas.h)
 set_target_properties(checkpoint_checkpoint PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/checkpoint)
 target_link_libraries(checkpoint_checkpoint PUBLIC base_fnv1a base_status comm_collectives formats_atomic_file formats_dcp formats_state_dict_type formats_torch_file fsdp_fully_shard hf_safetensors optim_dcp_checkpoint optim_optim_state optim_optim_state_dict optim_run_checkpoints optim_torch_optim_file optim_training_checkpoint statedict_dcp_sharded statedict_load_check statedict_state_dict third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(checkpoint_checkpoint PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS checkpoint_checkpoint EXPORT fsdp_cpp_targets)
-install(FILES ${PROJECT_SOURCE_DIR}/checkpoint/checkpoint.h DESTINATION include/checkpoint)
+install(FILES ${PROJECT_SOURCE_DIR}/checkpoint/checkpoint.h ${PROJECT_SOURCE_DIR}/checkpoint/replicas.h DESTINATION include/checkpoint)
 
 # //checkpoint:checkpoint_test
 if(BUILD_TESTING)
@@ -84,6 +84,16 @@ target_link_libraries(checkpoint_hugging_face_test PRIVATE checkpoint_checkpoint
 add_test(NAME //checkpoint:hugging_face_test COMMAND checkpoint_hugging_face_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//checkpoint:hugging_face_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/checkpoint_hugging_face_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/checkpoint_hugging_face_test")
+endif()
+
+# //checkpoint:replicas_test
+if(BUILD_TESTING)
+add_executable(checkpoint_replicas_test ${PROJECT_SOURCE_DIR}/checkpoint/replicas_test.cc)
+set_target_properties(checkpoint_replicas_test PROPERTIES OUTPUT_NAME replicas_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/checkpoint ENABLE_EXPORTS ON)
+target_link_libraries(checkpoint_replicas_test PRIVATE checkpoint_checkpoint comm_collectives comm_gloo_collectives comm_hybrid_groups fsdp_fully_shard fsdp_test_models testing_multi_rank third_party_absl_base third_party_c10d_gloo third_party_gtest_main fsdp_torch)
+add_test(NAME //checkpoint:replicas_test COMMAND checkpoint_replicas_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//checkpoint:replicas_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/checkpoint_replicas_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/checkpoint_replicas_test")
 endif()
 
 # //comm:collectives

@@ -31,8 +31,15 @@ std::string DirectoryOf(const std::string& path) {
 
 absl::StatusOr<AtomicFileWriter> AtomicFileWriter::Open(const std::string& path) {
   static std::atomic<int> counter{0};
-  std::string temp = absl::StrCat(path, ".tmp-", getpid(), "-", counter++);
-  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // A name of its own: another process with this pid (another container on
+  // a shared directory) may be writing one of the same name.
+  std::string temp;
+  int fd = -1;
+  for (int attempt = 0; attempt < 100 && fd < 0; ++attempt) {
+    temp = absl::StrCat(path, ".tmp-", getpid(), "-", counter++);
+    fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd < 0 && errno != EEXIST) break;
+  }
   if (fd < 0) return ErrnoError("cannot create", temp);
   // Marks the file as this live writer's (RemoveAbandonedTempFiles). A file
   // system without flock (some network mounts) still gets atomic writes.
@@ -134,20 +141,25 @@ std::vector<std::string> RemoveAbandonedTempFiles(const std::string& dir) {
   std::vector<std::string> removed;
   DIR* d = ::opendir(dir.c_str());
   if (d == nullptr) return removed;
-  while (const dirent* entry = ::readdir(d)) {
-    const std::string name = entry->d_name;
-    if (!IsTempFileName(name)) continue;
-    const std::string path = dir + "/" + name;
-    const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0) continue;
-    struct stat st;
-    // Locked by another open file: its writer lives. Where flock does not
-    // work at all, nothing is removed.
-    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && ::flock(fd, LOCK_EX | LOCK_NB) == 0 &&
-        ::unlink(path.c_str()) == 0) {
-      removed.push_back(name);
+  // Never throws (the savers call it between collectives): out of memory
+  // ends the clean-up, for the next save to finish.
+  try {
+    while (const dirent* entry = ::readdir(d)) {
+      const std::string name = entry->d_name;
+      if (!IsTempFileName(name)) continue;
+      const std::string path = dir + "/" + name;
+      const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+      if (fd < 0) continue;
+      struct stat st;
+      // Locked by another open file: its writer lives. Where flock does
+      // not work at all, nothing is removed.
+      if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
+          ::flock(fd, LOCK_EX | LOCK_NB) == 0 && ::unlink(path.c_str()) == 0) {
+        removed.push_back(name);
+      }
+      ::close(fd);
     }
-    ::close(fd);
+  } catch (...) {
   }
   ::closedir(d);
   return removed;

@@ -7,11 +7,17 @@
 // The writer holds an exclusive flock(2) on its temporary file until it is
 // renamed or removed; the kernel drops the lock when the process dies. So a
 // temporary file nobody holds locked is one whose writer is gone, whichever
-// process or host it was (RemoveAbandonedTempFiles): a live writer's file
-// is never taken for one. The one exception is a file created and not yet
-// locked (between open and flock, microseconds): the savers clean up only
-// at a point where no rank of their own job writes to the directory, and
-// two jobs never write to one directory at a time (base/directory_lock.h).
+// process it was (RemoveAbandonedTempFiles), on a local file system. Limits:
+//   - a file created and not yet locked (between open and flock,
+//     microseconds) looks abandoned: the savers clean up only once every
+//     rank of their job has finished writing to the directory, and the
+//     main job keeps other jobs out of its directories
+//     (base/directory_lock.h); a program of its own that saves into one
+//     directory from two jobs at once must not;
+//   - on NFS, flock is emulated with POSIX record locks, which do not
+//     conflict within one process and which any close() of the file
+//     drops: there a rank's clean-up could take a live temporary file of
+//     another thread of its own process (thread-ranks, as in tests).
 #ifndef FSDP_FORMATS_ATOMIC_FILE_H_
 #define FSDP_FORMATS_ATOMIC_FILE_H_
 

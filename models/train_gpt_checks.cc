@@ -136,10 +136,18 @@ std::vector<std::string> DependentFlagProblems(bool settings_pending) {
   }
   needs("export_peft", lora_r || !absl::GetFlag(FLAGS_init_peft).empty(),
         "LoRA adapters (--lora_r or --init_peft)");
-  if (const int step = absl::GetFlag(FLAGS_TEST_nan_loss_at_step);
-      step > absl::GetFlag(FLAGS_steps)) {
-    problems.push_back(absl::StrFormat("--TEST_nan_loss_at_step=%d: beyond --steps=%d", step,
-                                       absl::GetFlag(FLAGS_steps)));
+  for (const auto& [name, step] :
+       {std::pair<const char*, int>{"TEST_nan_loss_at_step",
+                                    absl::GetFlag(FLAGS_TEST_nan_loss_at_step)},
+        {"TEST_flip_bit_at_step", absl::GetFlag(FLAGS_TEST_flip_bit_at_step)}}) {
+    if (step > absl::GetFlag(FLAGS_steps)) {
+      problems.push_back(
+          absl::StrFormat("--%s=%d: beyond --steps=%d", name, step, absl::GetFlag(FLAGS_steps)));
+    }
+  }
+  if (const std::string in = absl::GetFlag(FLAGS_TEST_flip_bit_in);
+      in != "parameter" && in != "optimizer") {
+    problems.push_back(absl::StrCat("--TEST_flip_bit_in=", in, ": must be parameter or optimizer"));
   }
   return problems;
 }
@@ -254,6 +262,8 @@ std::vector<std::string> CountProblems(int world_size, std::optional<int> launch
   at_least("max_consecutive_skips", absl::GetFlag(FLAGS_max_consecutive_skips), 0);
   at_least("shard_group_size", absl::GetFlag(FLAGS_shard_group_size), 0);
   at_least("TEST_nan_loss_at_step", absl::GetFlag(FLAGS_TEST_nan_loss_at_step), 0);
+  at_least("check_replicas_every", absl::GetFlag(FLAGS_check_replicas_every), 0);
+  at_least("TEST_flip_bit_at_step", absl::GetFlag(FLAGS_TEST_flip_bit_at_step), 0);
   const int block_size = absl::GetFlag(FLAGS_block_size);
   if (block_size < 2 || block_size > kGeneratedCorpusBytes - 2) {
     problems.push_back(absl::StrFormat("--block_size=%d: must be in [2, %d] (the corpus is %d "

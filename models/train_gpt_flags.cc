@@ -193,6 +193,19 @@ ABSL_FLAG(std::string, on_nonfinite, "stop",
 ABSL_FLAG(int, TEST_nan_loss_at_step, 0,
           "Testing aid for --on_nonfinite: the last rank's loss of this step is made NaN "
           "before backward (its gradients, hence every rank's, become NaN too); 0: never.");
+ABSL_FLAG(int, check_replicas_every, 0,
+          "Every this many steps, before every checkpoint and at the last step, the ranks "
+          "that must hold identical bytes (replicas of a shard under hybrid_shard, every rank "
+          "under no_shard, every rank's buffers) compare a hash of their parameters and "
+          "optimizer state, and with --grad_clip every step the global gradient norm; a "
+          "mismatch stops the job before that step's checkpoint, naming the step, the tensor "
+          "and the ranks (checkpoint/replicas.h). 0: never.");
+ABSL_FLAG(int, TEST_flip_bit_at_step, 0,
+          "Testing aid for --check_replicas_every: after this step's update the last rank "
+          "flips one bit of its first parameter's shard (with --TEST_flip_bit_in=optimizer, "
+          "of one parameter's exp_avg or momentum buffer); 0: never.");
+ABSL_FLAG(std::string, TEST_flip_bit_in, "parameter",
+          "Where --TEST_flip_bit_at_step flips its bit: parameter or optimizer.");
 ABSL_FLAG(int, max_consecutive_skips, 10,
           "With --on_nonfinite=skip: stop once more than this many steps in a row were "
           "skipped.");

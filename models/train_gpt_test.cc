@@ -548,6 +548,46 @@ TEST(TrainGpt, AfterARankDiesTheLastCheckpointResumesTheRunExactly) {
   for (int i = 0; i < 4; ++i) EXPECT_NEAR(actual[i], expected[6 + i], 1e-6) << "step " << 7 + i;
 }
 
+// --check_replicas_every: a run whose replicas agree passes every check; a
+// bit flipped in one replica (the last rank's first parameter shard, after
+// step 3) stops the job at the next check, naming the step, the tensor and
+// the replicas, before that step's checkpoint is written, so the newest
+// checkpoint is one from before the damage. The same for a bit of the
+// optimizer state under NO_SHARD, checked every step.
+TEST(TrainGpt, ReplicasThatDisagreeStopTheJobBeforeTheirCheckpoint) {
+  const std::string dir = TempDir("replica_check");
+  const std::string hybrid = absl::StrCat(
+      kTrainGpt, " --world_size=4 --sharding_strategy=hybrid_shard --shard_group_size=2 "
+                 "--steps=6 --print_plan=false --check_replicas_every=2");
+  const CommandResult clean = RunCommand(hybrid);
+  ASSERT_EQ(clean.exit_code, 0) << clean.output;
+  EXPECT_THAT(clean.output,
+              HasSubstr("replicas agreed at all 3 checks (every 2 steps; gradient norms every "
+                        "step)"));
+  const CommandResult flipped = RunCommand(absl::StrCat(
+      hybrid, " --TEST_flip_bit_at_step=3 --checkpoint_every=2 --checkpoint_dir=", dir,
+      "/ckpt"));
+  EXPECT_NE(flipped.exit_code, 0) << flipped.output;
+  EXPECT_THAT(flipped.output, HasSubstr("rank 3: flipped a bit of parameter after step 3"));
+  EXPECT_THAT(flipped.output,
+              HasSubstr("step 4: the replicas disagree (silent data corruption, or ranks that "
+                        "did not step alike): '"));
+  EXPECT_THAT(flipped.output, HasSubstr("among the replicas of shard 1, replica 0 holds "));
+  EXPECT_THAT(flipped.output, HasSubstr("stopped before this step's checkpoint"));
+  EXPECT_THAT(flipped.output, HasSubstr("checkpoint " + dir + "/ckpt/step-00000002"));
+  struct stat st;
+  EXPECT_NE(stat((dir + "/ckpt/step-00000004").c_str(), &st), 0) << "step 4 was saved";
+
+  const CommandResult optimizer = RunCommand(absl::StrCat(
+      kTrainGpt, " --world_size=2 --sharding_strategy=no_shard --steps=4 --print_plan=false "
+                 "--check_replicas_every=1 --TEST_flip_bit_at_step=2 "
+                 "--TEST_flip_bit_in=optimizer"));
+  EXPECT_NE(optimizer.exit_code, 0) << optimizer.output;
+  EXPECT_THAT(optimizer.output, HasSubstr("step 2: the replicas disagree"));
+  EXPECT_THAT(optimizer.output, HasSubstr("(optimizer state 'exp_avg', "));
+  EXPECT_THAT(optimizer.output, HasSubstr("across the ranks, rank 0 holds "));
+}
+
 // The main job's checkpoints in either format resume exactly: a
 // Distributed Checkpoint saved through the front door (SaveCheckpoint), and
 // one of the older SHARDED format; --resume tells them apart, and the

@@ -16,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "base/status.h"
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/replicas.h"
 #include "fsdp/activation_checkpointing.h"
 #include "fsdp/shard_placement.h"
 #include "fsdp/utilities.h"
@@ -27,6 +28,8 @@
 #include "models/train_gpt_optimizer.h"
 #include "policies/wrap_policy.h"
 #include "statedict/state_dict.h"
+#include "torch/optim/adamw.h"
+#include "torch/optim/sgd.h"
 
 namespace train_gpt {
 
@@ -82,6 +85,7 @@ int TrainingRun::Run(const std::string& layout_note, const std::vector<std::stri
   report_.seconds_before_steps = std::chrono::duration<double>(start_ - created_).count();
   for (int step = first_step_; step <= steps_; ++step) {
     const StepResult result = Step(step);
+    CheckReplicas(step, result);
     const int eval_every = absl::GetFlag(FLAGS_eval_every);
     const bool eval = !eval_batches_.empty() &&
                       (step == steps_ || (eval_every > 0 && step % eval_every == 0));
@@ -295,6 +299,70 @@ StepResult TrainingRun::Step(int step) {
   return result;
 }
 
+void TrainingRun::CheckReplicas(int step, const StepResult& result) {
+  if (step == absl::GetFlag(FLAGS_TEST_flip_bit_at_step) && rank_ == world_size_ - 1) {
+    FlipTestBit();
+  }
+  const int every = absl::GetFlag(FLAGS_check_replicas_every);
+  if (every <= 0) return;
+  const auto stop_unless = [step](const absl::Status& status) {
+    if (status.ok()) return;
+    throw std::runtime_error(absl::StrFormat(
+        "step %d: %s; stopped before this step's checkpoint (--resume continues from the last "
+        "one)",
+        step, status.message()));
+  };
+  if (absl::GetFlag(FLAGS_grad_clip) > 0) {
+    stop_unless(fsdp::CheckGradientNormAgrees(*fsdp_model_, result.grad_norm));
+  }
+  // Also before every checkpoint: none is written from replicas that
+  // were not found to agree.
+  const bool saves = checkpoints_.has_value() &&
+                     (step % absl::GetFlag(FLAGS_checkpoint_every) == 0 || step == steps_);
+  if (step % every == 0 || step == steps_ || saves) {
+    stop_unless(fsdp::CheckReplicas(*fsdp_model_, optimizer_.get()));
+    ++replica_checks_;
+  }
+}
+
+void TrainingRun::FlipTestBit() {
+  at::NoGradGuard no_grad;
+  at::Tensor target;
+  if (absl::GetFlag(FLAGS_TEST_flip_bit_in) == "optimizer") {
+    // Any parameter's state will do; the check names whose it was.
+    for (const auto& entry : optimizer_->state()) {
+      const torch::optim::OptimizerParamState* state = entry.second.get();
+      if (const auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(state)) {
+        target = adamw->exp_avg();
+      } else if (const auto* sgd = dynamic_cast<const torch::optim::SGDParamState*>(state)) {
+        target = sgd->momentum_buffer();
+      }
+      if (target.defined() && target.numel() > 0) break;
+      target = at::Tensor();
+    }
+  } else {
+    for (const at::Tensor& p : model_->module().parameters()) {
+      if (p.numel() > 0) {
+        target = p;
+        break;
+      }
+    }
+  }
+  // Nothing to flip is not an error here (no rank must stop alone): the
+  // test that expects the check to fail sees that it did not.
+  if (!target.defined()) {
+    std::printf("rank %d: --TEST_flip_bit_at_step: no %s tensor to flip\n", rank_,
+                absl::GetFlag(FLAGS_TEST_flip_bit_in).c_str());
+    return;
+  }
+  at::Tensor host = target.cpu();
+  static_cast<unsigned char*>(host.data_ptr())[1] ^= 0x04;
+  target.copy_(host);
+  std::printf("rank %d: flipped a bit of %s after step %d (--TEST_flip_bit_at_step)\n", rank_,
+              absl::GetFlag(FLAGS_TEST_flip_bit_in).c_str(),
+              absl::GetFlag(FLAGS_TEST_flip_bit_at_step));
+}
+
 void TrainingRun::SkipNonFinite(int step, const StepResult& result) {
   const std::string what = absl::StrFormat(
       "step %d: the %s is not finite (loss %g, gradient norm %g)", step,
@@ -410,6 +478,10 @@ int TrainingRun::Summarize() {
   }
   PrintRankReport(rank_, report_, traffic);
   if (print_) {
+    if (const int every = absl::GetFlag(FLAGS_check_replicas_every); every > 0) {
+      std::printf("replicas agreed at all %d checks (every %d steps%s)\n", replica_checks_,
+                  every, absl::GetFlag(FLAGS_grad_clip) > 0 ? "; gradient norms every step" : "");
+    }
     std::printf("loss %.4f -> %.4f over steps %d..%d%s\n", first_loss_.value_or(NAN),
                 last_loss_.value_or(NAN), first_step_, steps_,
                 skipped_ > 0 ? absl::StrFormat(" (%d skipped: not finite)", skipped_).c_str()

@@ -116,6 +116,13 @@ class TrainingRun {
   [[noreturn]] void StopForBrokenWeights(int step, const std::string& broken,
                                          const std::string& not_written);
   void SaveCheckpoint(int step);
+  // --check_replicas_every (and --TEST_flip_bit_at_step before it): after
+  // `step`'s update, before anything of it is saved; stops the run on a
+  // mismatch. Every rank must call.
+  void CheckReplicas(int step, const StepResult& result);
+  // The last rank flips one bit of its first parameter's shard or of that
+  // parameter's optimizer state (--TEST_flip_bit_in).
+  void FlipTestBit();
   // --export_state_dict, --export_optim_state_dict, --export_dcp,
   // --trace_dir and --record_batches.
   void WriteOutputs();
@@ -150,6 +157,7 @@ class TrainingRun {
   int64_t trainable_param_bytes_ = 0;  // Unsharded; tied parameters once.
   std::optional<float> first_loss_, last_loss_;
   int skipped_ = 0, skipped_in_a_row_ = 0;
+  int replica_checks_ = 0;  // --check_replicas_every's checks that passed.
 };
 
 }  // namespace train_gpt
