@@ -1833,7 +1833,7 @@ file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/hf_model_config_test")
 endif()
 
 # //hf:safetensors
-add_library(hf_safetensors SHARED ${PROJECT_SOURCE_DIR}/hf/safetensors.cc ${PROJECT_SOURCE_DIR}/hf/safetensors.h)
+add_library(hf_safetensors SHARED ${PROJECT_SOURCE_DIR}/hf/safetensors.cc ${PROJECT_SOURCE_DIR}/hf/safetensors_checkpoint.cc ${PROJECT_SOURCE_DIR}/hf/safetensors_internal.h ${PROJECT_SOURCE_DIR}/hf/safetensors.h)
 set_target_properties(hf_safetensors PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/hf)
 target_link_libraries(hf_safetensors PUBLIC base_status formats_atomic_file third_party_absl_base third_party_absl_status fsdp_torch third_party_nlohmann_json)
 target_include_directories(hf_safetensors PUBLIC $<INSTALL_INTERFACE:include>)
@@ -1850,15 +1850,23 @@ set_tests_properties(//hf:safetensors_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TE
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/hf_safetensors_test")
 endif()
 
+# //launch:error_file
+add_library(launch_error_file SHARED ${PROJECT_SOURCE_DIR}/launch/error_file.cc ${PROJECT_SOURCE_DIR}/launch/error_file.h)
+set_target_properties(launch_error_file PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/launch)
+target_link_libraries(launch_error_file PUBLIC third_party_absl_base third_party_absl_status third_party_nlohmann_json)
+target_include_directories(launch_error_file PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS launch_error_file EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/launch/error_file.h DESTINATION include/launch)
+
 # //launch:fsdp_launch
 add_executable(launch_fsdp_launch ${PROJECT_SOURCE_DIR}/launch/launch_main.cc)
 set_target_properties(launch_fsdp_launch PROPERTIES OUTPUT_NAME fsdp_launch RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/launch ENABLE_EXPORTS ON)
 target_link_libraries(launch_fsdp_launch PRIVATE launch_local_launcher third_party_absl_flags)
 
 # //launch:local_launcher
-add_library(launch_local_launcher SHARED ${PROJECT_SOURCE_DIR}/launch/local_launcher.cc ${PROJECT_SOURCE_DIR}/launch/local_launcher_report.cc ${PROJECT_SOURCE_DIR}/launch/rank_process.cc ${PROJECT_SOURCE_DIR}/launch/rank_process.h ${PROJECT_SOURCE_DIR}/launch/local_launcher.h)
+add_library(launch_local_launcher SHARED ${PROJECT_SOURCE_DIR}/launch/forwarded_signals.cc ${PROJECT_SOURCE_DIR}/launch/forwarded_signals.h ${PROJECT_SOURCE_DIR}/launch/launcher_group.cc ${PROJECT_SOURCE_DIR}/launch/launcher_group.h ${PROJECT_SOURCE_DIR}/launch/local_launcher.cc ${PROJECT_SOURCE_DIR}/launch/local_launcher_report.cc ${PROJECT_SOURCE_DIR}/launch/rank_process.cc ${PROJECT_SOURCE_DIR}/launch/rank_process.h ${PROJECT_SOURCE_DIR}/launch/local_launcher.h)
 set_target_properties(launch_local_launcher PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/launch)
-target_link_libraries(launch_local_launcher PUBLIC base_status comm_rendezvous comm_store_deadline third_party_absl_base third_party_absl_status)
+target_link_libraries(launch_local_launcher PUBLIC launch_error_file base_status comm_rendezvous comm_store_deadline third_party_absl_base third_party_absl_status)
 target_include_directories(launch_local_launcher PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS launch_local_launcher EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/launch/local_launcher.h DESTINATION include/launch)
@@ -2008,7 +2016,7 @@ install(FILES ${PROJECT_SOURCE_DIR}/models/output_paths.h DESTINATION include/mo
 # //models:train_gpt
 add_executable(models_train_gpt ${PROJECT_SOURCE_DIR}/models/train_gpt_main.cc)
 set_target_properties(models_train_gpt PROPERTIES OUTPUT_NAME train_gpt RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
-target_link_libraries(models_train_gpt PRIVATE models_train_gpt_job base_status comm_launch_environment launch_local_launcher policies_registry third_party_absl_flags third_party_absl_status)
+target_link_libraries(models_train_gpt PRIVATE models_train_gpt_job base_status comm_launch_environment launch_error_file launch_local_launcher policies_registry third_party_absl_flags third_party_absl_status)
 
 # //models:train_gpt_bad_input_test
 if(BUILD_TESTING)
@@ -2048,9 +2056,9 @@ file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/models_train_gpt_hf_test")
 endif()
 
 # //models:train_gpt_job
-add_library(models_train_gpt_job SHARED ${PROJECT_SOURCE_DIR}/models/train_gpt_checks.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_config.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_config.h ${PROJECT_SOURCE_DIR}/models/train_gpt_data.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_data.h ${PROJECT_SOURCE_DIR}/models/train_gpt_flags.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_initial_state.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_initial_state.h ${PROJECT_SOURCE_DIR}/models/train_gpt_model.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_model.h ${PROJECT_SOURCE_DIR}/models/train_gpt_optimizer.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_optimizer.h ${PROJECT_SOURCE_DIR}/models/train_gpt_outputs.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_report.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_report.h ${PROJECT_SOURCE_DIR}/models/train_gpt_run.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_start.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_training_run.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_training_run.h ${PROJECT_SOURCE_DIR}/models/train_gpt_checks.h ${PROJECT_SOURCE_DIR}/models/train_gpt_flags.h ${PROJECT_SOURCE_DIR}/models/train_gpt_run.h ${PROJECT_SOURCE_DIR}/models/train_gpt_start.h)
+add_library(models_train_gpt_job SHARED ${PROJECT_SOURCE_DIR}/models/train_gpt_checks.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_config.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_config.h ${PROJECT_SOURCE_DIR}/models/train_gpt_data.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_data.h ${PROJECT_SOURCE_DIR}/models/train_gpt_flags.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_initial_state.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_initial_state.h ${PROJECT_SOURCE_DIR}/models/train_gpt_model.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_model.h ${PROJECT_SOURCE_DIR}/models/train_gpt_optimizer.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_optimizer.h ${PROJECT_SOURCE_DIR}/models/train_gpt_outputs.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_report.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_report.h ${PROJECT_SOURCE_DIR}/models/train_gpt_restart.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_restart.h ${PROJECT_SOURCE_DIR}/models/train_gpt_run.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_start.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_training_run.cc ${PROJECT_SOURCE_DIR}/models/train_gpt_training_run.h ${PROJECT_SOURCE_DIR}/models/train_gpt_checks.h ${PROJECT_SOURCE_DIR}/models/train_gpt_flags.h ${PROJECT_SOURCE_DIR}/models/train_gpt_run.h ${PROJECT_SOURCE_DIR}/models/train_gpt_start.h)
 set_target_properties(models_train_gpt_job PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models)
-target_link_libraries(models_train_gpt_job PUBLIC models_gpt models_llama models_lora models_output_paths base_directory_lock base_status checkpoint_checkpoint comm_collectives comm_hybrid_groups comm_launch_environment comm_rendezvous comm_staged_collectives fsdp_activation_checkpointing fsdp_fully_shard fsdp_trace fsdp_unit_module hf_model_config optim_dcp_checkpoint optim_flat_shard_optimizers optim_optim_state optim_run_checkpoints optim_torch_optim_file optim_training_checkpoint policies_builtin_policies policies_registry formats_dcp statedict_dcp_sharded statedict_state_dict formats_torch_file third_party_absl_flags fsdp_torch)
+target_link_libraries(models_train_gpt_job PUBLIC models_gpt models_llama models_lora models_output_paths base_directory_lock base_status checkpoint_checkpoint comm_collectives comm_hybrid_groups comm_launch_environment comm_rendezvous comm_staged_collectives fsdp_activation_checkpointing fsdp_fully_shard fsdp_trace fsdp_unit_module hf_model_config launch_error_file optim_dcp_checkpoint optim_flat_shard_optimizers optim_optim_state optim_run_checkpoints optim_torch_optim_file optim_training_checkpoint policies_builtin_policies policies_registry formats_dcp statedict_dcp_sharded statedict_state_dict formats_torch_file third_party_absl_flags fsdp_torch)
 
 # //models:train_gpt_misuse_test
 if(BUILD_TESTING)
@@ -2061,6 +2069,17 @@ add_dependencies(models_train_gpt_misuse_test models_train_gpt launch_fsdp_launc
 add_test(NAME //models:train_gpt_misuse_test COMMAND models_train_gpt_misuse_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//models:train_gpt_misuse_test PROPERTIES TIMEOUT 900 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/models_train_gpt_misuse_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/models_train_gpt_misuse_test")
+endif()
+
+# //models:train_gpt_restart_test
+if(BUILD_TESTING)
+add_executable(models_train_gpt_restart_test ${PROJECT_SOURCE_DIR}/models/train_gpt_restart_test.cc)
+set_target_properties(models_train_gpt_restart_test PROPERTIES OUTPUT_NAME train_gpt_restart_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
+target_link_libraries(models_train_gpt_restart_test PRIVATE models_job_test_util testing_torch_python third_party_absl_base third_party_gtest_main)
+add_dependencies(models_train_gpt_restart_test models_train_gpt)
+add_test(NAME //models:train_gpt_restart_test COMMAND models_train_gpt_restart_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//models:train_gpt_restart_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/models_train_gpt_restart_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/models_train_gpt_restart_test")
 endif()
 
 # //models:train_gpt_test

@@ -194,9 +194,10 @@ int main(int argc, char** argv) {
   }
   absl::StatusOr<fsdp::LaunchEnvironment> env = fsdp::ReadLaunchEnvironment();
   if (absl::IsNotFound(env.status())) {
-    return fsdp::LaunchSelfAndReport(argc, argv, absl::GetFlag(FLAGS_world_size),
-                                     std::chrono::seconds(absl::GetFlag(FLAGS_timeout_s)),
-                                     "collectives_main");
+    fsdp::SelfLaunch launch;
+    launch.world_size = absl::GetFlag(FLAGS_world_size);
+    launch.timeout = std::chrono::seconds(absl::GetFlag(FLAGS_timeout_s));
+    return fsdp::LaunchSelfAndReport(argc, argv, launch, "collectives_main");
   }
   if (!env.ok()) {
     std::fprintf(stderr, "collectives_main: %s\n", env.status().ToString().c_str());

@@ -89,6 +89,12 @@ absl::StatusOr<LaunchEnvironment> ReadTorchrun(const EnvLookup& lookup) {
   std::optional<std::string> agent_store = lookup("TORCHELASTIC_USE_AGENT_STORE");
   env.store_hosted_by_launcher =
       agent_store.has_value() && absl::AsciiStrToLower(*agent_store) == "true";
+  FSDP_ASSIGN_OR_RETURN(auto restarts, ReadInt(lookup, "TORCHELASTIC_RESTART_COUNT", false, src));
+  if (restarts.value_or(0) < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "torchrun launch environment: TORCHELASTIC_RESTART_COUNT=", *restarts, " is negative"));
+  }
+  env.restart_count = restarts.value_or(0);
   FSDP_RETURN_IF_ERROR(
       CheckRanks(env, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"));
   return env;
@@ -192,7 +198,8 @@ absl::StatusOr<int> FirstCountOfSlurmTasksPerNode(const std::string& value) {
   const size_t stop = text.find_first_of("(,");
   int count = 0;
   if (!absl::SimpleAtoi(text.substr(0, stop), &count) || count < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("'", value, "' does not start with a task count"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", value, "' does not start with a task count"));
   }
   return count;
 }

@@ -33,6 +33,10 @@ struct LaunchEnvironment {
   bool store_hosted_by_launcher = false;
   // "torchrun" or "slurm": which variables were read, for messages.
   std::string source;
+  // How many times the launcher has restarted the job
+  // (TORCHELASTIC_RESTART_COUNT; 0 without it): a restarted rank resumes
+  // rather than starts afresh.
+  int restart_count = 0;
 };
 
 // Returns the value of an environment variable, or nullopt if unset.

@@ -16,6 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "torch/csrc/distributed/c10d/PrefixStore.hpp"
 #include "torch/csrc/distributed/c10d/TCPStore.hpp"
 
 namespace fsdp {
@@ -124,8 +125,10 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectRendezvousStore(
   options.waitWorkers = false;
   options.timeout = timeout;
   try {
-    return c10::intrusive_ptr<c10d::Store>(
-        c10::make_intrusive<c10d::TCPStore>(env.master_addr, options));
+    auto store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
+    if (!env.store_hosted_by_launcher) return c10::intrusive_ptr<c10d::Store>(std::move(store));
+    return c10::intrusive_ptr<c10d::Store>(c10::make_intrusive<c10d::PrefixStore>(
+        absl::StrCat("/worker/attempt_", env.restart_count), std::move(store)));
   } catch (...) {
     absl::Status cause = StatusFromCurrentException(absl::StatusCode::kUnavailable);
     return absl::Status(

@@ -49,7 +49,11 @@ class RendezvousServer {
 };
 
 // Connects to the job's store (serving it first if this is rank 0 and the
-// launcher does not). Fails with kUnavailable, naming the address, when the
+// launcher does not). A store the launcher serves outlives the job's
+// attempts, so each attempt's ranks meet under their own prefix,
+// "/worker/attempt_<restart_count>/", as torch's env:// rendezvous has
+// Python ranks do: a restarted rank never reads a failed attempt's keys.
+// Fails with kUnavailable, naming the address, when the
 // store cannot be reached within `timeout`.
 absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectRendezvousStore(
     const LaunchEnvironment& env, std::chrono::milliseconds timeout);

@@ -9,12 +9,16 @@
 //   # on host A (node 0) and host B (node 1), the same but --node_rank:
 //   fsdp_launch --nnodes=2 --node_rank=0 --master_addr=A --nproc_per_node=2 -- trainer
 //
+// With --max_restarts=N a failed job is stopped and started again, at most
+// N times (launch/local_launcher.h says when it is not).
+//
 // Exits 0 when every rank succeeded, 1 naming each rank that failed, 2 when
 // the job could not start, and 128 + the signal when interrupted (the signal
 // is forwarded to every rank first).
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -41,10 +45,18 @@ ABSL_FLAG(int, exit_barrier_timeout_s, 300,
 ABSL_FLAG(int, node_timeout_s, 30,
           "With --nnodes > 1: a node whose launcher is silent this long counts as lost, and "
           "the job fails.");
-ABSL_FLAG(int, timeout_s, 3600, "Kill every rank still running after this many seconds.");
+ABSL_FLAG(int, timeout_s, 3600,
+          "Kill every rank still running after this many seconds (of the whole job, restarts "
+          "included).");
 ABSL_FLAG(int, failure_grace_s, 10,
           "After a rank fails or a signal arrives, seconds the others get to end on their "
           "own before they are killed.");
+ABSL_FLAG(int, max_restarts, 0,
+          "When the job fails, stop every rank and start them all again, at most this many "
+          "times (torchrun's --max-restarts; ranks see TORCHELASTIC_RESTART_COUNT). A failure "
+          "that repeats at the same step with the same message is not restarted again.");
+ABSL_FLAG(double, restart_backoff_s, 1.0,
+          "Seconds to wait before the first restart; doubled before each next, at most 60.");
 ABSL_FLAG(std::string, log_dir, "",
           "Write rank r's output to <log_dir>/rank_<r>.log instead of this terminal.");
 
@@ -70,7 +82,7 @@ std::string ResolveProgram(const std::string& name) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "fsdp_launch [--nproc_per_node=N] [--timeout_s=S] [--log_dir=D]\n"
+      "fsdp_launch [--nproc_per_node=N] [--timeout_s=S] [--log_dir=D] [--max_restarts=R]\n"
       "            [--nnodes=M --node_rank=K --master_addr=HOST [--master_port=P]]\n"
       "            -- PROGRAM [ARGS...]");
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
@@ -102,5 +114,14 @@ int main(int argc, char** argv) {
   options.join_timeout = std::chrono::seconds(absl::GetFlag(FLAGS_join_timeout_s));
   options.exit_barrier_timeout = std::chrono::seconds(absl::GetFlag(FLAGS_exit_barrier_timeout_s));
   options.node_timeout = std::chrono::seconds(absl::GetFlag(FLAGS_node_timeout_s));
+  options.max_restarts = absl::GetFlag(FLAGS_max_restarts);
+  const double backoff_s = absl::GetFlag(FLAGS_restart_backoff_s);
+  if (!(backoff_s >= 0)) {
+    std::fprintf(stderr, "fsdp_launch: --restart_backoff_s=%g: must be >= 0\n", backoff_s);
+    return 2;
+  }
+  // Back-offs longer than 60 s are cut to 60 s (and beyond, no longer an integer).
+  options.restart_backoff =
+      std::chrono::milliseconds(static_cast<int64_t>(std::min(backoff_s, 60.0) * 1000));
   return fsdp::LaunchAndReport(options, "fsdp_launch");
 }

@@ -6,432 +6,42 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
+#include <cerrno>
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
-#include <iterator>
-#include <map>
+#include <filesystem>
 #include <memory>
-#include <mutex>
+#include <random>
 #include <thread>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "base/status.h"
 #include "comm/rendezvous.h"
-#include "comm/store_deadline.h"
+#include "launch/forwarded_signals.h"
+#include "launch/launcher_group.h"
 #include "launch/rank_process.h"
 
 namespace fsdp {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using launch_internal::Clock;
+using launch_internal::FirstForwardedSignal;
+using launch_internal::ForwardedSignalScope;
+using launch_internal::kHeartbeatInterval;
+using launch_internal::kStoreOperationTimeout;
+using launch_internal::LauncherGroup;
+using launch_internal::LauncherStore;
 
-constexpr int kForwardedSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
-
-// The first forwarded signal received while LaunchLocalRanks waits.
-// Lock-free, so that the handler may set it on any thread (the watcher's
-// and store helpers' included) while the main thread reads it.
-std::atomic<int> g_received_signal{0};
-// How many arrived, and the last, so that a wait can tell a new one from
-// the first.
-std::atomic<int> g_signal_count{0};
-std::atomic<int> g_last_signal{0};
-static_assert(std::atomic<int>::is_always_lock_free);
-
-void RecordSignal(int signal) {
-  int none = 0;
-  g_received_signal.compare_exchange_strong(none, signal);
-  g_last_signal.store(signal);
-  g_signal_count.fetch_add(1);
-}
-
-// Installs RecordSignal for kForwardedSignals while alive; restores the
-// previous handlers after.
-class ForwardedSignalScope {
- public:
-  ForwardedSignalScope() {
-    g_received_signal.store(0);
-    struct sigaction action {};
-    action.sa_handler = RecordSignal;
-    sigemptyset(&action.sa_mask);
-    for (size_t i = 0; i < std::size(kForwardedSignals); ++i) {
-      ::sigaction(kForwardedSignals[i], &action, &previous_[i]);
-    }
-  }
-  ~ForwardedSignalScope() {
-    for (size_t i = 0; i < std::size(kForwardedSignals); ++i) {
-      ::sigaction(kForwardedSignals[i], &previous_[i], nullptr);
-    }
-  }
-  ForwardedSignalScope(const ForwardedSignalScope&) = delete;
-  ForwardedSignalScope& operator=(const ForwardedSignalScope&) = delete;
-
- private:
-  struct sigaction previous_[std::size(kForwardedSignals)];
-};
-
-std::vector<uint8_t> Bytes(const std::string& text) {
-  return std::vector<uint8_t>(text.begin(), text.end());
-}
-
-std::string Text(const std::vector<uint8_t>& bytes) {
-  return std::string(bytes.begin(), bytes.end());
-}
-
-// How long one operation on node 0's store may take from another host
-// before that host counts as cut off from the job.
-constexpr std::chrono::seconds kStoreOperationTimeout(30);
-constexpr std::chrono::milliseconds kStorePollInterval(100);
-constexpr std::chrono::seconds kHeartbeatInterval(1);
-
-// The launchers' keys in their store, each operation bounded by
-// kStoreOperationTimeout (comm/store_deadline.h): a launcher cut off from
-// node 0 must still end.
-class LauncherStore {
- public:
-  LauncherStore(c10::intrusive_ptr<c10d::Store> store, std::string name)
-      : store_(std::move(store), std::move(name)) {}
-
-  int64_t Add(const std::string& key, int64_t value) {
-    return store_.Call([key, value](c10d::Store& s) { return s.add(key, value); },
-                       kStoreOperationTimeout);
-  }
-  void Set(const std::string& key, const std::string& value) {
-    store_.Call([key, bytes = Bytes(value)](c10d::Store& s) { s.set(key, bytes); },
-                kStoreOperationTimeout);
-  }
-  std::string Get(const std::string& key) {
-    return Text(store_.Call([key](c10d::Store& s) { return s.get(key); }, kStoreOperationTimeout));
-  }
-  bool Has(const std::vector<std::string>& keys) {
-    return store_.Call([keys](c10d::Store& s) { return s.check(keys); }, kStoreOperationTimeout);
-  }
-
- private:
-  DeadlineStore store_;
-};
-
-// The launchers of a job across hosts, meeting through the store node 0's
-// launcher serves (keys under "fsdp_launch/"). A watcher thread posts this
-// node's first failure and collects the other nodes' failures, so that a
-// store that stops answering never stalls the reaping of ranks.
-class LauncherGroup {
- public:
-  // Waits until every node's launcher has joined with the same nnodes and
-  // nproc_per_node; fails naming the nodes missing or in disagreement.
-  static absl::StatusOr<std::unique_ptr<LauncherGroup>> Join(const LocalLaunchOptions& options,
-                                                             Clock::time_point deadline,
-                                                             c10::intrusive_ptr<c10d::Store> store);
-
-  ~LauncherGroup() { StopWatching(); }
-  LauncherGroup(const LauncherGroup&) = delete;
-  LauncherGroup& operator=(const LauncherGroup&) = delete;
-
-  // Tells the other launchers (only the first call does); never blocks.
-  void ReportFailure(const std::string& what) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (failure_reported_) return;
-    failure_reported_ = true;
-    pending_failure_ = what;
-    wake_.notify_all();
-  }
-
-  bool OtherNodeFailed() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return !other_failures_.empty();
-  }
-
-  // Reports this node's outcome ("" when every rank succeeded). Node 0 then
-  // serves the store until every other launcher has reported, for at most
-  // exit_barrier_timeout, or failure_grace + 10 s once a failure is known
-  // (a launcher still silent then is named). Returns every failure
-  // elsewhere: the lost store first, then by node.
-  std::vector<std::string> Finish(const std::string& outcome, bool failure_known) {
-    StopWatching();
-    const int n = options_.nnodes;
-    const int self = options_.node_rank;
-    const int signals_before = g_signal_count.load();
-    try {
-      if (store_lost_) return Failures();
-      if (!pending_failure_.empty()) Post(pending_failure_);
-      if (self != 0 && !failure_reported_ && store_->Has({Key("failed/", self)})) {
-        TakenForLost(store_->Get(Key("failed/", self)));
-      }
-      store_->Set(Key("done/", self), outcome);
-      if (self == 0) {
-        const std::chrono::milliseconds wait =
-            failure_known || !other_failures_.empty()
-                ? options_.failure_grace + std::chrono::seconds(10)
-                : options_.exit_barrier_timeout;
-        const auto start = Clock::now();
-        const auto deadline = start + wait;
-        // A node already found silent is not waited for.
-        const auto reported = [&](int node) {
-          return silent_[node] || store_->Has({Key("done/", node)});
-        };
-        bool interrupted = false;
-        for (int node = 1; node < n && !interrupted; ++node) {
-          while (!reported(node) && Clock::now() < deadline) {
-            if (g_signal_count.load() != signals_before) {
-              interrupted = true;
-              break;
-            }
-            std::this_thread::sleep_for(kStorePollInterval);
-            Beat();  // The watcher has stopped; a node lost now is still found.
-          }
-        }
-        const auto waited =
-            std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
-        if (interrupted) {
-          const std::string why =
-              absl::StrCat("its launcher was interrupted by signal ", g_last_signal.load(),
-                           " while waiting for the other nodes' reports");
-          if (!failure_reported_) Post(why);
-          other_failures_[-3] = absl::StrCat("node 0: ", why, " (", waited.count(), " ms)");
-        }
-        for (int node = 1; node < n; ++node) {
-          const bool done = store_->Has({Key("done/", node)});
-          const std::string said = done ? store_->Get(Key("done/", node)) : "";
-          if (silent_[node]) {
-            // Frozen, not gone: it woke and said how its ranks ended.
-            if (done && !said.empty()) other_failures_[node] += "; it said later: " + said;
-            continue;
-          }
-          if (!done) {
-            other_failures_[node] =
-                absl::StrCat(other_failures_.count(node) > 0 ? other_failures_[node] + "; " : "",
-                             "its launcher sent no final report within ", waited.count(),
-                             " ms (its host lost, or its ranks still running)");
-            continue;
-          }
-          if (!said.empty()) other_failures_[node] = said;
-        }
-      }
-    } catch (...) {
-      LoseStore(StatusFromCurrentException(absl::StatusCode::kUnavailable));
-    }
-    return Failures();
-  }
-
- private:
-  LauncherGroup(const LocalLaunchOptions& options, std::unique_ptr<LauncherStore> store)
-      : options_(options),
-        store_(std::move(store)),
-        silent_(options.nnodes, false),
-        beats_(options.nnodes, -1),
-        heard_(options.nnodes, Clock::now()) {
-    watcher_ = std::thread([this] { Watch(); });
-  }
-
-  static std::string Key(const std::string& name, int node = -1) {
-    return absl::StrCat("fsdp_launch/", name, node < 0 ? "" : std::to_string(node));
-  }
-
-  // Store calls (and the heartbeat state) are used by one thread at a
-  // time: the watcher, or the caller of Finish once the watcher has stopped.
-  void Post(const std::string& failure) {
-    store_->Set(Key("failed/", options_.node_rank), failure);
-    store_->Add(Key("failures"), 1);
-    std::lock_guard<std::mutex> lock(mu_);
-    pending_failure_.clear();
-  }
-
-  std::vector<std::string> Failures() const {
-    std::vector<std::string> out;
-    for (const auto& [node, what] : other_failures_) {
-      out.push_back(node < 0 ? what : absl::StrCat("node ", node, ": ", what));
-    }
-    return out;
-  }
-
-  // Node 0's launcher heard no heartbeat from here for node_timeout and
-  // told the others to stop: so must this node. REQUIRES: mu_ held, or
-  // the watcher stopped.
-  void TakenForLost(const std::string& what) {
-    other_failures_[-2] = "node 0's launcher took this node for lost: " + what;
-  }
-
-  void LoseStore(const absl::Status& why) {
-    std::lock_guard<std::mutex> lock(mu_);
-    store_lost_ = true;
-    other_failures_[-1] = absl::StrCat("lost the launchers' store at ", options_.master_addr, ":",
-                                       options_.master_port,
-                                       " (node 0's launcher, or the way to it): ", why.message());
-  }
-
-  void Watch() {
-    const int n = options_.nnodes;
-    // The count of failures posted at the last scan. A failure's key is
-    // set before the count grows, so a scan after a new count sees it.
-    int64_t scanned = 0;
-    std::vector<bool> read(n, false);
-    std::unique_lock<std::mutex> lock(mu_);
-    while (!stop_) {
-      const std::string pending = pending_failure_;
-      lock.unlock();
-      try {
-        if (!pending.empty()) Post(pending);
-        Beat();
-        const int64_t posted = store_->Add(Key("failures"), 0);
-        for (int node = 0; posted != scanned && node < n; ++node) {
-          if (read[node] || !store_->Has({Key("failed/", node)})) continue;
-          read[node] = true;
-          const std::string what = store_->Get(Key("failed/", node));
-          std::lock_guard<std::mutex> report(mu_);
-          if (node != options_.node_rank) {
-            if (other_failures_.count(node) == 0) other_failures_[node] = what;
-          } else if (!failure_reported_) {
-            TakenForLost(what);
-          }
-        }
-        scanned = posted;
-      } catch (...) {
-        LoseStore(StatusFromCurrentException(absl::StatusCode::kUnavailable));
-        return;
-      }
-      lock.lock();
-      wake_.wait_for(lock, kStorePollInterval,
-                     [this] { return stop_ || !pending_failure_.empty(); });
-    }
-  }
-
-  // Each second: another node's launcher says it is alive; node 0's hears
-  // them (they hear node 0 by its store answering at all) and reports a
-  // node silent for node_timeout, and not done, as failed, so that every
-  // launcher stops its ranks.
-  void Beat() {
-    if (Clock::now() < next_beat_) return;
-    next_beat_ = Clock::now() + kHeartbeatInterval;
-    if (options_.node_rank != 0) {
-      store_->Add(Key("alive/", options_.node_rank), 1);
-      return;
-    }
-    for (int node = 1; node < options_.nnodes; ++node) {
-      const int64_t beat = store_->Add(Key("alive/", node), 0);
-      if (beat != beats_[node]) {
-        beats_[node] = beat;
-        heard_[node] = Clock::now();
-        continue;
-      }
-      if (silent_[node] || Clock::now() - heard_[node] <= options_.node_timeout ||
-          store_->Has({Key("done/", node)})) {
-        continue;
-      }
-      const std::string silent =
-          absl::StrCat("its launcher went silent: no heartbeat for ", options_.node_timeout.count(),
-                       " ms (its host lost, or the launcher killed)");
-      silent_[node] = true;
-      // A node that said why it failed keeps its word; the others know
-      // to stop already.
-      if (store_->Has({Key("failed/", node)})) {
-        const std::string said = store_->Get(Key("failed/", node));
-        std::lock_guard<std::mutex> lock(mu_);
-        other_failures_[node] = said + "; then " + silent;
-        continue;
-      }
-      store_->Set(Key("failed/", node), silent);
-      store_->Add(Key("failures"), 1);
-      std::lock_guard<std::mutex> lock(mu_);
-      other_failures_[node] = silent;
-    }
-  }
-
-  void StopWatching() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-      wake_.notify_all();
-    }
-    if (watcher_.joinable()) watcher_.join();
-  }
-
-  const LocalLaunchOptions& options_;
-  const std::unique_ptr<LauncherStore> store_;
-  mutable std::mutex mu_;
-  std::condition_variable wake_;
-  bool stop_ = false;
-  bool failure_reported_ = false;
-  bool store_lost_ = false;
-  std::string pending_failure_;
-  std::map<int, std::string> other_failures_;  // By node; -1: the store lost.
-  // Node 0's view of the others' heartbeats, by node.
-  std::vector<bool> silent_;
-  std::vector<int64_t> beats_;
-  std::vector<Clock::time_point> heard_;
-  Clock::time_point next_beat_ = Clock::now();
-  std::thread watcher_;
-};
-
-absl::StatusOr<std::unique_ptr<LauncherGroup>> LauncherGroup::Join(
-    const LocalLaunchOptions& options, Clock::time_point deadline,
-    c10::intrusive_ptr<c10d::Store> served) {
-  const int self = options.node_rank;
-  const std::string who = absl::StrCat("launcher of node ", self, " of ", options.nnodes);
-  const std::string where = absl::StrCat(options.master_addr, ":", options.master_port);
-  const std::string shape =
-      absl::StrCat("--nnodes=", options.nnodes, " --nproc_per_node=", options.nproc_per_node);
-  auto store = std::make_unique<LauncherStore>(std::move(served), "the store");
-  // A launcher that gives up says why, for the others to say too rather
-  // than find the store gone; node 0's serves a moment longer for them to
-  // read it.
-  const auto give_up = [&](absl::Status why) {
-    try {
-      store->Set(Key("join_failed"), absl::StrCat("node ", self, ": ", why.message()));
-      if (self == 0) std::this_thread::sleep_for(std::chrono::seconds(1));
-    } catch (...) {
-      // The store is gone too: `why` stands alone.
-    }
-    return why;
-  };
-  const auto gave_up = [&]() -> std::optional<absl::Status> {
-    if (!store->Has({Key("join_failed")})) return std::nullopt;
-    return absl::FailedPreconditionError(
-        absl::StrCat(who, ": the join failed at ", store->Get(Key("join_failed"))));
-  };
-  try {
-    if (store->Add(Key("claimed/", self), 1) != 1) {
-      // Not said for the others: the launcher that holds this node rank
-      // may well run the job.
-      return absl::InvalidArgumentError(
-          absl::StrCat(who, ": another launcher already joined the job at ", where, " as node ",
-                       self, ": give each host its own --node_rank"));
-    }
-    store->Set(Key("shape/", self), shape);
-    std::vector<std::string> shapes;
-    for (int node = 0; node < options.nnodes; ++node) shapes.push_back(Key("shape/", node));
-    while (!store->Has(shapes)) {
-      if (std::optional<absl::Status> failed = gave_up()) return *failed;
-      if (Clock::now() >= deadline) {
-        std::vector<int> missing;
-        for (int node = 0; node < options.nnodes; ++node) {
-          if (!store->Has({shapes[node]})) missing.push_back(node);
-        }
-        if (missing.empty()) break;  // The last came just now.
-        return give_up(absl::DeadlineExceededError(absl::StrCat(
-            who, ": node", missing.size() > 1 ? "s " : " ", absl::StrJoin(missing, ", "),
-            " did not join at ", where, " within ", options.join_timeout.count(), " ms")));
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    // Complete, but one may have given up just before (node 0 serves a
-    // moment after giving up, for this).
-    if (std::optional<absl::Status> failed = gave_up()) return *failed;
-    for (int node = 0; node < options.nnodes; ++node) {
-      const std::string theirs = store->Get(shapes[node]);
-      if (theirs != shape) {
-        return give_up(absl::FailedPreconditionError(
-            absl::StrCat(who, ": node ", node, "'s launcher was started with ", theirs,
-                         ", this one with ", shape, ": every node's must agree")));
-      }
-    }
-  } catch (...) {
-    absl::Status cause = StatusFromCurrentException(absl::StatusCode::kUnavailable);
-    return absl::Status(cause.code(), absl::StrCat(who, ": lost the launchers' store at ", where,
-                                                   " while joining: ", cause.message()));
-  }
-  return std::unique_ptr<LauncherGroup>(new LauncherGroup(options, std::move(store)));
+int64_t WallClockNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
 }
 
 // Refuses options that could not start a job, or would fail it later for
@@ -460,6 +70,20 @@ absl::Status ValidateLaunchOptions(const LocalLaunchOptions& options) {
   if (options.timeout.count() <= 0) {
     return absl::InvalidArgumentError("launcher: timeout must be positive");
   }
+  if (options.max_restarts < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("launcher: max_restarts (", options.max_restarts, ") must not be negative"));
+  }
+  if (options.restart_backoff.count() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("launcher: restart_backoff (",
+                                                   options.restart_backoff.count(),
+                                                   " ms) must not be negative"));
+  }
+  if (options.repeated_failure_limit < 2) {
+    return absl::InvalidArgumentError(absl::StrCat("launcher: repeated_failure_limit (",
+                                                   options.repeated_failure_limit,
+                                                   ") must be at least 2"));
+  }
   if (options.nnodes > 1) {
     for (const auto& [name, value] :
          {std::pair{"join_timeout", options.join_timeout},
@@ -487,49 +111,111 @@ absl::Status ValidateLaunchOptions(const LocalLaunchOptions& options) {
   return absl::OkStatus();
 }
 
-// What this launcher meets its ranks and the other launchers through.
-// Destroyed in reverse: the group (whose watcher uses the store) first, the
-// server (which serves the store) last.
+// What this launcher meets its ranks and the other launchers through, for
+// every attempt of the job. Destroyed in reverse: the group (whose watcher
+// uses the store) first, the server (which serves the store) last.
 struct LauncherRendezvous {
   std::unique_ptr<RendezvousServer> server;  // Node 0's launcher, or one host's.
   c10::intrusive_ptr<c10d::Store> store;
   int port = 0;                          // MASTER_PORT for the ranks.
-  std::unique_ptr<LauncherGroup> group;  // Across hosts only.
+  std::string run_id;                    // TORCHELASTIC_RUN_ID, node 0's.
+  std::unique_ptr<LauncherGroup> group;  // Across hosts only; this attempt's.
 };
 
-// Serves the store (node 0, or a job on one host) or reaches node 0's, then
-// joins the other launchers; no rank starts before every node has joined.
-absl::StatusOr<LauncherRendezvous> MeetOtherLaunchers(const LocalLaunchOptions& options) {
+std::string RandomRunId() {
+  std::random_device random;
+  const uint64_t id = (static_cast<uint64_t>(random()) << 32) | random();
+  return absl::StrFormat("%016x", id);
+}
+
+// Serves the store (node 0, or a job on one host) or reaches node 0's; the
+// run id is node 0's.
+absl::StatusOr<LauncherRendezvous> ServeOrReachStore(const LocalLaunchOptions& options) {
   const bool multi_node = options.nnodes > 1;
-  const Clock::time_point join_deadline = Clock::now() + options.join_timeout;
   LauncherRendezvous met;
   met.port = options.master_port;
+  met.run_id = options.run_id.empty() ? RandomRunId() : options.run_id;
   if (!multi_node || options.node_rank == 0) {
     FSDP_ASSIGN_OR_RETURN(
         met.server, RendezvousServer::Start(multi_node ? options.master_port : 0, options.timeout));
     met.port = met.server->port();
     met.store = met.server->store();
-  } else {
-    absl::StatusOr<c10::intrusive_ptr<c10d::Store>> reached = ConnectStoreAt(
-        options.master_addr, options.master_port, options.join_timeout, kStoreOperationTimeout);
-    if (!reached.ok()) {
-      return absl::Status(
-          reached.status().code(),
-          absl::StrCat("launcher of node ", options.node_rank, " of ", options.nnodes,
-                       ": node 0's launcher is not there: ", reached.status().message()));
+    if (multi_node) {
+      try {
+        LauncherStore(met.store, "the store").Set("fsdp_launch/run_id", met.run_id);
+      } catch (...) {
+        absl::Status cause = StatusFromCurrentException(absl::StatusCode::kUnavailable);
+        return absl::Status(cause.code(), absl::StrCat("launcher of node 0: could not publish "
+                                                       "the job's run id: ", cause.message()));
+      }
     }
-    met.store = *std::move(reached);
+    return met;
   }
-  if (multi_node) {
-    FSDP_ASSIGN_OR_RETURN(met.group, LauncherGroup::Join(options, join_deadline, met.store));
+  absl::StatusOr<c10::intrusive_ptr<c10d::Store>> reached = ConnectStoreAt(
+      options.master_addr, options.master_port, options.join_timeout, kStoreOperationTimeout);
+  const std::string who =
+      absl::StrCat("launcher of node ", options.node_rank, " of ", options.nnodes);
+  if (!reached.ok()) {
+    return absl::Status(reached.status().code(),
+                        absl::StrCat(who, ": node 0's launcher is not there: ",
+                                     reached.status().message()));
+  }
+  met.store = *std::move(reached);
+  try {
+    met.run_id = LauncherStore(met.store, "the store").Get("fsdp_launch/run_id");
+  } catch (...) {
+    absl::Status cause = StatusFromCurrentException(absl::StatusCode::kUnavailable);
+    return absl::Status(cause.code(), absl::StrCat(who, ": could not read the job's run id: ",
+                                                   cause.message()));
   }
   return met;
 }
 
+// What a launcher tells node 0 in place of its ranks' first failure when a
+// restart must not follow: it was interrupted, or could not start its ranks.
+constexpr char kInterrupted[] = "interrupted";
+constexpr char kCannotStart[] = "cannot start";
+
+// Each rank's error file of each attempt, in a directory of the launcher's
+// own that is removed with it.
+class ErrorFiles {
+ public:
+  static absl::StatusOr<ErrorFiles> Create() {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern = absl::StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp",
+                                       "/fsdp_launch_errors.XXXXXX");
+    if (::mkdtemp(pattern.data()) == nullptr) {
+      return absl::UnavailableError(absl::StrCat("launcher: cannot create a directory for the "
+                                                 "ranks' error files (", pattern, "): ",
+                                                 std::strerror(errno)));
+    }
+    return ErrorFiles(pattern);
+  }
+  ErrorFiles(ErrorFiles&& other) noexcept : dir_(std::exchange(other.dir_, "")) {}
+  ErrorFiles& operator=(ErrorFiles&&) = delete;
+  ~ErrorFiles() {
+    if (dir_.empty()) return;
+    std::error_code ignored;
+    std::filesystem::remove_all(dir_, ignored);
+  }
+
+  std::string Of(int attempt, int rank) const {
+    return absl::StrCat(dir_, "/attempt_", attempt, "_rank_", rank, ".json");
+  }
+
+ private:
+  explicit ErrorFiles(std::string dir) : dir_(std::move(dir)) {}
+  std::string dir_;
+};
+
 // This host's ranks from their start until each has ended, by local rank.
 struct RunningRanks {
-  RunningRanks(const LocalLaunchOptions& options, LauncherGroup* group)
-      : options(options), group(group), pids(options.nproc_per_node, -1) {}
+  RunningRanks(const LocalLaunchOptions& options, LauncherGroup* group, int attempt)
+      : options(options),
+        group(group),
+        attempt(attempt),
+        pids(options.nproc_per_node, -1),
+        seen_running_ns(options.nproc_per_node, 0) {}
 
   // A failure anywhere gives the ranks still running failure_grace to end
   // on their own; a later failure does not extend it.
@@ -539,16 +225,21 @@ struct RunningRanks {
 
   const LocalLaunchOptions& options;
   LauncherGroup* const group;  // Null on one host.
+  const int attempt;           // The restart count.
   LaunchResult result;
   std::vector<pid_t> pids;  // -1 once the rank has ended.
+  // Per rank: the wall clock (ns) of the last look that found it running.
+  std::vector<int64_t> seen_running_ns;
+  std::vector<std::string> error_files;
   int running = 0;
   Clock::time_point kill_after_failure = Clock::time_point::max();
 };
 
 // Starts every rank of this host. When one cannot start, the ranks already
 // started are killed and the other launchers told, so that nothing is left
-// waiting for it.
-absl::Status StartLocalRanks(int port, RunningRanks& ranks) {
+// waiting for it. A restart's logs are files of their own.
+absl::Status StartLocalRanks(const LauncherRendezvous& met, const ErrorFiles& errors,
+                             RunningRanks& ranks) {
   const LocalLaunchOptions& options = ranks.options;
   LaunchResult& result = ranks.result;
   std::vector<pid_t>& pids = ranks.pids;
@@ -558,10 +249,14 @@ absl::Status StartLocalRanks(int port, RunningRanks& ranks) {
     RankOutcome outcome;
     outcome.rank = options.node_rank * nproc + local;
     if (!options.log_dir.empty()) {
-      outcome.log_path = absl::StrCat(options.log_dir, "/rank_", outcome.rank, ".log");
+      outcome.log_path = absl::StrCat(
+          options.log_dir, "/rank_", outcome.rank,
+          ranks.attempt > 0 ? absl::StrCat(".restart_", ranks.attempt) : std::string(), ".log");
     }
     result.ranks.push_back(outcome);
-    absl::StatusOr<pid_t> pid = StartRank(options, local, port, outcome.log_path);
+    const RankAttempt attempt{ranks.attempt, met.run_id, errors.Of(ranks.attempt, outcome.rank)};
+    ranks.error_files.push_back(attempt.error_file);
+    absl::StatusOr<pid_t> pid = StartRank(options, local, met.port, outcome.log_path, attempt);
     if (!pid.ok()) {
       for (int started = 0; started < local; ++started) {
         ::kill(-pids[started], SIGKILL);
@@ -570,11 +265,12 @@ absl::Status StartLocalRanks(int port, RunningRanks& ranks) {
       if (group != nullptr) {
         group->ReportFailure(
             absl::StrCat("its launcher could not start its ranks: ", pid.status().message()));
-        group->Finish(pid.status().ToString(), /*failure_known=*/true);
+        group->Finish(pid.status().ToString(), /*failure_known=*/true, kCannotStart);
       }
       return pid.status();
     }
     pids[local] = *pid;
+    ranks.seen_running_ns[local] = WallClockNs();
     result.ranks[local].pid = *pid;
   }
   if (options.on_started) options.on_started(std::vector<int>(pids.begin(), pids.end()));
@@ -582,14 +278,19 @@ absl::Status StartLocalRanks(int port, RunningRanks& ranks) {
   return absl::OkStatus();
 }
 
-// Records how each rank that ended since the last call ended; a failure
-// starts the grace period and is passed on to the other launchers.
+// Records how each rank that ended since the last call ended, with what
+// a failed one wrote to its error file; a failure starts the grace period
+// and is passed on to the other launchers.
 void ReapEndedRanks(RunningRanks& ranks) {
   for (int local = 0; local < ranks.options.nproc_per_node; ++local) {
     if (ranks.pids[local] < 0) continue;
     int status = 0;
+    const int64_t now_ns = WallClockNs();
     const pid_t done = ::waitpid(ranks.pids[local], &status, WNOHANG);
-    if (done != ranks.pids[local]) continue;
+    if (done != ranks.pids[local]) {
+      ranks.seen_running_ns[local] = now_ns;
+      continue;
+    }
     RankOutcome& outcome = ranks.result.ranks[local];
     if (WIFSIGNALED(status)) {
       outcome.ending = RankOutcome::Ending::kSignaled;
@@ -598,9 +299,16 @@ void ReapEndedRanks(RunningRanks& ranks) {
       outcome.ending = RankOutcome::Ending::kExited;
       outcome.code = WEXITSTATUS(status);
     }
+    // Not the time of this look: a peer that failed because of this rank
+    // may have written its error file since, and would be taken for the
+    // cause.
+    outcome.ended_at_ns = ranks.seen_running_ns[local];
     ranks.pids[local] = -1;
     --ranks.running;
     if (!outcome.ok()) {
+      if (absl::StatusOr<RankError> said = ReadRankErrorFile(ranks.error_files[local]); said.ok()) {
+        outcome.error = *std::move(said);
+      }
       ranks.StartFailureGrace();
       if (ranks.group != nullptr) ranks.group->ReportFailure(outcome.Describe());
     }
@@ -611,8 +319,8 @@ void ReapEndedRanks(RunningRanks& ranks) {
 // running, once; it counts as a failure of the job.
 void ForwardReceivedSignal(RunningRanks& ranks) {
   LaunchResult& result = ranks.result;
-  if (g_received_signal.load() == 0 || result.forwarded_signal != 0) return;
-  result.forwarded_signal = g_received_signal.load();
+  if (FirstForwardedSignal() == 0 || result.forwarded_signal != 0) return;
+  result.forwarded_signal = FirstForwardedSignal();
   for (int local = 0; local < ranks.options.nproc_per_node; ++local) {
     if (ranks.pids[local] >= 0) ::kill(-ranks.pids[local], result.forwarded_signal);
   }
@@ -637,10 +345,9 @@ void KillRunningRanks(RunningRanks& ranks, RankOutcome::Ending ending) {
   }
 }
 
-// Polls the ranks until every one has ended, or kills the rest at the job
-// timeout or once the grace after a failure runs out.
-void WatchRanks(RunningRanks& ranks) {
-  const Clock::time_point deadline = Clock::now() + ranks.options.timeout;
+// Polls the ranks until every one has ended, or kills the rest at the job's
+// deadline or once the grace after a failure runs out.
+void WatchRanks(RunningRanks& ranks, Clock::time_point deadline) {
   while (ranks.running > 0) {
     ReapEndedRanks(ranks);
     if (ranks.running == 0) break;
@@ -656,9 +363,75 @@ void WatchRanks(RunningRanks& ranks) {
   }
 }
 
+// The earliest failure of an attempt's ranks, as the launchers pass it to
+// node 0: "<ns>\x1f<step or empty>\x1f<rank>\x1f<1: the rank wrote it>\x1f<node>\x1f
+// <message>", or one of the words above.
+
+struct FirstError {
+  int64_t timestamp_ns = 0;
+  std::string step;  // Empty when the rank did not say.
+  int rank = -1;
+  bool written = true;  // By the rank; otherwise how it ended, as the launcher saw it.
+  int node = -1;        // Across hosts: the node it ran on.
+  std::string message;
+
+  std::string Encode() const {
+    return absl::StrCat(timestamp_ns, "\x1f", step, "\x1f", rank, "\x1f", written ? 1 : 0,
+                        "\x1f", node, "\x1f", message);
+  }
+  static std::optional<FirstError> Decode(const std::string& text) {
+    std::vector<std::string> parts = absl::StrSplit(text, absl::MaxSplits('\x1f', 5));
+    FirstError error;
+    if (parts.size() != 6 || !absl::SimpleAtoi(parts[0], &error.timestamp_ns) ||
+        !absl::SimpleAtoi(parts[2], &error.rank) || !absl::SimpleAtoi(parts[4], &error.node)) {
+      return std::nullopt;
+    }
+    error.step = parts[1];
+    error.written = parts[3] == "1";
+    error.message = parts[5];
+    return error;
+  }
+  // What must repeat for a failure to be deterministic; empty when nothing
+  // tells (a rank killed by a signal twice may have met two different
+  // faults).
+  std::string Signature() const {
+    return written ? absl::StrCat(step, "\x1f", message) : std::string();
+  }
+  std::string Describe() const {
+    const std::string line = message.substr(0, message.find('\n'));
+    return absl::StrCat(node >= 0 ? absl::StrCat("node ", node, ": ") : std::string(),
+                        written ? absl::StrCat("rank ", rank) : std::string(),
+                        step.empty() ? "" : absl::StrCat(" at step ", step),
+                        written ? ": " : "", line.substr(0, 500));
+  }
+};
+
+// `node`: -1 on one host.
+std::string FirstErrorOf(const LaunchResult& result, int node) {
+  if (result.forwarded_signal != 0) return kInterrupted;
+  std::optional<FirstError> first;
+  for (const RankOutcome& r : result.ranks) {
+    // A rank that ended on its own without saying why (killed by a signal,
+    // an exit without an error file) is a failure as of when it ended;
+    // the ranks the launcher killed for another's are not.
+    std::optional<FirstError> error;
+    if (r.error.has_value()) {
+      // A file that gives no time counts as written when the rank ended.
+      error = FirstError{r.error->timestamp_ns != 0 ? r.error->timestamp_ns : r.ended_at_ns,
+                         r.error->step ? std::to_string(*r.error->step) : std::string(), r.rank,
+                         /*written=*/true, node, r.error->message};
+    } else if (!r.ok() && (r.ending == RankOutcome::Ending::kExited ||
+                           r.ending == RankOutcome::Ending::kSignaled)) {
+      error = FirstError{r.ended_at_ns, "", r.rank, /*written=*/false, node, r.EndingText()};
+    }
+    if (error && (!first || error->timestamp_ns < first->timestamp_ns)) first = error;
+  }
+  return first.has_value() ? first->Encode() : "";
+}
+
 // Tells the other launchers how this host's ranks ended, and records what
 // failed elsewhere.
-void FinishWithOtherLaunchers(LauncherGroup& group, LaunchResult& result) {
+void FinishWithOtherLaunchers(LauncherGroup& group, int node, LaunchResult& result) {
   // The ranks that failed on their own first: the cause, then the
   // ranks killed for it.
   std::vector<std::string> failed, killed;
@@ -674,20 +447,182 @@ void FinishWithOtherLaunchers(LauncherGroup& group, LaunchResult& result) {
                                                result.forwarded_signal));
   }
   result.other_nodes_failures = group.Finish(absl::StrJoin(failed, "; "),
-                                             /*failure_known=*/!failed.empty());
+                                             /*failure_known=*/!failed.empty(),
+                                             FirstErrorOf(result, node));
+}
+
+// Whether a failed attempt is followed by a restart: "" when it is,
+// otherwise why not. `errors` are the nodes' FirstErrorOf; `cause` is set
+// to the failure's description either way.
+std::string WhyNoRestart(const LocalLaunchOptions& options, int attempt, const LaunchResult& result,
+                         const std::vector<std::string>& errors, Clock::time_point deadline,
+                         std::vector<std::string>& signatures, std::string& cause) {
+  std::optional<FirstError> first;
+  bool interrupted = FirstForwardedSignal() != 0;
+  bool cannot_start = false;
+  for (const std::string& text : errors) {
+    if (text == kInterrupted) interrupted = true;
+    if (text == kCannotStart) cannot_start = true;
+    std::optional<FirstError> error = FirstError::Decode(text);
+    if (error && (!first || error->timestamp_ns < first->timestamp_ns)) first = error;
+  }
+  cause = first ? first->Describe() : absl::StrJoin(absl::StrSplit(result.Summary(0), '\n',
+                                                                   absl::SkipEmpty()),
+                                                    "; ");
+  signatures.push_back(first ? first->Signature() : "");
+  if (interrupted || result.forwarded_signal != 0) return "the launcher was interrupted";
+  if (cannot_start) return "a launcher could not start its ranks";
+  // How many attempts in a row ended the way this one did.
+  size_t repeats = 0;
+  while (!signatures.back().empty() && repeats < signatures.size() &&
+         signatures[signatures.size() - 1 - repeats] == signatures.back()) {
+    ++repeats;
+  }
+  const bool last_restart_used = attempt >= options.max_restarts;
+  if (repeats >= static_cast<size_t>(options.repeated_failure_limit) ||
+      (last_restart_used && repeats >= 2)) {
+    return absl::StrCat("the same failure (", cause, ") ended the last ", repeats,
+                        " attempts: it is deterministic, and a restart would repeat it");
+  }
+  if (last_restart_used) return absl::StrCat("all ", options.max_restarts, " restarts were used");
+  if (Clock::now() >= deadline) {
+    return absl::StrCat("the job's timeout (", options.timeout.count(), " ms) has passed");
+  }
+  return "";
+}
+
+constexpr std::chrono::seconds kMaxRestartBackoff(60);
+
+// Sleeps `backoff`; false when a forwarded signal arrives meanwhile.
+bool BackOff(std::chrono::milliseconds backoff) {
+  const auto until = Clock::now() + backoff;
+  while (Clock::now() < until) {
+    if (FirstForwardedSignal() != 0) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return FirstForwardedSignal() == 0;
+}
+
+// One attempt: joins the other launchers under this attempt's keys, runs
+// this host's ranks to their end and reports to the others.
+absl::StatusOr<LaunchResult> RunAttempt(const LocalLaunchOptions& options, int attempt,
+                                        Clock::time_point deadline, const ErrorFiles& errors,
+                                        LauncherRendezvous& met) {
+  met.group.reset();
+  if (options.nnodes > 1) {
+    FSDP_ASSIGN_OR_RETURN(met.group, LauncherGroup::Join(options, attempt,
+                                                         Clock::now() + options.join_timeout,
+                                                         met.store));
+  }
+  RunningRanks ranks(options, met.group.get(), attempt);
+  FSDP_RETURN_IF_ERROR(StartLocalRanks(met, errors, ranks));
+  WatchRanks(ranks, deadline);
+  if (met.group != nullptr) FinishWithOtherLaunchers(*met.group, options.node_rank, ranks.result);
+  return std::move(ranks.result);
+}
+
+// What follows an attempt, decided by node 0 for every node (or by the one
+// launcher). The other nodes wait for node 0's word even when their own
+// ranks succeeded: another node's may not have.
+struct AfterAttempt {
+  bool restart = false;
+  std::string cause;       // Why the attempt failed, when it did.
+  std::string no_restart;  // Why a failed attempt is not restarted.
+  bool abandoned = false;  // Without node 0's decision: it may restart.
+  bool undecided = false;  // Node 0's decision never came.
+};
+
+AfterAttempt DecideAfterAttempt(const LocalLaunchOptions& options, int attempt,
+                                const LaunchResult& result, Clock::time_point deadline,
+                                LauncherGroup* group, std::vector<std::string>& signatures) {
+  AfterAttempt after;
+  if (group == nullptr || options.node_rank == 0) {
+    if (result.ok()) {
+      if (group != nullptr) group->PostDecision("done");
+      return after;
+    }
+    const std::vector<std::string> errors = group == nullptr
+                                                ? std::vector<std::string>{FirstErrorOf(result, -1)}
+                                                : group->node_errors();
+    after.no_restart =
+        WhyNoRestart(options, attempt, result, errors, deadline, signatures, after.cause);
+    after.restart = after.no_restart.empty();
+    if (group != nullptr) {
+      group->PostDecision(after.restart ? absl::StrCat(LauncherGroup::kRestart, after.cause)
+                                        : absl::StrCat("stop ", after.no_restart));
+    }
+    return after;
+  }
+  // Node 0's ranks may still run (past this node's) until its deadline,
+  // which is up to join_timeout after this node's.
+  absl::StatusOr<std::string> decision =
+      group->AwaitDecision(std::max(deadline, Clock::now()) + options.join_timeout +
+                           options.failure_grace + std::chrono::seconds(20));
+  if (!decision.ok()) {
+    // Node 0 may restart without this node; unless the store is lost, tell
+    // the next attempt's join (a lost store's helper would hold it 30 s).
+    after.abandoned = decision.status().code() != absl::StatusCode::kUnavailable;
+    after.undecided = true;
+    after.no_restart =
+        absl::StrCat("no word from node 0's launcher: ", decision.status().message());
+  } else if (absl::StartsWith(*decision, LauncherGroup::kRestart)) {
+    after.restart = true;
+    after.cause = decision->substr(LauncherGroup::kRestart.size());
+  } else if (absl::StartsWith(*decision, "stop ")) {
+    after.no_restart = absl::StrCat("node 0's launcher decided so: ", decision->substr(5));
+  }
+  return after;
 }
 
 }  // namespace
 
 absl::StatusOr<LaunchResult> LaunchLocalRanks(const LocalLaunchOptions& options) {
   FSDP_RETURN_IF_ERROR(ValidateLaunchOptions(options));
-  FSDP_ASSIGN_OR_RETURN(LauncherRendezvous met, MeetOtherLaunchers(options));
+  FSDP_ASSIGN_OR_RETURN(ErrorFiles errors, ErrorFiles::Create());
+  FSDP_ASSIGN_OR_RETURN(LauncherRendezvous met, ServeOrReachStore(options));
   ForwardedSignalScope forwarding;
-  RunningRanks ranks(options, met.group.get());
-  FSDP_RETURN_IF_ERROR(StartLocalRanks(met.port, ranks));
-  WatchRanks(ranks);
-  if (met.group != nullptr) FinishWithOtherLaunchers(*met.group, ranks.result);
-  return std::move(ranks.result);
+  const Clock::time_point deadline = Clock::now() + options.timeout;
+  std::vector<JobRestart> restarts;
+  std::vector<std::string> signatures;  // Of each failed attempt.
+  std::chrono::milliseconds backoff =
+      std::min<std::chrono::milliseconds>(options.restart_backoff, kMaxRestartBackoff);
+  for (int attempt = 0;; ++attempt) {
+    absl::StatusOr<LaunchResult> result = RunAttempt(options, attempt, deadline, errors, met);
+    if (!result.ok()) {
+      if (restarts.empty()) return result.status();
+      return absl::Status(
+          result.status().code(),
+          absl::StrCat("after ", restarts.size(), restarts.size() == 1 ? " restart" : " restarts",
+                       ", restart ", attempt, " could not start: ", result.status().message()));
+    }
+    result->restarts = restarts;
+    if (options.max_restarts == 0) return result;
+    const AfterAttempt after =
+        DecideAfterAttempt(options, attempt, *result, deadline, met.group.get(), signatures);
+    if (!after.restart) {
+      if (after.abandoned) {
+        LauncherGroup::AbandonJoin(options, attempt + 1, met.store, after.no_restart);
+      }
+      // Whether the job failed elsewhere is unknown: not a success.
+      if (after.undecided) result->other_nodes_failures.push_back(after.no_restart);
+      if (result->forwarded_signal == 0 && !result->ok()) {
+        result->forwarded_signal = FirstForwardedSignal();
+      }
+      result->no_restart = after.no_restart;
+      return result;
+    }
+    restarts.push_back(JobRestart{attempt + 1, after.cause, backoff});
+    if (options.on_restart) options.on_restart(restarts.back());
+    if (!BackOff(backoff)) {
+      result->forwarded_signal = FirstForwardedSignal();
+      result->no_restart = "the launcher was interrupted during the back-off";
+      if (met.group != nullptr) {
+        LauncherGroup::AbandonJoin(options, attempt + 1, met.store, result->no_restart);
+      }
+      return result;
+    }
+    backoff = std::min<std::chrono::milliseconds>(2 * backoff, kMaxRestartBackoff);
+  }
 }
 
 }  // namespace fsdp

@@ -7,8 +7,10 @@
 // ROLE_RANK, GROUP_RANK (the node), WORLD_SIZE, LOCAL_WORLD_SIZE,
 // ROLE_WORLD_SIZE, GROUP_WORLD_SIZE (the nodes), ROLE_NAME=default,
 // MASTER_ADDR (127.0.0.1 on one host), MASTER_PORT,
-// TORCHELASTIC_USE_AGENT_STORE=True, TORCHELASTIC_RESTART_COUNT=0,
-// TORCHELASTIC_MAX_RESTARTS=0, TORCHELASTIC_RUN_ID=none and
+// TORCHELASTIC_USE_AGENT_STORE=True, TORCHELASTIC_RESTART_COUNT (0, then
+// 1, 2, ... on restarts), TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID
+// (the same on every node and every restart), TORCHELASTIC_ERROR_FILE (a
+// file per rank and attempt: launch/error_file.h) and
 // TORCH_NCCL_ASYNC_ERROR_HANDLING (kept if set, else 1). A rank of ours
 // builds its group with CreateGlooCollectivesFromEnvironment
 // (rendezvous.h); a Python rank's init_process_group("gloo") finds the same
@@ -49,18 +51,47 @@
 //     waits ends the wait, and fails the job) and then reports the whole
 //     job. A node that was taken for lost reports it even if its ranks
 //     succeeded.
+//
+// Restarts (max_restarts > 0; torchrun's --max-restarts): when the job
+// fails — a rank exits non-zero or dies, is killed for hanging past its
+// collectives' timeout, a node is lost — every rank of the job has already
+// been stopped as above; the launcher then waits a back-off (restart_backoff,
+// doubled after each restart, at most 60 s) and starts every rank again,
+// with TORCHELASTIC_RESTART_COUNT one higher: a program that checkpoints
+// resumes from its last complete checkpoint (the main job does). Across
+// hosts node 0's launcher decides for all, after every node has reported,
+// and every launcher restarts its ranks; a host that does not come back
+// within join_timeout fails the job. No restart when the launcher was
+// interrupted, the timeout (the whole job's, restarts included) has passed,
+// max_restarts are used up, or the failure is deterministic: the earliest
+// failed rank's error file says the same step and message as it did in
+// each of the repeated_failure_limit - 1 attempts before. When the last
+// restart fails as every attempt before it did (two at least), the result
+// says so too. A failure whose rank wrote no error file (a rank killed by
+// a signal) is never taken for deterministic. Restarts, with their causes,
+// are in the result.
 #ifndef FSDP_LAUNCH_LOCAL_LAUNCHER_H_
 #define FSDP_LAUNCH_LOCAL_LAUNCHER_H_
 
 #include <chrono>
 #include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "launch/error_file.h"
 
 namespace fsdp {
+
+// One restart of the job: its number (TORCHELASTIC_RESTART_COUNT), why the
+// attempt before it failed, and the back-off waited before it.
+struct JobRestart {
+  int count = 0;
+  std::string cause;
+  std::chrono::milliseconds backoff{0};
+};
 
 struct LocalLaunchOptions {
   int nproc_per_node = 2;         // Ranks on this host.
@@ -88,6 +119,16 @@ struct LocalLaunchOptions {
   std::chrono::milliseconds join_timeout = std::chrono::minutes(5);
   std::chrono::milliseconds exit_barrier_timeout = std::chrono::minutes(5);
   std::chrono::milliseconds node_timeout = std::chrono::seconds(30);
+
+  // Restarts (see the top of this file); 0: a failure ends the job.
+  int max_restarts = 0;
+  std::chrono::milliseconds restart_backoff = std::chrono::seconds(1);
+  int repeated_failure_limit = 3;  // At least 2.
+  // Called before each restart's back-off.
+  std::function<void(const JobRestart&)> on_restart;
+  // TORCHELASTIC_RUN_ID; empty: 16 random hex digits, node 0's on every
+  // node.
+  std::string run_id;
 };
 
 struct RankOutcome {
@@ -103,10 +144,20 @@ struct RankOutcome {
   int code = 0;
   std::string log_path;  // Empty without LocalLaunchOptions::log_dir.
   int pid = 0;
+  // What a rank that failed on its own wrote to its error file, if it did.
+  std::optional<RankError> error;
+  // Wall clock (ns) of the launcher's last look that found the rank still
+  // running, once it has ended: it ended after that, and the failures it
+  // caused in its peers later still, so that a failure that wrote no error
+  // file (a rank killed by a signal) is ordered before them. Clocks of
+  // different hosts are compared as they are.
+  int64_t ended_at_ns = 0;
 
   bool ok() const { return ending == Ending::kExited && code == 0; }
-  // "rank 2 was killed: it did not finish within 30000 ms".
+  // "rank 2 was killed: it did not finish within the job timeout", then
+  // ": " and the first line of its error file's message when it wrote one.
   std::string Describe() const;
+  std::string EndingText() const;  // The same without the error file's message.
 };
 
 struct LaunchResult {
@@ -117,6 +168,12 @@ struct LaunchResult {
   // ("node 1: rank 3 exited with code 1", a launcher that sent no report,
   // the store lost). Empty on one host.
   std::vector<std::string> other_nodes_failures;
+  // The restarts made before the last attempt, whose ranks these are.
+  std::vector<JobRestart> restarts;
+  // Why a failed job was not restarted again, when restarts were allowed
+  // ("all 2 restarts were used", "the same failure (...) ended the last 3
+  // attempts: it is deterministic, ...").
+  std::string no_restart;
 
   bool ok() const;  // Every rank of this host succeeded, and no other node failed.
   std::vector<int> FailedRanks() const;  // Of this host, by rank.
@@ -130,17 +187,25 @@ struct LaunchResult {
 // how the ranks ended is in the result.
 absl::StatusOr<LaunchResult> LaunchLocalRanks(const LocalLaunchOptions& options);
 
-// For a program that is its own launcher (the main jobs): runs `world_size`
-// copies of the current executable on this host with argv[1:], reports on stdout and
-// stderr under `program_name` (the pid of each rank first), and returns
-// main()'s exit code: 0 when every rank succeeded, 1 when one failed (each
-// failure named), 2 when the job could not start, 128 + the signal when the
-// launcher was interrupted.
-int LaunchSelfAndReport(int argc, char** argv, int world_size, std::chrono::milliseconds timeout,
+// How a program that is its own launcher runs itself (LaunchSelfAndReport).
+struct SelfLaunch {
+  int world_size = 1;
+  std::chrono::milliseconds timeout = std::chrono::minutes(30);
+  int max_restarts = 0;
+  std::chrono::milliseconds restart_backoff = std::chrono::seconds(1);
+};
+// For a program that is its own launcher (the main jobs): runs
+// `launch.world_size` copies of the current executable on this host with
+// argv[1:], restarting the job as `launch` says, reports on stdout and
+// stderr under `program_name` (the pid of each rank first, each restart and
+// its cause), and returns main()'s exit code: 0 when every rank succeeded,
+// 1 when one failed (each failure named), 2 when the job could not start,
+// 128 + the signal when the launcher was interrupted.
+int LaunchSelfAndReport(int argc, char** argv, const SelfLaunch& launch,
                         const std::string& program_name);
 
-// The same for any program: runs `options` (its on_started is replaced) and
-// reports as above.
+// The same for any program: runs `options` (its on_started and on_restart
+// are replaced) and reports as above.
 int LaunchAndReport(LocalLaunchOptions options, const std::string& program_name);
 
 }  // namespace fsdp

@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "launch/forwarded_signals.h"
 
 namespace fsdp {
 namespace {
@@ -33,6 +34,15 @@ std::string TailOfFile(const std::string& path, size_t max_bytes) {
 }  // namespace
 
 std::string RankOutcome::Describe() const {
+  std::string said;
+  if (error.has_value()) {
+    const std::string first_line = error->message.substr(0, error->message.find('\n'));
+    said = absl::StrCat(": ", first_line.substr(0, 500), first_line.size() > 500 ? "..." : "");
+  }
+  return absl::StrCat(EndingText(), said);
+}
+
+std::string RankOutcome::EndingText() const {
   switch (ending) {
     case Ending::kExited:
       return code == 0 ? absl::StrCat("rank ", rank, " succeeded")
@@ -71,13 +81,15 @@ std::string LaunchResult::Summary(size_t log_tail_bytes) const {
   return out;
 }
 
-int LaunchSelfAndReport(int argc, char** argv, int world_size, std::chrono::milliseconds timeout,
+int LaunchSelfAndReport(int argc, char** argv, const SelfLaunch& launch,
                         const std::string& program_name) {
   LocalLaunchOptions options;
-  options.nproc_per_node = world_size;
+  options.nproc_per_node = launch.world_size;
   options.program = "/proc/self/exe";
   options.args.assign(argv + 1, argv + argc);
-  options.timeout = timeout;
+  options.timeout = launch.timeout;
+  options.max_restarts = launch.max_restarts;
+  options.restart_backoff = launch.restart_backoff;
   return LaunchAndReport(options, program_name);
 }
 
@@ -96,9 +108,26 @@ int LaunchAndReport(LocalLaunchOptions options, const std::string& program_name)
     std::fputs(line.c_str(), stdout);
     std::fflush(stdout);
   };
+  options.on_restart = [&](const JobRestart& restart) {
+    std::fprintf(stderr, "%s: restart %d of %d in %lld ms%s; the attempt before it failed: %s\n",
+                 program_name.c_str(), restart.count, options.max_restarts,
+                 static_cast<long long>(restart.backoff.count()), here.c_str(),
+                 restart.cause.c_str());
+    std::fflush(stderr);
+  };
+  const auto restarts_said = [](const LaunchResult& result) -> std::string {
+    if (result.restarts.empty()) return "";
+    return absl::StrCat(" after ", result.restarts.size(), " restart",
+                        result.restarts.size() > 1 ? "s" : "");
+  };
   absl::StatusOr<LaunchResult> result = LaunchLocalRanks(options);
   if (!result.ok()) {
     std::fprintf(stderr, "%s: %s\n", program_name.c_str(), result.status().ToString().c_str());
+    // Interrupted before its ranks started (waiting for the other nodes).
+    if (result.status().code() == absl::StatusCode::kCancelled &&
+        launch_internal::FirstForwardedSignal() != 0) {
+      return 128 + launch_internal::FirstForwardedSignal();
+    }
     return 2;
   }
   if (result->forwarded_signal != 0) {
@@ -107,18 +136,21 @@ int LaunchAndReport(LocalLaunchOptions options, const std::string& program_name)
                  strsignal(result->forwarded_signal), here.c_str(), result->Summary().c_str());
     return 128 + result->forwarded_signal;
   }
+  const std::string after = restarts_said(*result);
   if (!result->ok()) {
-    std::fprintf(stderr, "%s: the job failed:\n%s", program_name.c_str(),
+    std::fprintf(stderr, "%s: the job failed%s%s%s:\n%s", program_name.c_str(), after.c_str(),
+                 result->no_restart.empty() ? "" : "; no restart: ", result->no_restart.c_str(),
                  result->Summary().c_str());
     return 1;
   }
   if (options.nnodes == 1) {
-    std::printf("all %d ranks succeeded\n", nproc);
+    std::printf("all %d ranks succeeded%s\n", nproc, after.c_str());
   } else if (options.node_rank == 0) {
-    std::printf("all %d ranks on %d nodes succeeded\n", nproc * options.nnodes, options.nnodes);
+    std::printf("all %d ranks on %d nodes succeeded%s\n", nproc * options.nnodes, options.nnodes,
+                after.c_str());
   } else {
-    std::printf("all %d ranks of node %d succeeded (ranks %d-%d)\n", nproc, options.node_rank,
-                first_rank, first_rank + nproc - 1);
+    std::printf("all %d ranks of node %d succeeded (ranks %d-%d)%s\n", nproc, options.node_rank,
+                first_rank, first_rank + nproc - 1, after.c_str());
   }
   return 0;
 }

@@ -1,5 +1,10 @@
 #include "launch/local_launcher.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <csignal>
 #include <cstdlib>
@@ -73,7 +78,92 @@ TEST(LocalLauncher, SetsTheVariablesOfTorchrunsAgent) {
                "$TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS $TORCHELASTIC_RUN_ID "
                "$TORCH_NCCL_ASYNC_ERROR_HANDLING"));
   ASSERT_TRUE(result.ok()) << result.status();
-  EXPECT_EQ(ReadFile(result->ranks[1].log_path), "1 0 2 1 default 0 0 none 1\n");
+  // The run id: 16 random hex digits, as a --standalone torchrun's is random.
+  EXPECT_THAT(ReadFile(result->ranks[1].log_path),
+              ::testing::MatchesRegex("1 0 2 1 default 0 0 [0-9a-f]{16} 1\n"));
+}
+
+// A failed rank's error file, as a torchelastic @record writes it.
+constexpr char kWriteErrorFile[] =
+    "printf \"{\\\"message\\\": {\\\"message\\\": \\\"loss is NaN\\\", "
+    "\\\"extraInfo\\\": {\\\"step\\\": \\\"3\\\", \\\"timestamp\\\": "
+    "\\\"1\\\"}}}\" > $TORCHELASTIC_ERROR_FILE";
+
+LocalLaunchOptions RestartingJob(int nproc, const std::string& script, int max_restarts) {
+  LocalLaunchOptions options = ShellJob(nproc, script);
+  options.max_restarts = max_restarts;
+  options.restart_backoff = std::chrono::milliseconds(100);
+  options.failure_grace = std::chrono::seconds(1);
+  return options;
+}
+
+TEST(LocalLauncherRestarts, RestartsEveryRankAfterAFailureAndCountsTheRestarts) {
+  // Rank 1 fails in the first attempt; rank 0 would wait for it forever.
+  const std::string script =
+      "echo attempt $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS "
+      "$TORCHELASTIC_RUN_ID; if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then "
+      "if [ $RANK = 1 ]; then " + std::string(kWriteErrorFile) + "; exit 3; fi; sleep 60; fi";
+  std::vector<JobRestart> seen;
+  LocalLaunchOptions options = RestartingJob(2, script, 3);
+  options.on_restart = [&](const JobRestart& restart) { seen.push_back(restart); };
+  const auto start = std::chrono::steady_clock::now();
+  auto result = LaunchLocalRanks(options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15));
+  EXPECT_TRUE(result->ok()) << result->Summary();
+  ASSERT_EQ(result->restarts.size(), 1u);
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_EQ(seen[0].count, 1);
+  EXPECT_EQ(seen[0].cause, "rank 1 at step 3: loss is NaN");
+  // Each attempt has its own log; the run id stays.
+  const std::string first = ReadFile(options.log_dir + "/rank_0.log");
+  const std::string second = ReadFile(options.log_dir + "/rank_0.restart_1.log");
+  ASSERT_THAT(first, HasSubstr("attempt 0 of 3 "));
+  ASSERT_THAT(second, HasSubstr("attempt 1 of 3 "));
+  EXPECT_EQ(first.substr(first.size() - 17), second.substr(second.size() - 17));
+  EXPECT_EQ(result->ranks[0].log_path, options.log_dir + "/rank_0.restart_1.log");
+}
+
+TEST(LocalLauncherRestarts, AFailureThatRepeatsAtTheSameStepIsDeterministic) {
+  const std::string script =
+      "if [ $RANK = 1 ]; then " + std::string(kWriteErrorFile) + "; exit 1; fi; sleep 60";
+  auto result = LaunchLocalRanks(RestartingJob(2, script, 5));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_FALSE(result->ok());
+  // The third identical failure ends it, three restarts early.
+  EXPECT_EQ(result->restarts.size(), 2u);
+  EXPECT_THAT(result->no_restart, HasSubstr("the same failure (rank 1 at step 3: loss is NaN) "
+                                            "ended the last 3 attempts: it is deterministic"));
+  EXPECT_THAT(result->Summary(), HasSubstr("rank 1 exited with code 1: loss is NaN"));
+}
+
+TEST(LocalLauncherRestarts, TheLastRestartFailingLikeEveryAttemptIsDeterministic) {
+  const std::string script = "if [ $RANK = 1 ]; then " + std::string(kWriteErrorFile) +
+                             "; exit 1; fi; sleep 60";
+  auto result = LaunchLocalRanks(RestartingJob(2, script, 1));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->restarts.size(), 1u);
+  EXPECT_THAT(result->no_restart, HasSubstr("ended the last 2 attempts: it is deterministic"));
+}
+
+TEST(LocalLauncherRestarts, AFailureWithoutAnErrorFileIsRetriedUpToTheLimit) {
+  auto result = LaunchLocalRanks(RestartingJob(2, "if [ $RANK = 1 ]; then exit 4; fi", 2));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_FALSE(result->ok());
+  EXPECT_EQ(result->restarts.size(), 2u);
+  EXPECT_EQ(result->restarts[1].backoff, std::chrono::milliseconds(200));
+  EXPECT_EQ(result->no_restart, "all 2 restarts were used");
+  EXPECT_THAT(result->restarts[0].cause, HasSubstr("rank 1 exited with code 4"));
+}
+
+TEST(LocalLauncherRestarts, ASignalEndsTheJobWithoutARestart) {
+  LocalLaunchOptions options = RestartingJob(2, "sleep 60", 3);
+  options.on_started = [](const std::vector<int>&) { std::raise(SIGTERM); };
+  auto result = LaunchLocalRanks(options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->forwarded_signal, SIGTERM);
+  EXPECT_TRUE(result->restarts.empty());
+  EXPECT_EQ(result->no_restart, "the launcher was interrupted");
 }
 
 // The ranks are their own process groups, so a terminal's Ctrl-C reaches only
@@ -257,6 +347,31 @@ TEST(LocalLauncherAcrossNodes, AFailureOnOneNodeStopsEveryNode) {
   EXPECT_THAT(node1.Output(), HasSubstr("rank 3 exited with code 3"));
 }
 
+TEST(LocalLauncherAcrossNodes, NodeZeroRestartsEveryNodeAfterAFailureOnAnother) {
+  const std::string script =
+      "if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then if [ $RANK = 3 ]; then exit 3; fi; sleep 60; "
+      "fi; echo attempt $TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_RUN_ID";
+  const int port = ::fsdp::testing::FreeTcpPort();
+  const OtherNode node1 =
+      StartNode(1, port, 2, script, "--max_restarts=2 --restart_backoff_s=0.1");
+  LocalLaunchOptions options = NodeZero(port, 2, script);
+  options.max_restarts = 2;
+  options.restart_backoff = std::chrono::milliseconds(100);
+  auto result = LaunchLocalRanks(options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_TRUE(result->ok()) << result->Summary();
+  ASSERT_EQ(result->restarts.size(), 1u);
+  EXPECT_THAT(result->restarts[0].cause, HasSubstr("node 1: rank 3 exited with code 3"));
+  ASSERT_EQ(node1.ExitCode(), 0) << node1.Output();
+  EXPECT_THAT(node1.Output(), HasSubstr("restart 1 of 2 in 100 ms on node 1 of 2"));
+  EXPECT_THAT(node1.Output(), HasSubstr("all 2 ranks of node 1 succeeded (ranks 2-3) after 1 "
+                                        "restart"));
+  // One run id on both nodes.
+  const std::string here = ReadFile(options.log_dir + "/rank_0.restart_1.log");
+  ASSERT_THAT(here, HasSubstr("attempt 1 "));
+  EXPECT_EQ(ReadFile(node1.dir + "/rank_3.restart_1.log"), here);
+}
+
 TEST(LocalLauncherAcrossNodes, ASilentNodeCountsAsLost) {
   const int port = ::fsdp::testing::FreeTcpPort();
   const OtherNode node1 = StartNode(1, port, 2, "exec sleep 60");
@@ -372,9 +487,21 @@ TEST(LocalLauncherAcrossNodes, NodesMustAllJoinAndAgree) {
       std::string(LaunchLocalRanks(NodeZero(port, 2, "true")).status().message());
   EXPECT_EQ(three.ExitCode(), 2);
   for (const std::string& why : {zero, three.Output()}) {
-    EXPECT_THAT(why, ::testing::ContainsRegex("started with --nnodes=2 --nproc_per_node=[23], "
-                                              "this one with --nnodes=2 --nproc_per_node=[23]"));
+    EXPECT_THAT(why, ::testing::ContainsRegex(
+                         "started with --nnodes=2 --nproc_per_node=[23] --max_restarts=0, "
+                         "this one with --nnodes=2 --nproc_per_node=[23] --max_restarts=0"));
     EXPECT_THAT(why, ::testing::Not(HasSubstr("lost the launchers' store")));
+  }
+  // A node that would not restart would leave the others waiting in the
+  // next attempt's join.
+  const int restarts_port = ::fsdp::testing::FreeTcpPort();
+  const OtherNode restarting = StartNode(1, restarts_port, 2, "true", "--max_restarts=1");
+  const std::string not_restarting =
+      std::string(LaunchLocalRanks(NodeZero(restarts_port, 2, "true")).status().message());
+  EXPECT_EQ(restarting.ExitCode(), 2);
+  for (const std::string& why : {not_restarting, restarting.Output()}) {
+    EXPECT_THAT(why, ::testing::ContainsRegex("--max_restarts=[01], this one with --nnodes=2 "
+                                              "--nproc_per_node=2 --max_restarts=[01]"));
   }
 
   const int shared = ::fsdp::testing::FreeTcpPort();
@@ -394,6 +521,44 @@ TEST(LocalLauncherAcrossNodes, NodesMustAllJoinAndAgree) {
       HasSubstr("another launcher already joined the job at 127.0.0.1:" + std::to_string(shared) +
                 " as node 1: give each host its own "
                 "--node_rank"));
+}
+
+// Whether something accepts TCP connections at 127.0.0.1:port.
+bool Listening(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return false;
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const bool connected =
+      ::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) == 0;
+  ::close(fd);
+  return connected;
+}
+
+// A launcher interrupted while it waits for the others to join stops at
+// once, and says so (the signal handlers are installed by then).
+TEST(LocalLauncherAcrossNodes, ASignalEndsTheWaitToJoin) {
+  LocalLaunchOptions options = NodeZero(::fsdp::testing::FreeTcpPort(), 2, "true");
+  options.join_timeout = std::chrono::seconds(30);
+  const int port = options.master_port;
+  std::thread signaller([port] {
+    // Once node 0 serves the store the join is near (the handlers come
+    // just before it): a signal sent earlier would end the test binary.
+    while (!Listening(port)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    ::kill(::getpid(), SIGTERM);
+  });
+  const auto start = std::chrono::steady_clock::now();
+  const absl::Status status = LaunchLocalRanks(options).status();
+  signaller.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_EQ(status.code(), absl::StatusCode::kCancelled);
+  EXPECT_THAT(status.message(), HasSubstr("launcher of node 0 of 2: interrupted by signal 15 "
+                                          "while waiting for the other nodes to join"));
 }
 
 TEST(LocalLauncherAcrossNodes, RejectsBadNodeOptions) {

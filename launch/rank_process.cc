@@ -33,11 +33,12 @@ constexpr const char* kLauncherVariables[] = {"RANK",
                                               "TORCHELASTIC_USE_AGENT_STORE",
                                               "TORCHELASTIC_RESTART_COUNT",
                                               "TORCHELASTIC_MAX_RESTARTS",
-                                              "TORCHELASTIC_RUN_ID"};
+                                              "TORCHELASTIC_RUN_ID",
+                                              "TORCHELASTIC_ERROR_FILE"};
 
 // The environment of local rank `local_rank`, as "NAME=value" strings.
 std::vector<std::string> RankEnvironment(const LocalLaunchOptions& options, int local_rank,
-                                         int port) {
+                                         int port, const RankAttempt& attempt) {
   std::map<std::string, std::string> env;
   for (char** entry = environ; *entry != nullptr; ++entry) {
     const char* eq = std::strchr(*entry, '=');
@@ -60,9 +61,10 @@ std::vector<std::string> RankEnvironment(const LocalLaunchOptions& options, int 
   env["MASTER_ADDR"] = options.nnodes > 1 ? options.master_addr : "127.0.0.1";
   env["MASTER_PORT"] = std::to_string(port);
   env["TORCHELASTIC_USE_AGENT_STORE"] = "True";
-  env["TORCHELASTIC_RESTART_COUNT"] = "0";
-  env["TORCHELASTIC_MAX_RESTARTS"] = "0";
-  env["TORCHELASTIC_RUN_ID"] = "none";
+  env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(attempt.restart_count);
+  env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(options.max_restarts);
+  env["TORCHELASTIC_RUN_ID"] = attempt.run_id;
+  env["TORCHELASTIC_ERROR_FILE"] = attempt.error_file;
   if (env.count("TORCH_NCCL_ASYNC_ERROR_HANDLING") == 0) {
     env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1";
   }
@@ -89,10 +91,10 @@ std::vector<char*> CStrings(std::vector<std::string>& strings) {
 }  // namespace
 
 absl::StatusOr<pid_t> StartRank(const LocalLaunchOptions& options, int local_rank, int port,
-                                const std::string& log_path) {
+                                const std::string& log_path, const RankAttempt& attempt) {
   std::vector<std::string> argv_strings = {options.program};
   argv_strings.insert(argv_strings.end(), options.args.begin(), options.args.end());
-  std::vector<std::string> env_strings = RankEnvironment(options, local_rank, port);
+  std::vector<std::string> env_strings = RankEnvironment(options, local_rank, port, attempt);
   std::vector<char*> argv = CStrings(argv_strings);
   std::vector<char*> envp = CStrings(env_strings);
   int log_fd = -1;

@@ -17,13 +17,20 @@
 
 namespace fsdp {
 
-// Forks and execs `options.program` as local rank `local_rank`, with
-// MASTER_PORT=`port` and its stdout and stderr in `log_path` (inherited
-// when empty); returns its pid, which is also its process group. Fails
+// What differs between the attempts of a job that restarts.
+struct RankAttempt {
+  int restart_count = 0;   // TORCHELASTIC_RESTART_COUNT.
+  std::string run_id;      // TORCHELASTIC_RUN_ID.
+  std::string error_file;  // TORCHELASTIC_ERROR_FILE.
+};
+
+// Forks and execs `options.program` as local rank `local_rank` of
+// `attempt`, with MASTER_PORT=`port` and its stdout and stderr in `log_path`
+// (inherited when empty); returns its pid, which is also its process group. Fails
 // (kUnavailable) when the log cannot be created or fork fails; a failed
 // exec shows as the rank exiting with code 127.
 absl::StatusOr<pid_t> StartRank(const LocalLaunchOptions& options, int local_rank, int port,
-                                const std::string& log_path);
+                                const std::string& log_path, const RankAttempt& attempt);
 
 }  // namespace fsdp
 

@@ -289,6 +289,32 @@ TEST_F(MultiNode, OurLauncherOnEachHostTrainsAsOnOneHost) {
   EXPECT_FALSE(::models::testing::Exists(dir + "/node0/rank_3.log"));
 }
 
+// --max_restarts on our launchers: rank 3 (on node1) dies as step 3
+// begins; node0's launcher decides to restart, both stop and start their
+// ranks again, and the job resumes from step 2's checkpoint in the
+// directory both hosts see, to the one-host run's losses at every step.
+TEST_F(MultiNode, OurLaunchersRestartTheJobOnEveryHostAfterARankDies) {
+  const std::string dir = TempDir("multi_node_restart");
+  const std::vector<double> want = OneHostLosses(kJob);
+  ASSERT_EQ(want.size(), 4u);
+  const absl::Status ran = RunAll(
+      *hosts_,
+      OurLaunch(dir,
+                absl::StrCat(kJob, " --metrics_jsonl=", dir, "/ours.jsonl --checkpoint_dir=", dir,
+                             "/ckpt --checkpoint_every=2 --TEST_kill_at_step=3"),
+                " --max_restarts=2 --restart_backoff_s=0.1"),
+      dir);
+  ASSERT_TRUE(ran.ok()) << ran.message();
+  EXPECT_EQ(LossesOf(dir + "/ours.jsonl"), want);
+  const std::string node0 = ReadText(dir + "/log0");
+  EXPECT_THAT(node0, HasSubstr("restart 1 of 2 in 100 ms on node 0 of 2; the attempt before it "
+                               "failed: node 1: rank 3 died of signal 9 (Killed)"));
+  EXPECT_THAT(node0, HasSubstr("all 4 ranks on 2 nodes succeeded after 1 restart"));
+  EXPECT_THAT(ReadText(dir + "/log1"), HasSubstr("restart 1 of 2 in 100 ms on node 1 of 2"));
+  EXPECT_THAT(ReadText(dir + "/node0/rank_0.restart_1.log"),
+              HasSubstr("resumed from " + dir + "/ckpt/step-00000002"));
+}
+
 // Hybrid sharding with each host's ranks as a shard group: parameters are
 // gathered and gradients reduce-scattered inside a host, and only the
 // replicate all-reduce of gradient shards (and the job's own few scalars)

@@ -129,6 +129,10 @@ TEST(TrainGpt, BadFlagsAreRefusedNamingTheProblem) {
       {"--TEST_nan_loss_at_step=-1", 2, "--TEST_nan_loss_at_step=-1: must be >= 0"},
       {"--TEST_nan_loss_at_step=9", 2, "--TEST_nan_loss_at_step=9: beyond --steps=3"},
       {"--check_replicas_every=-1", 2, "--check_replicas_every=-1: must be >= 0"},
+      {"--max_restarts=-1", 2, "--max_restarts=-1: must be >= 0"},
+      {"--max_restarts=1 --restart_backoff_s=-2", 2, "--restart_backoff_s=-2: must be >= 0"},
+      {"--restart_backoff_s=5", 2, "--restart_backoff_s=5: applies only with --max_restarts > 0"},
+      {"--TEST_kill_at_step=9", 2, "--TEST_kill_at_step=9: beyond --steps=3"},
       {"--TEST_flip_bit_at_step=9", 2, "--TEST_flip_bit_at_step=9: beyond --steps=3"},
       {"--TEST_flip_bit_in=gradient", 2,
        "--TEST_flip_bit_in=gradient: must be parameter or optimizer"},
@@ -220,6 +224,20 @@ TEST(TrainGpt, AWorldSizeOtherThanTheLaunchersIsRefused) {
   EXPECT_THAT(run.output, HasSubstr("--world_size=3: this rank's launcher started 1 ranks "
                                     "(WORLD_SIZE); --world_size applies only when train_gpt "
                                     "launches its own ranks"));
+}
+
+// Restarts are the launcher's: a rank that another launcher started and
+// that is told --max_restarts the launcher was not given refuses, rather
+// than promise restarts nobody will make.
+TEST(TrainGpt, MaxRestartsOtherThanTheLaunchersIsRefused) {
+  const CommandResult run = RunCommand(absl::StrCat(
+      "env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 "
+      "MASTER_PORT=1 TORCHELASTIC_MAX_RESTARTS=1 ",
+      kTrainGpt, " --max_restarts=2 --steps=1"));
+  EXPECT_EQ(run.exit_code, 2) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("--max_restarts=2: this rank's launcher restarts the job at "
+                                    "most 1 times (TORCHELASTIC_MAX_RESTARTS); give fsdp_launch "
+                                    "or torchrun --max_restarts instead"));
 }
 
 // The data-loss scenario: a new run started in a directory that holds an

@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <iterator>
 #include <limits>
@@ -126,6 +127,7 @@ std::vector<std::string> DependentFlagProblems(bool settings_pending) {
             !absl::GetFlag(FLAGS_export_dcp).empty() || !absl::GetFlag(FLAGS_export_hf).empty() ||
             !absl::GetFlag(FLAGS_export_peft).empty(),
         "an --export_* flag");
+  needs("restart_backoff_s", absl::GetFlag(FLAGS_max_restarts) > 0, "--max_restarts > 0");
   const bool hf_model = settings_pending || !absl::GetFlag(FLAGS_hf_model).empty();
   for (const char* flag : {"export_hf", "lora_r", "init_peft"}) {
     needs(flag, hf_model, "--hf_model (a Hugging Face model's directory)");
@@ -139,7 +141,8 @@ std::vector<std::string> DependentFlagProblems(bool settings_pending) {
   for (const auto& [name, step] :
        {std::pair<const char*, int>{"TEST_nan_loss_at_step",
                                     absl::GetFlag(FLAGS_TEST_nan_loss_at_step)},
-        {"TEST_flip_bit_at_step", absl::GetFlag(FLAGS_TEST_flip_bit_at_step)}}) {
+        {"TEST_flip_bit_at_step", absl::GetFlag(FLAGS_TEST_flip_bit_at_step)},
+        {"TEST_kill_at_step", absl::GetFlag(FLAGS_TEST_kill_at_step)}}) {
     if (step > absl::GetFlag(FLAGS_steps)) {
       problems.push_back(
           absl::StrFormat("--%s=%d: beyond --steps=%d", name, step, absl::GetFlag(FLAGS_steps)));
@@ -245,7 +248,8 @@ std::vector<std::string> CountProblems(int world_size, std::optional<int> launch
                                        bool settings_pending) {
   std::vector<std::string> problems;
   auto at_least = [&](const char* flag, int64_t value, int64_t min) {
-    if (value < min) problems.push_back(absl::StrFormat("--%s=%d: must be >= %d", flag, value, min));
+    if (value < min)
+      problems.push_back(absl::StrFormat("--%s=%d: must be >= %d", flag, value, min));
   };
   at_least("world_size", world_size, 1);
   at_least("steps", absl::GetFlag(FLAGS_steps), 1);
@@ -264,6 +268,24 @@ std::vector<std::string> CountProblems(int world_size, std::optional<int> launch
   at_least("TEST_nan_loss_at_step", absl::GetFlag(FLAGS_TEST_nan_loss_at_step), 0);
   at_least("check_replicas_every", absl::GetFlag(FLAGS_check_replicas_every), 0);
   at_least("TEST_flip_bit_at_step", absl::GetFlag(FLAGS_TEST_flip_bit_at_step), 0);
+  at_least("TEST_kill_at_step", absl::GetFlag(FLAGS_TEST_kill_at_step), 0);
+  at_least("max_restarts", absl::GetFlag(FLAGS_max_restarts), 0);
+  if (!(absl::GetFlag(FLAGS_restart_backoff_s) >= 0)) {
+    problems.push_back(absl::StrCat("--restart_backoff_s=", absl::GetFlag(FLAGS_restart_backoff_s),
+                                    ": must be >= 0"));
+  }
+  // Restarts are the launcher's: under our own the ranks see the flag and
+  // the launcher's TORCHELASTIC_MAX_RESTARTS agree; another launcher must be
+  // given it.
+  if (const char* theirs = std::getenv("TORCHELASTIC_MAX_RESTARTS");
+      launcher_world_size.has_value() && absl::GetFlag(FLAGS_max_restarts) > 0 &&
+      (theirs == nullptr || std::to_string(absl::GetFlag(FLAGS_max_restarts)) != theirs)) {
+    problems.push_back(absl::StrCat(
+        "--max_restarts=", absl::GetFlag(FLAGS_max_restarts), ": this rank's launcher restarts "
+        "the job at most ", theirs == nullptr ? "0" : theirs, " times "
+        "(TORCHELASTIC_MAX_RESTARTS); give fsdp_launch or torchrun --max_restarts instead (a "
+        "restarted rank resumes from the newest complete checkpoint)"));
+  }
   const int block_size = absl::GetFlag(FLAGS_block_size);
   if (block_size < 2 || block_size > kGeneratedCorpusBytes - 2) {
     problems.push_back(absl::StrFormat("--block_size=%d: must be in [2, %d] (the corpus is %d "

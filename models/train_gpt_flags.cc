@@ -93,7 +93,9 @@ ABSL_FLAG(std::string, weight_decay_groups, "one",
 ABSL_FLAG(double, grad_clip, 1.0,
           "Clip the global gradient norm to this (across all ranks and units); 0: off.");
 ABSL_FLAG(std::string, metrics_jsonl, "",
-          "Append one JSON line per step here (rank 0): step, loss, tokens_per_s, grad_norm.");
+          "Append one JSON line per step here (rank 0): step, loss, tokens_per_s, grad_norm. "
+          "A resumed run (--resume, a restart) first drops the lines of steps after its "
+          "checkpoint's, so that each step is there once.");
 ABSL_FLAG(std::string, sharding_strategy, "full_shard",
           "full_shard, shard_grad_op, no_shard, hybrid_shard or _hybrid_shard_zero2.");
 ABSL_FLAG(int, shard_group_size, 0,
@@ -227,7 +229,20 @@ ABSL_FLAG(bool, list_policies, false,
 ABSL_FLAG(bool, print_plan, true, "Print the wrap plan (rank 0) before training.");
 ABSL_FLAG(uint64_t, seed, 1234, "Model initialization and batch sampling.");
 ABSL_FLAG(int, log_every, 25, "Print progress every this many steps.");
-ABSL_FLAG(int, timeout_s, 600, "Whole-job timeout (launcher mode).");
+ABSL_FLAG(int, timeout_s, 600, "Whole-job timeout (launcher mode), restarts included.");
+ABSL_FLAG(int, max_restarts, 0,
+          "Launcher mode: when a rank fails, dies, or hangs past --collective_timeout_s, stop "
+          "every rank and start the job again, resuming from the newest complete checkpoint "
+          "in --checkpoint_dir (from step 1 without one); at most this many times. A failure "
+          "at the same step with the same message in 3 attempts in a row is not retried. Under "
+          "fsdp_launch or torchrun, give their --max_restarts instead: a restarted rank "
+          "resumes the same way.");
+ABSL_FLAG(double, restart_backoff_s, 1.0,
+          "With --max_restarts: seconds before the first restart, doubled before each next "
+          "(at most 60).");
+ABSL_FLAG(int, TEST_kill_at_step, 0,
+          "Testing aid for --max_restarts: in the job's first attempt only, the last rank "
+          "kills itself (SIGKILL) as this step begins; 0: never.");
 ABSL_FLAG(int, collective_timeout_s, 120,
           "Bound on every collective and on forming the groups: a rank that does not take part "
           "in time makes the others fail naming the collective, its unit and the ranks' "

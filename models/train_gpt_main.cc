@@ -14,7 +14,9 @@
 // -> settings (train_gpt_checks.h, train_gpt_config.h) -> the start, where
 // everything that can be refused is (train_gpt_start.h) -> a rank's run
 // (train_gpt_run.h). This file only strings them together.
+#include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <memory>
 #include <optional>
@@ -29,9 +31,11 @@
 #include "absl/status/statusor.h"
 #include "base/status.h"
 #include "comm/launch_environment.h"
+#include "launch/error_file.h"
 #include "launch/local_launcher.h"
 #include "models/train_gpt_checks.h"
 #include "models/train_gpt_flags.h"
+#include "models/train_gpt_restart.h"
 #include "models/train_gpt_run.h"
 #include "models/train_gpt_start.h"
 #include "policies/registry.h"
@@ -65,19 +69,29 @@ int main(int argc, char** argv) {
     }
     for (const std::string& note : job.notes) std::printf("note: %s\n", note.c_str());
     std::fflush(stdout);
-    return fsdp::LaunchSelfAndReport(argc, argv, job.world_size,
-                                     std::chrono::seconds(absl::GetFlag(FLAGS_timeout_s)),
-                                     "train_gpt");
+    fsdp::SelfLaunch launch;
+    launch.world_size = job.world_size;
+    launch.timeout = std::chrono::seconds(absl::GetFlag(FLAGS_timeout_s));
+    launch.max_restarts = absl::GetFlag(FLAGS_max_restarts);
+    // Checked >= 0; back-offs are cut to 60 s.
+    launch.restart_backoff = std::chrono::milliseconds(
+        static_cast<int64_t>(std::min(absl::GetFlag(FLAGS_restart_backoff_s), 60.0) * 1000));
+    return fsdp::LaunchSelfAndReport(argc, argv, launch, "train_gpt");
   }
   // Under its own launcher, which printed them, rank 0 shares the
-  // launcher's locks.
-  const bool noted = !job.locks.empty() && job.locks.front().shared_with_parent();
+  // launcher's locks; a restarted rank's notes are new.
+  const bool noted = !job.locks.empty() && job.locks.front().shared_with_parent() &&
+                     env->restart_count == 0;
   try {
     return train_gpt::RunRank(*env, job.options, *job.policy,
                               noted ? std::vector<std::string>() : job.notes);
   } catch (...) {
-    std::fprintf(stderr, "train_gpt rank %d: %s\n", env->rank,
-                 fsdp::PrintableText(fsdp::StatusFromCurrentException().message()).c_str());
+    const std::string message =
+        fsdp::PrintableText(fsdp::StatusFromCurrentException().message());
+    std::fprintf(stderr, "train_gpt rank %d: %s\n", env->rank, message.c_str());
+    // The launcher tells a failure that repeats from one that does not by
+    // its step and message.
+    fsdp::WriteRankErrorFile(message, train_gpt::StepInProgress());
     return 1;
   }
 }

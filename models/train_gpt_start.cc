@@ -1,6 +1,8 @@
 #include "models/train_gpt_start.h"
 
 #include <cstdio>
+#include <optional>
+#include <string>
 #include <utility>
 
 #include "absl/flags/flag.h"
@@ -10,9 +12,11 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "base/status.h"
+#include "launch/error_file.h"
 #include "models/train_gpt_checks.h"
 #include "models/train_gpt_config.h"
 #include "models/train_gpt_flags.h"
+#include "models/train_gpt_restart.h"
 #include "optim/run_checkpoints.h"
 
 namespace train_gpt {
@@ -26,12 +30,20 @@ int Refuse(const std::vector<std::string>& problems, const std::string& preface)
       std::fprintf(stderr, "train_gpt: %s\n", fsdp::PrintableText(line).c_str());
     }
   }
+  // For the launcher: a refusal that repeats in every attempt is
+  // deterministic, and ends the restarts.
+  fsdp::WriteRankErrorFile(absl::StrJoin(problems, "\n"), std::nullopt);
   return 2;
 }
 
 std::variant<int, JobStart> StartJob(const std::optional<fsdp::LaunchEnvironment>& env) {
   JobStart job;
   const bool launcher = !env.has_value();
+  // A restarted rank continues the job's run; every rank decides alike,
+  // from the same directory, since none of the failed attempt is left.
+  absl::StatusOr<std::optional<std::string>> restart_note = std::nullopt;
+  if (!launcher && env->restart_count > 0) restart_note = ContinueAfterRestart(env->restart_count);
+  if (!restart_note.ok()) return Refuse({std::string(restart_note.status().message())});
   const bool resume = absl::GetFlag(FLAGS_resume);
   const std::optional<int> launcher_world_size =
       launcher ? std::nullopt : std::optional<int>(env->world_size);
@@ -40,8 +52,8 @@ std::variant<int, JobStart> StartJob(const std::optional<fsdp::LaunchEnvironment
     absl::StatusOr<fsdp::FsdpOptions> options = FsdpOptionsFromFlags();
     if (!options.ok()) return std::vector<std::string>{options.status().ToString()};
     return FlagProblems(options->strategy, job.world_size,
-                                   launcher ? job.world_size : env->local_world_size,
-                                   launcher_world_size, settings_pending);
+                        launcher ? job.world_size : env->local_world_size, launcher_world_size,
+                        settings_pending);
   };
   // The options, the wrap policy (loading its plugin) and the placement,
   // once the settings are final: before anything is created for a new run,
@@ -99,6 +111,7 @@ std::variant<int, JobStart> StartJob(const std::optional<fsdp::LaunchEnvironment
     }
     if (std::optional<int> refused = settle()) return *refused;
   }
+  if (restart_note->has_value()) job.notes.insert(job.notes.begin(), **restart_note);
   return job;
 }
 

@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cinttypes>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <set>
 #include <stdexcept>
@@ -26,6 +29,7 @@
 #include "models/train_gpt_flags.h"
 #include "models/train_gpt_initial_state.h"
 #include "models/train_gpt_optimizer.h"
+#include "models/train_gpt_restart.h"
 #include "policies/wrap_policy.h"
 #include "statedict/state_dict.h"
 #include "torch/optim/adamw.h"
@@ -84,6 +88,8 @@ int TrainingRun::Run(const std::string& layout_note, const std::vector<std::stri
   start_ = Clock::now();
   report_.seconds_before_steps = std::chrono::duration<double>(start_ - created_).count();
   for (int step = first_step_; step <= steps_; ++step) {
+    NoteStepInProgress(step);
+    MaybeKillForTest(step, rank_, world_size_);
     const StepResult result = Step(step);
     CheckReplicas(step, result);
     const int eval_every = absl::GetFlag(FLAGS_eval_every);
@@ -182,7 +188,7 @@ void TrainingRun::Wrap(fsdp::FsdpOptions options, const fsdp::WrapPolicy& policy
 
 void TrainingRun::OpenRunCheckpoints() {
   if (absl::GetFlag(FLAGS_checkpoint_dir).empty()) return;
-  std::string run_id = rank_ == 0 ? fsdp::NewRunId() : std::string();
+  std::string run_id = rank_ == 0 ? NewJobRunId() : std::string();
   fsdp::BroadcastBytes(world_, run_id, /*root=*/0);
   checkpoints_ = fsdp::ValueOrThrow(OpenCheckpoints(run_id, world_size_));
 }
@@ -226,6 +232,7 @@ void TrainingRun::PrintHeader(const std::string& layout_note) const {
 }
 
 void TrainingRun::ResumeIfAsked() {
+  if (metrics_ != nullptr && !Resuming() && RestartCount() > 0) DropMetricsAfter(std::nullopt);
   if (!checkpoints_.has_value()) return;
   if (print_) {
     for (const std::string& note : checkpoints_->notes()) std::printf("note: %s\n", note.c_str());
@@ -246,10 +253,63 @@ void TrainingRun::ResumeIfAsked() {
   const std::string hyperparameters = ApplyGivenHyperparameters(*optimizer_);
   first_step_ = static_cast<int>(from.step) + 1;
   batches_->Skip(from.step);
+  if (metrics_ != nullptr) DropMetricsAfter(static_cast<int64_t>(from.step));
   if (print_) {
     std::printf("resumed from %s (step %lld of run %s); optimizer: %s\n", from.path.c_str(),
                 static_cast<long long>(from.step),
                 from.run_id.empty() ? "<no id>" : from.run_id.c_str(), hyperparameters.c_str());
+  }
+}
+
+void TrainingRun::DropMetricsAfter(std::optional<int64_t> step) {
+  const std::string path = absl::GetFlag(FLAGS_metrics_jsonl);
+  std::fclose(metrics_);
+  metrics_ = nullptr;
+  const std::string temporary = path + ".resumed";
+  const auto fail = [&](const std::string& why) {
+    std::remove(temporary.c_str());
+    throw std::runtime_error(
+        "--metrics_jsonl=" + path + ": cannot drop the steps " +
+        (step ? "after " + std::to_string(*step) : std::string("a restart trains again")) + ": " +
+        why);
+  };
+  std::ifstream in(path);
+  if (!in.is_open()) fail("cannot read it");
+  std::vector<std::string> lines;
+  std::vector<int64_t> steps;  // Per line; -1 for lines of another shape.
+  std::string line;
+  // A last line without its newline is a write the failed attempt did not
+  // finish.
+  while (std::getline(in, line) && !in.eof()) {
+    int64_t logged = -1;
+    if (std::sscanf(line.c_str(), "{\"step\": %" SCNd64, &logged) != 1) logged = -1;
+    lines.push_back(std::move(line));
+    steps.push_back(logged);
+  }
+  if (in.bad()) fail("reading it failed");
+  in.close();
+  size_t end = lines.size();
+  if (!step.has_value()) {
+    // From the last step 1 on; all kept when there is none.
+    for (size_t i = 0; i < lines.size(); ++i) {
+      if (steps[i] == 1) end = i;
+    }
+  }
+  std::string kept;
+  for (size_t i = 0; i < end; ++i) {
+    // Lines of another shape are not ours to drop.
+    if (step.has_value() && steps[i] > *step) continue;
+    kept += lines[i] + "\n";
+  }
+  std::ofstream out(temporary, std::ios::trunc);
+  out << kept;
+  out.close();
+  if (!out) fail("writing " + temporary + " failed");
+  if (std::rename(temporary.c_str(), path.c_str()) != 0) fail(std::strerror(errno));
+  metrics_ = std::fopen(path.c_str(), "a");
+  if (metrics_ == nullptr) {
+    throw std::runtime_error("--metrics_jsonl=" + path + ": cannot open it: " +
+                             std::strerror(errno));
   }
 }
 

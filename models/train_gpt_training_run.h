@@ -83,6 +83,11 @@ class TrainingRun {
   bool Resuming() const { return checkpoints_.has_value() && checkpoints_->resume_from(); }
   void PrintHeader(const std::string& layout_note) const;
   void ResumeIfAsked();
+  // --metrics_jsonl without the steps trained again, so that each step is
+  // there once: a resumed run's keeps the lines of the steps up to `step`;
+  // a restart that starts over (nullopt) drops the lines from the last
+  // step 1 on, the failed attempts'. A torn last line goes too.
+  void DropMetricsAfter(std::optional<int64_t> step);
   // Forward, backward, the global gradient norm (clipped when asked) and
   // loss, then the optimizer step, or none when either is not finite.
   StepResult Step(int step);

@@ -36,6 +36,8 @@ std::string TorchPython() {
 #endif
 }
 
+int BuiltTorchMajorVersion() { return TORCH_VERSION_MAJOR; }
+
 std::string ScriptPath(const std::string& relative) {
   if (access(relative.c_str(), R_OK) == 0) return relative;
   char exe[4096] = {};

@@ -21,6 +21,11 @@ namespace fsdp::testing {
 // The interpreter's path, chosen as above.
 std::string TorchPython();
 
+// The major version of the libtorch this binary was built against, for a
+// test that needs its Python's torch to be the same (a store client of
+// libtorch 1.x hangs on torch 2.x's server).
+int BuiltTorchMajorVersion();
+
 // Where a Python script of the source tree (`relative`, "models/x.py"),
 // listed in the binary's `data`, is: the path itself when readable from
 // the working directory (bazel test and run, CTest), else in the runfiles
