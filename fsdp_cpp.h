@@ -12,7 +12,9 @@
 //   state               Get/SetModelStateDict, Get/SetOptimizerStateDict,
 //                       Save/LoadCheckpoint, Save/LoadTorchFile
 //                       (checkpoint/checkpoint.h; Hugging Face
-//                       safetensors checkpoints are a CheckpointFormat)
+//                       safetensors checkpoints are a CheckpointFormat);
+//                       AsyncCheckpointer saves in the background
+//                       (checkpoint/async_checkpoint.h)
 //   errors              absl::Status between steps; fsdp::ThrowIfError and
 //                       fsdp::ValueOrThrow turn one into an exception
 //                       (base/status.h)
@@ -22,6 +24,7 @@
 #define FSDP_CPP_H_
 
 #include "base/status.h"
+#include "checkpoint/async_checkpoint.h"
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/replicas.h"
 #include "comm/rendezvous.h"

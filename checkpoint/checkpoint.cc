@@ -22,6 +22,7 @@
 #include "base/status.h"
 #include "checkpoint/agree.h"
 #include "checkpoint/hugging_face_internal.h"
+#include "checkpoint/save_internal.h"
 #include "comm/collectives.h"
 #include "formats/dcp.h"
 #include "optim/dcp_checkpoint.h"
@@ -337,20 +338,44 @@ absl::Status SaveCheckpoint(const std::string& dir, FullyShardedModel& model,
     FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, ready));
     return checkpoint_internal::SaveHuggingFace(dir, model, options);
   }
-  absl::StatusOr<std::vector<DcpItem>> items = TrainStateItems(train_state);
-  absl::Status ready = items.status();
-  if (ready.ok()) ready = CheckHuggingFaceFiles(options.hugging_face);
-  if (ready.ok()) ready = NoOtherFormat(dir, options);
-  if (model.replicate_group() != nullptr) {
-    FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, ready));
-  }
-  const std::vector<DcpItem> values = items.ok() ? *std::move(items) : std::vector<DcpItem>();
-  if (optimizer != nullptr) {
-    return SaveShardedDcpModelAndOptimizer(model, *optimizer, dir, {}, values, ready);
-  }
-  return SaveModelShardedDcp(model, dir, ModelDcpShards(model, kModelKey, /*every_name=*/true),
-                             values, ready);
+  FSDP_ASSIGN_OR_RETURN(checkpoint_internal::DistributedSave save,
+                        checkpoint_internal::PrepareDistributedSave(dir, model, optimizer,
+                                                                    train_state, options));
+  return SaveModelShardedDcp(model, dir, save.shards, save.values, save.ready);
 }
+
+namespace checkpoint_internal {
+
+absl::StatusOr<DistributedSave> PrepareDistributedSave(const std::string& dir,
+                                                       FullyShardedModel& model,
+                                                       torch::optim::Optimizer* optimizer,
+                                                       const TrainState& train_state,
+                                                       const CheckpointIoOptions& options) {
+  DistributedSave save;
+  absl::StatusOr<std::vector<DcpItem>> items = TrainStateItems(train_state);
+  save.ready = items.status();
+  if (save.ready.ok()) save.ready = CheckHuggingFaceFiles(options.hugging_face);
+  if (save.ready.ok()) save.ready = NoOtherFormat(dir, options);
+  if (model.replicate_group() != nullptr) {
+    FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(model, save.ready));
+  }
+  if (!save.ready.ok()) return save;
+  save.values = *std::move(items);
+  save.ready = CatchAsStatus([&]() -> absl::Status {
+    if (optimizer == nullptr) {
+      save.shards = ModelDcpShards(model, kModelKey, /*every_name=*/true);
+      return absl::OkStatus();
+    }
+    FSDP_ASSIGN_OR_RETURN(DcpModelAndOptimizer state,
+                          DcpShardsOfModelAndOptimizer(model, *optimizer, {}, save.values));
+    save.shards = std::move(state.shards);
+    save.values = std::move(state.values);
+    return absl::OkStatus();
+  });
+  return save;
+}
+
+}  // namespace checkpoint_internal
 
 absl::Status LoadCheckpoint(const std::string& dir, FullyShardedModel& model,
                             torch::optim::Optimizer* optimizer, TrainState* train_state,

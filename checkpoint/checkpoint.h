@@ -1,7 +1,9 @@
 // The state of an FSDP model and its optimizer, in the shape PyTorch users
 // know: torch.distributed.checkpoint.state_dict's get/set functions and
 // StateDictOptions, dcp.save / dcp.load, and torch.save / torch.load. These
-// eight functions are the package's whole interface to state: the file
+// eight functions, with AsyncCheckpointer (checkpoint/async_checkpoint.h:
+// SaveCheckpoint in the background, as dcp.async_save), are the package's
+// whole interface to state: the file
 // formats and per-format functions they are built on (statedict/, optim/)
 // are internal, and their headers are not installed (docs/checkpoints.md).
 //

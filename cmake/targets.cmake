@@ -58,13 +58,23 @@ set_tests_properties(//base:status_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/base_status_test")
 endif()
 
+# //checkpoint:async_checkpoint_test
+if(BUILD_TESTING)
+add_executable(checkpoint_async_checkpoint_test ${PROJECT_SOURCE_DIR}/checkpoint/async_checkpoint_test.cc)
+set_target_properties(checkpoint_async_checkpoint_test PROPERTIES OUTPUT_NAME async_checkpoint_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/checkpoint ENABLE_EXPORTS ON)
+target_link_libraries(checkpoint_async_checkpoint_test PRIVATE checkpoint_checkpoint comm_collectives comm_gloo_collectives comm_hybrid_groups comm_launch_environment comm_rendezvous fsdp_fully_shard fsdp_test_models optim_training_checkpoint testing_multi_rank third_party_absl_base third_party_c10d_gloo third_party_gtest_main fsdp_torch)
+add_test(NAME //checkpoint:async_checkpoint_test COMMAND checkpoint_async_checkpoint_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//checkpoint:async_checkpoint_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/checkpoint_async_checkpoint_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/checkpoint_async_checkpoint_test")
+endif()
+
 # //checkpoint:checkpoint
-add_library(checkpoint_checkpoint SHARED ${PROJECT_SOURCE_DIR}/checkpoint/agree.cc ${PROJECT_SOURCE_DIR}/checkpoint/agree.h ${PROJECT_SOURCE_DIR}/checkpoint/checkpoint.cc ${PROJECT_SOURCE_DIR}/checkpoint/hugging_face.cc ${PROJECT_SOURCE_DIR}/checkpoint/hugging_face_internal.h ${PROJECT_SOURCE_DIR}/checkpoint/replicas.cc ${PROJECT_SOURCE_DIR}/checkpoint/state_dict.cc ${PROJECT_SOURCE_DIR}/checkpoint/checkpoint.h ${PROJECT_SOURCE_DIR}/checkpoint/replicas.h)
+add_library(checkpoint_checkpoint SHARED ${PROJECT_SOURCE_DIR}/checkpoint/agree.cc ${PROJECT_SOURCE_DIR}/checkpoint/agree.h ${PROJECT_SOURCE_DIR}/checkpoint/async_checkpoint.cc ${PROJECT_SOURCE_DIR}/checkpoint/checkpoint.cc ${PROJECT_SOURCE_DIR}/checkpoint/hugging_face.cc ${PROJECT_SOURCE_DIR}/checkpoint/hugging_face_internal.h ${PROJECT_SOURCE_DIR}/checkpoint/replicas.cc ${PROJECT_SOURCE_DIR}/checkpoint/save_internal.h ${PROJECT_SOURCE_DIR}/checkpoint/state_dict.cc ${PROJECT_SOURCE_DIR}/checkpoint/async_checkpoint.h ${PROJECT_SOURCE_DIR}/checkpoint/checkpoint.h ${PROJECT_SOURCE_DIR}/checkpoint/replicas.h)
 set_target_properties(checkpoint_checkpoint PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/checkpoint)
-target_link_libraries(checkpoint_checkpoint PUBLIC base_fnv1a base_status comm_collectives formats_atomic_file formats_dcp formats_state_dict_type formats_torch_file fsdp_fully_shard hf_safetensors optim_dcp_checkpoint optim_optim_state optim_optim_state_dict optim_run_checkpoints optim_torch_optim_file optim_training_checkpoint statedict_dcp_sharded statedict_load_check statedict_state_dict third_party_absl_base third_party_absl_status fsdp_torch)
+target_link_libraries(checkpoint_checkpoint PUBLIC base_device_event base_fnv1a base_status comm_collectives formats_atomic_file formats_dcp formats_state_dict_type formats_torch_file fsdp_fully_shard hf_safetensors optim_dcp_checkpoint optim_optim_state optim_optim_state_dict optim_run_checkpoints optim_torch_optim_file optim_training_checkpoint statedict_dcp_sharded statedict_load_check statedict_state_dict third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(checkpoint_checkpoint PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS checkpoint_checkpoint EXPORT fsdp_cpp_targets)
-install(FILES ${PROJECT_SOURCE_DIR}/checkpoint/checkpoint.h ${PROJECT_SOURCE_DIR}/checkpoint/replicas.h DESTINATION include/checkpoint)
+install(FILES ${PROJECT_SOURCE_DIR}/checkpoint/async_checkpoint.h ${PROJECT_SOURCE_DIR}/checkpoint/checkpoint.h ${PROJECT_SOURCE_DIR}/checkpoint/replicas.h DESTINATION include/checkpoint)
 
 # //checkpoint:checkpoint_test
 if(BUILD_TESTING)
@@ -1882,6 +1892,13 @@ set_tests_properties(//launch:local_launcher_test PROPERTIES TIMEOUT 300 ENVIRON
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/launch_local_launcher_test")
 endif()
 
+# //models:async_checkpoint_benchmark
+if(BUILD_TESTING)
+add_executable(models_async_checkpoint_benchmark ${PROJECT_SOURCE_DIR}/models/async_checkpoint_benchmark.cc)
+set_target_properties(models_async_checkpoint_benchmark PROPERTIES OUTPUT_NAME async_checkpoint_benchmark RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
+target_link_libraries(models_async_checkpoint_benchmark PRIVATE models_gpt base_status checkpoint_checkpoint comm_launch_environment comm_rendezvous fsdp_fully_shard launch_local_launcher optim_training_checkpoint third_party_absl_base third_party_benchmark fsdp_torch)
+endif()
+
 # //models:checkpoint_format_benchmark
 if(BUILD_TESTING)
 add_executable(models_checkpoint_format_benchmark ${PROJECT_SOURCE_DIR}/models/checkpoint_format_benchmark.cc)
@@ -2017,6 +2034,17 @@ install(FILES ${PROJECT_SOURCE_DIR}/models/output_paths.h DESTINATION include/mo
 add_executable(models_train_gpt ${PROJECT_SOURCE_DIR}/models/train_gpt_main.cc)
 set_target_properties(models_train_gpt PROPERTIES OUTPUT_NAME train_gpt RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
 target_link_libraries(models_train_gpt PRIVATE models_train_gpt_job base_status comm_launch_environment launch_error_file launch_local_launcher policies_registry third_party_absl_flags third_party_absl_status)
+
+# //models:train_gpt_async_checkpoint_test
+if(BUILD_TESTING)
+add_executable(models_train_gpt_async_checkpoint_test ${PROJECT_SOURCE_DIR}/models/train_gpt_async_checkpoint_test.cc)
+set_target_properties(models_train_gpt_async_checkpoint_test PROPERTIES OUTPUT_NAME train_gpt_async_checkpoint_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
+target_link_libraries(models_train_gpt_async_checkpoint_test PRIVATE models_job_test_util third_party_absl_base third_party_gtest_main)
+add_dependencies(models_train_gpt_async_checkpoint_test models_train_gpt)
+add_test(NAME //models:train_gpt_async_checkpoint_test COMMAND models_train_gpt_async_checkpoint_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//models:train_gpt_async_checkpoint_test PROPERTIES TIMEOUT 900 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/models_train_gpt_async_checkpoint_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/models_train_gpt_async_checkpoint_test")
+endif()
 
 # //models:train_gpt_bad_input_test
 if(BUILD_TESTING)
@@ -2165,7 +2193,7 @@ install(FILES ${PROJECT_SOURCE_DIR}/optim/optim_state_dict.h DESTINATION include
 if(BUILD_TESTING)
 add_executable(optim_optim_state_test ${PROJECT_SOURCE_DIR}/optim/optim_state_test.cc)
 set_target_properties(optim_optim_state_test PROPERTIES OUTPUT_NAME optim_state_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/optim ENABLE_EXPORTS ON)
-target_link_libraries(optim_optim_state_test PRIVATE optim_optim_state comm_collectives fsdp_fully_shard fsdp_test_models fsdp_test_util statedict_state_dict testing_multi_rank third_party_absl_base third_party_gtest_main fsdp_torch)
+target_link_libraries(optim_optim_state_test PRIVATE optim_optim_internal optim_optim_state comm_collectives fsdp_fully_shard fsdp_test_models fsdp_test_util statedict_state_dict testing_multi_rank third_party_absl_base third_party_gtest_main fsdp_torch)
 add_test(NAME //optim:optim_state_test COMMAND optim_optim_state_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//optim:optim_state_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/optim_optim_state_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/optim_optim_state_test")

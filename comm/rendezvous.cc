@@ -116,11 +116,16 @@ absl::StatusOr<std::unique_ptr<RendezvousServer>> RendezvousServer::Start(
   }
 }
 
-absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectRendezvousStore(
-    const LaunchEnvironment& env, std::chrono::milliseconds timeout) {
+namespace {
+
+// `may_serve`: rank 0 serves the store when the launcher does not; a second
+// connection of rank 0's (for further groups) must only reach it.
+absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectStore(const LaunchEnvironment& env,
+                                                             std::chrono::milliseconds timeout,
+                                                             bool may_serve) {
   c10d::TCPStoreOptions options;
   options.port = static_cast<std::uint16_t>(env.master_port);
-  options.isServer = env.rank == 0 && !env.store_hosted_by_launcher;
+  options.isServer = may_serve && env.rank == 0 && !env.store_hosted_by_launcher;
   options.numWorkers = env.world_size;
   options.waitWorkers = false;
   options.timeout = timeout;
@@ -138,6 +143,13 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectRendezvousStore(
                      env.master_addr, ":", env.master_port, " (from ", env.source,
                      " variables) within ", timeout.count(), " ms: ", cause.message()));
   }
+}
+
+}  // namespace
+
+absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectRendezvousStore(
+    const LaunchEnvironment& env, std::chrono::milliseconds timeout) {
+  return ConnectStore(env, timeout, /*may_serve=*/true);
 }
 
 absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectStoreAt(
@@ -199,6 +211,14 @@ absl::StatusOr<std::unique_ptr<Collectives>> CreateGlooCollectivesFromEnvironmen
   FSDP_ASSIGN_OR_RETURN(c10::intrusive_ptr<c10d::Store> store,
                         ConnectRendezvousStore(env, options.timeout));
   return CreateGlooCollectives(std::move(store), env.rank, env.world_size, options);
+}
+
+absl::StatusOr<GroupConnector> GlooConnectorFromEnvironment(const LaunchEnvironment& env,
+                                                            GlooOptions options) {
+  options = WithDefaultAddress(env, options);
+  FSDP_ASSIGN_OR_RETURN(c10::intrusive_ptr<c10d::Store> store,
+                        ConnectStore(env, options.timeout, /*may_serve=*/false));
+  return GlooGroupConnector(std::move(store), options);
 }
 
 absl::StatusOr<std::unique_ptr<Collectives>> InitProcessGroup(GlooOptions options) {

@@ -77,6 +77,16 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectStoreAt(
 absl::StatusOr<std::unique_ptr<Collectives>> CreateGlooCollectivesFromEnvironment(
     const LaunchEnvironment& env, GlooOptions options = {});
 
+// Connects further groups of the job described by `env` over Gloo (each
+// under a name of its own, as torch.distributed.new_group makes them), all
+// through one connection to its store; the address is chosen as
+// CreateGlooCollectivesFromEnvironment chooses it. For a background
+// checkpoint's groups (checkpoint/async_checkpoint.h), say. It only
+// connects to the store: where rank 0 serves it (no launcher does), call it
+// after the job's groups were created, whose store that is.
+absl::StatusOr<GroupConnector> GlooConnectorFromEnvironment(const LaunchEnvironment& env,
+                                                            GlooOptions options = {});
+
 // torch.distributed.init_process_group for this library: the world group,
 // over Gloo, of the job whose launcher started this process (torchrun,
 // launch/ installed as fsdp_launch, or srun: ReadLaunchEnvironment).

@@ -112,6 +112,7 @@ TEST(TrainGpt, BadFlagsAreRefusedNamingTheProblem) {
       {"--checkpoint_format=dcp", 2, "--checkpoint_format=dcp: applies only with --checkpoint_dir"},
       {"--checkpoint_every=5", 2, "--checkpoint_every=5: applies only with --checkpoint_dir"},
       {"--keep_checkpoints=3", 2, "--keep_checkpoints=3: applies only with --checkpoint_dir"},
+      {"--async_checkpoint", 2, "--async_checkpoint=true: applies only with --checkpoint_dir"},
       {"--init_state_dict_key=model", 2,
        "--init_state_dict_key=model: applies only with --init_state_dict"},
       {"--init_state_dict_ignore=*.bias", 2,

@@ -100,7 +100,8 @@ std::vector<std::string> DependentFlagProblems(bool settings_pending) {
         absl::StrCat("--", flag, "=", given->CurrentValue(), ": applies only with ", what));
   };
   const bool checkpoints = !absl::GetFlag(FLAGS_checkpoint_dir).empty();
-  for (const char* flag : {"checkpoint_format", "checkpoint_every", "keep_checkpoints"}) {
+  for (const char* flag :
+       {"checkpoint_format", "checkpoint_every", "keep_checkpoints", "async_checkpoint"}) {
     needs(flag, checkpoints, "--checkpoint_dir");
   }
   for (const char* flag : {"init_state_dict_key", "init_state_dict_ignore"}) {

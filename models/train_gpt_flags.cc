@@ -173,6 +173,14 @@ ABSL_FLAG(std::string, checkpoint_format, "sharded",
           "format, with CRCs) or 'dcp' (PyTorch Distributed Checkpoints of {'model', 'optim', "
           "'train_state'}, which an FSDP2 job loads with dcp.load). --resume reads either, and "
           "a step-N directory an FSDP2 job wrote with dcp.save of {'model', 'optim'} too.");
+ABSL_FLAG(bool, async_checkpoint, false,
+          "Write --checkpoint_dir's checkpoints in the background: at the step boundary each rank "
+          "copies its shards (model, optimizer, progress) to host memory, which costs one copy "
+          "of them, and training goes on while a thread writes and commits them by the same "
+          "all-or-nothing rules. A checkpoint due while the one before is still being written "
+          "waits for it (the time lost is printed); a background write that fails stops the run "
+          "at the first step boundary after every rank's write ended, the checkpoints already "
+          "saved intact.");
 ABSL_FLAG(int, checkpoint_every, 100, "Steps between checkpoints (with --checkpoint_dir).");
 ABSL_FLAG(int, keep_checkpoints, 2,
           "How many of this run's newest checkpoints clean-up keeps; it never removes another "

@@ -65,6 +65,7 @@ ABSL_DECLARE_FLAG(std::string, export_optim_state_dict_keys);
 ABSL_DECLARE_FLAG(std::string, export_dcp);
 ABSL_DECLARE_FLAG(std::string, checkpoint_dir);
 ABSL_DECLARE_FLAG(std::string, checkpoint_format);
+ABSL_DECLARE_FLAG(bool, async_checkpoint);
 ABSL_DECLARE_FLAG(int, checkpoint_every);
 ABSL_DECLARE_FLAG(int, keep_checkpoints);
 ABSL_DECLARE_FLAG(bool, resume);

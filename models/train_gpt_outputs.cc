@@ -87,6 +87,7 @@ void TrainingRun::SaveCheckpoint(int step) {
   if (const std::string broken = BrokenWeights(step); !broken.empty()) {
     StopForBrokenWeights(step, broken, "its checkpoint was");
   }
+  if (async_saver_ != nullptr) CollectAsyncCheckpoint(step, /*wait=*/true);
   const std::string path = checkpoints_->PathOf(step);
   fsdp::ThrowIfError(fsdp::PrepareOutputDirectory("--checkpoint_dir", path));
   const bool dcp = absl::GetFlag(FLAGS_checkpoint_format) == "dcp";
@@ -95,20 +96,56 @@ void TrainingRun::SaveCheckpoint(int step) {
   // save's own marker, last). Every rank removes a manifest.pb itself:
   // SaveCheckpoint refuses to write beside one, on any rank that sees it.
   if (dcp || rank_ == 0) unlink((path + (dcp ? "/manifest.pb" : "/.metadata")).c_str());
+  // The data position is the batches consumed: a resumed run skips them.
+  const fsdp::TrainState state{step, step, checkpoints_->DcpLabels()};
+  if (async_saver_ != nullptr) {
+    fsdp::ThrowIfError(
+        dcp ? async_saver_->Save(path, *fsdp_model_, optimizer_.get(), state)
+            : fsdp::checkpoint_internal::SaveShardedInBackground(
+                  *async_saver_, path, *fsdp_model_, *optimizer_, checkpoints_->MetadataOf(step)));
+    async_step_ = step;
+    return;
+  }
   if (dcp) {
-    // The data position is the batches consumed: a resumed run skips them.
-    fsdp::TrainState state{step, step, checkpoints_->DcpLabels()};
     fsdp::ThrowIfError(fsdp::SaveCheckpoint(path, *fsdp_model_, optimizer_.get(), state));
   } else {
     fsdp::ThrowIfError(fsdp::SaveTrainingCheckpoint(*fsdp_model_, *optimizer_, path,
                                                     checkpoints_->MetadataOf(step)));
   }
+  CheckpointLanded(step, "");
+}
+
+void TrainingRun::CheckpointLanded(int step, const std::string& how) {
   if (rank_ != 0) return;
   const fsdp::RunCheckpoints::Retired retired = checkpoints_->RetireOlderThan(step);
   for (const std::string& problem : retired.problems) {
     std::fprintf(stderr, "train_gpt: warning: checkpoint clean-up: %s\n", problem.c_str());
   }
-  std::printf("checkpoint %s\n", path.c_str());
+  std::printf("checkpoint %s%s\n", checkpoints_->PathOf(step).c_str(), how.c_str());
+}
+
+void TrainingRun::CollectAsyncCheckpoint(int step, bool wait) {
+  if (!async_saver_->in_flight()) return;
+  const auto begin = Clock::now();
+  const absl::Status outcome = wait ? async_saver_->Wait() : async_saver_->Poll();
+  if (outcome.ok() && async_saver_->in_flight()) return;
+  const double waited_ms =
+      std::chrono::duration<double, std::milli>(Clock::now() - begin).count();
+  // A failed write, or Poll's own agreement failing (a rank lost).
+  if (!outcome.ok()) {
+    throw std::runtime_error(absl::StrFormat(
+        "step %d: the checkpoint of step %d, written in the background, failed: %s; the run "
+        "stops (the checkpoints saved before it are intact)",
+        step, async_step_, outcome.message()));
+  }
+  const fsdp::AsyncCheckpointTimes& times = async_saver_->last_times();
+  std::string how = absl::StrFormat(
+      " (in the background: copied in %.0f ms, %.1f MB on rank %d, written in %.0f ms)",
+      times.staged.count() * 1e3, times.staged_bytes / 1e6, rank_, times.written.count() * 1e3);
+  if (wait && waited_ms >= 1 && step < steps_) {
+    absl::StrAppendFormat(&how, "; step %d waited %.0f ms for it", step + 1, waited_ms);
+  }
+  CheckpointLanded(async_step_, how);
 }
 
 void TrainingRun::WriteOutputs() {

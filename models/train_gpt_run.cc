@@ -107,10 +107,19 @@ int RunRank(const fsdp::LaunchEnvironment& env, fsdp::FsdpOptions options,
   const Placement placement =
       fsdp::ValueOrThrow(ResolvePlacement(env.local_rank, env.local_world_size));
   RankGroups groups = ConnectGroups(env, placement, fsdp::IsHybrid(options.strategy));
+  // --async_checkpoint's writer commits on Gloo groups of its own: what it
+  // carries is in host memory, whatever the training groups' transport.
+  fsdp::GroupConnector checkpoint_groups;
+  if (absl::GetFlag(FLAGS_async_checkpoint) && !absl::GetFlag(FLAGS_checkpoint_dir).empty()) {
+    fsdp::GlooOptions gloo;
+    gloo.timeout = std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout_s));
+    checkpoint_groups = fsdp::ValueOrThrow(fsdp::GlooConnectorFromEnvironment(env, gloo));
+  }
   if (!placement.device.is_cpu()) options.device_id = placement.device;
   BeginModelBuild();  // TrainingRun::Run ends it before the first step.
   try {
-    return TrainingRun(options, policy, *groups.world, groups.hybrid, placement.device)
+    return TrainingRun(options, policy, *groups.world, groups.hybrid, placement.device,
+                       checkpoint_groups)
         .Run(groups.layout_note, notes);
   } catch (...) {
     // The other ranks' collective errors then quote this one's reason.

@@ -39,7 +39,7 @@ namespace train_gpt {
 
 TrainingRun::TrainingRun(fsdp::FsdpOptions options, const fsdp::WrapPolicy& policy,
                          fsdp::Collectives& world, fsdp::HybridShardCollectives& hybrid,
-                         c10::Device device)
+                         c10::Device device, const fsdp::GroupConnector& checkpoint_groups)
     : device_(device),
       world_(world),
       hybrid_(hybrid),
@@ -62,6 +62,10 @@ TrainingRun::TrainingRun(fsdp::FsdpOptions options, const fsdp::WrapPolicy& poli
   }
   OpenRunCheckpoints();
   Wrap(std::move(options), policy);
+  if (checkpoints_.has_value() && absl::GetFlag(FLAGS_async_checkpoint)) {
+    async_saver_ =
+        fsdp::ValueOrThrow(fsdp::AsyncCheckpointer::Create(*fsdp_model_, checkpoint_groups));
+  }
   if (rank_ == 0 && !absl::GetFlag(FLAGS_metrics_jsonl).empty()) {
     metrics_ = std::fopen(absl::GetFlag(FLAGS_metrics_jsonl).c_str(), "a");
     if (metrics_ == nullptr) {
@@ -96,11 +100,13 @@ int TrainingRun::Run(const std::string& layout_note, const std::vector<std::stri
     const bool eval = !eval_batches_.empty() &&
                       (step == steps_ || (eval_every > 0 && step % eval_every == 0));
     Log(step, result, eval ? std::optional<float>(HeldOutLoss()) : std::nullopt);
+    if (async_saver_ != nullptr) CollectAsyncCheckpoint(step, /*wait=*/false);
     if (checkpoints_.has_value() &&
         (step % absl::GetFlag(FLAGS_checkpoint_every) == 0 || step == steps_)) {
       SaveCheckpoint(step);
     }
   }
+  if (async_saver_ != nullptr) CollectAsyncCheckpoint(steps_, /*wait=*/true);
   // The sample prints bytes: --data's, not --data_tokens' ids, and only
   // from a model whose ids are bytes.
   if (corpus_.held_out.defined() && corpus_.held_out.scalar_type() == at::kLong &&

@@ -18,6 +18,7 @@
 
 #include "ATen/core/Tensor.h"
 #include "c10/core/Device.h"
+#include "checkpoint/async_checkpoint.h"
 #include "comm/collectives.h"
 #include "comm/hybrid_groups.h"
 #include "fsdp/fsdp_options.h"
@@ -60,10 +61,12 @@ struct StepResult {
 // groups under hybrid sharding (`hybrid` empty otherwise: the world). The
 // model is built on the host (the same on every rank and device) and
 // computes on `device`, where FsdpOptions::device_id moves its units.
+// `checkpoint_groups` connects the groups of --async_checkpoint's writer.
 class TrainingRun {
  public:
   TrainingRun(fsdp::FsdpOptions options, const fsdp::WrapPolicy& policy, fsdp::Collectives& world,
-              fsdp::HybridShardCollectives& hybrid, c10::Device device);
+              fsdp::HybridShardCollectives& hybrid, c10::Device device,
+              const fsdp::GroupConnector& checkpoint_groups);
   ~TrainingRun();
   TrainingRun(const TrainingRun&) = delete;
   TrainingRun& operator=(const TrainingRun&) = delete;
@@ -121,6 +124,14 @@ class TrainingRun {
   [[noreturn]] void StopForBrokenWeights(int step, const std::string& broken,
                                          const std::string& not_written);
   void SaveCheckpoint(int step);
+  // A checkpoint of `step` that landed: rank 0 retires the older ones and
+  // prints its path, with `how` after it.
+  void CheckpointLanded(int step, const std::string& how);
+  // --async_checkpoint: the outcome of the checkpoint in the background, at
+  // the boundary after `step`: taken if every rank's write has ended, or
+  // waited for (`wait`: before the next save, and at the end). Throws when
+  // it failed. Every rank must call.
+  void CollectAsyncCheckpoint(int step, bool wait);
   // --check_replicas_every (and --TEST_flip_bit_at_step before it): after
   // `step`'s update, before anything of it is saved; stops the run on a
   // mismatch. Every rank must call.
@@ -147,6 +158,9 @@ class TrainingRun {
   std::unique_ptr<fsdp::FullyShardedModel> fsdp_model_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::optional<fsdp::RunCheckpoints> checkpoints_;
+  std::unique_ptr<fsdp::AsyncCheckpointer> async_saver_;  // --async_checkpoint.
+  int async_step_ = 0;  // The step of the checkpoint in the background.
+
   std::FILE* metrics_ = nullptr;
   const int steps_;
   const int64_t per_rank_;

@@ -14,46 +14,54 @@
 
 namespace fsdp {
 
+absl::StatusOr<DcpModelAndOptimizer> DcpShardsOfModelAndOptimizer(
+    FullyShardedModel& model, torch::optim::Optimizer& optimizer, const DcpCheckpointKeys& keys,
+    const std::vector<DcpItem>& extra) {
+  FSDP_ASSIGN_OR_RETURN(const auto places, OptimizerShardPlaces(model, optimizer));
+  FSDP_ASSIGN_OR_RETURN(OptimStateDict optim, ShardedOptimStateDict(model, optimizer));
+  DcpModelAndOptimizer out;
+  out.shards = ModelDcpShards(model, keys.model, /*every_name=*/true);
+  // Elementwise state goes as shards; step counts and options as values.
+  for (auto& [fqn, param] : optim.state) {
+    const ParamShardPlace& place = places.at(fqn);
+    for (const auto& [name, t] : param.tensors) {
+      DcpTensorShard shard;
+      shard.path = {{false, keys.optim, 0}, {false, "state", 0}, {false, fqn, 0}, {false, name, 0}};
+      shard.shape = place.full_shape;
+      shard.dtype = t.scalar_type();
+      shard.sharded = place.sharded;
+      shard.lo = place.lo;
+      shard.hi = place.hi;
+      shard.local = t;
+      out.shards.push_back(std::move(shard));
+    }
+    param.tensors.clear();
+  }
+  out.values = DcpItemsOfOptimState(optim, keys.optim);
+  out.values.insert(out.values.end(), extra.begin(), extra.end());
+  return out;
+}
+
 absl::Status SaveShardedDcpModelAndOptimizer(FullyShardedModel& model,
                                              torch::optim::Optimizer& optimizer,
                                              const std::string& dir, const DcpCheckpointKeys& keys,
                                              const std::vector<DcpItem>& extra,
                                              const absl::Status& caller_ready) {
   FSDP_RETURN_IF_ERROR(model.RequireIdle("saving a DCP checkpoint"));
-  std::vector<DcpTensorShard> shards;
-  std::vector<DcpItem> values;
+  DcpModelAndOptimizer state;
   // A problem here is reported through the save, which every rank enters.
   absl::Status ready = caller_ready;
   try {
-    if (ready.ok()) ready = [&]() -> absl::Status {
-      FSDP_ASSIGN_OR_RETURN(const auto places, OptimizerShardPlaces(model, optimizer));
-      FSDP_ASSIGN_OR_RETURN(OptimStateDict optim, ShardedOptimStateDict(model, optimizer));
-      shards = ModelDcpShards(model, keys.model, /*every_name=*/true);
-      // Elementwise state goes as shards; step counts and options as values.
-      for (auto& [fqn, param] : optim.state) {
-        const ParamShardPlace& place = places.at(fqn);
-        for (const auto& [name, t] : param.tensors) {
-          DcpTensorShard shard;
-          shard.path = {
-              {false, keys.optim, 0}, {false, "state", 0}, {false, fqn, 0}, {false, name, 0}};
-          shard.shape = place.full_shape;
-          shard.dtype = t.scalar_type();
-          shard.sharded = place.sharded;
-          shard.lo = place.lo;
-          shard.hi = place.hi;
-          shard.local = t;
-          shards.push_back(std::move(shard));
-        }
-        param.tensors.clear();
-      }
-      values = DcpItemsOfOptimState(optim, keys.optim);
-      values.insert(values.end(), extra.begin(), extra.end());
-      return absl::OkStatus();
-    }();
+    if (ready.ok()) {
+      absl::StatusOr<DcpModelAndOptimizer> found =
+          DcpShardsOfModelAndOptimizer(model, optimizer, keys, extra);
+      ready = found.status();
+      if (found.ok()) state = *std::move(found);
+    }
   } catch (...) {
     ready = StatusFromCurrentException();
   }
-  return SaveModelShardedDcp(model, dir, shards, values, ready);
+  return SaveModelShardedDcp(model, dir, state.shards, state.values, ready);
 }
 
 absl::Status StageShardedDcpOptimizer(FullyShardedModel& model,

@@ -37,9 +37,11 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "formats/dcp.h"
 #include "fsdp/fully_shard.h"
 #include "optim/optim_state_dict.h"
+#include "statedict/dcp_sharded.h"
 #include "statedict/sharded_checkpoint.h"
 #include "torch/optim/optimizer.h"
 
@@ -62,6 +64,18 @@ absl::Status SaveShardedDcpModelAndOptimizer(FullyShardedModel& model,
                                              const DcpCheckpointKeys& keys = {},
                                              const std::vector<DcpItem>& extra = {},
                                              const absl::Status& ready = absl::OkStatus());
+
+// What SaveShardedDcpModelAndOptimizer writes, without writing it: this
+// rank's shards of the model and of the optimizer's elementwise state
+// (viewing their storage), and the values (options, step counts, `extra`)
+// that rank 0 writes. No collective. REQUIRES: the model IDLE.
+struct DcpModelAndOptimizer {
+  std::vector<DcpTensorShard> shards;
+  std::vector<DcpItem> values;
+};
+absl::StatusOr<DcpModelAndOptimizer> DcpShardsOfModelAndOptimizer(
+    FullyShardedModel& model, torch::optim::Optimizer& optimizer,
+    const DcpCheckpointKeys& keys = {}, const std::vector<DcpItem>& extra = {});
 
 // Every rank calls. Optimizer state keyed by parameter index (a plain
 // Optimizer.state_dict() saved by dcp.save) is read whole and mapped

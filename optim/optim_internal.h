@@ -31,6 +31,9 @@ struct RawState {
 
 // What `serialize` writes, read back as named tensors and values.
 RawState ReadRaw(const std::function<void(torch::serialize::OutputArchive&)>& serialize);
+// What `state`'s serialize() writes, read back (copies): directly for
+// libtorch's Adam, AdamW and SGD, through an archive for any other.
+RawState ReadOptimizerState(const torch::optim::OptimizerParamState& state);
 // An archive holding `raw`, for an object's serialize(InputArchive&).
 torch::serialize::InputArchive ArchiveOf(const RawState& raw);
 // The key type of Optimizer::state(): the parameter's TensorImpl address,

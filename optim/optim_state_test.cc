@@ -1,6 +1,7 @@
 #include "optim/optim_state.h"
 
 #include <cmath>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -14,6 +15,7 @@
 #include "fsdp/utilities.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "optim/optim_internal.h"
 #include "statedict/state_dict.h"
 #include "testing/multi_rank.h"
 #include "torch/optim/adagrad.h"
@@ -173,6 +175,47 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, OptimStateResume, ::testing::ValuesIn(Cases()), CaseName);
+
+// The direct reading of Adam's, AdamW's and SGD's state gives what their
+// serialize() writes, read back through an archive (the path every other
+// optimizer takes), and copies, not views.
+TEST(OptimState, KnownOptimizersReadAsTheirArchivesSayWithoutOne) {
+  torch::nn::Linear layer(3, 2);
+  std::vector<std::unique_ptr<torch::optim::Optimizer>> optimizers;
+  optimizers.push_back(std::make_unique<torch::optim::Adam>(
+      layer->parameters(), torch::optim::AdamOptions(0.1).amsgrad(true)));
+  optimizers.push_back(
+      std::make_unique<torch::optim::AdamW>(layer->parameters(), torch::optim::AdamWOptions(0.1)));
+  optimizers.push_back(std::make_unique<torch::optim::SGD>(
+      layer->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9)));
+  for (auto& optimizer : optimizers) {
+    for (int step = 0; step < 2; ++step) {
+      layer->forward(at::ones({4, 3})).sum().backward();
+      optimizer->step();
+      optimizer->zero_grad();
+    }
+    ASSERT_EQ(optimizer->state().size(), 2u);
+    for (const auto& [key, state] : optimizer->state()) {
+      const optim_internal::RawState direct = optim_internal::ReadOptimizerState(*state);
+      const optim_internal::RawState archived = optim_internal::ReadRaw(
+          [&](torch::serialize::OutputArchive& a) { state->serialize(a); });
+      std::map<std::string, at::Tensor> want(archived.tensors.begin(), archived.tensors.end());
+      ASSERT_EQ(direct.tensors.size(), want.size());
+      for (const auto& [name, t] : direct.tensors) {
+        ASSERT_TRUE(want.count(name)) << name;
+        EXPECT_TRUE(at::equal(t, want[name])) << name;
+        t.add_(1);  // A copy: the optimizer's own is unchanged.
+      }
+      ASSERT_EQ(direct.values.size(), archived.values.size());
+      for (size_t i = 0; i < direct.values.size(); ++i) {
+        EXPECT_EQ(direct.values[i].first, archived.values[i].first);
+        EXPECT_EQ(direct.values[i].second, archived.values[i].second) << direct.values[i].first;
+      }
+      const optim_internal::RawState again = optim_internal::ReadOptimizerState(*state);
+      for (const auto& [name, t] : again.tensors) EXPECT_TRUE(at::equal(t, want[name])) << name;
+    }
+  }
+}
 
 TEST(OptimState, BadStateIsRefusedAndTheOptimizerUntouched) {
   Net reference;

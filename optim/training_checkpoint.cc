@@ -129,18 +129,26 @@ absl::StatusOr<OptimizerTensors> OptimizerCheckpointTensors(
 
 }  // namespace
 
+absl::StatusOr<std::vector<CheckpointTensor>> TrainingCheckpointTensors(
+    FullyShardedModel& model, torch::optim::Optimizer& optimizer) {
+  FSDP_RETURN_IF_ERROR(model.RequireIdle("a training checkpoint"));
+  const Places places = PlacesOf(model.units().front()->module(), &model);
+  FSDP_ASSIGN_OR_RETURN(auto groups, GroupsOf(optimizer, places));
+  FSDP_ASSIGN_OR_RETURN(OptimizerTensors optim,
+                        OptimizerCheckpointTensors(optimizer, groups, false));
+  std::vector<CheckpointTensor> tensors = ModelCheckpointTensors(model);
+  for (CheckpointTensor& t : optim.tensors) tensors.push_back(std::move(t));
+  return tensors;
+}
+
 absl::Status SaveTrainingCheckpoint(FullyShardedModel& model, torch::optim::Optimizer& optimizer,
                                     const std::string& dir, const CheckpointMetadata& metadata) {
   FSDP_RETURN_IF_ERROR(model.RequireIdle("SaveTrainingCheckpoint"));
   try {
-    const Places places = PlacesOf(model.units().front()->module(), &model);
-    FSDP_ASSIGN_OR_RETURN(auto groups, GroupsOf(optimizer, places));
     // A parameter without state is so on every rank (the same steps ran
     // everywhere), so returning here does not leave other ranks waiting.
-    absl::StatusOr<OptimizerTensors> optim = OptimizerCheckpointTensors(optimizer, groups, false);
-    std::vector<CheckpointTensor> tensors = ModelCheckpointTensors(model);
-    if (!optim.ok()) return optim.status();
-    for (CheckpointTensor& t : optim->tensors) tensors.push_back(std::move(t));
+    FSDP_ASSIGN_OR_RETURN(std::vector<CheckpointTensor> tensors,
+                          TrainingCheckpointTensors(model, optimizer));
     return SaveModelCheckpointTensors(model, dir, tensors, metadata);
   } catch (...) {
     return StatusFromCurrentException();

@@ -20,8 +20,10 @@
 #define FSDP_OPTIM_TRAINING_CHECKPOINT_H_
 
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "fsdp/fully_shard.h"
 #include "statedict/sharded_checkpoint.h"
 #include "torch/optim/optimizer.h"
@@ -34,6 +36,12 @@ namespace fsdp {
 absl::Status SaveTrainingCheckpoint(FullyShardedModel& model, torch::optim::Optimizer& optimizer,
                                     const std::string& dir,
                                     const CheckpointMetadata& metadata = {});
+// What SaveTrainingCheckpoint writes, without writing it: this rank's
+// checkpoint tensors of the model and the optimizer (viewing their
+// storage), for SaveModelCheckpointTensors. No collective; fails (the same
+// on every rank) when a parameter has no optimizer state yet.
+absl::StatusOr<std::vector<CheckpointTensor>> TrainingCheckpointTensors(
+    FullyShardedModel& model, torch::optim::Optimizer& optimizer);
 absl::Status LoadTrainingCheckpoint(FullyShardedModel& model, torch::optim::Optimizer& optimizer,
                                     const std::string& dir);
 

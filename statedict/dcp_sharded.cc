@@ -507,10 +507,16 @@ std::vector<DcpTensorShard> ModelDcpShards(const FullyShardedModel& model, const
 absl::Status SaveModelShardedDcp(FullyShardedModel& model, const std::string& dir,
                                  const std::vector<DcpTensorShard>& tensors,
                                  const std::vector<DcpItem>& values, const absl::Status& ready) {
-  Collectives* replicate = model.replicate_group();
+  return SaveModelShardedDcp(ModelSaveGroups(model), dir, tensors, values, ready);
+}
+
+absl::Status SaveModelShardedDcp(const SaveGroups& groups, const std::string& dir,
+                                 const std::vector<DcpTensorShard>& tensors,
+                                 const std::vector<DcpItem>& values, const absl::Status& ready) {
+  Collectives* replicate = groups.replicate;
   absl::Status saved = absl::OkStatus();
   if (replicate == nullptr || replicate->rank() == 0) {
-    saved = SaveShardedDcp(model.group(), dir, tensors, values, ready);
+    saved = SaveShardedDcp(*groups.shard, dir, tensors, values, ready);
   } else if (!ready.ok()) {
     saved = ready;  // Its shard group's writer reports its own.
   }

@@ -108,6 +108,12 @@ absl::Status SaveModelShardedDcp(FullyShardedModel& model, const std::string& di
                                  const std::vector<DcpTensorShard>& tensors,
                                  const std::vector<DcpItem>& values = {},
                                  const absl::Status& ready = absl::OkStatus());
+// The same over `groups` (statedict/sharded_checkpoint.h); it touches no
+// model, so the tensors may be copies taken earlier.
+absl::Status SaveModelShardedDcp(const SaveGroups& groups, const std::string& dir,
+                                 const std::vector<DcpTensorShard>& tensors,
+                                 const std::vector<DcpItem>& values = {},
+                                 const absl::Status& ready = absl::OkStatus());
 
 // The model alone, as FSDP2's dcp.save of {key: get_model_state_dict(model)}
 // and dcp.load into it: under hybrid sharding one shard group writes (the

@@ -484,13 +484,26 @@ absl::Status SaveShardedCheckpoint(FullyShardedModel& model, const std::string& 
   return SaveModelCheckpointTensors(model, dir, ModelCheckpointTensors(model), metadata);
 }
 
+SaveGroups ModelSaveGroups(FullyShardedModel& model) {
+  return SaveGroups{&model.group(), model.replicate_group()};
+}
+
 absl::Status SaveModelCheckpointTensors(FullyShardedModel& model, const std::string& dir,
                                         const std::vector<CheckpointTensor>& tensors,
                                         const CheckpointMetadata& metadata) {
-  Collectives* replicate = model.replicate_group();
+  return SaveModelCheckpointTensors(ModelSaveGroups(model), dir, tensors, metadata);
+}
+
+absl::Status SaveModelCheckpointTensors(const SaveGroups& groups, const std::string& dir,
+                                        const std::vector<CheckpointTensor>& tensors,
+                                        const CheckpointMetadata& metadata,
+                                        const absl::Status& ready) {
+  Collectives* replicate = groups.replicate;
   absl::Status saved = absl::OkStatus();
   if (replicate == nullptr || replicate->rank() == 0) {
-    saved = SaveCheckpointTensors(model.group(), dir, tensors, metadata);
+    saved = SaveCheckpointTensors(*groups.shard, dir, tensors, metadata, ready);
+  } else if (!ready.ok()) {
+    saved = ready;  // Its shard group's writer reports its own.
   }
   if (replicate == nullptr) return saved;
   at::Tensor outcome = at::full({1}, saved.ok() ? 1.0 : 0.0, at::kDouble);
@@ -512,7 +525,8 @@ absl::Status LoadShardedCheckpoint(FullyShardedModel& model, const std::string& 
 
 absl::Status SaveCheckpointTensors(Collectives& group, const std::string& dir,
                                    const std::vector<CheckpointTensor>& tensors,
-                                   const CheckpointMetadata& metadata) {
+                                   const CheckpointMetadata& metadata,
+                                   const absl::Status& ready) {
   const int rank = group.rank(), world = group.world_size();
   CollectiveLabel label(group, "", "checkpoint save");
   try {
@@ -529,8 +543,11 @@ absl::Status SaveCheckpointTensors(Collectives& group, const std::string& dir,
     // and learns that the checkpoint failed.
     checkpoint::RankReport report;
     report.set_rank(rank);
-    absl::Status written =
-        CatchAsStatus([&] { return WriteShardFile(dir, id, rank, world, tensors, report); });
+    absl::Status written = ready;
+    if (written.ok()) {
+      written =
+          CatchAsStatus([&] { return WriteShardFile(dir, id, rank, world, tensors, report); });
+    }
     if (!written.ok()) {
       report.Clear();
       report.set_rank(rank);

@@ -84,21 +84,40 @@ absl::Status LoadShardedCheckpoint(FullyShardedModel& model, const std::string& 
 // model's own storage). REQUIRES: the model IDLE.
 std::vector<CheckpointTensor> ModelCheckpointTensors(const FullyShardedModel& model);
 
+// The groups a model's checkpoint is saved over: the model's own
+// (ModelSaveGroups), or groups with the same ranks that carry nothing else,
+// for a save that runs beside training (checkpoint/async_checkpoint.h).
+// `replicate` is null unless the model is hybrid-sharded.
+struct SaveGroups {
+  Collectives* shard = nullptr;
+  Collectives* replicate = nullptr;
+};
+SaveGroups ModelSaveGroups(FullyShardedModel& model);
+
 // SaveCheckpointTensors over the model's shard group. Under hybrid sharding
 // the shard groups hold identical shards: only the replicate group's rank 0
 // writes, and the others return once it has, with its outcome.
 absl::Status SaveModelCheckpointTensors(FullyShardedModel& model, const std::string& dir,
                                         const std::vector<CheckpointTensor>& tensors,
                                         const CheckpointMetadata& metadata = {});
+// The same over `groups`; it touches no model, so the tensors may be
+// copies taken earlier. `ready`: as SaveCheckpointTensors'.
+absl::Status SaveModelCheckpointTensors(const SaveGroups& groups, const std::string& dir,
+                                        const std::vector<CheckpointTensor>& tensors,
+                                        const CheckpointMetadata& metadata = {},
+                                        const absl::Status& ready = absl::OkStatus());
 
 // The general forms, for checkpoints that hold more than the model: every
 // rank of `group` calls them with its tensors, in the same order on every
 // rank. Loading checks every tensor first and fills every `local` only if
 // every rank could read its part; entries of the checkpoint whose names
 // start with one of `ignore_prefixes` may be absent from `tensors`.
+// `ready` is this rank's outcome of any preparation the caller did first:
+// an error there fails the save on every rank, in the save's own round.
 absl::Status SaveCheckpointTensors(Collectives& group, const std::string& dir,
                                    const std::vector<CheckpointTensor>& tensors,
-                                   const CheckpointMetadata& metadata = {});
+                                   const CheckpointMetadata& metadata = {},
+                                   const absl::Status& ready = absl::OkStatus());
 absl::Status LoadCheckpointTensors(Collectives& group, const std::string& dir,
                                    const std::vector<CheckpointTensor>& tensors,
                                    const std::vector<std::string>& ignore_prefixes,

@@ -6,7 +6,8 @@
 # cases again under compute-sanitizer's memcheck where installed), trains the main
 # job on the GPU (one rank over NCCL, with the flat-shard optimizer's exact
 # and fused kernels; two ranks sharing the GPU, staged; checkpoints saved
-# there and resumed; a small Hugging Face Llama fine-tuned with LoRA in
+# there and resumed, blocking and in the background; a small Hugging Face
+# Llama fine-tuned with LoRA in
 # bfloat16 with activation checkpointing, one rank and two sharing the GPU),
 # runs the training-step benchmark on both sides (ours, models/cuda_step_benchmark.cc;
 # PyTorch's FullyShardedDataParallel and fully_shard,
@@ -80,6 +81,35 @@ checkpoints_on_gpu() {  # checkpoints_on_gpu TRAIN_GPT DIR
   echo "$output"
   ((status == 1)) && grep -q "the updated weights give a loss of" <<<"$output" &&
     [[ ! -e "$dir/blown/step-00000001" ]]
+}
+
+# --async_checkpoint on the GPU (each rank's shards copied into pinned host
+# memory on a side stream that the next step waits for): the losses are the
+# blocking run's, and its last checkpoint resumes.
+async_checkpoints_on_gpu() {  # async_checkpoints_on_gpu TRAIN_GPT DEVICE RANKS DIR
+  local job=$1 device=$2 ranks=$3 dir=$4 output
+  rm -rf "$dir"
+  local common=(--device="$device" --world_size="$ranks" --print_plan=false --log_every=10
+    --checkpoint_every=5)
+  timeout -k 10 90 "$job" "${common[@]}" --steps=20 --checkpoint_dir="$dir/blocking" \
+    --metrics_jsonl="$dir/blocking.jsonl" || return 1
+  output=$(timeout -k 10 90 "$job" "${common[@]}" --steps=20 --async_checkpoint \
+    --checkpoint_dir="$dir/async" --metrics_jsonl="$dir/async.jsonl" 2>&1) ||
+    { echo "$output"; return 1; }
+  echo "$output"
+  grep -q "checkpoint $dir/async/step-00000020 (in the background" <<<"$output" || return 1
+  # Within 1e-5: the GPU's kernels need not repeat a sum's order run to run.
+  python3 - "$dir/blocking.jsonl" "$dir/async.jsonl" <<'EOF' ||
+import json, sys
+a, b = ([json.loads(line)["loss"] for line in open(path)] for path in sys.argv[1:])
+close = all(abs(x - y) <= 1e-5 * max(1.0, abs(x)) for x, y in zip(a, b))
+sys.exit(0 if len(a) == len(b) == 20 and close else 1)
+EOF
+    { echo "async_checkpoint: the losses differ from the blocking run's"; return 1; }
+  output=$(timeout -k 10 90 "$job" "${common[@]}" --steps=25 --async_checkpoint --resume \
+    --checkpoint_dir="$dir/async" 2>&1) || { echo "$output"; return 1; }
+  echo "$output"
+  grep -q "resumed from $dir/async/step-00000020" <<<"$output"
 }
 
 [[ -d /usr/local/cuda/bin ]] && export PATH="/usr/local/cuda/bin:$PATH"
@@ -210,6 +240,13 @@ if ((cuda_built)); then
   # the device).
   stage train_gpt_cuda_checkpoint_resume "$out/cuda_test.log" \
     checkpoints_on_gpu "$build/models/train_gpt" /tmp/fsdp_gpu_checkpoints
+  for ranks in 1 2; do
+    device=cuda
+    ((ranks > 1)) && device=cuda:0
+    stage "train_gpt_${device}_w${ranks}_async_checkpoint" "$out/cuda_test.log" \
+      async_checkpoints_on_gpu "$build/models/train_gpt" "$device" "$ranks" \
+      "/tmp/fsdp_gpu_async_checkpoints_w$ranks"
+  done
   # Activation checkpointing on the GPU: the caching allocator's peak with
   # and without, on the long-context GPT of the committed CPU measurement.
   stage activation_checkpointing_memory_cuda "$out/cuda_test.log" \
