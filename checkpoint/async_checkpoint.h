@@ -7,7 +7,7 @@
 //   auto saver = fsdp::ValueOrThrow(fsdp::AsyncCheckpointer::Create(*sharded, connect));
 //   for (...) {
 //     ... forward, backward, optimizer.step(), ++state.step ...
-//     fsdp::ThrowIfError(saver->Poll());  // A save that failed, at the next boundary.
+//     fsdp::ThrowIfError(saver->Poll());  // A save that failed, once written.
 //     if (state.step % 100 == 0) {
 //       fsdp::ThrowIfError(saver->Save("ckpt", *sharded, &optimizer, state));
 //     }
@@ -31,11 +31,11 @@
 // stream current at Save waits for), kept from the first Save on and reused
 // by every later one (as async_save's cache_staged_state_dict keeps it).
 // Reading libtorch's optimizer state for a save allocates a transient copy
-// of it besides. Under hybrid sharding only the shard group
-// that writes holds one; the other replicas stage nothing.
+// of it besides. Under hybrid sharding only the shard group that writes
+// holds one; the other replicas stage nothing.
 //
 // At most one save is in flight: Save waits for the one before it
-// (last_wait() says how long). Each save's outcome is reported once, by
+// (last_times().waited says how long). Each save's outcome is reported once, by
 // whichever of Poll, Wait and the next Save learns it first; a failure is
 // never lost, and every rank learns it at the same call (Poll agrees on
 // that) while the checkpointer lives: its destructor waits for the save in
