@@ -3,9 +3,11 @@
 #include <time.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -22,21 +24,126 @@
 #include "statedict/dcp_sharded.h"
 
 namespace fsdp {
-namespace {
+namespace checkpoint_internal {
 
 using Clock = std::chrono::steady_clock;
 
-// Copies tensors to host memory for a write that outlives the step, into
-// the buffers of the save before when they fit (`buffers`, the i-th copy
-// into the i-th: a save stages the same tensors in the same order each
-// time), so that a save touches no fresh pages. On a device with streams
+// The model's tensors a save on the host writes from where they are, and
+// the version each had at Save: released on the writer's thread once this
+// rank's file is written, and waited for on training's (through
+// FullyShardedModel::HoldShards). Aliases (detach()) share a tensor's
+// storage and version counter. The model's parameters are watched besides:
+// an optimizer updates them, not the flat shards they view, and a
+// parameter keeps a version counter of its own.
+class ShardHold {
+ public:
+  void Watch(const at::Tensor& t, std::string name) {
+    tensors_.push_back(t.detach());
+    versions_.push_back(t._version());
+    names_.push_back(std::move(name));
+  }
+  bool empty() const { return tensors_.empty(); }
+  // On the writer's thread, once every held byte has been written.
+  absl::Status CheckAndRelease() {
+    absl::Status status;
+    for (size_t i = 0; i < tensors_.size() && status.ok(); ++i) {
+      if (tensors_[i]._version() != versions_[i]) {
+        status = absl::AbortedError(absl::StrCat(
+            "'", names_[i],
+            "' changed in place while the background save was writing it "
+            "(an update between Save and the end of the next backward pass, which the save "
+            "cannot hold back); the checkpoint would mix two steps, so it is not saved. "
+            "Call Wait() before changing the shards by hand"));
+      }
+    }
+    Release();
+    return status;
+  }
+  void Release() {
+    std::lock_guard<std::mutex> lock(mu_);
+    released_ = true;
+    cv_.notify_all();
+  }
+  // On training's thread.
+  void Wait() {
+    const Clock::time_point begin = Clock::now();
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return released_; });
+    waited_ += Clock::now() - begin;
+  }
+  std::chrono::duration<double> waited() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return waited_;
+  }
+
+ private:
+  std::vector<at::Tensor> tensors_;
+  std::vector<int64_t> versions_;
+  std::vector<std::string> names_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool released_ = false;                    // Guarded by mu_.
+  std::chrono::duration<double> waited_{0};  // Guarded by mu_.
+};
+
+namespace {
+std::function<void()>& BeforeBackgroundWrite() {
+  static auto* hook = new std::function<void()>();
+  return *hook;
+}
+}  // namespace
+
+void SetBeforeBackgroundWriteForTesting(std::function<void()> hook) {
+  BeforeBackgroundWrite() = std::move(hook);
+}
+
+}  // namespace checkpoint_internal
+
+namespace {
+
+using checkpoint_internal::Clock;
+using checkpoint_internal::ShardHold;
+
+// The storages (StorageImpl addresses) in host memory that training
+// writes: the shards, which only an optimizer step or a load writes, and
+// the buffers, which forward may update.
+struct LiveStorages {
+  std::set<const void*> shards;
+  std::set<const void*> buffers;
+};
+
+const void* StorageOf(const at::Tensor& t) {
+  return t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
+}
+
+LiveStorages LiveStoragesOf(const FullyShardedModel& model, torch::optim::Optimizer* optimizer) {
+  LiveStorages live;
+  if (optimizer != nullptr) live.shards = OptimizerStateStorages(*optimizer);
+  const torch::nn::Module& root = model.units().front()->module();
+  for (const at::Tensor& p : root.parameters(/*recurse=*/true)) live.shards.insert(StorageOf(p));
+  for (const at::Tensor& b : root.buffers(/*recurse=*/true)) {
+    if (b.defined()) live.buffers.insert(StorageOf(b));
+  }
+  live.shards.erase(nullptr);
+  live.buffers.erase(nullptr);
+  return live;
+}
+
+// Stages tensors for a write that outlives the step. A shard in host
+// memory is held (`hold`) and written from where it is; another tensor in
+// host memory that training does not write (a value the save made) is
+// written as it is. Any other, a buffer or a tensor on a device, is copied
+// to host memory, into the buffers of the save before when they fit
+// (`buffers`, the i-th copy into the i-th: a save stages the same tensors
+// in the same order each time), so that a save touches no fresh pages. On a device with streams
 // the copies run on a side stream after the work issued so far, into
 // pinned memory, and the caller's stream waits for them (the next step's
 // in-place updates must not overtake a copy); the writer waits for them on
 // the host (Ready). On the host a copy is done when it returns.
 class HostStager {
  public:
-  explicit HostStager(std::vector<at::Tensor>& buffers) : buffers_(buffers) {}
+  HostStager(std::vector<at::Tensor>& buffers, std::shared_ptr<ShardHold> hold, LiveStorages live)
+      : buffers_(buffers), hold_(std::move(hold)), live_(std::move(live)) {}
   HostStager(const HostStager&) = delete;
   HostStager& operator=(const HostStager&) = delete;
   // A staging that failed part way: the copies issued must land before
@@ -48,6 +155,15 @@ class HostStager {
     } catch (...) {
       // The device failed; nothing the buffers hold will be written.
     }
+  }
+
+  at::Tensor Stage(const at::Tensor& t, std::string name) {
+    const void* storage = StorageOf(t);
+    if (!t.device().is_cpu() || live_.buffers.count(storage) != 0) return Copy(t);
+    if (live_.shards.count(storage) == 0) return t;
+    held_bytes_ += t.numel() * static_cast<int64_t>(t.element_size());
+    hold_->Watch(t, std::move(name));
+    return t.detach();
   }
 
   at::Tensor Copy(const at::Tensor& t) {
@@ -86,6 +202,7 @@ class HostStager {
     });
   }
   int64_t bytes() const { return bytes_; }
+  int64_t held_bytes() const { return held_bytes_; }
 
  private:
   struct Streams {
@@ -104,9 +221,11 @@ class HostStager {
   }
 
   std::vector<at::Tensor>& buffers_;
+  const std::shared_ptr<ShardHold> hold_;
+  const LiveStorages live_;
   bool finished_ = false;
   size_t copies_ = 0;
-  int64_t bytes_ = 0;
+  int64_t bytes_ = 0, held_bytes_ = 0;
   std::map<std::string, Streams> streams_;
   std::vector<DeviceEvent> copied_;
 };
@@ -158,6 +277,8 @@ absl::Status AsyncCheckpointer::Finish() {
   done_ = false;
   times_.written = written_;
   times_.write_cpu = write_cpu_;
+  if (hold_ != nullptr) times_.held = hold_->waited();
+  hold_.reset();
   return std::exchange(outcome_, absl::OkStatus());
 }
 
@@ -197,6 +318,7 @@ absl::Status AsyncCheckpointer::Start(FullyShardedModel& model, const std::strin
   const Clock::time_point waited = Clock::now();
   FSDP_RETURN_IF_ERROR(before);
   times_ = AsyncCheckpointTimes{};
+  hold_ = std::make_shared<ShardHold>();
   const absl::StatusOr<Write> write = [&]() -> absl::StatusOr<Write> {
     try {
       return stage();
@@ -205,8 +327,18 @@ absl::Status AsyncCheckpointer::Start(FullyShardedModel& model, const std::strin
     }
   }();
   // A refusal or a copy that failed on any rank stops the save on every
-  // rank here, before any thread starts.
-  FSDP_RETURN_IF_ERROR(checkpoint_internal::AgreeAcrossRanks(model, write.status()));
+  // rank here, before any thread starts (and before the shards are held).
+  const absl::Status agreed = checkpoint_internal::AgreeAcrossRanks(model, write.status());
+  if (!agreed.ok()) hold_.reset();
+  FSDP_RETURN_IF_ERROR(agreed);
+  if (hold_->empty()) {
+    hold_.reset();
+  } else {
+    for (const auto& p : model.units().front()->module().named_parameters(/*recurse=*/true)) {
+      hold_->Watch(p.value(), p.key());
+    }
+    model.HoldShards([hold = hold_] { hold->Wait(); });
+  }
   const Clock::time_point staged = Clock::now();
   times_.waited = waited - begin;
   times_.staged = staged - waited;
@@ -217,16 +349,20 @@ absl::Status AsyncCheckpointer::Start(FullyShardedModel& model, const std::strin
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &cpu);
     return cpu.tv_sec + cpu.tv_nsec * 1e-9;
   };
-  auto run = [this, groups, write = *write, cpu_seconds]() {
+  auto run = [this, groups, write = *write, cpu_seconds, hold = hold_]() {
     const Clock::time_point start = Clock::now();
     const double cpu_start = cpu_seconds();
     absl::Status outcome;
     try {
+      const std::function<void()>& before = checkpoint_internal::BeforeBackgroundWrite();
+      if (before) before();
       outcome = write(groups);
     } catch (...) {
       outcome = StatusFromCurrentException();
     }
     const double cpu = cpu_seconds() - cpu_start;
+    // Normally released once the file was written; here whatever happened.
+    if (hold != nullptr) hold->Release();
     std::lock_guard<std::mutex> lock(mu_);
     written_ = Clock::now() - start;
     write_cpu_ = std::chrono::duration<double>(cpu);
@@ -262,9 +398,12 @@ absl::Status AsyncCheckpointer::Save(const std::string& dir, FullyShardedModel& 
         checkpoint_internal::PrepareDistributedSave(dir, model, optimizer, train_state, options));
     FSDP_RETURN_IF_ERROR(save.ready);
     const SaveGroups groups{shard_group_.get(), replicate_group_.get()};
-    auto stager = std::make_shared<HostStager>(staging_buffers_);
+    auto stager =
+        std::make_shared<HostStager>(staging_buffers_, hold_, LiveStoragesOf(model, optimizer));
     if (Writes(groups)) {
-      for (DcpTensorShard& shard : save.shards) shard.local = stager->Copy(shard.local);
+      for (DcpTensorShard& shard : save.shards) {
+        shard.local = stager->Stage(shard.local, DcpStoredName(shard.path));
+      }
       for (DcpItem& item : save.values) item.value = CopyValue(item.value, *stager);
       stager->Finish();
     } else {
@@ -272,8 +411,10 @@ absl::Status AsyncCheckpointer::Save(const std::string& dir, FullyShardedModel& 
       save.values.clear();
     }
     times_.staged_bytes = stager->bytes();
-    return Write([dir, save = std::move(save), stager](const SaveGroups& groups) {
-      return SaveModelShardedDcp(groups, dir, save.shards, save.values, stager->Ready());
+    times_.held_bytes = stager->held_bytes();
+    return Write([dir, save = std::move(save), stager, hold = hold_](const SaveGroups& groups) {
+      return SaveModelShardedDcp(groups, dir, save.shards, save.values, stager->Ready(),
+                                 [&hold] { return hold->CheckAndRelease(); });
     });
   });
 }
@@ -286,19 +427,22 @@ absl::Status SaveShardedInBackground(AsyncCheckpointer& saver, const std::string
   return saver.Start(model, dir, [&]() -> absl::StatusOr<AsyncCheckpointer::Write> {
     FSDP_ASSIGN_OR_RETURN(std::vector<CheckpointTensor> tensors,
                           TrainingCheckpointTensors(model, optimizer));
-    auto stager = std::make_shared<HostStager>(saver.staging_buffers_);
+    auto stager = std::make_shared<HostStager>(saver.staging_buffers_, saver.hold_,
+                                               LiveStoragesOf(model, &optimizer));
     const SaveGroups groups{saver.shard_group_.get(), saver.replicate_group_.get()};
     if (Writes(groups)) {
-      for (CheckpointTensor& t : tensors) t.local = stager->Copy(t.local);
+      for (CheckpointTensor& t : tensors) t.local = stager->Stage(t.local, t.fqn);
       stager->Finish();
     } else {
       tensors.clear();
     }
     saver.times_.staged_bytes = stager->bytes();
-    return AsyncCheckpointer::Write(
-        [dir, tensors = std::move(tensors), metadata, stager](const SaveGroups& groups) {
-          return SaveModelCheckpointTensors(groups, dir, tensors, metadata, stager->Ready());
-        });
+    saver.times_.held_bytes = stager->held_bytes();
+    return AsyncCheckpointer::Write([dir, tensors = std::move(tensors), metadata, stager,
+                                     hold = saver.hold_](const SaveGroups& groups) {
+      return SaveModelCheckpointTensors(groups, dir, tensors, metadata, stager->Ready(),
+                                        [&hold] { return hold->CheckAndRelease(); });
+    });
   });
 }
 

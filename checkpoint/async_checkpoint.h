@@ -1,7 +1,7 @@
 // Checkpoints written in the background, as torch.distributed.checkpoint's
-// async_save writes them: Save copies this rank's part of the state to host
-// memory at the step boundary and returns; a thread of the checkpointer's
-// writes and commits it while training goes on.
+// async_save writes them: at the step boundary Save stages this rank's part
+// of the state and returns; a thread of the checkpointer's writes and
+// commits it while training goes on.
 //
 //   auto connect = fsdp::ValueOrThrow(fsdp::GlooConnectorFromEnvironment(env));
 //   auto saver = fsdp::ValueOrThrow(fsdp::AsyncCheckpointer::Create(*sharded, connect));
@@ -26,13 +26,26 @@
 // a collective from another thread on the model's groups would interleave
 // with training's. Gloo groups suit it: what they carry is host memory.
 //
-// Memory: one host copy of the rank's shards (parameters, optimizer state,
-// buffers; pinned when they are on a GPU, copied on a side stream that the
-// stream current at Save waits for), kept from the first Save on and reused
-// by every later one (as async_save's cache_staged_state_dict keeps it).
-// Reading libtorch's optimizer state for a save allocates a transient copy
-// of it besides. Under hybrid sharding only the shard group that writes
-// holds one; the other replicas stage nothing.
+// Staging. Shards in host memory (CPU training, CPU offload: parameters and
+// the optimizer's state) are written from where they are, not copied: Save
+// holds them (FullyShardedModel::HoldShards) until this rank's file is
+// written and synced, and what would change them waits for that first: the
+// end of the next backward pass, so before the optimizer steps, and every
+// call between steps that may write them (loads among them). The time
+// training waited is last_times().held; a write that hangs stalls training
+// there. A change the hold cannot stop (an in-place update by hand between
+// Save and the next backward) fails the save where a version counter
+// records it: in-place ops on a parameter, libtorch's Adam and AdamW and
+// the flat-shard optimizers do; writes through .data() or a raw pointer
+// (libtorch's SGD steps that way) do not, and would land unseen. Buffers,
+// which forward may update, and values are copied; optimizer state other
+// than libtorch's Adam, AdamW and SGD and the flat-shard optimizers' is
+// read through a copy when Save is called.
+// Shards on a GPU are copied into host memory (pinned, on a side stream
+// that the stream current at Save waits for), kept from the first Save on
+// and reused by every later one (as async_save's cache_staged_state_dict
+// keeps it). Under hybrid sharding only the shard group that writes stages
+// anything; the other replicas hold and copy nothing.
 //
 // At most one save is in flight: Save waits for the one before it
 // (last_times().waited says how long). Each save's outcome is reported once, by
@@ -70,6 +83,7 @@ class AsyncCheckpointer;
 struct SaveGroups;  // statedict/sharded_checkpoint.h (internal).
 
 namespace checkpoint_internal {
+class ShardHold;  // The shards a save writes in place (async_checkpoint.cc).
 // The main job's SHARDED training checkpoint (optim/training_checkpoint.h's
 // SaveTrainingCheckpoint) in the background. Not part of the interface: the
 // SHARDED format is the main job's own.
@@ -77,6 +91,9 @@ namespace checkpoint_internal {
 absl::Status SaveShardedInBackground(AsyncCheckpointer& saver, const std::string& dir,
                                      FullyShardedModel& model, torch::optim::Optimizer& optimizer,
                                      const std::map<std::string, std::string>& metadata);
+// Tests only: runs on each writer's thread before its write starts, so that
+// a test can act while a save is in flight. Set it while none is.
+void SetBeforeBackgroundWriteForTesting(std::function<void()> hook);
 }  // namespace checkpoint_internal
 
 // What the last save cost, on this rank.
@@ -88,7 +105,12 @@ struct AsyncCheckpointTimes {
   // took for that (the system calls' share included; the kernel's
   // write-back and the groups' own threads not).
   std::chrono::duration<double> written{0}, write_cpu{0};
-  int64_t staged_bytes = 0;  // Host memory the copy holds (0 when this rank writes nothing).
+  // After Save returned: training waiting for the writer to finish reading
+  // the shards it holds (at the end of a backward pass, or a call between
+  // steps).
+  std::chrono::duration<double> held{0};
+  int64_t staged_bytes = 0;  // Bytes copied to host memory (held shards not counted).
+  int64_t held_bytes = 0;    // Bytes written from the shards in place.
 };
 
 class AsyncCheckpointer {
@@ -150,6 +172,8 @@ class AsyncCheckpointer {
                      const std::function<absl::StatusOr<Write>()>& stage);
   // Joins the writer and returns its outcome once.
   absl::Status Finish();
+  // Of the save being staged, then in flight: the shards it writes in place.
+  std::shared_ptr<checkpoint_internal::ShardHold> hold_;
 
   FullyShardedModel* const model_;
   const std::unique_ptr<Collectives> shard_group_;

@@ -3,11 +3,15 @@
 #include <signal.h>
 #include <sys/resource.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ATen/ATen.h"
@@ -134,6 +138,95 @@ TEST(AsyncCheckpointer, LandsTheStateAtSaveWhileTrainingGoesOn) {
     });
     ASSERT_TRUE(second.ok()) << second;
   }
+}
+
+// Holds each background write back until `release` returns true on the
+// writer's thread (polled), for as long as a test lives.
+class HoldWritesBack {
+ public:
+  explicit HoldWritesBack(std::function<bool()> release) {
+    checkpoint_internal::SetBeforeBackgroundWriteForTesting([release] {
+      while (!release()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    });
+  }
+  ~HoldWritesBack() { checkpoint_internal::SetBeforeBackgroundWriteForTesting(nullptr); }
+};
+
+// On the host the shards are written from where they are: the optimizer
+// step after a save waits (at the end of backward) until they are written,
+// so a write held back 300 ms still lands the state at Save, and training
+// reports the time it waited.
+TEST(AsyncCheckpointer, HoldsTheShardsUntilWritten) {
+  const std::string dir = Dir("holds");
+  const GroupConnector connect = NewConnector();
+  std::atomic<bool> stepping{false};
+  const auto since = std::make_shared<std::atomic<int64_t>>(0);
+  HoldWritesBack held_back([&] {
+    // 300 ms after a rank started the step that follows the save.
+    if (!stepping.load()) return false;
+    const int64_t now = std::chrono::steady_clock::now().time_since_epoch().count();
+    int64_t zero = 0;
+    since->compare_exchange_strong(zero, now);
+    return now - since->load() > 300'000'000;
+  });
+  std::vector<float> want;
+  absl::Status first = RunOnThreadRanks(2, [&](Collectives& comm) {
+    Trainer t(comm, connect);
+    for (int step = 0; step < 3; ++step) t.Step(comm, step);
+    ASSERT_TRUE(t.saver->Save(dir, *t.fsdp, t.optimizer.get(), TrainState{3}).ok());
+    EXPECT_GT(t.saver->last_times().held_bytes, 0);
+    stepping = true;
+    for (int step = 3; step < 6; ++step) {
+      const float loss = t.Step(comm, step);
+      if (comm.rank() == 0) want.push_back(loss);
+      EXPECT_TRUE(t.saver->Poll().ok());
+    }
+    absl::Status waited = t.saver->Wait();
+    ASSERT_TRUE(waited.ok()) << waited;
+    EXPECT_GT(t.saver->last_times().held.count(), 0);
+  });
+  ASSERT_TRUE(first.ok()) << first;
+  const GroupConnector load_connect = NewConnector();
+  absl::Status second = RunOnThreadRanks(2, [&](Collectives& comm) {
+    Trainer t(comm, load_connect);
+    TrainState state;
+    ASSERT_TRUE(LoadCheckpoint(dir, *t.fsdp, t.optimizer.get(), &state).ok());
+    EXPECT_EQ(state.step, 3);
+    for (int step = 3; step < 6; ++step) EXPECT_EQ(t.Step(comm, step), want[step - 3]);
+  });
+  ASSERT_TRUE(second.ok()) << second;
+}
+
+// A shard changed in place by hand while its write is held back would land
+// a checkpoint of two steps: the save fails instead, on every rank at the
+// same Poll, naming the tensor, and the checkpoint before it stays.
+TEST(AsyncCheckpointer, AShardChangedByHandFailsTheSave) {
+  const std::string dir = Dir("changed");
+  const GroupConnector connect = NewConnector();
+  std::atomic<int> changed{0};
+  std::atomic<bool> holding{false};
+  HoldWritesBack held_back([&] { return !holding.load() || changed.load() == 2; });
+  absl::Status run = RunOnThreadRanks(2, [&](Collectives& comm) {
+    Trainer t(comm, connect);
+    for (int step = 0; step < 2; ++step) t.Step(comm, step);
+    ASSERT_TRUE(t.saver->Save(dir, *t.fsdp, t.optimizer.get(), TrainState{2}).ok());
+    ASSERT_TRUE(t.saver->Wait().ok());
+    t.Step(comm, 2);
+    holding = true;
+    ASSERT_TRUE(t.saver->Save(dir, *t.fsdp, t.optimizer.get(), TrainState{3}).ok());
+    {
+      at::NoGradGuard no_grad;
+      UniqueParameters(*t.model).front().add_(1.0);
+    }
+    ++changed;
+    absl::Status outcome;
+    while (outcome.ok() && t.saver->in_flight()) outcome = t.saver->Poll();
+    EXPECT_THAT(std::string(outcome.message()), HasSubstr("changed in place"));
+    TrainState state;
+    ASSERT_TRUE(LoadCheckpoint(dir, *t.fsdp, t.optimizer.get(), &state).ok());
+    EXPECT_EQ(state.step, 2);
+  });
+  ASSERT_TRUE(run.ok()) << run;
 }
 
 // A save due while the one before is still writing waits for it; both land.

@@ -336,7 +336,7 @@ std::vector<std::string> Differences(Collectives& group, const std::string& wher
 
 absl::Status CheckReplicas(FullyShardedModel& model, torch::optim::Optimizer* optimizer,
                            const ReplicaCheckOptions& options) {
-  FSDP_RETURN_IF_ERROR(model.RequireIdle("checking the replicas"));
+  FSDP_RETURN_IF_ERROR(model.RequireIdle("checking the replicas", ShardAccess::kReadsOnly));
   CollectiveLabel label(model.group(), model.replicate_group(), "", "checking the replicas");
   Items items;
   FSDP_RETURN_IF_ERROR(AgreeAcrossRanks(

@@ -1354,6 +1354,16 @@ set_target_properties(formats_crc32 PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_
 target_include_directories(formats_crc32 PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS formats_crc32 EXPORT fsdp_cpp_targets)
 
+# //formats:crc32_test
+if(BUILD_TESTING)
+add_executable(formats_crc32_test ${PROJECT_SOURCE_DIR}/formats/crc32_test.cc)
+set_target_properties(formats_crc32_test PROPERTIES OUTPUT_NAME crc32_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/formats ENABLE_EXPORTS ON)
+target_link_libraries(formats_crc32_test PRIVATE formats_crc32 third_party_gtest_main)
+add_test(NAME //formats:crc32_test COMMAND formats_crc32_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//formats:crc32_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/formats_crc32_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/formats_crc32_test")
+endif()
+
 # //formats:dcp
 add_library(formats_dcp SHARED ${PROJECT_SOURCE_DIR}/formats/dcp.cc ${PROJECT_SOURCE_DIR}/formats/dcp_internal.h ${PROJECT_SOURCE_DIR}/formats/dcp_metadata_reader.cc ${PROJECT_SOURCE_DIR}/formats/dcp_writer.cc ${PROJECT_SOURCE_DIR}/formats/dcp.h)
 set_target_properties(formats_dcp PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/formats)

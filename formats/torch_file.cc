@@ -44,7 +44,14 @@ using torch_zip::ZipDirectory;
 at::Tensor Compact(const at::Tensor& t) {
   const bool compact = t.is_contiguous() && t.storage_offset() == 0 &&
                        t.storage().nbytes() == static_cast<size_t>(t.numel()) * t.element_size();
-  return compact ? t : t.contiguous().clone();
+  if (compact) return t;
+  if (!t.is_contiguous()) return t.contiguous();  // A copy of its own.
+  if (!t.is_cpu() || t.is_conj() || t.is_neg()) return t.clone();
+  // A view in host memory: a tensor whose storage is exactly its elements,
+  // aliasing them (the alias keeps them alive), rather than a copy of every
+  // byte only to write it once.
+  return at::from_blob(
+      t.data_ptr(), t.sizes(), [keep = t](void*) {}, t.options());
 }
 
 // --- Reading -----------------------------------------------------------------
@@ -382,11 +389,8 @@ absl::Status SaveTorchStateDict(const std::string& path, const StateDict& state)
   return SaveTorchObject(path, dict);
 }
 
-namespace {
-
-// `object` as torch.save's bytes, handed to `write` piece by piece.
-absl::Status WriteTorchObject(const c10::IValue& object,
-                              const std::function<absl::Status(const void*, size_t)>& write) {
+absl::Status WriteTorchSave(const c10::IValue& object,
+                            const std::function<absl::Status(const void*, size_t)>& write) {
   std::unordered_map<const void*, at::Tensor> compacted;
   FSDP_ASSIGN_OR_RETURN(const c10::IValue prepared, PrepareForPickle(object, "", compacted));
   try {
@@ -413,22 +417,11 @@ absl::Status WriteTorchObject(const c10::IValue& object,
   }
 }
 
-}  // namespace
-
 absl::Status SaveTorchObject(const std::string& path, const c10::IValue& object) {
   FSDP_ASSIGN_OR_RETURN(AtomicFileWriter file, AtomicFileWriter::Open(path));
   FSDP_RETURN_IF_ERROR(
-      WriteTorchObject(object, [&](const void* bytes, size_t n) { return file.Write(bytes, n); }));
+      WriteTorchSave(object, [&](const void* bytes, size_t n) { return file.Write(bytes, n); }));
   return file.Commit();
-}
-
-absl::StatusOr<std::string> TorchSaveBytes(const c10::IValue& object) {
-  std::string out;
-  FSDP_RETURN_IF_ERROR(WriteTorchObject(object, [&](const void* bytes, size_t n) {
-    out.append(static_cast<const char*>(bytes), n);
-    return absl::OkStatus();
-  }));
-  return out;
 }
 
 absl::StatusOr<PyRef> ReadTorchSaveObject(const std::string& path, uint64_t offset,

@@ -16,6 +16,7 @@
 #define FSDP_FORMATS_TORCH_FILE_H_
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <utility>
@@ -42,9 +43,12 @@ absl::Status SaveTorchStateDict(const std::string& path, const StateDict& state)
 // with weights_only too. Other values (objects, typed containers of other
 // kinds) are an error naming where they are.
 absl::Status SaveTorchObject(const std::string& path, const c10::IValue& object);
-// The bytes SaveTorchObject would write (Distributed Checkpoint stores one
-// such archive per value inside its data files).
-absl::StatusOr<std::string> TorchSaveBytes(const c10::IValue& object);
+// The bytes SaveTorchObject would write, handed to `write` piece by piece
+// (Distributed Checkpoint stores one such archive per value inside its data
+// files): a tensor's elements come straight from its memory, uncopied; the
+// first error `write` returns is returned.
+absl::Status WriteTorchSave(const c10::IValue& object,
+                            const std::function<absl::Status(const void*, size_t)>& write);
 
 // Reads the dict of tensors at `path` (written by torch.save or by
 // SaveTorchStateDict). `entry` selects a nested dict of tensors inside the

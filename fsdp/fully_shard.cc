@@ -60,7 +60,21 @@ absl::Status DeferParameterAllocation(torch::nn::Module& module) {
   return absl::OkStatus();
 }
 
-absl::Status FullyShardedModel::RequireIdle(const std::string& what) const {
+void FullyShardedModel::HoldShards(std::function<void()> wait) {
+  WaitForShardHold();
+  shard_hold_ = std::move(wait);
+}
+
+void FullyShardedModel::WaitForShardHold() const {
+  if (!shard_hold_) return;
+  std::function<void()> wait = std::exchange(shard_hold_, nullptr);
+  wait();
+}
+
+absl::Status FullyShardedModel::RequireIdle(const std::string& what, ShardAccess access) const {
+  if (training_state_ == ModelTrainingState::kIdle && access == ShardAccess::kMayWrite) {
+    WaitForShardHold();
+  }
   if (training_state_ != ModelTrainingState::kIdle) {
     return absl::FailedPreconditionError(
         absl::StrCat(what, " on rank ", group().rank(),
@@ -506,7 +520,7 @@ absl::StatusOr<std::vector<FsdpUnit*>> FullyShardedModel::UnitsOf(const char* ca
 
 absl::Status FullyShardedModel::SetRequiresGradientSync(
     const torch::nn::Module& module, const RequiresGradientSyncOptions& options) {
-  FSDP_RETURN_IF_ERROR(RequireIdle("SetRequiresGradientSync"));
+  FSDP_RETURN_IF_ERROR(RequireIdle("SetRequiresGradientSync", ShardAccess::kReadsOnly));
   FSDP_ASSIGN_OR_RETURN(std::vector<FsdpUnit*> units,
                         UnitsOf("SetRequiresGradientSync", module, options.recurse));
   for (FsdpUnit* unit : units) unit->requires_gradient_sync_ = options.requires_gradient_sync;
@@ -515,7 +529,7 @@ absl::Status FullyShardedModel::SetRequiresGradientSync(
 
 absl::Status FullyShardedModel::SetRequiresAllReduce(const torch::nn::Module& module,
                                                      const RequiresAllReduceOptions& options) {
-  FSDP_RETURN_IF_ERROR(RequireIdle("SetRequiresAllReduce"));
+  FSDP_RETURN_IF_ERROR(RequireIdle("SetRequiresAllReduce", ShardAccess::kReadsOnly));
   FSDP_ASSIGN_OR_RETURN(std::vector<FsdpUnit*> units,
                         UnitsOf("SetRequiresAllReduce", module, options.recurse));
   for (FsdpUnit* unit : units) unit->requires_all_reduce_ = options.requires_all_reduce;
@@ -524,7 +538,7 @@ absl::Status FullyShardedModel::SetRequiresAllReduce(const torch::nn::Module& mo
 
 absl::Status FullyShardedModel::SetReshardAfterBackward(
     const torch::nn::Module& module, const ReshardAfterBackwardOptions& options) {
-  FSDP_RETURN_IF_ERROR(RequireIdle("SetReshardAfterBackward"));
+  FSDP_RETURN_IF_ERROR(RequireIdle("SetReshardAfterBackward", ShardAccess::kReadsOnly));
   FSDP_ASSIGN_OR_RETURN(std::vector<FsdpUnit*> units,
                         UnitsOf("SetReshardAfterBackward", module, options.recurse));
   for (FsdpUnit* unit : units) unit->reshard_after_backward_ = options.reshard_after_backward;
@@ -534,7 +548,7 @@ absl::Status FullyShardedModel::SetReshardAfterBackward(
 absl::Status FullyShardedModel::SetGradientDivideFactor(
     const torch::nn::Module& module, const GradientDivideFactorOptions& options) {
   const std::optional<double> factor = options.factor;
-  FSDP_RETURN_IF_ERROR(RequireIdle("SetGradientDivideFactor"));
+  FSDP_RETURN_IF_ERROR(RequireIdle("SetGradientDivideFactor", ShardAccess::kReadsOnly));
   if (factor && !(*factor > 0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("SetGradientDivideFactor: the factor must be positive, got ", *factor));
@@ -584,7 +598,7 @@ void UnshardHandle::Wait() {
 }
 
 absl::Status FullyShardedModel::Reshard(const torch::nn::Module& module, bool recurse) {
-  FSDP_RETURN_IF_ERROR(RequireIdle("Reshard"));
+  FSDP_RETURN_IF_ERROR(RequireIdle("Reshard", ShardAccess::kReadsOnly));
   FSDP_ASSIGN_OR_RETURN(std::vector<FsdpUnit*> units, UnitsOf("Reshard", module, recurse));
   for (FsdpUnit* unit : units) {
     if (unit->handle_ == nullptr) continue;
@@ -604,7 +618,7 @@ FsdpUnit* FullyShardedModel::UnitOf(const torch::nn::Module& module) const {
 absl::Status FullyShardedModel::SetModulesToPrefetch(
     const char* caller, const torch::nn::Module& unit_module,
     const std::vector<const torch::nn::Module*>& modules, bool forward) {
-  FSDP_RETURN_IF_ERROR(RequireIdle(caller));
+  FSDP_RETURN_IF_ERROR(RequireIdle(caller, ShardAccess::kReadsOnly));
   FsdpUnit* unit = UnitOf(unit_module);
   if (unit == nullptr) {
     return absl::NotFoundError(
@@ -679,11 +693,14 @@ void FullyShardedModel::FinishBackward() {
     // own callback.
     backward_callback_queued_ = false;
     SetModelState(ModelTrainingState::kIdle);
+    WaitForShardHold();  // A caller may catch this and step all the same.
     throw;
   }
   backward_callback_queued_ = false;
   SetModelState(ModelTrainingState::kIdle);
   ++backward_passes_;
+  // The optimizer steps the shards next.
+  WaitForShardHold();
   if (options_.verify_collectives_every > 0 &&
       backward_passes_ % options_.verify_collectives_every == 0) {
     group().VerifyConsistency();

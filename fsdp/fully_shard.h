@@ -119,6 +119,11 @@ struct GradientDivideFactorOptions {
 // Where the whole model is (per FSDP state in PyTorch's terms).
 enum class ModelTrainingState { kIdle, kForwardBackward };
 
+// What a call between steps does with the shards, for RequireIdle: one
+// that may write them waits for a hold on them (FullyShardedModel::
+// HoldShards) first.
+enum class ShardAccess { kMayWrite, kReadsOnly };
+
 const char* ModelTrainingStateName(ModelTrainingState state);  // "IDLE", ...
 
 // One unit: a module, its handle (null if it holds no parameters of its
@@ -233,8 +238,23 @@ class FullyShardedModel {
   ModelTrainingState training_state() const { return training_state_; }
   // OK between steps; otherwise kFailedPrecondition naming `what`, this
   // rank and why: the model is in forward or backward, or a unit is inside
-  // SummonFullParams. The one check of every call that runs between steps.
-  absl::Status RequireIdle(const std::string& what) const;
+  // SummonFullParams. The one check of every call that runs between steps;
+  // with kMayWrite (any call that might write the shards: loads, Apply,
+  // SummonFullParams) it first waits for a hold on them (HoldShards).
+  absl::Status RequireIdle(const std::string& what,
+                           ShardAccess access = ShardAccess::kMayWrite) const;
+  // For code that goes on reading this rank's shards (parameters and
+  // optimizer state) after the call that started it has returned: a
+  // checkpoint written in the background from the shards themselves
+  // (checkpoint/async_checkpoint.h). Until `wait` has returned, whatever
+  // writes the shards must wait: the end of the next backward pass (so
+  // before the optimizer steps, also when that backward fails) and every
+  // call that may write them (RequireIdle with kMayWrite: loads among them)
+  // call `wait` first, once. A new hold waits for the one before. `wait`
+  // may run on an autograd engine thread, while backward() blocks the
+  // caller's. Code that writes the shards elsewhere between a hold and the
+  // next backward (an in-place update by hand) is not held back.
+  void HoldShards(std::function<void()> wait);
   const FsdpOptions& options() const { return options_; }
   // The plan the model was wrapped with (parameter lists without tensors).
   const WrapPlan& plan() const { return plan_; }
@@ -434,6 +454,9 @@ class FullyShardedModel {
   bool no_sync_ = false;
   bool backward_callback_queued_ = false;
   int64_t backward_passes_ = 0;
+  // HoldShards' wait, called once (by const RequireIdle too).
+  mutable std::function<void()> shard_hold_;
+  void WaitForShardHold() const;
   std::shared_ptr<CommHook> comm_hook_;
   std::map<const c10::TensorImpl*, at::ScalarType> buffer_full_dtypes_;
   ModelTrainingState training_state_ = ModelTrainingState::kIdle;

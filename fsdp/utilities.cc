@@ -83,7 +83,7 @@ std::vector<at::Tensor> UniqueParameters(const torch::nn::Module& module) {
 
 absl::StatusOr<at::Tensor> ClipGradNorm(FullyShardedModel& model, double max_norm,
                                         double norm_type) {
-  FSDP_RETURN_IF_ERROR(model.RequireIdle("ClipGradNorm"));
+  FSDP_RETURN_IF_ERROR(model.RequireIdle("ClipGradNorm", ShardAccess::kReadsOnly));
   if (!(norm_type >= 1.0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("ClipGradNorm: norm_type ", norm_type, " must be >= 1 or infinity"));
@@ -200,7 +200,7 @@ absl::Status Apply(FullyShardedModel& model, const std::function<void(torch::nn:
 }
 
 NoSync::NoSync(FullyShardedModel& model) : model_(model), previous_(model.no_sync_) {
-  ThrowIfError(model.RequireIdle("NoSync"));
+  ThrowIfError(model.RequireIdle("NoSync", ShardAccess::kReadsOnly));
   model_.no_sync_ = true;
 }
 

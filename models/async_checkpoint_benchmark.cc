@@ -58,7 +58,7 @@ using Clock = std::chrono::steady_clock;
 namespace fs = std::filesystem;
 
 constexpr int kWindowSteps = 6;
-constexpr int kRepetitions = 10;  // 60 steps per case and format.
+constexpr int kRepetitions = 16;  // 96 steps per case and format.
 constexpr const char* kFormats[] = {"sharded", "dcp"};
 constexpr const char* kCases[] = {"none", "blocking", "async"};
 
@@ -142,7 +142,8 @@ int RunWorker(const std::string& out_dir, const std::string& root) {
       *w.wrapped, fsdp::ValueOrThrow(fsdp::GlooConnectorFromEnvironment(env))));
   for (int i = 0; i < 3; ++i) w.Step();  // Warm-up; every parameter gets AdamW state.
   std::map<std::string, std::vector<double>> ms;
-  std::map<std::string, std::vector<double>> staged_ms, written_ms, write_cpu_ms, staged_mb;
+  std::map<std::string, std::vector<double>> staged_ms, written_ms, write_cpu_ms, staged_mb,
+      held_ms, held_mb;
   for (int rep = 0; rep < kRepetitions; ++rep) {
     for (const char* format : kFormats) {
       for (int c = 0; c < 3; ++c) {
@@ -155,6 +156,8 @@ int RunWorker(const std::string& out_dir, const std::string& root) {
           written_ms[format].push_back(t.written.count() * 1e3);
           write_cpu_ms[format].push_back(t.write_cpu.count() * 1e3);
           staged_mb[format].push_back(t.staged_bytes / 1e6);
+          held_ms[format].push_back(t.held.count() * 1e3);
+          held_mb[format].push_back(t.held_bytes / 1e6);
         }
       }
     }
@@ -167,6 +170,8 @@ int RunWorker(const std::string& out_dir, const std::string& root) {
     out << format << " written_ms=" << absl::StrJoin(written_ms[format], ",") << "\n";
     out << format << " write_cpu_ms=" << absl::StrJoin(write_cpu_ms[format], ",") << "\n";
     out << format << " staged_mb=" << absl::StrJoin(staged_mb[format], ",") << "\n";
+    out << format << " held_ms=" << absl::StrJoin(held_ms[format], ",") << "\n";
+    out << format << " held_mb=" << absl::StrJoin(held_mb[format], ",") << "\n";
   }
   return out ? 0 : 1;
 }
@@ -236,6 +241,8 @@ void RunCase(benchmark::State& state, int world) {
       state.counters[f + "_async_write_ms"] = Median((*r)[f + " written_ms"]);
       state.counters[f + "_async_write_cpu_ms"] = Median((*r)[f + " write_cpu_ms"]);
       state.counters[f + "_copy_MB"] = Median((*r)[f + " staged_mb"]);
+      state.counters[f + "_async_held_ms"] = Median((*r)[f + " held_ms"]);
+      state.counters[f + "_held_MB"] = Median((*r)[f + " held_mb"]);
     }
     state.SetIterationTime(1);
   }

@@ -92,7 +92,7 @@ TEST(TrainGptAsyncCheckpoint, ChangesNoLossAndResumesExactly) {
     for (int step : {6, 8}) {
       EXPECT_THAT(run.output,
                   HasSubstr(absl::StrFormat(
-                      "checkpoint %s/step-%08d (in the background: copied in ", ckpt, step)));
+                      "checkpoint %s/step-%08d (in the background: staged in ", ckpt, step)));
     }
     const std::vector<double> got = LossesOf(ckpt + ".jsonl");
     ASSERT_EQ(got.size(), 8u);

@@ -140,8 +140,10 @@ void TrainingRun::CollectAsyncCheckpoint(int step, bool wait) {
   }
   const fsdp::AsyncCheckpointTimes& times = async_saver_->last_times();
   std::string how = absl::StrFormat(
-      " (in the background: copied in %.0f ms, %.1f MB on rank %d, written in %.0f ms)",
-      times.staged.count() * 1e3, times.staged_bytes / 1e6, rank_, times.written.count() * 1e3);
+      " (in the background: staged in %.0f ms on rank %d, %.1f MB copied and %.1f MB written "
+      "in place, which training waited %.0f ms for; written in %.0f ms)",
+      times.staged.count() * 1e3, rank_, times.staged_bytes / 1e6, times.held_bytes / 1e6,
+      times.held.count() * 1e3, times.written.count() * 1e3);
   if (wait && waited_ms >= 1 && step < steps_) {
     absl::StrAppendFormat(&how, "; step %d waited %.0f ms for it", step + 1, waited_ms);
   }

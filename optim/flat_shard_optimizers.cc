@@ -116,6 +116,13 @@ at::Tensor FlatView(const at::Tensor& first, int64_t numel) {
       .set_(first.storage(), first.storage_offset(), {numel}, {1});
 }
 
+// A run is stepped through a view with a version counter of its own:
+// advance each parameter's as libtorch's in-place step does, so that a save
+// reading them in place (checkpoint/async_checkpoint.h) sees the step.
+void AdvanceVersions(const std::vector<Member>& members) {
+  for (const Member& m : members) m.param.unsafeGetTensorImpl()->bump_version();
+}
+
 std::vector<Member> MembersOf(const std::vector<OptimizerParamGroup>& groups, const char* name) {
   std::vector<Member> members;
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -662,6 +669,7 @@ FlatShardAdamW::FlatShardAdamW(std::vector<OptimizerParamGroup> param_groups, Ad
                                FlatShardKernel kernel)
     : torch::optim::AdamW(std::move(param_groups), defaults), kernel_(kernel) {
   CheckKernel(kernel, "FlatShardAdamW");
+  optim_internal::ReadStateAsItsBase(typeid(FlatAdamWParamState), typeid(AdamWParamState));
 }
 
 FlatShardAdamW::FlatShardAdamW(std::vector<at::Tensor> params, AdamWOptions defaults,
@@ -691,6 +699,7 @@ at::Tensor FlatShardAdamW::step(LossClosure closure) {
   }
   RunFusedAdamW(fused);
   for (auto& [s, step] : steps) s->step(step);
+  AdvanceVersions(start.members);
   Count(runs, stats_);
   return start.loss;
 }
@@ -709,6 +718,7 @@ FlatShardSGD::FlatShardSGD(std::vector<OptimizerParamGroup> param_groups, SGDOpt
                            FlatShardKernel kernel)
     : torch::optim::SGD(std::move(param_groups), defaults), kernel_(kernel) {
   CheckKernel(kernel, "FlatShardSGD");
+  optim_internal::ReadStateAsItsBase(typeid(FlatSGDParamState), typeid(SGDParamState));
 }
 
 FlatShardSGD::FlatShardSGD(std::vector<at::Tensor> params, SGDOptions defaults,
@@ -741,6 +751,7 @@ at::Tensor FlatShardSGD::step(LossClosure closure) {
     s->momentum_buffer(buffer);
     state_[key] = std::move(s);
   }
+  AdvanceVersions(start.members);
   Count(runs, stats_);
   return start.loss;
 }

@@ -30,17 +30,17 @@
 //
 // State. Each parameter's state is libtorch's AdamWParamState /
 // SGDParamState, keyed by the parameter as libtorch keys it, so optimizer
-// state dicts and checkpoints (checkpoint/checkpoint.h) work unchanged, and state moves both ways between these optimizers and
-// libtorch's. Its tensors are views of one flat buffer per run and state
-// key: the step updates the buffer. A state that is not such a view (loaded
-// by Optimizer::load, replaced by the caller, or the run's layout changed)
-// is copied into the run's buffer at the next step. Serializing a state
-// writes a copy of its own elements only, not the whole buffer.
+// state dicts and checkpoints (checkpoint/checkpoint.h) work unchanged, and state moves both ways
+// between these optimizers and libtorch's. Its tensors are views of one flat buffer per run and
+// state key: the step updates the buffer. A state that is not such a view (loaded by
+// Optimizer::load, replaced by the caller, or the run's layout changed) is copied into the run's
+// buffer at the next step. Serializing a state writes a copy of its own elements only, not the
+// whole buffer.
 //
 // Not supported: sparse gradients (refused by name; libtorch's SGD takes
-// them). The step updates a run through views of its storage, so the
-// parameters' version counters do not advance as libtorch's in-place step
-// would advance them (nothing in FSDP reads them).
+// them). The step updates a run through views of its storage and then
+// advances each parameter's version counter, as libtorch's in-place step
+// does (a background checkpoint reads them: checkpoint/async_checkpoint.h).
 //
 // Thread safety: as libtorch's optimizers (none).
 #ifndef FSDP_OPTIM_FLAT_SHARD_OPTIMIZERS_H_

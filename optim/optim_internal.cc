@@ -1,8 +1,11 @@
 #include "optim/optim_internal.h"
 
+#include <map>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <sstream>
+#include <typeindex>
 #include <typeinfo>
 
 #include "ATen/ATen.h"
@@ -24,14 +27,26 @@ torch::serialize::InputArchive Reopen(torch::serialize::OutputArchive& out) {
   return in;
 }
 
+// ReadStateAsItsBase's types; optimizers on several threads register them.
+struct StatesReadAsTheirBase {
+  std::mutex mu;
+  std::map<std::type_index, std::type_index> base_of;  // Guarded by mu.
+};
+StatesReadAsTheirBase& StatesReadAsBase() {
+  static auto* types = new StatesReadAsTheirBase();
+  return *types;
+}
+
 // The state of the optimizers most runs use, read as their serialize()
 // writes it (undefined tensors left out) without the archive's round trip
 // through bytes: that took 17 ms of every save of the benchmark GPT's AdamW
 // state. Exact types only: a subclass may write more.
-std::optional<RawState> ReadKnownState(const torch::optim::OptimizerParamState& state) {
+std::optional<RawState> ReadKnownState(const torch::optim::OptimizerParamState& state,
+                                       StateRead read) {
   RawState raw;
   const auto tensor = [&](const char* key, const at::Tensor& t) {
-    if (t.defined()) raw.tensors.emplace_back(key, t.detach().clone());
+    if (!t.defined()) return;
+    raw.tensors.emplace_back(key, read == StateRead::kViews ? t.detach() : t.detach().clone());
   };
   const auto adam = [&](const auto& s) {
     raw.values.emplace_back("step", c10::IValue(s.step()));
@@ -39,7 +54,13 @@ std::optional<RawState> ReadKnownState(const torch::optim::OptimizerParamState& 
     tensor("exp_avg_sq", s.exp_avg_sq());
     tensor("max_exp_avg_sq", s.max_exp_avg_sq());
   };
-  const std::type_info& type = typeid(state);
+  std::type_index type = typeid(state);
+  {
+    StatesReadAsTheirBase& registered = StatesReadAsBase();
+    std::lock_guard<std::mutex> lock(registered.mu);
+    auto it = registered.base_of.find(type);
+    if (it != registered.base_of.end()) type = it->second;
+  }
   if (type == typeid(torch::optim::AdamWParamState)) {
     adam(static_cast<const torch::optim::AdamWParamState&>(state));
   } else if (type == typeid(torch::optim::AdamParamState)) {
@@ -66,8 +87,14 @@ void AddValues(const std::map<std::string, c10::IValue>& values, RawState& raw) 
 
 }  // namespace
 
-RawState ReadOptimizerState(const torch::optim::OptimizerParamState& state) {
-  if (std::optional<RawState> known = ReadKnownState(state)) return *std::move(known);
+void ReadStateAsItsBase(const std::type_info& type, const std::type_info& base) {
+  StatesReadAsTheirBase& registered = StatesReadAsBase();
+  std::lock_guard<std::mutex> lock(registered.mu);
+  registered.base_of.emplace(type, base);
+}
+
+RawState ReadOptimizerState(const torch::optim::OptimizerParamState& state, StateRead read) {
+  if (std::optional<RawState> known = ReadKnownState(state, read)) return *std::move(known);
   return ReadRaw([&](torch::serialize::OutputArchive& a) { state.serialize(a); });
 }
 
@@ -184,10 +211,10 @@ Places PlacesOf(const torch::nn::Module& root, const FullyShardedModel* model) {
 }
 
 std::optional<ParamState> ReadParamState(torch::optim::Optimizer& optimizer,
-                                         const ParamPlace& place) {
+                                         const ParamPlace& place, StateRead read) {
   auto it = optimizer.state().find(StateKey(place.param));
   if (it == optimizer.state().end()) return std::nullopt;
-  RawState raw = ReadOptimizerState(*it->second);
+  RawState raw = ReadOptimizerState(*it->second, read);
   ParamState state;
   for (auto& [key, t] : raw.tensors) {
     if (t.sizes() == place.param.sizes()) {

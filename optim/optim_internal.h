@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <typeinfo>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -31,9 +32,20 @@ struct RawState {
 
 // What `serialize` writes, read back as named tensors and values.
 RawState ReadRaw(const std::function<void(torch::serialize::OutputArchive&)>& serialize);
-// What `state`'s serialize() writes, read back (copies): directly for
-// libtorch's Adam, AdamW and SGD, through an archive for any other.
-RawState ReadOptimizerState(const torch::optim::OptimizerParamState& state);
+// How the state's tensors come back: copies for a caller that keeps or
+// hands them out, views of the optimizer's own tensors for a checkpoint
+// written before the next step (SaveCheckpoint, and a background save,
+// which holds the shards until it has read them).
+enum class StateRead { kCopies, kViews };
+// What `state`'s serialize() writes, read back: directly for libtorch's
+// Adam, AdamW and SGD (views or copies, as `read` says), through an
+// archive (copies) for any other.
+RawState ReadOptimizerState(const torch::optim::OptimizerParamState& state,
+                            StateRead read = StateRead::kCopies);
+// A state class of ours that serialize()s exactly as its libtorch `base`
+// does (the flat-shard optimizers' states): ReadOptimizerState reads it
+// directly, as it reads its base. Before any read; idempotent.
+void ReadStateAsItsBase(const std::type_info& type, const std::type_info& base);
 // An archive holding `raw`, for an object's serialize(InputArchive&).
 torch::serialize::InputArchive ArchiveOf(const RawState& raw);
 // The key type of Optimizer::state(): the parameter's TensorImpl address,
@@ -69,7 +81,8 @@ struct ParamState {
 };
 // Empty when the optimizer has no state for the parameter yet.
 std::optional<ParamState> ReadParamState(torch::optim::Optimizer& optimizer,
-                                         const ParamPlace& place);
+                                         const ParamPlace& place,
+                                         StateRead read = StateRead::kCopies);
 // Overwrites the parameter's state, which must exist (PrimeMissingState).
 // Elementwise tensors are shaped like the local parameter or flat.
 void WriteParamState(torch::optim::Optimizer& optimizer, const ParamPlace& place,

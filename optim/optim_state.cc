@@ -326,7 +326,8 @@ absl::StatusOr<OptimStateDict> ShardedOptimStateDict(FullyShardedModel& model,
       ParamGroupState group;
       for (const ParamPlace* place : groups[g]) {
         group.params.push_back(place->fqn);
-        std::optional<ParamState> local = ReadParamState(optimizer, *place);
+        std::optional<ParamState> local =
+            ReadParamState(optimizer, *place, optim_internal::StateRead::kViews);
         if (!local.has_value()) continue;
         ParamOptimState state;
         state.values = local->values;

@@ -92,7 +92,8 @@ absl::StatusOr<OptimizerTensors> OptimizerCheckpointTensors(
       const ParamPlace* place = groups[g][i];
       out.tensors.push_back(Replicated(absl::StrCat("optim/group/", g, "/param/", place->fqn),
                                        at::full({1}, static_cast<int64_t>(i), at::kLong)));
-      std::optional<ParamState> state = ReadParamState(optimizer, *place);
+      std::optional<ParamState> state =
+          ReadParamState(optimizer, *place, optim_internal::StateRead::kViews);
       if (!state.has_value()) {
         return absl::FailedPreconditionError(absl::StrCat(
             "parameter '", place->fqn, "' has no optimizer state yet; save a training "
@@ -128,6 +129,18 @@ absl::StatusOr<OptimizerTensors> OptimizerCheckpointTensors(
 }
 
 }  // namespace
+
+std::set<const void*> OptimizerStateStorages(const torch::optim::Optimizer& optimizer) {
+  std::set<const void*> storages;
+  for (const auto& [key, state] : optimizer.state()) {
+    const optim_internal::RawState raw =
+        optim_internal::ReadOptimizerState(*state, optim_internal::StateRead::kViews);
+    for (const auto& [name, t] : raw.tensors) {
+      if (t.has_storage()) storages.insert(t.storage().unsafeGetStorageImpl());
+    }
+  }
+  return storages;
+}
 
 absl::StatusOr<std::vector<CheckpointTensor>> TrainingCheckpointTensors(
     FullyShardedModel& model, torch::optim::Optimizer& optimizer) {

@@ -19,6 +19,7 @@
 #ifndef FSDP_OPTIM_TRAINING_CHECKPOINT_H_
 #define FSDP_OPTIM_TRAINING_CHECKPOINT_H_
 
+#include <set>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,12 @@ absl::StatusOr<std::vector<CheckpointTensor>> TrainingCheckpointTensors(
     FullyShardedModel& model, torch::optim::Optimizer& optimizer);
 absl::Status LoadTrainingCheckpoint(FullyShardedModel& model, torch::optim::Optimizer& optimizer,
                                     const std::string& dir);
+// The storages (StorageImpl addresses) of the optimizer's own state
+// tensors that a checkpoint reads in place, for a save that outlives the
+// call and must hold them (checkpoint/async_checkpoint.h). State read
+// through a copy (an optimizer's serialize() other than libtorch's Adam,
+// AdamW and SGD and ours) is not among them.
+std::set<const void*> OptimizerStateStorages(const torch::optim::Optimizer& optimizer);
 
 }  // namespace fsdp
 

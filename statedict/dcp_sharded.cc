@@ -284,7 +284,8 @@ absl::Status CommitEveryRanksChunks(const std::string& dir, int world,
 
 absl::Status SaveShardedDcp(Collectives& group, const std::string& dir,
                             const std::vector<DcpTensorShard>& tensors,
-                            const std::vector<DcpItem>& values, const absl::Status& ready) {
+                            const std::vector<DcpItem>& values, const absl::Status& ready,
+                            const AfterLocalWrite& after_write) {
   const int rank = group.rank(), world = group.world_size();
   CollectiveLabel label(group, "", "DCP save");
   try {
@@ -298,6 +299,10 @@ absl::Status SaveShardedDcp(Collectives& group, const std::string& dir,
     if (written.ok()) {
       written = CatchAsStatus(
           [&] { return WriteThisRanksFile(rank, dir, save_id, tensors, values, owner, mine); });
+    }
+    if (after_write) {
+      const absl::Status after = CatchAsStatus(after_write);
+      if (written.ok()) written = after;
     }
     std::string report;
     if (written.ok()) {
@@ -512,11 +517,12 @@ absl::Status SaveModelShardedDcp(FullyShardedModel& model, const std::string& di
 
 absl::Status SaveModelShardedDcp(const SaveGroups& groups, const std::string& dir,
                                  const std::vector<DcpTensorShard>& tensors,
-                                 const std::vector<DcpItem>& values, const absl::Status& ready) {
+                                 const std::vector<DcpItem>& values, const absl::Status& ready,
+                                 const AfterLocalWrite& after_write) {
   Collectives* replicate = groups.replicate;
   absl::Status saved = absl::OkStatus();
   if (replicate == nullptr || replicate->rank() == 0) {
-    saved = SaveShardedDcp(*groups.shard, dir, tensors, values, ready);
+    saved = SaveShardedDcp(*groups.shard, dir, tensors, values, ready, after_write);
   } else if (!ready.ok()) {
     saved = ready;  // Its shard group's writer reports its own.
   }

@@ -61,10 +61,12 @@ struct DcpTensorShard {
 // must be the same directory on every rank (rank 0 checks that it sees
 // every rank's file). `ready` is this rank's outcome of any preparation
 // the caller did first: an error there fails the save on every rank.
+// `after_write`: as SaveCheckpointTensors' (statedict/sharded_checkpoint.h).
 absl::Status SaveShardedDcp(Collectives& group, const std::string& dir,
                             const std::vector<DcpTensorShard>& tensors,
                             const std::vector<DcpItem>& values = {},
-                            const absl::Status& ready = absl::OkStatus());
+                            const absl::Status& ready = absl::OkStatus(),
+                            const AfterLocalWrite& after_write = nullptr);
 
 // Every rank of `group` calls with its shards of the same tensors; each is
 // found by its path in the checkpoint, whose size and dtype must be the
@@ -113,7 +115,8 @@ absl::Status SaveModelShardedDcp(FullyShardedModel& model, const std::string& di
 absl::Status SaveModelShardedDcp(const SaveGroups& groups, const std::string& dir,
                                  const std::vector<DcpTensorShard>& tensors,
                                  const std::vector<DcpItem>& values = {},
-                                 const absl::Status& ready = absl::OkStatus());
+                                 const absl::Status& ready = absl::OkStatus(),
+                                 const AfterLocalWrite& after_write = nullptr);
 
 // The model alone, as FSDP2's dcp.save of {key: get_model_state_dict(model)}
 // and dcp.load into it: under hybrid sharding one shard group writes (the

@@ -497,11 +497,12 @@ absl::Status SaveModelCheckpointTensors(FullyShardedModel& model, const std::str
 absl::Status SaveModelCheckpointTensors(const SaveGroups& groups, const std::string& dir,
                                         const std::vector<CheckpointTensor>& tensors,
                                         const CheckpointMetadata& metadata,
-                                        const absl::Status& ready) {
+                                        const absl::Status& ready,
+                                        const AfterLocalWrite& after_write) {
   Collectives* replicate = groups.replicate;
   absl::Status saved = absl::OkStatus();
   if (replicate == nullptr || replicate->rank() == 0) {
-    saved = SaveCheckpointTensors(*groups.shard, dir, tensors, metadata, ready);
+    saved = SaveCheckpointTensors(*groups.shard, dir, tensors, metadata, ready, after_write);
   } else if (!ready.ok()) {
     saved = ready;  // Its shard group's writer reports its own.
   }
@@ -525,8 +526,8 @@ absl::Status LoadShardedCheckpoint(FullyShardedModel& model, const std::string& 
 
 absl::Status SaveCheckpointTensors(Collectives& group, const std::string& dir,
                                    const std::vector<CheckpointTensor>& tensors,
-                                   const CheckpointMetadata& metadata,
-                                   const absl::Status& ready) {
+                                   const CheckpointMetadata& metadata, const absl::Status& ready,
+                                   const AfterLocalWrite& after_write) {
   const int rank = group.rank(), world = group.world_size();
   CollectiveLabel label(group, "", "checkpoint save");
   try {
@@ -547,6 +548,10 @@ absl::Status SaveCheckpointTensors(Collectives& group, const std::string& dir,
     if (written.ok()) {
       written =
           CatchAsStatus([&] { return WriteShardFile(dir, id, rank, world, tensors, report); });
+    }
+    if (after_write) {
+      const absl::Status after = CatchAsStatus(after_write);
+      if (written.ok()) written = after;
     }
     if (!written.ok()) {
       report.Clear();

@@ -36,12 +36,12 @@
 #define FSDP_STATEDICT_SHARDED_CHECKPOINT_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "ATen/core/Tensor.h"
-
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "fsdp/fully_shard.h"
@@ -93,6 +93,11 @@ struct SaveGroups {
   Collectives* replicate = nullptr;
 };
 SaveGroups ModelSaveGroups(FullyShardedModel& model);
+// Called on each writing rank once its own file is written and synced,
+// before the rounds that commit the checkpoint: a save that read the
+// model's live shards releases them here and checks that they did not
+// change while it read them. An error fails the save on every rank.
+using AfterLocalWrite = std::function<absl::Status()>;
 
 // SaveCheckpointTensors over the model's shard group. Under hybrid sharding
 // the shard groups hold identical shards: only the replicate group's rank 0
@@ -101,11 +106,12 @@ absl::Status SaveModelCheckpointTensors(FullyShardedModel& model, const std::str
                                         const std::vector<CheckpointTensor>& tensors,
                                         const CheckpointMetadata& metadata = {});
 // The same over `groups`; it touches no model, so the tensors may be
-// copies taken earlier. `ready`: as SaveCheckpointTensors'.
+// copies taken earlier. `ready` and `after_write`: as SaveCheckpointTensors'.
 absl::Status SaveModelCheckpointTensors(const SaveGroups& groups, const std::string& dir,
                                         const std::vector<CheckpointTensor>& tensors,
                                         const CheckpointMetadata& metadata = {},
-                                        const absl::Status& ready = absl::OkStatus());
+                                        const absl::Status& ready = absl::OkStatus(),
+                                        const AfterLocalWrite& after_write = nullptr);
 
 // The general forms, for checkpoints that hold more than the model: every
 // rank of `group` calls them with its tensors, in the same order on every
@@ -114,10 +120,14 @@ absl::Status SaveModelCheckpointTensors(const SaveGroups& groups, const std::str
 // start with one of `ignore_prefixes` may be absent from `tensors`.
 // `ready` is this rank's outcome of any preparation the caller did first:
 // an error there fails the save on every rank, in the save's own round.
+// `after_write`, if given, runs once this rank has written its file or
+// failed to, and its error fails the save likewise (a save that fails
+// before any rank writes does not run it).
 absl::Status SaveCheckpointTensors(Collectives& group, const std::string& dir,
                                    const std::vector<CheckpointTensor>& tensors,
                                    const CheckpointMetadata& metadata = {},
-                                   const absl::Status& ready = absl::OkStatus());
+                                   const absl::Status& ready = absl::OkStatus(),
+                                   const AfterLocalWrite& after_write = nullptr);
 absl::Status LoadCheckpointTensors(Collectives& group, const std::string& dir,
                                    const std::vector<CheckpointTensor>& tensors,
                                    const std::vector<std::string>& ignore_prefixes,
