@@ -98,8 +98,9 @@ void SetBeforeBackgroundWriteForTesting(std::function<void()> hook);
 
 // What the last save cost, on this rank.
 struct AsyncCheckpointTimes {
-  // Save: waiting for the save before it; copying the state to host memory
-  // (and agreeing that every rank could).
+  // Save: waiting for the save before it; staging the state (holding the
+  // shards, copying the rest to host memory) and agreeing that every rank
+  // could.
   std::chrono::duration<double> waited{0}, staged{0};
   // The background thread: writing and committing, and the CPU time it
   // took for that (the system calls' share included; the kernel's
