@@ -6,11 +6,15 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -27,7 +31,48 @@ std::string DirectoryOf(const std::string& path) {
   return slash == 0 ? "/" : path.substr(0, slash);
 }
 
+constexpr size_t kPage = 4096;
+
+// Buffers of finished writers. Never destroyed: writers may finish during
+// static destruction.
+struct BufferPool {
+  std::mutex mu;
+  std::vector<char*> free;
+};
+
+BufferPool& Pool() {
+  static BufferPool* pool = new BufferPool;
+  return *pool;
+}
+
+char* TakeBuffer() {
+  BufferPool& pool = Pool();
+  {
+    std::lock_guard<std::mutex> lock(pool.mu);
+    if (!pool.free.empty()) {
+      char* buffer = pool.free.back();
+      pool.free.pop_back();
+      return buffer;
+    }
+  }
+  // O_DIRECT wants the memory, the file offset and the length aligned to
+  // the device's logical block; a page covers every common device.
+  return static_cast<char*>(std::aligned_alloc(kPage, AtomicFileWriter::kDirectWriteBytes));
+}
+
 }  // namespace
+
+void AtomicFileWriter::ReturnBuffer::operator()(char* buffer) const {
+  BufferPool& pool = Pool();
+  {
+    std::lock_guard<std::mutex> lock(pool.mu);
+    if (pool.free.size() < 2) {
+      pool.free.push_back(buffer);
+      return;
+    }
+  }
+  std::free(buffer);
+}
 
 absl::StatusOr<AtomicFileWriter> AtomicFileWriter::Open(const std::string& path) {
   static std::atomic<int> counter{0};
@@ -60,6 +105,11 @@ AtomicFileWriter::AtomicFileWriter(AtomicFileWriter&& other) noexcept
       temp_path_(std::move(other.temp_path_)),
       fd_(std::exchange(other.fd_, -1)),
       bytes_written_(other.bytes_written_),
+      direct_bytes_(other.direct_bytes_),
+      error_(std::move(other.error_)),
+      buffer_(std::move(other.buffer_)),
+      buffered_(std::exchange(other.buffered_, 0)),
+      direct_(other.direct_),
       flushed_(other.flushed_),
       committed_(std::exchange(other.committed_, true)) {}
 
@@ -70,28 +120,101 @@ AtomicFileWriter::~AtomicFileWriter() {
 }
 
 absl::Status AtomicFileWriter::Write(const void* data, size_t size) {
+  if (!error_.ok()) return error_;
   if (flushed_ || fd_ < 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("cannot write '", temp_path_, "': the file was flushed or committed"));
   }
   const char* bytes = static_cast<const char*>(data);
+  if (buffer_ == nullptr && size > 0) {
+    buffer_.reset(TakeBuffer());
+    if (buffer_ == nullptr) {  // No memory to spare: the page cache it is.
+      direct_ = Direct::kOff;
+      bytes_written_ += static_cast<int64_t>(size);
+      return WriteOut(bytes, size);
+    }
+  }
+  while (size > 0) {
+    const size_t n = std::min(size, kDirectWriteBytes - buffered_);
+    std::memcpy(buffer_.get() + buffered_, bytes, n);
+    buffered_ += n;
+    bytes += n;
+    size -= n;
+    bytes_written_ += static_cast<int64_t>(n);
+    if (buffered_ == kDirectWriteBytes) {
+      if (absl::Status written = WriteBuffer(); !written.ok()) return written;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AtomicFileWriter::WriteBuffer() {
+  const size_t size = std::exchange(buffered_, 0);
+  const size_t whole_pages = size / kPage * kPage;
+  if (whole_pages > 0) {
+    SetDirect(true);
+    if (absl::Status written = WriteOut(buffer_.get(), whole_pages); !written.ok()) return written;
+  }
+  if (whole_pages == size) return absl::OkStatus();
+  SetDirect(false);
+  return WriteOut(buffer_.get() + whole_pages, size - whole_pages);
+}
+
+void AtomicFileWriter::SetDirect(bool on) {
+  if (on) {
+    if (direct_ != Direct::kUntried) return;
+    const int flags = ::fcntl(fd_, F_GETFL);
+    direct_ =
+        flags >= 0 && ::fcntl(fd_, F_SETFL, flags | O_DIRECT) == 0 ? Direct::kOn : Direct::kOff;
+    return;
+  }
+  // Once off, never on again: the file offset need not stay aligned. Stays
+  // on where the flag cannot be cleared (WriteOut then fails, naming it).
+  if (direct_ == Direct::kOn) {
+    const int flags = ::fcntl(fd_, F_GETFL);
+    if (flags < 0 || ::fcntl(fd_, F_SETFL, flags & ~O_DIRECT) != 0) return;
+  }
+  direct_ = Direct::kOff;
+}
+
+absl::Status AtomicFileWriter::WriteOut(const char* bytes, size_t size) {
   while (size > 0) {
     const ssize_t n = ::write(fd_, bytes, size);
     if (n < 0) {
       if (errno == EINTR) continue;
-      return ErrnoError("cannot write", temp_path_);
+      // The device wants a larger alignment than a page, the file system
+      // refuses direct writes to this file, or a file size limit cut a
+      // direct write to an unaligned length: the page cache takes it.
+      if (errno == EINVAL && direct_ == Direct::kOn) {
+        SetDirect(false);
+        if (direct_ == Direct::kOff) continue;
+      }
+      // Sticky: the bytes that did not reach the file are gone, so no later
+      // Write, Flush or Commit may succeed.
+      error_ = ErrnoError("cannot write", temp_path_);
+      return error_;
     }
+    if (direct_ == Direct::kOn) direct_bytes_ += n;
     bytes += n;
     size -= static_cast<size_t>(n);
-    bytes_written_ += n;
+    // A short direct write leaves the offset unaligned.
+    if (size > 0) SetDirect(false);
   }
   return absl::OkStatus();
 }
 
 absl::Status AtomicFileWriter::Flush() {
+  if (!error_.ok()) return error_;
   if (flushed_ || fd_ < 0) return absl::OkStatus();
-  if (::fsync(fd_) != 0) return ErrnoError("cannot flush", temp_path_);
+  if (absl::Status written = WriteBuffer(); !written.ok()) return written;
+  // Sticky too: after a failed fsync, Linux may report the next one clean
+  // although the data never reached the disk.
+  if (::fsync(fd_) != 0) {
+    error_ = ErrnoError("cannot flush", temp_path_);
+    return error_;
+  }
   flushed_ = true;
+  buffer_.reset();
   return absl::OkStatus();
 }
 

@@ -301,37 +301,6 @@ std::string DcpStoredName(const std::vector<DcpPathPart>& path) {
   return absl::StrJoin(parts, ".");
 }
 
-namespace {
-
-// Gathers the small pieces of the archives (zip headers, pickles) into one
-// system call; a tensor's elements go from where they are.
-class GatheringWriter {
- public:
-  explicit GatheringWriter(AtomicFileWriter& file) : file_(file) {}
-  absl::Status Write(const void* bytes, size_t n) {
-    if (n >= kLarge) {
-      FSDP_RETURN_IF_ERROR(Flush());
-      return file_.Write(bytes, n);
-    }
-    pending_.append(static_cast<const char*>(bytes), n);
-    return pending_.size() >= kLarge ? Flush() : absl::OkStatus();
-  }
-  absl::Status Flush() {
-    if (pending_.empty()) return absl::OkStatus();
-    const absl::Status written = file_.Write(pending_.data(), pending_.size());
-    pending_.clear();
-    return written;
-  }
-  uint64_t offset() const { return file_.bytes_written() + pending_.size(); }
-
- private:
-  static constexpr size_t kLarge = 64 << 10;
-  AtomicFileWriter& file_;
-  std::string pending_;
-};
-
-}  // namespace
-
 absl::StatusOr<std::vector<DcpStoredEntry>> WriteDcpDataFile(const std::string& dir,
                                                              const std::string& file_name,
                                                              const std::vector<DcpItem>& items) {
@@ -340,8 +309,9 @@ absl::StatusOr<std::vector<DcpStoredEntry>> WriteDcpDataFile(const std::string& 
         absl::StrCat("'", file_name, "' is not a DCP data file name (__<rank>_<n>.distcp)"));
   }
   std::vector<DcpStoredEntry> stored;
+  // The writer gathers the archives' small pieces (zip headers, pickles)
+  // into its buffer.
   FSDP_ASSIGN_OR_RETURN(AtomicFileWriter data, AtomicFileWriter::Open(dir + "/" + file_name));
-  GatheringWriter writer(data);
   uint64_t offset = 0;
   for (const DcpItem& item : items) {
     DcpStoredEntry entry;
@@ -372,12 +342,12 @@ absl::StatusOr<std::vector<DcpStoredEntry>> WriteDcpDataFile(const std::string& 
           absl::StrCat("'", DcpStoredName(item.path), "' is a chunk but not a tensor"));
     }
     FSDP_RETURN_IF_ERROR(
-        WriteTorchSave(value, [&](const void* bytes, size_t n) { return writer.Write(bytes, n); }));
-    entry.location = {file_name, offset, writer.offset() - offset};
-    offset = writer.offset();
+        WriteTorchSave(value, [&](const void* bytes, size_t n) { return data.Write(bytes, n); }));
+    const uint64_t end = static_cast<uint64_t>(data.bytes_written());
+    entry.location = {file_name, offset, end - offset};
+    offset = end;
     stored.push_back(std::move(entry));
   }
-  FSDP_RETURN_IF_ERROR(writer.Flush());
   FSDP_RETURN_IF_ERROR(data.Commit());
   return stored;
 }

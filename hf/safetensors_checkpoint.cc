@@ -237,7 +237,11 @@ absl::StatusOr<SafetensorsCheckpointWriter> SafetensorsCheckpointWriter::Create(
 }
 
 absl::Status SafetensorsCheckpointWriter::Write(absl::string_view name, const at::Tensor& value) {
-  while (current_ < writers_.size() && writers_[current_].next() == nullptr) ++current_;
+  while (current_ < writers_.size() && writers_[current_].next() == nullptr) {
+    // A whole file goes to disk now, and its writer's buffer to the next.
+    FSDP_RETURN_IF_ERROR(writers_[current_].Flush());
+    ++current_;
+  }
   if (current_ == writers_.size()) {
     return absl::FailedPreconditionError(absl::StrCat(
         directory_, ": tensor '", name, "' written after every declared tensor was"));

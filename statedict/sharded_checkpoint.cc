@@ -114,10 +114,12 @@ absl::Status WriteShardFile(const std::string& dir, uint64_t id, int rank, int w
     piece->set_file_offset(file.bytes_written());
     const char* bytes = static_cast<const char*>(data.data_ptr());
     const int64_t nbytes = static_cast<int64_t>(data.nbytes());
+    // A chunk at a time, so that the write copies what the CRC just read.
     for (int64_t at = 0; at < nbytes; at += kChunkBytes) {
-      piece->add_chunk_crc32(Crc32(bytes + at, std::min(kChunkBytes, nbytes - at)));
+      const int64_t n = std::min(kChunkBytes, nbytes - at);
+      piece->add_chunk_crc32(Crc32(bytes + at, n));
+      FSDP_RETURN_IF_ERROR(file.Write(bytes + at, n));
     }
-    FSDP_RETURN_IF_ERROR(file.Write(bytes, nbytes));
   }
   report.mutable_file()->set_rank(rank);
   report.mutable_file()->set_name(name);
