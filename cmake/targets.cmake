@@ -106,6 +106,25 @@ set_tests_properties(//checkpoint:replicas_test PROPERTIES TIMEOUT 300 ENVIRONME
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/checkpoint_replicas_test")
 endif()
 
+# //comm:block_quantization
+add_library(comm_block_quantization SHARED ${PROJECT_SOURCE_DIR}/comm/block_quantization.cc ${PROJECT_SOURCE_DIR}/comm/block_quantization.h)
+set_target_properties(comm_block_quantization PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm)
+target_link_libraries(comm_block_quantization PUBLIC fsdp_torch)
+target_compile_options(comm_block_quantization PRIVATE -ffp-contract=off)
+target_include_directories(comm_block_quantization PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS comm_block_quantization EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/comm/block_quantization.h DESTINATION include/comm)
+
+# //comm:block_quantization_test
+if(BUILD_TESTING)
+add_executable(comm_block_quantization_test ${PROJECT_SOURCE_DIR}/comm/block_quantization_test.cc)
+set_target_properties(comm_block_quantization_test PROPERTIES OUTPUT_NAME block_quantization_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm ENABLE_EXPORTS ON)
+target_link_libraries(comm_block_quantization_test PRIVATE comm_block_quantization third_party_gtest_main fsdp_torch)
+add_test(NAME //comm:block_quantization_test COMMAND comm_block_quantization_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//comm:block_quantization_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/comm_block_quantization_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/comm_block_quantization_test")
+endif()
+
 # //comm:collectives
 add_library(comm_collectives SHARED ${PROJECT_SOURCE_DIR}/comm/collectives.cc ${PROJECT_SOURCE_DIR}/comm/fingerprint.cc ${PROJECT_SOURCE_DIR}/comm/collectives.h ${PROJECT_SOURCE_DIR}/comm/fingerprint.h)
 set_target_properties(comm_collectives PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm)
@@ -1462,6 +1481,16 @@ set_tests_properties(//fsdp:activation_checkpointing_test PROPERTIES TIMEOUT 300
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_activation_checkpointing_test")
 endif()
 
+# //fsdp:all_gather_quantization_test
+if(BUILD_TESTING)
+add_executable(fsdp_all_gather_quantization_test ${PROJECT_SOURCE_DIR}/fsdp/all_gather_quantization_test.cc ${PROJECT_SOURCE_DIR}/fsdp/test_models.h)
+set_target_properties(fsdp_all_gather_quantization_test PROPERTIES OUTPUT_NAME all_gather_quantization_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
+target_link_libraries(fsdp_all_gather_quantization_test PRIVATE fsdp_fully_shard fsdp_quantized_gather fsdp_test_util fsdp_wrap_plan policies_builtin_policies policies_registry policies_wrap_policy testing_multi_rank third_party_gtest_main fsdp_torch)
+add_test(NAME //fsdp:all_gather_quantization_test COMMAND fsdp_all_gather_quantization_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//fsdp:all_gather_quantization_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_all_gather_quantization_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_all_gather_quantization_test")
+endif()
+
 # //fsdp:comm_hooks
 add_library(fsdp_comm_hooks SHARED ${PROJECT_SOURCE_DIR}/fsdp/comm_hooks.cc ${PROJECT_SOURCE_DIR}/fsdp/comm_hooks.h)
 set_target_properties(fsdp_comm_hooks PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
@@ -1493,7 +1522,7 @@ endif()
 # //fsdp:cross_rank_checks
 add_library(fsdp_cross_rank_checks SHARED ${PROJECT_SOURCE_DIR}/fsdp/cross_rank_checks.cc ${PROJECT_SOURCE_DIR}/fsdp/cross_rank_checks.h)
 set_target_properties(fsdp_cross_rank_checks PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
-target_link_libraries(fsdp_cross_rank_checks PUBLIC fsdp_fsdp_options base_fnv1a comm_collectives third_party_absl_base fsdp_torch)
+target_link_libraries(fsdp_cross_rank_checks PUBLIC fsdp_flat_layout fsdp_fsdp_options base_fnv1a comm_collectives third_party_absl_base fsdp_torch)
 target_include_directories(fsdp_cross_rank_checks PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS fsdp_cross_rank_checks EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/fsdp/cross_rank_checks.h DESTINATION include/fsdp)
@@ -1529,7 +1558,7 @@ endif()
 # //fsdp:flat_param_handle
 add_library(fsdp_flat_param_handle SHARED ${PROJECT_SOURCE_DIR}/fsdp/flat_param_handle.cc ${PROJECT_SOURCE_DIR}/fsdp/flat_param_handle.h)
 set_target_properties(fsdp_flat_param_handle PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
-target_link_libraries(fsdp_flat_param_handle PUBLIC fsdp_comm_hooks fsdp_flat_layout fsdp_fsdp_options fsdp_gradient_reduction base_status comm_collectives third_party_absl_base third_party_absl_status fsdp_torch)
+target_link_libraries(fsdp_flat_param_handle PUBLIC fsdp_comm_hooks fsdp_flat_layout fsdp_fsdp_options fsdp_gradient_reduction fsdp_quantized_gather base_status comm_collectives third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(fsdp_flat_param_handle PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS fsdp_flat_param_handle EXPORT fsdp_cpp_targets)
 
@@ -1661,6 +1690,23 @@ add_dependencies(fsdp_policy_wrap_test policies_examples_libfqn_glob_policy_so)
 add_test(NAME //fsdp:policy_wrap_test COMMAND fsdp_policy_wrap_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//fsdp:policy_wrap_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_policy_wrap_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_policy_wrap_test")
+endif()
+
+# //fsdp:quantized_gather
+add_library(fsdp_quantized_gather SHARED ${PROJECT_SOURCE_DIR}/fsdp/quantized_gather.cc ${PROJECT_SOURCE_DIR}/fsdp/quantized_gather.h)
+set_target_properties(fsdp_quantized_gather PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
+target_link_libraries(fsdp_quantized_gather PUBLIC fsdp_flat_layout fsdp_gradient_reduction comm_block_quantization comm_collectives policies_unit_options fsdp_torch)
+target_include_directories(fsdp_quantized_gather PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS fsdp_quantized_gather EXPORT fsdp_cpp_targets)
+
+# //fsdp:quantized_gather_test
+if(BUILD_TESTING)
+add_executable(fsdp_quantized_gather_test ${PROJECT_SOURCE_DIR}/fsdp/quantized_gather_test.cc)
+set_target_properties(fsdp_quantized_gather_test PROPERTIES OUTPUT_NAME quantized_gather_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
+target_link_libraries(fsdp_quantized_gather_test PRIVATE fsdp_flat_layout fsdp_fsdp_options fsdp_quantized_gather comm_block_quantization comm_collectives testing_multi_rank third_party_gtest_main fsdp_torch)
+add_test(NAME //fsdp:quantized_gather_test COMMAND fsdp_quantized_gather_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//fsdp:quantized_gather_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_quantized_gather_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_quantized_gather_test")
 endif()
 
 # //fsdp:reduction_overlap_test
@@ -1815,7 +1861,7 @@ endif()
 # //fsdp:wrap_plan
 add_library(fsdp_wrap_plan SHARED ${PROJECT_SOURCE_DIR}/fsdp/wrap_plan.cc ${PROJECT_SOURCE_DIR}/fsdp/wrap_plan.h)
 set_target_properties(fsdp_wrap_plan PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
-target_link_libraries(fsdp_wrap_plan PUBLIC fsdp_fsdp_options fsdp_unit_registry policies_wrap_policy third_party_absl_base third_party_absl_status fsdp_torch)
+target_link_libraries(fsdp_wrap_plan PUBLIC fsdp_fsdp_options fsdp_unit_registry base_status policies_wrap_policy third_party_absl_base third_party_absl_status fsdp_torch)
 target_include_directories(fsdp_wrap_plan PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS fsdp_wrap_plan EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/fsdp/wrap_plan.h DESTINATION include/fsdp)

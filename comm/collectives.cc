@@ -28,13 +28,17 @@ class FailedWork final : public CollectiveWork {
   std::string error_;
 };
 
-bool IsSupportedDtype(at::ScalarType dtype) {
+// The operations that only move bytes take bytes (uint8) too: coded
+// payloads (comm/block_quantization.h).
+bool IsSupportedDtype(at::ScalarType dtype, CollectiveOp op) {
   switch (dtype) {
     case at::kFloat:
     case at::kDouble:
     case at::kHalf:
     case at::kBFloat16:
       return true;
+    case at::kByte:
+      return op == CollectiveOp::kAllGather || op == CollectiveOp::kBroadcast;
     default:
       return false;
   }
@@ -46,9 +50,10 @@ void CheckTensor(const std::string& who, CollectiveOp op, const char* role,
                  const at::Tensor& t, bool require_1d, const Collectives& group) {
   TORCH_CHECK(t.defined(), who, ": ", CollectiveOpName(op), ": ", role,
               " is an undefined tensor");
-  TORCH_CHECK(IsSupportedDtype(t.scalar_type()), who, ": ", CollectiveOpName(op),
-              ": ", role, " has dtype ", t.scalar_type(),
-              "; supported are Float, Double, Half and BFloat16");
+  TORCH_CHECK(IsSupportedDtype(t.scalar_type(), op), who, ": ", CollectiveOpName(op), ": ", role,
+              " has dtype ", t.scalar_type(),
+              "; supported are Float, Double, Half and BFloat16 (and Byte for all-gather "
+              "and broadcast)");
   TORCH_CHECK(group.HandlesDevice(t.device()), who, ": ", CollectiveOpName(op), ": ", role,
               " is on ", t.device(), ", which this group does not handle (",
               group.DevicesHandled(), ")");

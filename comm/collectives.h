@@ -19,8 +19,10 @@
 //     the host for Gloo; the group's CUDA device, and the host by staging,
 //     for NCCL), input and output on the same device.
 //   * Supported dtypes: float32, float64, float16 and bfloat16 for every
-//     operation. How 16-bit reductions accumulate is the implementation's
-//     (Gloo: float32, see gloo_collectives.h).
+//     operation, and uint8 for the ones that only move bytes (all-gather,
+//     broadcast: coded payloads, comm/block_quantization.h). How 16-bit
+//     reductions accumulate is the implementation's (Gloo: float32, see
+//     gloo_collectives.h).
 //   * kAvg divides the sum by the group size.
 //
 // Errors

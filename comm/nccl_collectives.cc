@@ -34,9 +34,11 @@ ncclDataType_t NcclType(at::ScalarType type) {
       return ncclFloat16;
     case at::kBFloat16:
       return ncclBfloat16;
+    case at::kByte:  // All-gathers and broadcasts of coded payloads.
+      return ncclUint8;
     default:
       TORCH_CHECK(false, "NCCL collectives: unsupported dtype ", c10::toString(type),
-                  " (float32, float64, float16 and bfloat16 are)");
+                  " (float32, float64, float16, bfloat16 and uint8 are)");
   }
 }
 

@@ -10,6 +10,21 @@
 
 namespace fsdp {
 
+UnitSignature SignatureOf(const std::string& fqn, const ResolvedUnitOptions& options,
+                          const FlatLayout* layout) {
+  UnitSignature signature{.fqn = fqn,
+                          .strategy = options.strategy,
+                          .mixed_precision = options.mixed_precision,
+                          .all_gather_quantization = options.all_gather_quantization};
+  if (layout != nullptr) {
+    signature.flat_numel = layout->flat_numel();
+    for (const FlatParamInfo& info : layout->params()) {
+      signature.trainable += info.trainable ? '1' : '0';
+    }
+  }
+  return signature;
+}
+
 void CheckSameWrapOnEveryRank(const ProcessGroups& groups, const FsdpOptions& options,
                               const std::vector<UnitSignature>& units) {
   // One all-gather of a fingerprint per rank; the unit count and total size
@@ -19,10 +34,10 @@ void CheckSameWrapOnEveryRank(const ProcessGroups& groups, const FsdpOptions& op
   int64_t elements = 0;
   for (const UnitSignature& unit : units) {
     elements += unit.flat_numel;
-    hash = Fnv1aString(hash, absl::StrCat(unit.fqn, ":", unit.flat_numel, ":",
-                                          unit.trainable, ":",
-                                          static_cast<int>(unit.strategy), ":",
-                                          unit.mixed_precision.ToString(), ";"));
+    hash = Fnv1aString(
+        hash, absl::StrCat(unit.fqn, ":", unit.flat_numel, ":", unit.trainable, ":",
+                           static_cast<int>(unit.strategy), ":", unit.mixed_precision.ToString(),
+                           ":", CommQuantizationName(unit.all_gather_quantization), ";"));
   }
   const int world = group.world_size();
   CollectiveLabel label(group, "", "lazy init (wrap plan check)");

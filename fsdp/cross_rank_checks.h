@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "comm/collectives.h"
+#include "fsdp/flat_layout.h"
 #include "fsdp/fsdp_options.h"
 
 namespace fsdp {
@@ -25,7 +26,13 @@ struct UnitSignature {
   std::string trainable;   // Per parameter, '1' if it requires grad, else '0'.
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
   MixedPrecision mixed_precision;
+  CommQuantization all_gather_quantization = CommQuantization::kNone;
 };
+
+// The signature of unit `fqn` with resolved `options` and, unless it has no
+// parameters (null), the layout of its flat parameter.
+UnitSignature SignatureOf(const std::string& fqn, const ResolvedUnitOptions& options,
+                          const FlatLayout* layout);
 
 // ProcessGroups::post_forward is every rank's block of k consecutive
 // ranks of `shard_group`, in order (one all-gather over it, one all-reduce

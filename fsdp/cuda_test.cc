@@ -13,6 +13,7 @@
 // torch. Every case passed on one H100 with torch 2.11 on 2026-11-26
 // (models/gpu_verify_h100/README.md); not yet run with torch 2.15 on a GPU.
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -24,6 +25,7 @@
 #include "ATen/cuda/Sleep.h"
 #include "c10/cuda/CUDACachingAllocator.h"
 #include "c10/cuda/CUDAFunctions.h"
+#include "comm/block_quantization.h"
 #include "comm/nccl_collectives.h"
 #include "comm/staged_collectives.h"
 #include "fsdp/flat_param_handle.h"
@@ -125,6 +127,62 @@ TEST(CudaFsdp, ProcessGroupTransportMatchesTheUnwrappedModel) {
   NcclOptions nccl;
   nccl.transport = NcclTransport::kProcessGroup;
   ExpectClose(Train(&options, nccl), local, 1e-5);
+}
+
+// The device kernels code every block into the bytes the host's do, and
+// decode them into the same values.
+TEST(CudaFsdp, BlockQuantizationKernelsCodeAsTheHostDoes) {
+  at::manual_seed(5);
+  // Runs of one block, of several (the last one short), and of single values.
+  std::vector<QuantizationRun> runs;
+  int64_t n = 0, param = 0;
+  for (int64_t length : {256, 1, 100, 700, 7}) {
+    runs.push_back({n, n, 0, length});
+    n += length;
+  }
+  param = (n + 7) / 8 * 8;
+  for (QuantizationRun& run : runs) {
+    run.param_offset = param;
+    param += run.blocks() * kBlockParamBytes;
+  }
+  const BlockTable table(runs);
+  const BlockTable device_table = table.To(kCuda);
+  for (at::ScalarType dtype : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16}) {
+    at::Tensor values = (at::randn({n}) * 0.02).to(dtype);
+    values[300] = 1.5;                                     // One block far from zero.
+    values[900] = std::numeric_limits<float>::infinity();  // One block of NaN.
+    at::Tensor host_bytes = at::zeros({table.byte_end()}, at::kByte);
+    QuantizeBlocks(values, host_bytes, table);
+    at::Tensor device_bytes =
+        at::zeros({table.byte_end()}, at::TensorOptions(kCuda).dtype(at::kByte));
+    QuantizeBlocks(values.to(kCuda), device_bytes, device_table);
+    EXPECT_TRUE(at::equal(device_bytes.cpu(), host_bytes)) << c10::toString(dtype);
+    at::Tensor host_values = at::empty({n}, dtype);
+    DequantizeBlocks(host_bytes, table, host_values);
+    at::Tensor device_values = at::empty({n}, at::TensorOptions(kCuda).dtype(dtype));
+    DequantizeBlocks(host_bytes.to(kCuda), device_table, device_values);
+    // NaN != NaN: compare the finite values and where the NaNs are.
+    const at::Tensor got = device_values.cpu();
+    EXPECT_TRUE(at::equal(got.isnan(), host_values.isnan())) << c10::toString(dtype);
+    EXPECT_TRUE(at::equal(got.nan_to_num(0), host_values.nan_to_num(0))) << c10::toString(dtype);
+    EXPECT_GT(host_values.isnan().sum().item<int64_t>(), 0);
+  }
+}
+
+// int8 all-gathers on the device train within the code's error of float32,
+// and measurably off it (the code ran: at one rank too, by design).
+TEST(CudaFsdp, Int8AllGatherTrainsOnTheDevice) {
+  ASSERT_TRUE(CanQuantizeOn(kCuda));
+  const Trained local = Train(nullptr);
+  FsdpOptions options;
+  options.all_gather_quantization = CommQuantization::kInt8;
+  const Trained quantized = Train(&options);
+  ExpectClose(quantized, local, 2e-2);
+  float off = 0;
+  for (const auto& [fqn, p] : local.params) {
+    off = std::max(off, (quantized.params.at(fqn) - p).abs().max().item<float>());
+  }
+  EXPECT_GT(off, 1e-5);
 }
 
 TEST(CudaFsdp, DeviceIdMovesAHostModelAndTrainsTheSame) {

@@ -13,6 +13,8 @@
 #include "base/status.h"
 #include "c10/core/DeviceGuard.h"
 #include "c10/util/Exception.h"
+#include "comm/block_quantization.h"
+#include "fsdp/quantized_gather.h"
 
 namespace fsdp {
 namespace {
@@ -131,6 +133,17 @@ absl::StatusOr<std::unique_ptr<FlatParamHandle>> FlatParamHandle::Create(
     std::string unit_name, std::vector<FlatParamEntry> params, Collectives& group,
     const ResolvedUnitOptions& options) {
   FSDP_RETURN_IF_ERROR(CheckParams(unit_name, params, group));
+  FSDP_RETURN_IF_ERROR(CheckAllGatherQuantization(
+      unit_name, options.strategy, options.mixed_precision, options.all_gather_quantization,
+      params.front().param.scalar_type(), params.front().fqn));
+  if (options.all_gather_quantization == CommQuantization::kInt8 &&
+      !CanQuantizeOn(params.front().param.device())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "unit '", unit_name, "' has all_gather_quantization=int8 on ",
+        params.front().param.device().str(),
+        ", for which this program has no block-quantization kernels (a CUDA build links "
+        "//comm:block_quantization_cuda)"));
+  }
   if (IsHybrid(options.strategy) && options.replicate == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(
         "unit '", unit_name, "': ", ShardingStrategyName(options.strategy),
@@ -187,6 +200,10 @@ FlatParamHandle::FlatParamHandle(std::string unit_name, std::vector<FlatParamEnt
       full_views_.push_back(full_.narrow(0, info.offset, info.numel).view(info.shape));
     }
     FreeStorage(full_);
+  }
+  if (layout_.sharded() && options_.all_gather_quantization != CommQuantization::kNone) {
+    quantized_ = std::make_unique<QuantizedGather>(
+        layout_, group_.world_size(), options_.all_gather_quantization, placement_.compute_device);
   }
   PointParamsAtShard();
   GradientReductionOptions reduction;
@@ -245,7 +262,12 @@ std::string FlatParamHandle::Describe() const {
 bool FlatParamHandle::KeptFullMatchesShard() const {
   if (!holds_kept_full()) return true;
   at::NoGradGuard no_grad;
-  const at::Tensor shard = placement_.OnComputeDevice(local_shard_, compute_dtype_);
+  // What the all-gather made of this rank's shard.
+  const at::Tensor shard =
+      quantized_ != nullptr ? quantized_->RoundTrip(placement_.OnComputeDevice(
+                                                        local_shard_, local_shard_.scalar_type()),
+                                                    compute_dtype_)
+                            : placement_.OnComputeDevice(local_shard_, compute_dtype_);
   if (!layout_.sharded()) return at::equal(full_, shard);
   for (const FlatLayout::Segment& seg : layout_.segments()) {
     const at::Tensor mine =
@@ -343,8 +365,17 @@ void FlatParamHandle::StartUnshard() {
       }
       return;
     }
-    if (copies) send_buffer_ = placement_.OnComputeDevice(shard, compute_dtype_);
     RecordUseOnCurrentStream(shard_snapshot_);  // Made on compute, read here.
+    if (quantized_ != nullptr && training_state_ != HandleTrainingState::kSummonFullParams) {
+      // Coded from the full-precision shard, decoded into the compute dtype.
+      if (options_.offload_params) {
+        send_buffer_ = placement_.OnComputeDevice(shard, shard.scalar_type());
+      }
+      pending_unshard_.push_back(
+          quantized_->Start(options_.offload_params ? send_buffer_ : shard, group_));
+      return;
+    }
+    if (copies) send_buffer_ = placement_.OnComputeDevice(shard, compute_dtype_);
     pending_unshard_ = AllGatherSegments(full_, copies ? send_buffer_ : shard, segments);
   } catch (...) {
     // Nothing issued is still running (AllGatherSegments waited; the
@@ -355,6 +386,7 @@ void FlatParamHandle::StartUnshard() {
     } catch (...) {
     }
     pending_unshard_.clear();
+    if (quantized_ != nullptr) quantized_->Discard();
     post_forward_shard_ = at::Tensor();
     shard_snapshot_ = at::Tensor();
     send_buffer_ = at::Tensor();
@@ -398,10 +430,18 @@ void FlatParamHandle::Unshard() {
   FinishUnshard();
 }
 
-void FlatParamHandle::WaitForPendingUnshard() {
+void FlatParamHandle::WaitForPendingUnshard(bool decode) {
   try {
     WaitAll(std::move(pending_unshard_));
+    if (quantized_ != nullptr && quantized_->pending()) {
+      if (decode) {
+        quantized_->Finish(full_);
+      } else {
+        quantized_->Discard();
+      }
+    }
   } catch (...) {
+    if (quantized_ != nullptr) quantized_->Discard();
     // A failed all-gather leaves the handle sharded with nothing allocated,
     // as before it started.
     pending_unshard_.clear();
@@ -437,7 +477,7 @@ void FlatParamHandle::ReshardKeepingFull() {
 
 void FlatParamHandle::DiscardPendingUnshard() {
   if (!has_pending_unshard()) return;
-  WaitForPendingUnshard();
+  WaitForPendingUnshard(/*decode=*/false);
   if (!is_unsharded()) {
     FreeStorage(full_);
     summon_full_ = at::Tensor();

@@ -93,6 +93,15 @@
 //    otherwise it is upcast to the parameters' dtype.
 // gradient_divide_factor is handed to the comm hook.
 //
+// All-gather quantization (ResolvedUnitOptions::all_gather_quantization,
+// sharded strategies only): StartUnshard codes the shard (the snapshot, or
+// its copy on the compute device when offloading) in bf16 or int8 and
+// all-gathers the messages (fsdp/quantized_gather.h); the wait decodes
+// them into the full parameter in the compute dtype. Every rank decodes
+// its own part too, so all compute with the same values. Not under
+// kSummonFullParams, which gathers exactly; ReshardAfterForward's pieces
+// are the decoded values, all-gathered as they are.
+//
 // CPU offload (ResolvedUnitOptions::offload_params): the *compute
 // device* is the device the parameters are on at Create. The shard and the
 // sharded gradient live in host memory (pinned when the compute device is
@@ -131,6 +140,8 @@
 #include "fsdp/gradient_reduction.h"
 
 namespace fsdp {
+
+class QuantizedGather;  // fsdp/quantized_gather.h
 
 // Which buffer the parameters point at. Sharded and unsharded as NOTE [Flat
 // parameter] says; kShardedKeepingFull: on their shards, with the full
@@ -196,8 +207,9 @@ class FlatParamHandle {
   //    before the all-gather reads it reaches no rank's result (for an
   //    all-gather issued ahead of its forward).
   //  * KeptFullMatchesShard: whether this rank's part of the kept full
-  //    parameter still equals its shard (cast to the compute dtype, as the
-  //    all-gather sent it); false once an optimizer step, a load or a
+  //    parameter still equals its shard as the all-gather delivered it
+  //    (cast to the compute dtype, or coded and decoded under all-gather
+  //    quantization); false once an optimizer step, a load or a
   //    writeback changed the shard since. The kept full parameter is valid
   //    only if this holds on every rank of the shard group (this rank's
   //    answer alone does not say so). Reads both (a device sync on CUDA).
@@ -348,8 +360,10 @@ class FlatParamHandle {
                                                                  const at::Tensor& shard,
                                                                  size_t count) const;
   // Waits for the pending all-gather; if it failed, frees what it was
-  // filling and rethrows, leaving the handle sharded.
-  void WaitForPendingUnshard();
+  // filling and rethrows, leaving the handle sharded. `decode` false: a
+  // quantized all-gather's messages are dropped, not decoded (a discarded
+  // prefetch).
+  void WaitForPendingUnshard(bool decode = true);
   void PointParamsAtFull();
   void PointParamsAtShard();
   // Points the parameters' .grad at their parts of the sharded gradient.
@@ -364,6 +378,9 @@ class FlatParamHandle {
   const FlatLayout layout_;
   // Declared after layout_, which it reads.
   std::unique_ptr<GradientReduction> reduction_;
+  // Sharded units with all_gather_quantization; before pending_unshard_,
+  // whose works write into its buffer and are destroyed first.
+  std::unique_ptr<QuantizedGather> quantized_;
 
   at::Tensor local_shard_;   // S elements; NO_SHARD: F elements. Host when offloading.
   // P elements in compute_dtype_ on the compute device; storage freed while
@@ -381,7 +398,8 @@ class FlatParamHandle {
   // ReshardAfterForward's pieces, P / k elements in compute_dtype_.
   at::Tensor post_forward_shard_;
   at::Tensor full_grad_;  // The trainable segment, while UnshardGradients is in effect.
-  std::vector<std::unique_ptr<CollectiveWork>> pending_unshard_;  // One per segment.
+  // One per segment (one for a quantized all-gather).
+  std::vector<std::unique_ptr<CollectiveWork>> pending_unshard_;
   FullParamState full_state_ = FullParamState::kSharded;
   GradState grad_state_ = GradState::kSettled;
   HandleTrainingState training_state_ = HandleTrainingState::kIdle;

@@ -10,29 +10,63 @@ std::string CrossRankOptionsKey(const FsdpOptions& options, const ProcessGroups&
   // below or named as one that may differ between ranks.
   [[maybe_unused]] const auto& [shard /* its size is the plan's world size */, replicate_group,
                                 post_forward_group] = groups;
-  [[maybe_unused]] const auto& [strategy, mixed_precision, backward_prefetch,
-                                forward_prefetch, limit_all_gathers, check_execution_order,
-                                verify_collectives_every, offload_params, gradient_divide_factor,
-                                device_id, ignored_modules, sync_module_states, param_init_fn,
-                                trace /* may differ */, debug_log /* may differ */] = options;
+  [[maybe_unused]] const auto& [strategy, mixed_precision, all_gather_quantization,
+                                backward_prefetch, forward_prefetch, limit_all_gathers,
+                                check_execution_order, verify_collectives_every, offload_params,
+                                gradient_divide_factor, device_id, ignored_modules,
+                                sync_module_states, param_init_fn, trace /* may differ */,
+                                debug_log /* may differ */] = options;
   return absl::StrCat(
       "strategy=", ShardingStrategyName(strategy),
       ",replicate_group_size=", replicate_group != nullptr ? replicate_group->world_size() : 0,
       ",post_forward_group_size=",
-      post_forward_group != nullptr ? post_forward_group->world_size() : 0,
-      ",mixed_precision={", mixed_precision.ToString(), "}",
+      post_forward_group != nullptr ? post_forward_group->world_size() : 0, ",mixed_precision={",
+      mixed_precision.ToString(), "}",
+      // Only when set: the default key stays what builds before it hash.
+      all_gather_quantization == CommQuantization::kNone
+          ? ""
+          : absl::StrCat(",all_gather_quantization=",
+                         CommQuantizationName(all_gather_quantization)),
       ",backward_prefetch=", static_cast<int>(backward_prefetch),
-      ",forward_prefetch=", forward_prefetch,
-      ",limit_all_gathers=", limit_all_gathers,
+      ",forward_prefetch=", forward_prefetch, ",limit_all_gathers=", limit_all_gathers,
       ",check_execution_order=", check_execution_order,
-      ",verify_collectives_every=", verify_collectives_every,
-      ",offload_params=", offload_params,
+      ",verify_collectives_every=", verify_collectives_every, ",offload_params=", offload_params,
       ",gradient_divide_factor=",
       gradient_divide_factor ? absl::StrCat(*gradient_divide_factor) : "unset",
       ",device_type=", device_id ? c10::DeviceTypeName(device_id->type(), true) : "unset",
-      ",ignored_modules=", ignored_modules.size(),
-      ",sync_module_states=", sync_module_states,
+      ",ignored_modules=", ignored_modules.size(), ",sync_module_states=", sync_module_states,
       ",param_init_fn=", param_init_fn ? "set" : "unset", ";");
+}
+
+absl::Status CheckAllGatherQuantization(const std::string& unit, ShardingStrategy strategy,
+                                        const MixedPrecision& mixed_precision,
+                                        CommQuantization quantization, at::ScalarType param_dtype,
+                                        const std::string& first_param) {
+  if (quantization == CommQuantization::kNone) return absl::OkStatus();
+  const std::string what =
+      absl::StrCat("unit '", unit,
+                   "' has all_gather_quantization=", CommQuantizationName(quantization), " but ");
+  if (strategy == ShardingStrategy::kNoShard) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what,
+                     "its strategy is NO_SHARD, which all-gathers nothing; give it "
+                     "all_gather_quantization=none (a policy's per-unit option) or a strategy that "
+                     "shards"));
+  }
+  // The dtypes the coding kernels read (no float8: ATen counts it floating).
+  if (param_dtype != at::kFloat && param_dtype != at::kDouble && param_dtype != at::kHalf &&
+      param_dtype != at::kBFloat16) {
+    return absl::InvalidArgumentError(absl::StrCat(what, "its parameters ('", first_param,
+                                                   "', ...) are ", c10::toString(param_dtype),
+                                                   ", not float32, float64, float16 or bfloat16"));
+  }
+  const at::ScalarType gathered = mixed_precision.param_dtype.value_or(param_dtype);
+  if (quantization == CommQuantization::kBf16 && c10::elementSize(gathered) <= 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, "it already all-gathers in ", c10::toString(gathered),
+                     " (param_dtype or the parameters' dtype): bf16 would save nothing"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ValidateFsdpOptions(const FsdpOptions& options) {

@@ -72,6 +72,11 @@ struct FsdpOptions {
   // PyTorch's mixed_precision (policies/unit_options.h); a policy may
   // replace it per unit. Off by default.
   MixedPrecision mixed_precision;
+  // How parameters travel in all-gathers (policies/unit_options.h,
+  // CommQuantization: bf16 or int8 instead of the compute dtype); a policy
+  // may replace it per unit. Summoned full parameters and full state dicts
+  // always gather exactly.
+  CommQuantization all_gather_quantization = CommQuantization::kNone;
   // Prefetching follows the order units ran in on the first iteration; at
   // most one unit is prefetched at a time, unless a unit is given its own
   // list (FullyShardedModel::SetModulesToForwardPrefetch, ...).
@@ -157,6 +162,8 @@ struct ResolvedUnitOptions {
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
   // The root's mixed precision, or the policy's override, as a whole.
   MixedPrecision mixed_precision;
+  // The root's, or the policy's override.
+  CommQuantization all_gather_quantization = CommQuantization::kNone;
   // FsdpOptions::offload_params and the initial gradient_divide_factor
   // (FullyShardedModel::SetGradientDivideFactor changes the handle's, not
   // this).
@@ -188,6 +195,17 @@ struct ResolvedUnitOptions {
 // (0 when unset). A new field of FsdpOptions or ProcessGroups does not
 // compile until it is added here (fsdp_options.cc).
 std::string CrossRankOptionsKey(const FsdpOptions& options, const ProcessGroups& groups);
+
+// Whether a unit's all_gather_quantization can apply (policies/
+// unit_options.h, CommQuantization): not under NO_SHARD, which all-gathers
+// nothing; not for parameters of a non-floating `param_dtype`; bf16 not
+// where the unit gathers in a 16-bit dtype already. The error names the unit
+// and, for the dtype, `first_param`. Wrap checks every unit before sharding
+// any; FlatParamHandle::Create checks its own.
+absl::Status CheckAllGatherQuantization(const std::string& unit, ShardingStrategy strategy,
+                                        const MixedPrecision& mixed_precision,
+                                        CommQuantization quantization, at::ScalarType param_dtype,
+                                        const std::string& first_param);
 
 // Options that contradict each other or are out of range: the first such,
 // named. Wrap refuses them.

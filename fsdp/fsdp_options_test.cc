@@ -32,6 +32,8 @@ std::vector<Change> AgreedFieldChanges() {
       {"ignored_modules", [](FsdpOptions& o) { o.ignored_modules.push_back(nullptr); }},
       {"sync_module_states", [](FsdpOptions& o) { o.sync_module_states = true; }},
       {"param_init_fn", [](FsdpOptions& o) { o.param_init_fn = [](torch::nn::Module&) {}; }},
+      {"all_gather_quantization",
+       [](FsdpOptions& o) { o.all_gather_quantization = CommQuantization::kInt8; }},
   };
 }
 

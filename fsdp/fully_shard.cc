@@ -234,14 +234,8 @@ int64_t FullyShardedModel::FullParamBytes() const {
 void FullyShardedModel::LazyInit() {
   std::vector<UnitSignature> units;
   for (const auto& unit : units_) {
-    UnitSignature signature{unit->fqn_, 0, "", unit->strategy(), unit->mixed_precision()};
-    if (unit->handle_) {
-      signature.flat_numel = unit->handle_->layout().flat_numel();
-      for (const FlatParamInfo& info : unit->handle_->layout().params()) {
-        signature.trainable += info.trainable ? '1' : '0';
-      }
-    }
-    units.push_back(std::move(signature));
+    units.push_back(SignatureOf(unit->fqn_, unit->options(),
+                                unit->handle_ ? &unit->handle_->layout() : nullptr));
   }
   CheckSameWrapOnEveryRank(groups_, options_, units);
   if (groups_.post_forward != nullptr) CheckPostForwardGroup(group(), *groups_.post_forward);

@@ -399,18 +399,23 @@ TEST(HybridShard, StrategyNamesParseLikePyTorchs) {
 // between forward and backward (measured), its backward all-gathers run
 // over the pair instead of all four ranks (counted), and every loss and
 // parameter equals plain FULL_SHARD's bit for bit (the gathers copy values).
+// With int8 all-gathers too: the pieces kept are the decoded values.
 TEST(PostForwardGroup, BackwardGathersWithinTheGroupAndChangesNoNumber) {
   constexpr int kWorld = 4;
   constexpr int kGroup = 2;
   const HybridShardLayout layout = HybridShardLayout::Create(kWorld, kGroup).value();
   struct Config {
+    const char* name;
     std::optional<at::ScalarType> param_dtype;
     bool offload_params;
+    CommQuantization quantization = CommQuantization::kNone;
   };
   for (const Config& config :
-       {Config{std::nullopt, false}, Config{at::kBFloat16, false}, Config{std::nullopt, true}}) {
+       {Config{"float32", std::nullopt, false}, Config{"bfloat16", at::kBFloat16, false},
+        Config{"offload", std::nullopt, true},
+        Config{"int8 all-gather", std::nullopt, false, CommQuantization::kInt8}}) {
     const std::optional<at::ScalarType> param_dtype = config.param_dtype;
-    SCOPED_TRACE(param_dtype ? "bfloat16" : config.offload_params ? "offload" : "float32");
+    SCOPED_TRACE(config.name);
     std::vector<Trajectory> runs(2);  // [plain, post-forward group], rank 0's.
     for (int post = 0; post < 2; ++post) {
       auto store = c10::make_intrusive<c10d::HashStore>();
@@ -426,6 +431,7 @@ TEST(PostForwardGroup, BackwardGathersWithinTheGroupAndChangesNoNumber) {
         FsdpOptions options;
         options.mixed_precision.param_dtype = param_dtype;
         options.offload_params = config.offload_params;
+        options.all_gather_quantization = config.quantization;
         ProcessGroups fsdp_groups(world);
         if (post == 1) fsdp_groups.post_forward = &pair;
         auto wrapped = FullyShardedModel::Wrap(model.ptr(), fsdp_groups, options,

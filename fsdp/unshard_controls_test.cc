@@ -215,42 +215,49 @@ TEST(ReshardAfterBackward, AShardWrittenOnOneRankIsGatheredAgainOnEvery) {
 }
 
 // A frozen unit has no gradients to reduce, so a reducing backward keeps it
-// too; only the trainable units reshard.
+// too; only the trainable units reshard. With int8 all-gathers the kept
+// parameters are the decoded values, which the check between steps must
+// still recognize as this shard's (else every step would gather again).
 TEST(ReshardAfterBackward, FrozenUnitsStayUnshardedAcrossReducingBackward) {
-  absl::Status status = RunOnThreadRanks(2, [](Collectives& comm) {
-    Net model;
-    for (auto& p : model->blocks[1]->parameters()) p.set_requires_grad(false);
-    auto wrapped =
-        FullyShardedModel::Wrap(model.ptr(), comm, {}, *ModuleTypePolicy::Of<BlockImpl>());
-    ASSERT_TRUE(wrapped.ok()) << wrapped.status();
-    FullyShardedModel& fsdp = **wrapped;
-    ASSERT_TRUE(fsdp.SetReshardAfterBackward(*model, {.reshard_after_backward = false}).ok());
-    auto optimizer = MakeOptimizer(Optim::kAdam, model->parameters());
-    const FlatParamHandle* frozen = fsdp.units()[2]->handle();
-    ASSERT_EQ(fsdp.units()[2]->fqn(), "blocks.1");
-    for (int step = 0; step < 3; ++step) {
-      comm.ResetCounters();
-      at::Tensor loss = at::mse_loss(model->forward(RankRows(Inputs(step, 0), comm.rank(), 2)),
-                                     RankRows(Targets(step, 0), comm.rank(), 2));
-      const int64_t forward_gathers = comm.counters().Calls(CollectiveOp::kAllGather);
-      loss.backward();
-      // From the second step on, blocks.1's forward needs no all-gather (its
-      // backward does: FULL_SHARD reshards it after forward).
-      if (step > 0) EXPECT_EQ(forward_gathers, 3);
-      EXPECT_EQ(comm.counters().Calls(CollectiveOp::kAllGather) - forward_gathers, 3);
-      EXPECT_TRUE(frozen->holds_kept_full());
-      for (const auto& unit : fsdp.units()) {
-        EXPECT_FALSE(unit->handle()->is_unsharded()) << unit->fqn();
-        if (unit->handle() != frozen) EXPECT_FALSE(unit->handle()->holds_kept_full());
+  for (CommQuantization quantization : {CommQuantization::kNone, CommQuantization::kInt8}) {
+    SCOPED_TRACE(CommQuantizationName(quantization));
+    absl::Status status = RunOnThreadRanks(2, [quantization](Collectives& comm) {
+      Net model;
+      for (auto& p : model->blocks[1]->parameters()) p.set_requires_grad(false);
+      FsdpOptions options;
+      options.all_gather_quantization = quantization;
+      auto wrapped =
+          FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
+      ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+      FullyShardedModel& fsdp = **wrapped;
+      ASSERT_TRUE(fsdp.SetReshardAfterBackward(*model, {.reshard_after_backward = false}).ok());
+      auto optimizer = MakeOptimizer(Optim::kAdam, model->parameters());
+      const FlatParamHandle* frozen = fsdp.units()[2]->handle();
+      ASSERT_EQ(fsdp.units()[2]->fqn(), "blocks.1");
+      for (int step = 0; step < 3; ++step) {
+        comm.ResetCounters();
+        at::Tensor loss = at::mse_loss(model->forward(RankRows(Inputs(step, 0), comm.rank(), 2)),
+                                       RankRows(Targets(step, 0), comm.rank(), 2));
+        const int64_t forward_gathers = comm.counters().Calls(CollectiveOp::kAllGather);
+        loss.backward();
+        // From the second step on, blocks.1's forward needs no all-gather (its
+        // backward does: FULL_SHARD reshards it after forward).
+        if (step > 0) EXPECT_EQ(forward_gathers, 3);
+        EXPECT_EQ(comm.counters().Calls(CollectiveOp::kAllGather) - forward_gathers, 3);
+        EXPECT_TRUE(frozen->holds_kept_full());
+        for (const auto& unit : fsdp.units()) {
+          EXPECT_FALSE(unit->handle()->is_unsharded()) << unit->fqn();
+          if (unit->handle() != frozen) EXPECT_FALSE(unit->handle()->holds_kept_full());
+        }
+        EXPECT_TRUE(ClipGradNorm(fsdp, 1.0).ok());  // Between steps as always.
+        optimizer->step();  // Steps the trainable units only: the kept one stays valid.
+        optimizer->zero_grad();
       }
-      EXPECT_TRUE(ClipGradNorm(fsdp, 1.0).ok());  // Between steps as always.
-      optimizer->step();  // Steps the trainable units only: the kept one stays valid.
-      optimizer->zero_grad();
-    }
-    ASSERT_TRUE(fsdp.Reshard(*model).ok());
-    EXPECT_EQ(fsdp.FullParamBytes(), 0);
-  });
-  EXPECT_TRUE(status.ok()) << status;
+      ASSERT_TRUE(fsdp.Reshard(*model).ok());
+      EXPECT_EQ(fsdp.FullParamBytes(), 0);
+    });
+    EXPECT_TRUE(status.ok()) << status;
+  }
 }
 
 // Unshard issues one unit's all-gather and returns; the forward waits for

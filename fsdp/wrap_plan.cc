@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "base/status.h"
 #include "fsdp/unit_registry.h"
 
 namespace fsdp {
@@ -86,6 +87,7 @@ absl::StatusOr<std::map<const torch::nn::Module*, UnitOptions>> ChooseUnits(
   input.root = &root;
   input.root_options.strategy = options.strategy;
   if (options.mixed_precision.enabled()) input.root_options.mixed_precision = options.mixed_precision;
+  input.root_options.all_gather_quantization = options.all_gather_quantization;
   input.can_be_unit = [](const torch::nn::Module& m) {
     return dynamic_cast<const ShardableModule*>(&m) != nullptr;
   };
@@ -153,6 +155,7 @@ void AddUnits(torch::nn::Module& root, const FsdpOptions& options,
   root_unit.module = &root;
   root_unit.strategy = options.strategy;
   root_unit.mixed_precision = options.mixed_precision;
+  root_unit.all_gather_quantization = options.all_gather_quantization;
   plan.units.push_back(std::move(root_unit));
   for (const auto& item : root.named_modules("", /*include_self=*/false)) {
     auto it = chosen.find(item.value().get());
@@ -164,6 +167,8 @@ void AddUnits(torch::nn::Module& root, const FsdpOptions& options,
     unit.overrides = it->second;
     unit.strategy = it->second.strategy.value_or(options.strategy);
     unit.mixed_precision = it->second.mixed_precision.value_or(options.mixed_precision);
+    unit.all_gather_quantization =
+        it->second.all_gather_quantization.value_or(options.all_gather_quantization);
     for (const PlannedUnit& other : plan.units) {
       if (!other.fqn.empty() && IsPrefixOf(other.fqn, unit.fqn)) ++unit.depth;
     }
@@ -205,6 +210,17 @@ void AssignParams(torch::nn::Module& root, const Excluded& excluded, WrapPlan& p
     plan.units[best].param_fqns.push_back(fqn);
     plan.units[best].params.push_back(param);
   }
+}
+
+// A unit whose all_gather_quantization cannot apply: the first, named.
+absl::Status CheckQuantization(const WrapPlan& plan) {
+  for (const PlannedUnit& unit : plan.units) {
+    if (unit.params.empty()) continue;
+    FSDP_RETURN_IF_ERROR(CheckAllGatherQuantization(
+        UnitName(unit.fqn), unit.strategy, unit.mixed_precision, unit.all_gather_quantization,
+        unit.params.front().scalar_type(), unit.param_fqns.front()));
+  }
+  return absl::OkStatus();
 }
 
 // Sizes and shard sizes, the trainable and the frozen segment each padded.
@@ -252,6 +268,9 @@ absl::StatusOr<WrapPlan> PlanWrap(torch::nn::Module& root, int world_size,
   AddUnits(root, options, *chosen, fqn_of, plan);
   AssignParams(root, excluded, plan);
   SizeUnits(world_size, plan);
+  if (absl::Status quantization = CheckQuantization(plan); !quantization.ok()) {
+    return quantization;
+  }
   if (!plan.units.front().params.empty() &&
       dynamic_cast<ShardableModule*>(&root) == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -269,6 +288,7 @@ ResolvedUnitOptions ResolveUnitOptions(const PlannedUnit& unit, const FsdpOption
   ResolvedUnitOptions resolved;
   resolved.strategy = unit.strategy;
   resolved.mixed_precision = unit.mixed_precision;
+  resolved.all_gather_quantization = unit.all_gather_quantization;
   resolved.offload_params = options.offload_params;
   resolved.gradient_divide_factor = options.gradient_divide_factor;
   resolved.replicate = groups.replicate;
@@ -285,11 +305,14 @@ std::string WrapPlan::ToString() const {
     total += unit.numel;
     per_rank += unit.shard_numel;
     absl::StrAppend(
-        &out, std::string(2 + 2 * unit.depth, ' '), UnitName(unit.fqn), " (", unit.type, "): ",
-        ShardingStrategyName(unit.strategy), unit.overrides.empty() ? "" : " (override)",
+        &out, std::string(2 + 2 * unit.depth, ' '), UnitName(unit.fqn), " (", unit.type,
+        "): ", ShardingStrategyName(unit.strategy), unit.overrides.empty() ? "" : " (override)",
         unit.mixed_precision.enabled() ? ", " + unit.mixed_precision.ToString() : "",
-        unit.numel > 0 && unit.trainable_numel == 0 ? ", frozen" : "", ", ",
-        unit.param_fqns.size(), " params, ", unit.numel, " elements",
+        unit.all_gather_quantization != CommQuantization::kNone
+            ? absl::StrCat(", all-gather ", CommQuantizationName(unit.all_gather_quantization))
+            : "",
+        unit.numel > 0 && unit.trainable_numel == 0 ? ", frozen" : "", ", ", unit.param_fqns.size(),
+        " params, ", unit.numel, " elements",
         unit.trainable_numel > 0 && unit.trainable_numel < unit.numel
             ? absl::StrCat(" (", unit.trainable_numel, " trainable)")
             : "",

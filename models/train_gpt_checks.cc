@@ -575,6 +575,7 @@ constexpr RecordedSetting kRecordedSettings[] = {
     {"shard_group_size", nullptr},
     {"param_dtype", nullptr},
     {"reduce_dtype", nullptr},
+    {"all_gather_quantization", nullptr},
     {"wrap_policy", nullptr},
     {"policy_plugin", nullptr},
     {"activation_checkpointing", nullptr},
@@ -727,6 +728,24 @@ absl::StatusOr<fsdp::FsdpOptions> FsdpOptionsFromFlags() {
         {absl::GetFlag(FLAGS_reduce_dtype), &options.mixed_precision.reduce_dtype}}) {
     if (flag.empty()) continue;
     FSDP_ASSIGN_OR_RETURN(*field, fsdp::ParseDtypeFlag(flag));
+  }
+  absl::StatusOr<fsdp::CommQuantization> quantization =
+      fsdp::ParseCommQuantization(absl::GetFlag(FLAGS_all_gather_quantization));
+  if (!quantization.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--all_gather_quantization: ", quantization.status().message()));
+  }
+  options.all_gather_quantization = *quantization;
+  // What the root unit would refuse at Wrap on every rank, refused here
+  // before any rank starts (the GPT's parameters are float32).
+  if (absl::Status applies =
+          fsdp::CheckAllGatherQuantization("<root>", options.strategy, options.mixed_precision,
+                                           options.all_gather_quantization, at::kFloat, "");
+      !applies.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--all_gather_quantization=", fsdp::CommQuantizationName(*quantization), " with --",
+        "sharding_strategy=", absl::GetFlag(FLAGS_sharding_strategy), " and --param_dtype='",
+        absl::GetFlag(FLAGS_param_dtype), "': ", applies.message()));
   }
   return options;
 }

@@ -106,6 +106,11 @@ ABSL_FLAG(std::string, param_dtype, "",
           "float16, float32); the optimizer still steps float32 shards. Empty: float32.");
 ABSL_FLAG(std::string, reduce_dtype, "",
           "Mixed precision: reduce gradients in this dtype (default: --param_dtype).");
+ABSL_FLAG(std::string, all_gather_quantization, "none",
+          "How parameters travel in all-gathers: none (the compute dtype), bf16 or int8 "
+          "(blockwise, about 0.26x float32's bytes); the shards and the optimizer step stay "
+          "exact, only the gathered parameters forward and backward use are approximate. "
+          "Not with no_shard.");
 ABSL_FLAG(std::string, backward_prefetch, "backward_pre",
           "none, backward_pre or backward_post.");
 ABSL_FLAG(bool, forward_prefetch, false, "All-gather the next unit during forward.");

@@ -70,10 +70,14 @@ absl::StatusOr<std::vector<PolicySpec>> ParsePolicySpecs(absl::string_view spec)
 
 namespace {
 // The per-unit option keys every policy takes (GetUnitOptions).
-constexpr const char* kUnitOptionKeys[] = {"strategy",           "param_dtype",
-                                           "reduce_dtype",       "buffer_dtype",
-                                           "output_dtype",       "keep_low_precision_grads",
-                                           "cast_forward_inputs"};
+constexpr const char* kUnitOptionKeys[] = {"strategy",
+                                           "param_dtype",
+                                           "reduce_dtype",
+                                           "buffer_dtype",
+                                           "output_dtype",
+                                           "keep_low_precision_grads",
+                                           "cast_forward_inputs",
+                                           "all_gather_quantization"};
 }  // namespace
 
 absl::Status PolicySpec::CheckKeys(const std::vector<std::string>& known) const {
@@ -135,6 +139,11 @@ absl::StatusOr<UnitOptions> PolicySpec::GetUnitOptions() const {
     absl::StatusOr<ShardingStrategy> strategy = ParseShardingStrategy(*value);
     if (!strategy.ok()) return SpecError(text, strategy.status().message());
     options.strategy = *strategy;
+  }
+  if (const std::string* value = Find("all_gather_quantization")) {
+    absl::StatusOr<CommQuantization> quantization = ParseCommQuantization(*value);
+    if (!quantization.ok()) return SpecError(text, quantization.status().message());
+    options.all_gather_quantization = *quantization;
   }
   // Any mixed-precision key gives the unit a MixedPrecision of its own.
   MixedPrecision mp;

@@ -16,7 +16,9 @@
 //   none                                 the whole model is one unit
 //
 // Every policy accepts strategy=<FULL_SHARD|SHARD_GRAD_OP|NO_SHARD>, the
-// per-unit override for the units it chooses. A key a policy does not know,
+// mixed-precision keys (param_dtype=bf16, ...) and
+// all_gather_quantization=<none|bf16|int8>: the per-unit overrides for the
+// units it chooses. A key a policy does not know,
 // a missing value or an empty part is an error naming the spec.
 #ifndef FSDP_POLICIES_POLICY_SPEC_H_
 #define FSDP_POLICIES_POLICY_SPEC_H_
@@ -50,7 +52,8 @@ struct PolicySpec {
   // "a|b|c" as a list; `default_value` when the key is absent.
   std::vector<std::string> GetList(const std::string& key,
                                    std::vector<std::string> default_value) const;
-  // strategy=..., if given.
+  // strategy=..., the mixed-precision keys and all_gather_quantization=...,
+  // if given.
   absl::StatusOr<UnitOptions> GetUnitOptions() const;
 };
 

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -116,12 +117,37 @@ std::string MixedPrecision::ToString() const {
   return absl::StrJoin(parts, ",");
 }
 
+const char* CommQuantizationName(CommQuantization quantization) {
+  switch (quantization) {
+    case CommQuantization::kNone:
+      return "none";
+    case CommQuantization::kBf16:
+      return "bf16";
+    case CommQuantization::kInt8:
+      return "int8";
+  }
+  return "invalid";
+}
+
+absl::StatusOr<CommQuantization> ParseCommQuantization(absl::string_view name) {
+  const std::string lower = absl::AsciiStrToLower(name);
+  if (lower == "none") return CommQuantization::kNone;
+  if (lower == "bf16" || lower == "bfloat16") return CommQuantization::kBf16;
+  if (lower == "int8") return CommQuantization::kInt8;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown all-gather quantization '", name, "'; valid: none, bf16, int8"));
+}
+
 std::string UnitOptions::ToString() const {
   std::vector<std::string> parts;
   if (strategy) parts.push_back(absl::StrCat("strategy=", ShardingStrategyName(*strategy)));
   if (mixed_precision) {
     const std::string mp = mixed_precision->ToString();
     parts.push_back(mp.empty() ? "full_precision" : mp);
+  }
+  if (all_gather_quantization) {
+    parts.push_back(
+        absl::StrCat("all_gather_quantization=", CommQuantizationName(*all_gather_quantization)));
   }
   return absl::StrJoin(parts, ",");
 }

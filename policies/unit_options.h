@@ -101,15 +101,42 @@ bool IsMixedPrecisionDtype(at::ScalarType dtype);
 // override) call it.
 absl::Status ValidateMixedPrecision(const MixedPrecision& mp);
 
+// How a unit's parameters travel in its all-gathers (ZeRO++'s qwZ;
+// fsdp/quantized_gather.h). The shards, the optimizer step on them and the
+// gradients stay as they are: only the unsharded parameters that forward
+// and backward compute with are approximate.
+//  * kBf16: each rank's shard is sent in bfloat16 and cast back to the
+//    compute dtype (which stays the parameters' dtype, or param_dtype):
+//    half the bytes of float32.
+//  * kInt8: each rank's shard is sent as one byte per value, in blocks of
+//    at most 256 values with two float32 parameters each
+//    (comm/block_quantization.h), and decoded into the compute dtype:
+//    about 0.26x the bytes of float32. No block spans two parameters.
+// Refused (by Wrap, naming the unit) under NO_SHARD, which all-gathers
+// nothing, for parameters that are not float32, float64, float16 or
+// bfloat16, and kBf16 where the unit already all-gathers in a 16-bit dtype.
+enum class CommQuantization { kNone, kBf16, kInt8 };
+
+// "none", "bf16", "int8".
+const char* CommQuantizationName(CommQuantization quantization);
+// The inverse of CommQuantizationName (case-insensitive; "bfloat16" too);
+// the error lists the valid names.
+absl::StatusOr<CommQuantization> ParseCommQuantization(absl::string_view name);
+
 // Per-unit overrides chosen by a policy. A field left unset takes the
 // root's value (FsdpOptions).
 struct UnitOptions {
   std::optional<ShardingStrategy> strategy;
   // Replaces the root's mixed precision as a whole.
   std::optional<MixedPrecision> mixed_precision;
+  std::optional<CommQuantization> all_gather_quantization;
 
-  bool empty() const { return !strategy.has_value() && !mixed_precision.has_value(); }
-  // "strategy=NO_SHARD,param_dtype=bfloat16", or "" when empty.
+  bool empty() const {
+    return !strategy.has_value() && !mixed_precision.has_value() &&
+           !all_gather_quantization.has_value();
+  }
+  // "strategy=NO_SHARD,param_dtype=bfloat16,all_gather_quantization=int8",
+  // or "" when empty.
   std::string ToString() const;
 };
 

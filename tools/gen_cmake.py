@@ -51,6 +51,7 @@ SKIPPED_PREFIXES = (
     "//third_party:nccl",
     "@local_cuda//",
     "//comm:nccl_collectives",  # And //comm:nccl_collectives_benchmark.
+    "//comm:block_quantization_cuda",  # And its kernels' genrule.
     "//fsdp:cuda_test",
     "//models:cuda_step_benchmark",
 )
@@ -167,6 +168,7 @@ def generate(rules):
         compiled = [s for s in srcs if s.endswith((".cc", ".cpp", ".c"))]
         deps = deps_of(attrs)
         defines = attrs.get("defines", [])
+        copts = attrs.get("copts", [])
         linkopts = attrs.get("linkopts", [])
         if kind == "cc_library" and not compiled:
             lines.append("add_library(%s INTERFACE)" % target)
@@ -193,6 +195,8 @@ def generate(rules):
         if defines:
             lines.append("target_compile_definitions(%s %s %s)"
                          % (target, scope, " ".join(defines)))
+        if copts and scope != "INTERFACE":  # Bazel's copts apply to the rule's own sources.
+            lines.append("target_compile_options(%s PRIVATE %s)" % (target, " ".join(copts)))
         # Libraries go with the libraries (after the objects); the rest are
         # linker options.
         linkopts = [LINKOPT_SUBSTITUTES.get(o, o) for o in linkopts]

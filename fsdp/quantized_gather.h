@@ -1,0 +1,90 @@
+// QuantizedGather: one unit's all-gather in fewer bytes than its compute
+// dtype (ResolvedUnitOptions::all_gather_quantization; ZeRO++'s qwZ). Each
+// rank codes its shard into a message of equal size on every rank, one
+// all-gather moves the W messages, and every rank decodes all of them,
+// its own included, into the full parameter: so every rank computes with
+// the same values, and the shard the optimizer steps stays exact.
+//
+// Messages (laid out so that the ranks agree on them from the layout
+// alone, without exchanging anything):
+//  * kBf16: the shard (S elements, padding included) in bfloat16.
+//  * kInt8: S code bytes, zero bytes up to a multiple of 8, then the
+//    parameters of up to B blocks, 8 bytes each (comm/block_quantization.h),
+//    where B is the largest block count of any rank's shard. A rank's shard
+//    is cut into blocks at every parameter boundary, at the segments'
+//    padding and every 256 values after a cut, so that no block mixes two
+//    parameters' scales (a LayerNorm gain near 1.0 beside weights near
+//    0.02 would lose the weights' resolution) and the padding's zeros code
+//    exactly.
+//
+// Cost: the all-gather's output is W * message bytes (what the group's
+// counters count) instead of W * S * sizeof(compute dtype); a gathered
+// buffer of that size lives from Start to Finish beside the full
+// parameter; coding and decoding run on the compute device, on the current
+// stream. The tables that say where each block lies hold a row per
+// parameter piece of each rank (40 bytes), kept for the unit's life.
+//
+// World size 1 codes and decodes too, though nothing crosses a wire: a run
+// on one rank computes with the values a run on many would.
+//
+// Thread safety: none; its handle drives it.
+#ifndef FSDP_FSDP_QUANTIZED_GATHER_H_
+#define FSDP_FSDP_QUANTIZED_GATHER_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "ATen/core/Tensor.h"
+#include "comm/block_quantization.h"
+#include "comm/collectives.h"
+#include "fsdp/flat_layout.h"
+#include "policies/unit_options.h"
+
+namespace fsdp {
+
+class QuantizedGather {
+ public:
+  // For a sharded `layout` of a group of `world_size` ranks, computing on
+  // `device`. REQUIRES: layout.sharded(), quantization != kNone.
+  QuantizedGather(const FlatLayout& layout, int world_size, CommQuantization quantization,
+                  c10::Device device);
+  QuantizedGather(const QuantizedGather&) = delete;
+  QuantizedGather& operator=(const QuantizedGather&) = delete;
+
+  // Codes `shard` (laid out like the shard, floating, on the compute
+  // device) and issues the all-gather of the messages over `group` (the
+  // layout's shard group, or one of its size). REQUIRES: nothing pending.
+  std::unique_ptr<CollectiveWork> Start(const at::Tensor& shard, Collectives& group);
+  // Once the work has completed: decodes every rank's message into `full`
+  // (laid out like the flat parameter, any floating dtype, on the compute
+  // device) and releases the gathered buffer.
+  void Finish(const at::Tensor& full);
+  // Releases the gathered buffer without decoding (a failed all-gather).
+  void Discard();
+  bool pending() const { return gathered_.defined(); }
+
+  // The values every rank's full parameter holds at this rank's part after
+  // Finish: `shard` coded and decoded, in `dtype`.
+  at::Tensor RoundTrip(const at::Tensor& shard, at::ScalarType dtype) const;
+
+  // Bytes of one rank's message: the all-gather moves world_size times this.
+  int64_t message_bytes() const { return message_bytes_; }
+
+ private:
+  const FlatLayout& layout_;
+  const int world_size_;
+  const CommQuantization quantization_;
+  int64_t message_bytes_ = 0;
+  // kInt8: this rank's runs (value offsets into the shard) and every
+  // rank's (value offsets into the flat parameter, code and parameter
+  // offsets into the gathered buffer), on the compute device: a run per
+  // parameter piece, so a few rows per parameter and rank.
+  BlockTable own_table_;
+  BlockTable gather_table_;
+  at::Tensor gathered_;  // W messages, while an all-gather is pending.
+  at::Tensor message_;   // This rank's message, until the all-gather is done.
+};
+
+}  // namespace fsdp
+
+#endif  // FSDP_FSDP_QUANTIZED_GATHER_H_

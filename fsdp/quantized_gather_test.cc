@@ -1,0 +1,188 @@
+#include "fsdp/quantized_gather.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ATen/ATen.h"
+#include "comm/block_quantization.h"
+#include "fsdp/fsdp_options.h"
+#include "gtest/gtest.h"
+#include "testing/multi_rank.h"
+
+namespace fsdp {
+namespace {
+
+using ::fsdp::testing::RunOnThreadRanks;
+
+// A weight near 0.02, a LayerNorm gain near 1.0, a bias, and a frozen
+// weight of another scale: every block boundary case (parameters that
+// straddle ranks, ones smaller than a block, padding, two segments).
+struct Unit {
+  std::vector<FlatLayout::Param> specs = {
+      {"w", {30, 21}, true}, {"gain", {64}, true}, {"b", {5}, true}, {"frozen", {300}, false}};
+  std::vector<at::Tensor> values;
+
+  // The same on every rank without a shared generator (thread ranks would
+  // draw different values from one).
+  static at::Tensor Wavy(int64_t n, double phase) {
+    return at::sin(at::arange(n, at::kFloat) * 0.731 + phase);
+  }
+
+  Unit() {
+    values = {Wavy(630, 0.1).view({30, 21}) * 0.02, 1.0 + 0.01 * Wavy(64, 0.2), Wavy(5, 0.3),
+              Wavy(300, 0.4) * 5.0};
+  }
+
+  // `layout`'s flat parameter, padding zero.
+  at::Tensor Full(const FlatLayout& layout) const {
+    at::Tensor full = at::zeros({layout.padded_numel()});
+    for (size_t i = 0; i < values.size(); ++i) {
+      layout.FullViewOf(full, i).copy_(values[i]);
+    }
+    return full;
+  }
+
+  // This rank's shard of it.
+  at::Tensor Shard(const FlatLayout& layout) const {
+    const at::Tensor full = Full(layout);
+    std::vector<at::Tensor> parts;
+    for (const FlatLayout::Segment& seg : layout.segments()) {
+      parts.push_back(full.narrow(0, layout.OwnedBegin(seg, layout.rank()), seg.shard_numel));
+    }
+    return at::cat(parts);
+  }
+};
+
+// Every rank decodes the same full parameter; each value is within half a
+// step of a block that holds only its own parameter's values, so within
+// half a step of that parameter's range; the padding is exactly zero; this
+// rank's part is what RoundTrip says.
+TEST(QuantizedGather, Int8DecodesEveryShardAlikeWithinEachParametersResolution) {
+  for (int world : {1, 2, 3}) {
+    absl::Status status = RunOnThreadRanks(world, [](Collectives& group) {
+      Unit unit;
+      const FlatLayout layout =
+          FlatLayout::Of(unit.specs, /*sharded=*/true, group.world_size(), group.rank());
+      QuantizedGather gather(layout, group.world_size(), CommQuantization::kInt8, at::kCPU);
+      const at::Tensor shard = unit.Shard(layout);
+      auto work = gather.Start(shard, group);
+      EXPECT_TRUE(gather.pending());
+      work->Wait();
+      at::Tensor full = at::full({layout.padded_numel()}, 99.0f);
+      gather.Finish(full);
+      EXPECT_FALSE(gather.pending());
+
+      const at::Tensor exact = unit.Full(layout);
+      for (size_t i = 0; i < unit.values.size(); ++i) {
+        const at::Tensor v = unit.values[i];
+        const double half_step = (v.max() - v.min()).item<double>() / 510.0 * 1.0001;
+        EXPECT_LE((layout.FullViewOf(full, i) - v).abs().max().item<double>(), half_step)
+            << unit.specs[i].fqn << " at W = " << group.world_size();
+      }
+      at::Tensor padding_mask = at::ones({layout.padded_numel()}, at::kBool);
+      for (size_t i = 0; i < unit.values.size(); ++i) {
+        padding_mask.narrow(0, layout.params()[i].offset, layout.params()[i].numel).fill_(false);
+      }
+      EXPECT_TRUE(at::equal(full.masked_select(padding_mask),
+                            at::zeros({padding_mask.sum().item<int64_t>()})));
+      // Rank r's decoded part is its own RoundTrip.
+      const at::Tensor own = gather.RoundTrip(shard, at::kFloat);
+      for (const FlatLayout::Segment& seg : layout.segments()) {
+        EXPECT_TRUE(at::equal(full.narrow(0, layout.OwnedBegin(seg, group.rank()), seg.shard_numel),
+                              own.narrow(0, seg.shard_begin, seg.shard_numel)));
+      }
+      // And every rank holds the same bytes.
+      at::Tensor everyone = at::empty({group.world_size() * full.numel()});
+      group.AllGatherIntoTensor(everyone, full)->Wait();
+      for (int r = 1; r < group.world_size(); ++r) {
+        EXPECT_TRUE(at::equal(everyone.narrow(0, r * full.numel(), full.numel()), full));
+      }
+    });
+    EXPECT_TRUE(status.ok()) << status;
+  }
+}
+
+// bf16: each value is its bfloat16 rounding, decoded into the compute
+// dtype, over both segments.
+TEST(QuantizedGather, Bf16IsTheShardsRoundedToBfloat16) {
+  absl::Status status = RunOnThreadRanks(2, [](Collectives& group) {
+    Unit unit;
+    const FlatLayout layout = FlatLayout::Of(unit.specs, true, 2, group.rank());
+    ASSERT_EQ(layout.segments().size(), 2u);
+    QuantizedGather gather(layout, 2, CommQuantization::kBf16, at::kCPU);
+    EXPECT_EQ(gather.message_bytes(), layout.shard_numel() * 2);
+    gather.Start(unit.Shard(layout), group)->Wait();
+    at::Tensor full = at::empty({layout.padded_numel()}, at::kDouble);
+    gather.Finish(full);
+    EXPECT_TRUE(at::equal(full, unit.Full(layout).to(at::kBFloat16).to(at::kDouble)));
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+// What the group's own counters count: int8 at most 0.27x the float32
+// all-gather's bytes and 0.53x bf16's, for a unit of transformer-sized
+// parameters with LayerNorm gains and biases in it.
+TEST(QuantizedGather, CountersSeeAQuarterOfTheFloat32Bytes) {
+  absl::Status status = RunOnThreadRanks(2, [](Collectives& group) {
+    const std::vector<FlatLayout::Param> specs = {
+        {"ln.weight", {256}, true},       {"ln.bias", {256}, true},
+        {"qkv.weight", {768, 256}, true}, {"qkv.bias", {768}, true},
+        {"fc.weight", {1024, 256}, true}, {"fc.bias", {1024}, true}};
+    const FlatLayout layout = FlatLayout::Of(specs, true, 2, group.rank());
+    const at::Tensor shard = at::randn({layout.shard_numel()});
+    int64_t bytes[3] = {0, 0, 0};
+    const CommQuantization modes[3] = {CommQuantization::kNone, CommQuantization::kBf16,
+                                       CommQuantization::kInt8};
+    for (int m = 0; m < 3; ++m) {
+      group.ResetCounters();
+      at::Tensor full = at::empty({layout.padded_numel()});
+      if (modes[m] == CommQuantization::kNone) {
+        group.AllGatherIntoTensor(full, shard)->Wait();
+      } else {
+        QuantizedGather gather(layout, 2, modes[m], at::kCPU);
+        gather.Start(shard, group)->Wait();
+        gather.Finish(full);
+      }
+      bytes[m] = group.counters().Bytes(CollectiveOp::kAllGather);
+    }
+    EXPECT_EQ(bytes[1] * 2, bytes[0]);
+    EXPECT_LE(bytes[2], 0.27 * bytes[0]) << bytes[2] << " of " << bytes[0];
+    EXPECT_LE(bytes[2], 0.53 * bytes[1]);
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+TEST(QuantizedGather, RefusedWhereItCannotApplyNamingTheUnit) {
+  const MixedPrecision none;
+  MixedPrecision bf16;
+  bf16.param_dtype = at::kBFloat16;
+  EXPECT_TRUE(CheckAllGatherQuantization("h.0", ShardingStrategy::kFullShard, bf16,
+                                         CommQuantization::kInt8, at::kFloat, "w")
+                  .ok());
+  const struct {
+    ShardingStrategy strategy;
+    const MixedPrecision* mp;
+    CommQuantization quantization;
+    at::ScalarType dtype;
+    std::string expected;
+  } cases[] = {
+      {ShardingStrategy::kNoShard, &none, CommQuantization::kInt8, at::kFloat,
+       "unit 'h.0' has all_gather_quantization=int8 but its strategy is NO_SHARD"},
+      {ShardingStrategy::kFullShard, &none, CommQuantization::kInt8, at::kLong,
+       "its parameters ('w', ...) are Long, not float32, float64, float16 or bfloat16"},
+      {ShardingStrategy::kShardGradOp, &bf16, CommQuantization::kBf16, at::kFloat,
+       "it already all-gathers in BFloat16"},
+      {ShardingStrategy::kFullShard, &none, CommQuantization::kBf16, at::kHalf,
+       "it already all-gathers in Half"},
+  };
+  for (const auto& c : cases) {
+    const absl::Status status =
+        CheckAllGatherQuantization("h.0", c.strategy, *c.mp, c.quantization, c.dtype, "w");
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.expected;
+    EXPECT_NE(std::string(status.message()).find(c.expected), std::string::npos) << status;
+  }
+}
+
+}  // namespace
+}  // namespace fsdp
