@@ -1481,16 +1481,6 @@ set_tests_properties(//fsdp:activation_checkpointing_test PROPERTIES TIMEOUT 300
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_activation_checkpointing_test")
 endif()
 
-# //fsdp:all_gather_quantization_test
-if(BUILD_TESTING)
-add_executable(fsdp_all_gather_quantization_test ${PROJECT_SOURCE_DIR}/fsdp/all_gather_quantization_test.cc ${PROJECT_SOURCE_DIR}/fsdp/test_models.h)
-set_target_properties(fsdp_all_gather_quantization_test PROPERTIES OUTPUT_NAME all_gather_quantization_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
-target_link_libraries(fsdp_all_gather_quantization_test PRIVATE fsdp_fully_shard fsdp_quantized_gather fsdp_test_util fsdp_wrap_plan policies_builtin_policies policies_registry policies_wrap_policy testing_multi_rank third_party_gtest_main fsdp_torch)
-add_test(NAME //fsdp:all_gather_quantization_test COMMAND fsdp_all_gather_quantization_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
-set_tests_properties(//fsdp:all_gather_quantization_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_all_gather_quantization_test")
-file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_all_gather_quantization_test")
-endif()
-
 # //fsdp:comm_hooks
 add_library(fsdp_comm_hooks SHARED ${PROJECT_SOURCE_DIR}/fsdp/comm_hooks.cc ${PROJECT_SOURCE_DIR}/fsdp/comm_hooks.h)
 set_target_properties(fsdp_comm_hooks PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp)
@@ -1507,6 +1497,16 @@ target_link_libraries(fsdp_comm_hooks_test PRIVATE fsdp_comm_hooks fsdp_fully_sh
 add_test(NAME //fsdp:comm_hooks_test COMMAND fsdp_comm_hooks_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//fsdp:comm_hooks_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_comm_hooks_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_comm_hooks_test")
+endif()
+
+# //fsdp:comm_quantization_test
+if(BUILD_TESTING)
+add_executable(fsdp_comm_quantization_test ${PROJECT_SOURCE_DIR}/fsdp/comm_quantization_test.cc ${PROJECT_SOURCE_DIR}/fsdp/test_models.h)
+set_target_properties(fsdp_comm_quantization_test PROPERTIES OUTPUT_NAME comm_quantization_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
+target_link_libraries(fsdp_comm_quantization_test PRIVATE fsdp_fully_shard fsdp_quantized_gather fsdp_test_util fsdp_wrap_plan policies_builtin_policies policies_registry policies_wrap_policy testing_multi_rank third_party_gtest_main fsdp_torch)
+add_test(NAME //fsdp:comm_quantization_test COMMAND fsdp_comm_quantization_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//fsdp:comm_quantization_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_comm_quantization_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_comm_quantization_test")
 endif()
 
 # //fsdp:cpu_offload_test

@@ -38,7 +38,8 @@ bool IsSupportedDtype(at::ScalarType dtype, CollectiveOp op) {
     case at::kBFloat16:
       return true;
     case at::kByte:
-      return op == CollectiveOp::kAllGather || op == CollectiveOp::kBroadcast;
+      return op == CollectiveOp::kAllGather || op == CollectiveOp::kBroadcast ||
+             op == CollectiveOp::kAllToAll;
     default:
       return false;
   }
@@ -52,8 +53,8 @@ void CheckTensor(const std::string& who, CollectiveOp op, const char* role,
               " is an undefined tensor");
   TORCH_CHECK(IsSupportedDtype(t.scalar_type(), op), who, ": ", CollectiveOpName(op), ": ", role,
               " has dtype ", t.scalar_type(),
-              "; supported are Float, Double, Half and BFloat16 (and Byte for all-gather "
-              "and broadcast)");
+              "; supported are Float, Double, Half and BFloat16 (and Byte for all-gather, "
+              "all-to-all and broadcast)");
   TORCH_CHECK(group.HandlesDevice(t.device()), who, ": ", CollectiveOpName(op), ": ", role,
               " is on ", t.device(), ", which this group does not handle (",
               group.DevicesHandled(), ")");
@@ -333,6 +334,32 @@ std::unique_ptr<CollectiveWork> Collectives::ReduceScatterTensor(
     return MakeCompletedWork();
   }
   return Explained(std::move(record), DoReduceScatter(output, input, op));
+}
+
+std::unique_ptr<CollectiveWork> Collectives::AllToAll(const at::Tensor& output,
+                                                      const at::Tensor& input) {
+  const CollectiveOp op = CollectiveOp::kAllToAll;
+  CheckTensor(Describe(), op, "output", output, /*require_1d=*/true, *this);
+  CheckTensor(Describe(), op, "input", input, /*require_1d=*/true, *this);
+  TORCH_CHECK(output.device() == input.device(), Describe(), ": all-to-all: output is on ",
+              output.device(), " but input is on ", input.device());
+  TORCH_CHECK(output.scalar_type() == input.scalar_type(), Describe(),
+              ": all-to-all: output dtype ", output.scalar_type(), " does not match input dtype ",
+              input.scalar_type());
+  TORCH_CHECK(output.numel() == input.numel() && input.numel() % world_size_ == 0, Describe(),
+              ": all-to-all: input and output must have the same number of elements, a multiple "
+              "of world_size ",
+              world_size_, ", but input has ", input.numel(), " and output ", output.numel());
+  TORCH_CHECK(!output.is_same(input), Describe(),
+              ": all-to-all: output and input are the same tensor (the exchange is not in place)");
+  Count(op, input.nbytes());
+  CollectiveRecord record = Record(op, input.numel(), input.scalar_type(), 0);
+  if (input.numel() == 0) return MakeCompletedWork();
+  if (world_size_ == 1) {
+    output.copy_(input);
+    return MakeCompletedWork();
+  }
+  return Explained(std::move(record), DoAllToAll(output, input));
 }
 
 std::unique_ptr<CollectiveWork> Collectives::AllReduce(const at::Tensor& tensor,

@@ -5,6 +5,8 @@
 //   all-gather into one tensor   (unshard a flat parameter)
 //   reduce-scatter of one tensor (shard a flat gradient; sum or average)
 //   all-reduce                   (NO_SHARD gradients, replicate groups, norms)
+//   all-to-all                   (quantized gradient reduction: each rank
+//                                 sums the chunks the others coded for it)
 //   broadcast, barrier           (module-state sync, checkpoints)
 //
 // Semantics
@@ -20,7 +22,7 @@
 //     for NCCL), input and output on the same device.
 //   * Supported dtypes: float32, float64, float16 and bfloat16 for every
 //     operation, and uint8 for the ones that only move bytes (all-gather,
-//     broadcast: coded payloads, comm/block_quantization.h). How 16-bit
+//     all-to-all, broadcast: coded payloads, comm/block_quantization.h). How 16-bit
 //     reductions accumulate is the implementation's (Gloo: float32, see
 //     gloo_collectives.h).
 //   * kAvg divides the sum by the group size.
@@ -80,7 +82,8 @@ const char* ReduceOpName(ReduceOp op);
 // What one rank has issued since creation (or the last ResetCounters()).
 // `bytes` counts the full-size buffer of each call: the output of an
 // all-gather, the input of a reduce-scatter, the tensor of an all-reduce or
-// a broadcast; this is the quantity FSDP reports as "all-gather bytes".
+// a broadcast, the input of an all-to-all; this is the quantity FSDP reports
+// as "all-gather bytes".
 struct CollectiveCounters {
   std::array<int64_t, kNumCollectiveOps> calls{};
   std::array<int64_t, kNumCollectiveOps> bytes{};
@@ -154,6 +157,12 @@ class Collectives {
                                                       const at::Tensor& input,
                                                       ReduceOp op);
 
+  // output[r*n : (r+1)*n] = input_r[rank*n : (rank+1)*n], n = input.numel() / W:
+  // chunk r of every rank's input goes to rank r.
+  // REQUIRES: input and output contiguous and 1-D, distinct, same dtype,
+  //           device and number of elements, a multiple of world_size().
+  std::unique_ptr<CollectiveWork> AllToAll(const at::Tensor& output, const at::Tensor& input);
+
   // tensor = op over ranks of tensor, in place.
   // REQUIRES: tensor contiguous (any shape).
   std::unique_ptr<CollectiveWork> AllReduce(const at::Tensor& tensor, ReduceOp op);
@@ -209,6 +218,8 @@ class Collectives {
                                                       ReduceOp op) = 0;
   virtual std::unique_ptr<CollectiveWork> DoBroadcast(const at::Tensor& tensor,
                                                       int root) = 0;
+  virtual std::unique_ptr<CollectiveWork> DoAllToAll(const at::Tensor& output,
+                                                     const at::Tensor& input) = 0;
   virtual void DoBarrier() = 0;
 
   // "rank 2 of 4" — the prefix of every error message.

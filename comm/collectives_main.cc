@@ -130,6 +130,17 @@ bool MeasureAtSize(Collectives& comm, int64_t bytes, at::ScalarType dtype, bool 
                         comm.AllReduce(reduce_buf, ReduceOp::kSum)->Wait();
                       },
                       [&] { return at::equal(reduce_buf, ExpectedSum(world, full, dtype)); })});
+  rows.push_back({"all-to-all", gather_factor,
+                  Measure(
+                      comm, iters, [&] { comm.AllToAll(full_buf, full_in)->Wait(); },
+                      [&] {
+                        std::vector<at::Tensor> parts;
+                        for (int r = 0; r < world; ++r) {
+                          parts.push_back(
+                              Pattern(r, full, dtype).slice(0, rank * shard, (rank + 1) * shard));
+                        }
+                        return at::equal(full_buf, at::cat(parts));
+                      })});
   bool all_correct = true;
   for (const Row& row : rows) {
     all_correct = all_correct && row.m.correct;

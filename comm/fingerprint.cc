@@ -153,6 +153,8 @@ const char* CollectiveOpName(CollectiveOp op) {
       return "broadcast";
     case CollectiveOp::kBarrier:
       return "barrier";
+    case CollectiveOp::kAllToAll:
+      return "all-to-all";
   }
   return "invalid";
 }

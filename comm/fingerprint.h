@@ -38,8 +38,9 @@ enum class CollectiveOp : int {
   kAllReduce,
   kBroadcast,
   kBarrier,
+  kAllToAll,  // Last: reports carry ops as numbers.
 };
-inline constexpr int kNumCollectiveOps = 5;
+inline constexpr int kNumCollectiveOps = 6;
 
 const char* CollectiveOpName(CollectiveOp op);
 

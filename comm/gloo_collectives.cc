@@ -277,6 +277,13 @@ class GlooCollectives final : public Collectives {
     return std::make_unique<GlooWork>(What("broadcast", tensor), std::move(work), nullptr);
   }
 
+  std::unique_ptr<CollectiveWork> DoAllToAll(const at::Tensor& output,
+                                             const at::Tensor& input) override {
+    if (auto failed = AgreeOnHeader(What("all-to-all", input))) return failed;
+    return std::make_unique<GlooWork>(What("all-to-all", input), StartAllToAll(output, input),
+                                      nullptr);
+  }
+
   void DoBarrier() override {
     const std::string what = absl::StrCat(Describe(), " of group '", group_name_, "': barrier");
     if (auto failed = AgreeOnHeader(what)) failed->Wait();

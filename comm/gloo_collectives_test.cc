@@ -95,6 +95,20 @@ void CheckAllCollectives(Collectives& comm, at::ScalarType dtype) {
                          std::string("all-reduce ") + ReduceOpName(op));
     }
 
+    // All-to-all: chunk `rank` of every rank's input, in rank order.
+    {
+      at::Tensor input = Pattern(rank, world * n, dtype);
+      at::Tensor input_before = input.clone();
+      at::Tensor output = at::full({world * n}, 99, dtype);
+      comm.AllToAll(output, input)->Wait();
+      std::vector<at::Tensor> pieces;
+      for (int r = 0; r < world; ++r) {
+        pieces.push_back(Pattern(r, world * n, dtype).slice(0, rank * n, (rank + 1) * n));
+      }
+      ExpectEqualTensors(output, at::cat(pieces), "all-to-all output");
+      ExpectEqualTensors(input, input_before, "all-to-all input is unchanged");
+    }
+
     // Broadcast from every root.
     for (int root = 0; root < world; ++root) {
       at::Tensor tensor = Pattern(rank, n, dtype);
@@ -199,6 +213,7 @@ TEST(Collectives, CountsCallsAndFullBufferBytes) {
     comm.ReduceScatterTensor(shard, full, ReduceOp::kAvg)->Wait();
     comm.AllReduce(at::zeros({5}, at::kFloat), ReduceOp::kSum)->Wait();
     comm.Broadcast(at::zeros({4}, at::kDouble), 0)->Wait();
+    comm.AllToAll(at::zeros({12}, at::kByte), at::zeros({12}, at::kByte))->Wait();
     comm.Barrier();
     const CollectiveCounters c = comm.counters();
     EXPECT_EQ(c.Calls(CollectiveOp::kAllGather), 2);
@@ -209,6 +224,8 @@ TEST(Collectives, CountsCallsAndFullBufferBytes) {
     EXPECT_EQ(c.Bytes(CollectiveOp::kAllReduce), 5 * 4);
     EXPECT_EQ(c.Calls(CollectiveOp::kBroadcast), 1);
     EXPECT_EQ(c.Bytes(CollectiveOp::kBroadcast), 4 * 8);
+    EXPECT_EQ(c.Calls(CollectiveOp::kAllToAll), 1);
+    EXPECT_EQ(c.Bytes(CollectiveOp::kAllToAll), 12);
     EXPECT_EQ(c.Calls(CollectiveOp::kBarrier), 1);
     comm.ResetCounters();
     EXPECT_EQ(comm.counters().Calls(CollectiveOp::kAllGather), 0);
@@ -254,6 +271,20 @@ TEST(Collectives, RejectsBadArgumentsWithClearErrors) {
     expect_error([&] { comm.Broadcast(at::zeros({3}), 2); },
                  "broadcast: root 2 is not a rank of this group (world_size 2)");
     expect_error([&] { comm.Broadcast(at::zeros({3}), -1); }, "root -1");
+    expect_error([&] { comm.AllToAll(at::zeros({6}), at::zeros({5})); },
+                 "all-to-all: input and output must have the same number of elements, a "
+                 "multiple of world_size 2, but input has 5 and output 6");
+    expect_error([&] { comm.AllToAll(at::zeros({3}), at::zeros({3})); }, "input has 3");
+    expect_error([&] { comm.AllToAll(at::zeros({4}, at::kByte), at::zeros({4})); },
+                 "all-to-all: output dtype Byte does not match input dtype Float");
+    expect_error(
+        [&] {
+          const at::Tensor both = at::zeros({4});
+          comm.AllToAll(both, both);
+        },
+        "all-to-all: output and input are the same tensor");
+    expect_error([&] { comm.AllReduce(at::zeros({4}, at::kByte), ReduceOp::kSum); },
+                 "all-reduce: tensor has dtype Byte");
     const at::Tensor meta = at::empty({4}, at::TensorOptions().device(at::kMeta));
     expect_error([&] { comm.AllReduce(meta, ReduceOp::kSum); },
                  "all-reduce: tensor is on meta, which this group does not handle (it "
@@ -545,6 +576,18 @@ TEST(Collectives, BroadcastAndAllGatherBytesDeliverBytesExactly) {
     EXPECT_EQ(all[0], "");
     EXPECT_EQ(all[1], "bbbbb");
     EXPECT_EQ(all[2], "cccccccccc");
+
+    // And through an all-to-all (coded payloads): every value 0..255.
+    const int64_t chunk = 256;
+    at::Tensor send = (at::arange(3 * chunk, at::kLong) + comm.rank()).remainder(256).to(at::kByte);
+    at::Tensor received = at::empty({3 * chunk}, at::kByte);
+    comm.AllToAll(received, send)->Wait();
+    for (int r = 0; r < 3; ++r) {
+      const at::Tensor theirs = (at::arange(3 * chunk, at::kLong) + r).remainder(256).to(at::kByte);
+      EXPECT_TRUE(at::equal(received.slice(0, r * chunk, (r + 1) * chunk),
+                            theirs.slice(0, comm.rank() * chunk, (comm.rank() + 1) * chunk)))
+          << "chunk from rank " << r;
+    }
   });
   EXPECT_TRUE(status.ok()) << status;
 }

@@ -242,6 +242,31 @@ class NcclCollectives final : public NcclGroup {
                  });
   }
 
+  // NCCL has no all-to-all: a send and a receive per peer, fused into one
+  // launch by the group calls.
+  std::unique_ptr<CollectiveWork> DoAllToAll(const at::Tensor& output,
+                                             const at::Tensor& input) override {
+    const int world = world_size();
+    return Issue("all-to-all", {input}, {output},
+                 [&](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& out,
+                     cudaStream_t stream) {
+                   const int64_t chunk = in[0].numel() / world;
+                   const int64_t bytes = chunk * in[0].element_size();
+                   const ncclDataType_t type = NcclType(in[0].scalar_type());
+                   const char* send = static_cast<const char*>(in[0].data_ptr());
+                   char* receive = static_cast<char*>(out[0].data_ptr());
+                   ncclResult_t result = ncclGroupStart();
+                   for (int peer = 0; peer < world && result == ncclSuccess; ++peer) {
+                     result = ncclSend(send + peer * bytes, chunk, type, peer, comm_, stream);
+                     if (result == ncclSuccess) {
+                       result = ncclRecv(receive + peer * bytes, chunk, type, peer, comm_, stream);
+                     }
+                   }
+                   const ncclResult_t ended = ncclGroupEnd();
+                   return result != ncclSuccess ? result : ended;
+                 });
+  }
+
  private:
   using Launch = std::function<ncclResult_t(const std::vector<at::Tensor>&,
                                             const std::vector<at::Tensor>&, cudaStream_t)>;
@@ -384,6 +409,14 @@ class ProcessGroupNcclCollectives final : public NcclGroup {
       options.rootRank = root;
       std::vector<at::Tensor> tensors = {in};
       return group_->broadcast(tensors, options);
+    });
+  }
+
+  std::unique_ptr<CollectiveWork> DoAllToAll(const at::Tensor& output,
+                                             const at::Tensor& input) override {
+    return Issue("all-to-all", input, output, [&](at::Tensor& in, at::Tensor& out) {
+      std::vector<int64_t> equal_splits;  // Empty: W equal chunks.
+      return group_->alltoall_base(out, in, equal_splits, equal_splits, c10d::AllToAllOptions());
     });
   }
 

@@ -137,6 +137,13 @@ class StagedCollectives final : public Collectives {
       return host.Broadcast(t, root);
     });
   }
+  std::unique_ptr<CollectiveWork> DoAllToAll(const at::Tensor& output,
+                                             const at::Tensor& input) override {
+    return Enqueue(output, input,
+                   [](Collectives& host, const at::Tensor& out, const at::Tensor& in) {
+                     return host.AllToAll(out, in);
+                   });
+  }
   // Queued like the others: only the worker talks to the host group.
   void DoBarrier() override {
     Enqueue(at::Tensor(), at::Tensor(), [](Collectives& host, const at::Tensor&,

@@ -124,6 +124,9 @@ class FailingHost final : public Collectives {
   std::unique_ptr<CollectiveWork> DoBroadcast(const at::Tensor&, int) override {
     return MakeFailedWork("unused");
   }
+  std::unique_ptr<CollectiveWork> DoAllToAll(const at::Tensor&, const at::Tensor&) override {
+    return MakeFailedWork("unused");
+  }
   void DoBarrier() override {}
 };
 

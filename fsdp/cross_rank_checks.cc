@@ -15,7 +15,8 @@ UnitSignature SignatureOf(const std::string& fqn, const ResolvedUnitOptions& opt
   UnitSignature signature{.fqn = fqn,
                           .strategy = options.strategy,
                           .mixed_precision = options.mixed_precision,
-                          .all_gather_quantization = options.all_gather_quantization};
+                          .all_gather_quantization = options.all_gather_quantization,
+                          .reduce_quantization = options.reduce_quantization};
   if (layout != nullptr) {
     signature.flat_numel = layout->flat_numel();
     for (const FlatParamInfo& info : layout->params()) {
@@ -37,7 +38,8 @@ void CheckSameWrapOnEveryRank(const ProcessGroups& groups, const FsdpOptions& op
     hash = Fnv1aString(
         hash, absl::StrCat(unit.fqn, ":", unit.flat_numel, ":", unit.trainable, ":",
                            static_cast<int>(unit.strategy), ":", unit.mixed_precision.ToString(),
-                           ":", CommQuantizationName(unit.all_gather_quantization), ";"));
+                           ":", CommQuantizationName(unit.all_gather_quantization), ":",
+                           CommQuantizationName(unit.reduce_quantization), ";"));
   }
   const int world = group.world_size();
   CollectiveLabel label(group, "", "lazy init (wrap plan check)");

@@ -27,6 +27,7 @@ struct UnitSignature {
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
   MixedPrecision mixed_precision;
   CommQuantization all_gather_quantization = CommQuantization::kNone;
+  CommQuantization reduce_quantization = CommQuantization::kNone;
 };
 
 // The signature of unit `fqn` with resolved `options` and, unless it has no

@@ -290,6 +290,29 @@ TEST(FailureModes, AFailedCollectiveIsReportedByItsRankAndQuotedByTheOthers) {
   }
 }
 
+// The same for a reduction that quantizes (reduce_quantization): its
+// all-to-all's failure is named on its rank and quoted by the others.
+TEST(FailureModes, AFailedQuantizedReductionIsReportedByItsRankAndQuotedByTheOthers) {
+  FsdpOptions options;
+  options.reduce_quantization = CommQuantization::kInt8;
+  const std::vector<std::string> errors = TrainWithFault(
+      [](int rank, int step, FaultInjectingCollectives& faulty) {
+        if (rank == 0 && step == 1) {
+          faulty.Inject(
+              {.kind = FaultKind::kFail, .op = CollectiveOp::kAllToAll, .unit = "blocks.0"});
+        }
+      },
+      options);
+  // 3 messages of 24 code bytes and two blocks' parameters (16 bytes).
+  EXPECT_THAT(errors[0], MatchesRegex("(.|\n)*injected failure of fail #[0-9]+ all-to-all "
+                                      "of 120 Byte \\(unit 'blocks.0', backward\\)(.|\n)*"));
+  for (int r : {1, 2}) {
+    SCOPED_TRACE(r);
+    EXPECT_THAT(errors[r], AllOf(HasSubstr("what every rank of the group reported:"),
+                                 HasSubstr("stopped: "), HasSubstr("injected failure")));
+  }
+}
+
 TEST(FailureModes, AMismatchedCollectiveFailsEveryRankShowingBothSizes) {
   const std::vector<std::string> errors =
       TrainWithFault([](int rank, int step, FaultInjectingCollectives& faulty) {

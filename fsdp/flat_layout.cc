@@ -1,6 +1,7 @@
 #include "fsdp/flat_layout.h"
 
 #include <algorithm>
+#include <set>
 
 namespace fsdp {
 
@@ -74,6 +75,29 @@ at::Tensor FlatLayout::ShardViewOf(const at::Tensor& flat, size_t i) const {
 
 at::Tensor FlatLayout::FullViewOf(const at::Tensor& full, size_t i) const {
   return full.narrow(0, infos_[i].offset, infos_[i].numel).view(infos_[i].shape);
+}
+
+std::vector<FlatLayout::Piece> FlatLayout::PiecesOf(size_t s, int rank) const {
+  const Segment& seg = segments_[s];
+  std::set<int64_t> cuts;  // In the flat parameter.
+  for (size_t i = 0; i < infos_.size(); ++i) {
+    if (segment_of_[i] != s) continue;
+    cuts.insert(infos_[i].offset);
+    cuts.insert(infos_[i].offset + infos_[i].numel);
+  }
+  const int64_t begin = OwnedBegin(seg, rank);
+  const int64_t end = begin + seg.shard_numel;
+  cuts.insert(end);
+  std::vector<Piece> pieces;
+  int64_t at = begin;
+  for (const int64_t cut : cuts) {
+    if (cut <= at) continue;
+    const int64_t piece_end = std::min(cut, end);
+    pieces.push_back({at, seg.shard_begin + (at - begin), piece_end - at});
+    at = piece_end;
+    if (at == end) break;
+  }
+  return pieces;
 }
 
 }  // namespace fsdp

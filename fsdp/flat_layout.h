@@ -75,6 +75,18 @@ class FlatLayout {
     return seg.full_begin + rank * seg.shard_numel;
   }
 
+  // A stretch of one rank's part of a segment that holds one parameter's
+  // values, or padding only.
+  struct Piece {
+    int64_t flat_offset = 0;   // In the flat parameter.
+    int64_t shard_offset = 0;  // In that rank's shard.
+    int64_t numel = 0;
+  };
+  // Rank `rank`'s part of segment `s`, cut at every parameter boundary and
+  // at the segment's unpadded end, in shard order (what quantized
+  // collectives code in separate blocks: fsdp/quantized_gather.h).
+  std::vector<Piece> PiecesOf(size_t s, int rank) const;
+
   // Parameter i's part of `flat`, a tensor laid out like the shard (or, for
   // a trainable parameter, like the sharded gradient: the trainable
   // segment's part of the shard): 1-D and possibly empty, or when not

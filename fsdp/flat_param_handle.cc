@@ -136,10 +136,14 @@ absl::StatusOr<std::unique_ptr<FlatParamHandle>> FlatParamHandle::Create(
   FSDP_RETURN_IF_ERROR(CheckAllGatherQuantization(
       unit_name, options.strategy, options.mixed_precision, options.all_gather_quantization,
       params.front().param.scalar_type(), params.front().fqn));
-  if (options.all_gather_quantization == CommQuantization::kInt8 &&
+  FSDP_RETURN_IF_ERROR(CheckReduceQuantization(
+      unit_name, options.strategy, options.mixed_precision, options.reduce_quantization,
+      params.front().param.scalar_type(), params.front().fqn));
+  if ((options.all_gather_quantization == CommQuantization::kInt8 ||
+       options.reduce_quantization == CommQuantization::kInt8) &&
       !CanQuantizeOn(params.front().param.device())) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "unit '", unit_name, "' has all_gather_quantization=int8 on ",
+        "unit '", unit_name, "' has int8 all-gather or reduce quantization on ",
         params.front().param.device().str(),
         ", for which this program has no block-quantization kernels (a CUDA build links "
         "//comm:block_quantization_cuda)"));
@@ -213,6 +217,14 @@ FlatParamHandle::FlatParamHandle(std::string unit_name, std::vector<FlatParamEnt
                              ? reduction.reduce_dtype
                              : local_shard_.scalar_type();
   reduction.divide_factor = options_.gradient_divide_factor;
+  if (layout_.sharded() && layout_.has_trainable_params() &&
+      options_.reduce_quantization != CommQuantization::kNone) {
+    quantized_reduce_ = std::make_unique<QuantizedReduceScatter>(
+        layout_, group_.world_size(), options_.reduce_quantization, placement_.compute_device);
+    reduction.sum_scatter = [this](const at::Tensor& flat_grad, const at::Tensor& out) {
+      return quantized_reduce_->Start(flat_grad, out, group_);
+    };
+  }
   reduction_ = std::make_unique<GradientReduction>(unit_name_, Describe(), layout_, group_,
                                                    placement_, reduction);
 }

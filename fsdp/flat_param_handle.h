@@ -100,7 +100,9 @@
 // them into the full parameter in the compute dtype. Every rank decodes
 // its own part too, so all compute with the same values. Not under
 // kSummonFullParams, which gathers exactly; ReshardAfterForward's pieces
-// are the decoded values, all-gathered as they are.
+// are the decoded values, all-gathered as they are. reduce_quantization:
+// the reduction sums through a QuantizedReduceScatter instead of the
+// reduce-scatter (GradientReductionOptions::sum_scatter).
 //
 // CPU offload (ResolvedUnitOptions::offload_params): the *compute
 // device* is the device the parameters are on at Create. The shard and the
@@ -141,7 +143,8 @@
 
 namespace fsdp {
 
-class QuantizedGather;  // fsdp/quantized_gather.h
+class QuantizedGather;         // fsdp/quantized_gather.h
+class QuantizedReduceScatter;  // Likewise.
 
 // Which buffer the parameters point at. Sharded and unsharded as NOTE [Flat
 // parameter] says; kShardedKeepingFull: on their shards, with the full
@@ -376,6 +379,9 @@ class FlatParamHandle {
   const ResolvedUnitOptions options_;  // The unit's, copied once at Create.
   const UnitPlacement placement_;
   const FlatLayout layout_;
+  // Sharded units with trainable parameters and reduce_quantization; read
+  // by reduction_'s works, so declared before it.
+  std::unique_ptr<QuantizedReduceScatter> quantized_reduce_;
   // Declared after layout_, which it reads.
   std::unique_ptr<GradientReduction> reduction_;
   // Sharded units with all_gather_quantization; before pending_unshard_,

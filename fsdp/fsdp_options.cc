@@ -11,9 +11,9 @@ std::string CrossRankOptionsKey(const FsdpOptions& options, const ProcessGroups&
   [[maybe_unused]] const auto& [shard /* its size is the plan's world size */, replicate_group,
                                 post_forward_group] = groups;
   [[maybe_unused]] const auto& [strategy, mixed_precision, all_gather_quantization,
-                                backward_prefetch, forward_prefetch, limit_all_gathers,
-                                check_execution_order, verify_collectives_every, offload_params,
-                                gradient_divide_factor, device_id, ignored_modules,
+                                reduce_quantization, backward_prefetch, forward_prefetch,
+                                limit_all_gathers, check_execution_order, verify_collectives_every,
+                                offload_params, gradient_divide_factor, device_id, ignored_modules,
                                 sync_module_states, param_init_fn, trace /* may differ */,
                                 debug_log /* may differ */] = options;
   return absl::StrCat(
@@ -27,6 +27,9 @@ std::string CrossRankOptionsKey(const FsdpOptions& options, const ProcessGroups&
           ? ""
           : absl::StrCat(",all_gather_quantization=",
                          CommQuantizationName(all_gather_quantization)),
+      reduce_quantization == CommQuantization::kNone
+          ? ""
+          : absl::StrCat(",reduce_quantization=", CommQuantizationName(reduce_quantization)),
       ",backward_prefetch=", static_cast<int>(backward_prefetch),
       ",forward_prefetch=", forward_prefetch, ",limit_all_gathers=", limit_all_gathers,
       ",check_execution_order=", check_execution_order,
@@ -38,20 +41,22 @@ std::string CrossRankOptionsKey(const FsdpOptions& options, const ProcessGroups&
       ",param_init_fn=", param_init_fn ? "set" : "unset", ";");
 }
 
-absl::Status CheckAllGatherQuantization(const std::string& unit, ShardingStrategy strategy,
-                                        const MixedPrecision& mixed_precision,
-                                        CommQuantization quantization, at::ScalarType param_dtype,
-                                        const std::string& first_param) {
+namespace {
+
+// What CheckAllGatherQuantization and CheckReduceQuantization share:
+// `option` names the option, `moves` what its collective moves,
+// `travelling` the dtype that collective carries without the option.
+absl::Status CheckQuantization(const std::string& unit, ShardingStrategy strategy,
+                               CommQuantization quantization, at::ScalarType param_dtype,
+                               const std::string& first_param, const char* option,
+                               const char* moves, at::ScalarType travelling) {
   if (quantization == CommQuantization::kNone) return absl::OkStatus();
-  const std::string what =
-      absl::StrCat("unit '", unit,
-                   "' has all_gather_quantization=", CommQuantizationName(quantization), " but ");
+  const std::string what = absl::StrCat("unit '", unit, "' has ", option, "=",
+                                        CommQuantizationName(quantization), " but ");
   if (strategy == ShardingStrategy::kNoShard) {
     return absl::InvalidArgumentError(
-        absl::StrCat(what,
-                     "its strategy is NO_SHARD, which all-gathers nothing; give it "
-                     "all_gather_quantization=none (a policy's per-unit option) or a strategy that "
-                     "shards"));
+        absl::StrCat(what, "its strategy is NO_SHARD, which ", moves, " nothing; give it ", option,
+                     "=none (a policy's per-unit option) or a strategy that shards"));
   }
   // The dtypes the coding kernels read (no float8: ATen counts it floating).
   if (param_dtype != at::kFloat && param_dtype != at::kDouble && param_dtype != at::kHalf &&
@@ -60,13 +65,35 @@ absl::Status CheckAllGatherQuantization(const std::string& unit, ShardingStrateg
                                                    "', ...) are ", c10::toString(param_dtype),
                                                    ", not float32, float64, float16 or bfloat16"));
   }
-  const at::ScalarType gathered = mixed_precision.param_dtype.value_or(param_dtype);
-  if (quantization == CommQuantization::kBf16 && c10::elementSize(gathered) <= 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, "it already all-gathers in ", c10::toString(gathered),
-                     " (param_dtype or the parameters' dtype): bf16 would save nothing"));
+  if (quantization == CommQuantization::kBf16 && c10::elementSize(travelling) <= 2) {
+    return absl::InvalidArgumentError(absl::StrCat(what, "it already ", moves, " in ",
+                                                   c10::toString(travelling),
+                                                   " (mixed precision or the parameters' dtype): "
+                                                   "bf16 would save nothing"));
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckAllGatherQuantization(const std::string& unit, ShardingStrategy strategy,
+                                        const MixedPrecision& mixed_precision,
+                                        CommQuantization quantization, at::ScalarType param_dtype,
+                                        const std::string& first_param) {
+  return CheckQuantization(unit, strategy, quantization, param_dtype, first_param,
+                           "all_gather_quantization", "all-gathers",
+                           mixed_precision.param_dtype.value_or(param_dtype));
+}
+
+absl::Status CheckReduceQuantization(const std::string& unit, ShardingStrategy strategy,
+                                     const MixedPrecision& mixed_precision,
+                                     CommQuantization quantization, at::ScalarType param_dtype,
+                                     const std::string& first_param) {
+  // ResolvedUnitOptions::reduce_dtype(): reduce_dtype, else param_dtype.
+  const at::ScalarType reduced =
+      mixed_precision.reduce_dtype.value_or(mixed_precision.param_dtype.value_or(param_dtype));
+  return CheckQuantization(unit, strategy, quantization, param_dtype, first_param,
+                           "reduce_quantization", "reduce-scatters", reduced);
 }
 
 absl::Status ValidateFsdpOptions(const FsdpOptions& options) {

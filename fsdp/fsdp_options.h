@@ -77,6 +77,10 @@ struct FsdpOptions {
   // may replace it per unit. Summoned full parameters and full state dicts
   // always gather exactly.
   CommQuantization all_gather_quantization = CommQuantization::kNone;
+  // How gradients travel in the reductions of sharded units (CommQuantization:
+  // bf16 or int8 chunks through an all-to-all, summed in float32); a policy
+  // may replace it per unit.
+  CommQuantization reduce_quantization = CommQuantization::kNone;
   // Prefetching follows the order units ran in on the first iteration; at
   // most one unit is prefetched at a time, unless a unit is given its own
   // list (FullyShardedModel::SetModulesToForwardPrefetch, ...).
@@ -162,8 +166,9 @@ struct ResolvedUnitOptions {
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
   // The root's mixed precision, or the policy's override, as a whole.
   MixedPrecision mixed_precision;
-  // The root's, or the policy's override.
+  // The root's, or the policy's override; likewise.
   CommQuantization all_gather_quantization = CommQuantization::kNone;
+  CommQuantization reduce_quantization = CommQuantization::kNone;
   // FsdpOptions::offload_params and the initial gradient_divide_factor
   // (FullyShardedModel::SetGradientDivideFactor changes the handle's, not
   // this).
@@ -206,6 +211,13 @@ absl::Status CheckAllGatherQuantization(const std::string& unit, ShardingStrateg
                                         const MixedPrecision& mixed_precision,
                                         CommQuantization quantization, at::ScalarType param_dtype,
                                         const std::string& first_param);
+// The same for reduce_quantization: not under NO_SHARD, which
+// reduce-scatters nothing; not for non-floating parameters; bf16 not where
+// the unit reduces in a 16-bit dtype already.
+absl::Status CheckReduceQuantization(const std::string& unit, ShardingStrategy strategy,
+                                     const MixedPrecision& mixed_precision,
+                                     CommQuantization quantization, at::ScalarType param_dtype,
+                                     const std::string& first_param);
 
 // Options that contradict each other or are out of range: the first such,
 // named. Wrap refuses them.

@@ -777,6 +777,10 @@ absl::Status FullyShardedModel::RegisterCommHook(std::shared_ptr<CommHook> hook)
           who, "unit '", UnitName(unit->fqn_), "' uses ", ShardingStrategyName(strategy),
           "; communication hooks are not supported with hybrid sharding (as in PyTorch)"));
     }
+    if (unit->options().reduce_quantization != CommQuantization::kNone) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          who, "unit '", UnitName(unit->fqn_), "' has reduce_quantization; a hook replaces it"));
+    }
   }
   if (comm_hook_ != nullptr) {
     return absl::FailedPreconditionError(

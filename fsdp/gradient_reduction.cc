@@ -10,17 +10,20 @@
 namespace fsdp {
 namespace {
 
-// Hybrid sharding's reduction in flight: the shard group's collective, then
-// the replicate group's all-reduce of this rank's shard. User hooks never
-// run under hybrid sharding (RegisterCommHook refuses them, as PyTorch
-// does), so this is the only reduction that crosses the replicate group.
-class HybridReduction : public PendingReduction {
+// The runtime's own reduction in flight: the shard group's collective, then
+// under hybrid sharding the replicate group's all-reduce of this rank's
+// shard. User hooks never run under hybrid sharding (RegisterCommHook
+// refuses them, as PyTorch does), so this is the only reduction that
+// crosses the replicate group; it also runs a sum_scatter (quantized
+// reduce-scatter), which hooks cannot be combined with.
+class ShardGroupReduction : public PendingReduction {
  public:
-  // `partial`: the all-reduce is left out and `out` keeps the shard group's
-  // sum before the post-divide. `carry`: an earlier partial sum, added to
-  // `out` before the all-reduce.
-  HybridReduction(std::unique_ptr<CollectiveWork> shard_group_work, at::Tensor grad, at::Tensor out,
-                  Collectives& replicate, double postdivide, bool partial, at::Tensor carry)
+  // `replicate` null: no replicate group. `partial`: the all-reduce is left
+  // out and `out` keeps the shard group's sum before the post-divide.
+  // `carry`: an earlier partial sum, added to `out` before the all-reduce.
+  ShardGroupReduction(std::unique_ptr<CollectiveWork> shard_group_work, at::Tensor grad,
+                      at::Tensor out, Collectives* replicate, double postdivide, bool partial,
+                      at::Tensor carry)
       : grad_(std::move(grad)),
         out_(std::move(out)),
         carry_(std::move(carry)),
@@ -40,7 +43,7 @@ class HybridReduction : public PendingReduction {
       carry_ = at::Tensor();
     }
     // Only this rank's shard crosses shard groups.
-    replicate_work_ = replicate_.AllReduce(out_, ReduceOp::kSum);
+    if (replicate_ != nullptr) replicate_work_ = replicate_->AllReduce(out_, ReduceOp::kSum);
   }
 
   void Wait() override {
@@ -59,7 +62,7 @@ class HybridReduction : public PendingReduction {
   at::Tensor grad_;
   at::Tensor out_;
   at::Tensor carry_;
-  Collectives& replicate_;
+  Collectives* replicate_;
   const double postdivide_;
   const bool partial_;
   std::unique_ptr<CollectiveWork> shard_group_work_;
@@ -159,6 +162,9 @@ void GradientReduction::Start(const std::vector<FlatParamEntry>& params, bool al
   // they survive the error.
   TORCH_CHECK(hook_ == nullptr || !hybrid(), who_, ": the comm hook '", hook_->Name(),
               "' cannot reduce under hybrid sharding (as in PyTorch)");
+  TORCH_CHECK(hook_ == nullptr || !options_.sum_scatter, who_, ": the comm hook '", hook_->Name(),
+              "' cannot reduce a unit with reduce_quantization: the hook replaces the reduction "
+              "that option quantizes");
   at::NoGradGuard no_grad;
   // Copying the gradients in casts them to the reduction's dtype. Only the
   // trainable segment is reduced: it starts the flat parameter.
@@ -191,7 +197,8 @@ void GradientReduction::Start(const std::vector<FlatParamEntry>& params, bool al
 std::unique_ptr<PendingReduction> GradientReduction::Issue(at::Tensor flat_grad,
                                                            const at::Tensor& reduced,
                                                            bool all_reduce) {
-  if (!hybrid()) {
+  const bool scatter_sum = options_.sum_scatter && layout_.sharded();
+  if (!hybrid() && !scatter_sum) {
     const CommHookContext context{group_, layout_.sharded(), unit_name_, options_.divide_factor};
     std::unique_ptr<PendingReduction> pending =
         hook_ != nullptr ? hook_->Reduce(context, std::move(flat_grad), reduced)
@@ -201,20 +208,23 @@ std::unique_ptr<PendingReduction> GradientReduction::Issue(at::Tensor flat_grad,
                 "' returned no reduction (a synchronous hook returns CompletedReduction())");
     return pending;
   }
-  Collectives& replicate = *options_.replicate;
+  Collectives* replicate = hybrid() ? options_.replicate : nullptr;
   // The average over every rank holding a replica of this shard: divided as
   // DefaultCommHook divides, over both groups' ranks.
-  const GradientDivisors divisors =
-      GradientDivisorsFor(group_.world_size() * replicate.world_size(), options_.divide_factor);
+  const GradientDivisors divisors = GradientDivisorsFor(
+      group_.world_size() * (replicate != nullptr ? replicate->world_size() : 1),
+      options_.divide_factor);
   if (divisors.pre != 1) flat_grad.div_(divisors.pre);
   std::unique_ptr<CollectiveWork> work =
-      layout_.sharded() ? group_.ReduceScatterTensor(reduced, flat_grad, ReduceOp::kSum)
-                        : group_.AllReduce(flat_grad, ReduceOp::kSum);
+      scatter_sum         ? options_.sum_scatter(flat_grad, reduced)
+      : layout_.sharded() ? group_.ReduceScatterTensor(reduced, flat_grad, ReduceOp::kSum)
+                          : group_.AllReduce(flat_grad, ReduceOp::kSum);
   at::Tensor carry;
   if (all_reduce) carry = std::exchange(partial_, at::Tensor());
   TORCH_INTERNAL_ASSERT(!carry.defined() || carry.sizes() == reduced.sizes());
-  return std::make_unique<HybridReduction>(std::move(work), std::move(flat_grad), reduced,
-                                           replicate, divisors.post, !all_reduce, std::move(carry));
+  return std::make_unique<ShardGroupReduction>(std::move(work), std::move(flat_grad), reduced,
+                                               replicate, divisors.post, !all_reduce,
+                                               std::move(carry));
 }
 
 void GradientReduction::Advance() {

@@ -2,9 +2,10 @@
 // full gradients to this rank's accumulated sharded gradient, in one place
 // (FSDP2's foreach_reduce): copy-in into the trainable segment's flat
 // layout, cast to the reduction dtype, the reduction itself (the comm hook,
-// DefaultCommHook unless a user registered one; under hybrid sharding the
-// built-in shard-group reduce-scatter, the replicate group's all-reduce and
-// the partial-sum carry of SetRequiresAllReduce(false)), the cast to the
+// DefaultCommHook unless a user registered one; under hybrid sharding or
+// with a sum_scatter (reduce_quantization) the built-in shard-group sum, the
+// replicate group's all-reduce and the partial-sum carry of
+// SetRequiresAllReduce(false)), the cast to the
 // gradient dtype and the accumulation into the sharded gradient, on the
 // compute device even when that gradient lives on the host.
 //
@@ -17,6 +18,7 @@
 #define FSDP_FSDP_GRADIENT_REDUCTION_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -64,6 +66,13 @@ struct GradientReductionOptions {
   at::ScalarType reduce_dtype = at::kFloat;  // The reduction runs in it.
   at::ScalarType grad_dtype = at::kFloat;    // The sharded gradient's.
   std::optional<double> divide_factor;       // FsdpOptions::gradient_divide_factor.
+  // Issues the shard group's sum of a sharded unit's flat gradient into
+  // this rank's chunk `out` in place of the group's reduce-scatter: the
+  // unit's reduce_quantization (QuantizedReduceScatter in
+  // quantized_gather.h). Null: the reduce-scatter (or a comm hook). A comm
+  // hook cannot be combined with it.
+  std::function<std::unique_ptr<CollectiveWork>(const at::Tensor& flat_grad, const at::Tensor& out)>
+      sum_scatter;
 };
 
 class GradientReduction {

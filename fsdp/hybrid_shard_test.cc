@@ -171,6 +171,73 @@ INSTANTIATE_TEST_SUITE_P(
                       HybridCase{6, 2, ShardingStrategy::kHybridShardZero2}),
     CaseName);
 
+// reduce_quantization under hybrid sharding: the shard group's sum is the
+// quantized all-to-all, the replicate group's all-reduce stays in float32.
+// With both replicas fed the same rows (by shard-group rank), HYBRID_SHARD
+// 2 x 2 must equal FULL_SHARD over 2 ranks with the same option bit for
+// bit: the shard groups sum what FULL_SHARD's group sums (both pre-divide
+// by 2), and the replicate group adds two equal sums and halves them.
+TEST(HybridShard, ReduceQuantizationSumsWithinTheShardGroupOnly) {
+  auto train = [](int world_size, int shard_group_size) {
+    const HybridShardLayout layout =
+        HybridShardLayout::Create(world_size, shard_group_size).value();
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    std::vector<Trajectory> runs(world_size);
+    absl::Status status = RunOnThreadRanks(world_size, [&](Collectives& world) {
+      GlooOptions gloo;
+      gloo.hostname = "127.0.0.1";
+      gloo.timeout = std::chrono::seconds(60);
+      auto groups = CreateHybridShardCollectives(world.rank(), layout, gloo.group_name,
+                                                 GlooGroupConnector(store, gloo));
+      ASSERT_TRUE(groups.ok()) << groups.status();
+      Collectives& shard = *groups->shard;
+      Net model;
+      FsdpOptions options;
+      options.strategy = world_size > shard_group_size ? ShardingStrategy::kHybridShard
+                                                       : ShardingStrategy::kFullShard;
+      options.reduce_quantization = CommQuantization::kInt8;
+      ProcessGroups fsdp_groups(shard);
+      if (world_size > shard_group_size) fsdp_groups.replicate = groups->replicate.get();
+      auto wrapped = FullyShardedModel::Wrap(model.ptr(), fsdp_groups, options,
+                                             *ModuleTypePolicy::Of<BlockImpl>());
+      ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+      auto optimizer = MakeSgd(model->parameters());
+      const int64_t rows = kGlobalBatch / shard_group_size;
+      Trajectory& t = runs[world.rank()];
+      for (int step = 0; step < kSteps; ++step) {
+        shard.ResetCounters();
+        at::Tensor x = Inputs(step, 0).narrow(0, shard.rank() * rows, rows);
+        at::Tensor y = Targets(step, 0).narrow(0, shard.rank() * rows, rows);
+        at::Tensor loss = at::mse_loss(model->forward(x), y);
+        loss.backward();
+        EXPECT_EQ(shard.counters().Calls(CollectiveOp::kAllToAll), 4);  // Root, three blocks.
+        EXPECT_EQ(shard.counters().Calls(CollectiveOp::kReduceScatter), 0);
+        t.losses.push_back(loss.item<float>());
+        optimizer.step();
+        optimizer.zero_grad();
+      }
+      SummonFullParams full(**wrapped, {/*writeback=*/false});
+      for (const auto& item : model->named_parameters()) {
+        t.params[item.key()] = item.value().detach().clone();
+      }
+    });
+    EXPECT_TRUE(status.ok()) << status;
+    return runs;
+  };
+  const std::vector<Trajectory> full_shard = train(2, 2);
+  const std::vector<Trajectory> hybrid = train(4, 2);
+  ASSERT_EQ(full_shard.size(), 2u);
+  ASSERT_EQ(hybrid.size(), 4u);
+  for (int r = 0; r < 4; ++r) {
+    SCOPED_TRACE(absl::StrCat("hybrid rank ", r));
+    const Trajectory& expected = full_shard[r % 2];  // Its shard-group rank's run.
+    EXPECT_EQ(hybrid[r].losses, expected.losses);
+    for (const auto& [name, value] : expected.params) {
+      EXPECT_TRUE(at::equal(hybrid[r].params.at(name), value)) << name;
+    }
+  }
+}
+
 // SetRequiresAllReduce (FSDP2's set_requires_all_reduce): of three
 // micro-batches, the first two leave out the replicate group's all-reduce
 // (.grad stays empty, ClipGradNorm refuses); after the third the gradients

@@ -1,8 +1,6 @@
 #include "fsdp/quantized_gather.h"
 
 #include <algorithm>
-#include <array>
-#include <set>
 #include <utility>
 #include <vector>
 
@@ -17,35 +15,64 @@ namespace {
 
 int64_t RoundUp8(int64_t n) { return (n + 7) / 8 * 8; }
 
-// Rank `rank`'s pieces, in shard order: {offset in the flat parameter,
-// offset in the shard, length}, cut at every parameter boundary and at the
-// segment's unpadded end, so that each holds one parameter's values (or
-// padding).
-std::vector<std::array<int64_t, 3>> PiecesOf(const FlatLayout& layout, int rank) {
-  std::vector<std::array<int64_t, 3>> pieces;
-  for (size_t s = 0; s < layout.segments().size(); ++s) {
-    const FlatLayout::Segment& seg = layout.segments()[s];
-    std::set<int64_t> cuts;  // In the flat parameter.
-    for (size_t i = 0; i < layout.params().size(); ++i) {
-      if (&layout.SegmentOf(i) != &seg) continue;
-      const FlatParamInfo& p = layout.params()[i];
-      cuts.insert(p.offset);
-      cuts.insert(p.offset + p.numel);
-    }
-    const int64_t begin = layout.OwnedBegin(seg, rank);
-    const int64_t end = begin + seg.shard_numel;
-    cuts.insert(end);
-    int64_t at = begin;
-    for (int64_t cut : cuts) {
-      if (cut <= at) continue;
-      const int64_t piece_end = std::min(cut, end);
-      pieces.push_back({at, seg.shard_begin + (at - begin), piece_end - at});
-      at = piece_end;
-      if (at == end) break;
-    }
+int64_t BlocksOf(const std::vector<FlatLayout::Piece>& pieces) {
+  int64_t blocks = 0;
+  for (const FlatLayout::Piece& piece : pieces) {
+    blocks += QuantizationRun{0, 0, 0, piece.numel}.blocks();
   }
-  return pieces;
+  return blocks;
 }
+
+// The all-to-all of a QuantizedReduceScatter in flight; Wait() decodes the
+// W messages one at a time and sums them into `out`.
+class ReduceScatterWork final : public CollectiveWork {
+ public:
+  ReduceScatterWork(std::unique_ptr<CollectiveWork> exchange, at::Tensor message,
+                    at::Tensor received, at::Tensor out, const BlockTable* table, int world_size)
+      : message_(std::move(message)),
+        received_(std::move(received)),
+        out_(std::move(out)),
+        table_(table),
+        world_size_(world_size),
+        exchange_(std::move(exchange)) {}
+
+  void Wait() override {
+    if (done_) return;
+    exchange_->Wait();  // Throws its error again on every call.
+    at::NoGradGuard no_grad;
+    // Written by the all-to-all's stream, read here on the current one.
+    RecordUseOnCurrentStream(received_);
+    RecordUseOnCurrentStream(message_);
+    const int64_t chunk = out_.numel();
+    const int64_t message = received_.numel() / world_size_;
+    at::Tensor sum, decoded;
+    for (int r = 0; r < world_size_; ++r) {
+      const at::Tensor theirs = received_.narrow(0, r * message, message);
+      if (table_ == nullptr) {
+        decoded = theirs.to(at::kFloat);
+      } else {
+        if (!decoded.defined()) decoded = at::empty({chunk}, out_.options().dtype(at::kFloat));
+        DequantizeBlocks(theirs, *table_, decoded);  // `message` is a multiple of 8 bytes.
+      }
+      sum = r == 0 ? decoded.clone() : sum.add_(decoded);
+    }
+    out_.copy_(sum);
+    done_ = true;
+    exchange_.reset();
+    message_ = received_ = out_ = at::Tensor();
+  }
+
+ private:
+  // Declared before the exchange, so that an unwaited work waits for it
+  // before it lets go of its buffers.
+  at::Tensor message_;
+  at::Tensor received_;
+  at::Tensor out_;
+  const BlockTable* table_;  // One sender's message; null for kBf16.
+  const int world_size_;
+  bool done_ = false;
+  std::unique_ptr<CollectiveWork> exchange_;
+};
 
 }  // namespace
 
@@ -59,15 +86,13 @@ QuantizedGather::QuantizedGather(const FlatLayout& layout, int world_size,
     message_bytes_ = shard * 2;
     return;
   }
-  std::vector<std::vector<std::array<int64_t, 3>>> per_rank;
+  std::vector<std::vector<FlatLayout::Piece>> per_rank(world_size);
   int64_t most = 0;  // Blocks of the rank with the most.
   for (int r = 0; r < world_size; ++r) {
-    per_rank.push_back(PiecesOf(layout, r));
-    int64_t blocks = 0;
-    for (const auto& piece : per_rank.back()) {
-      blocks += QuantizationRun{0, 0, 0, piece[2]}.blocks();
+    for (size_t s = 0; s < layout.segments().size(); ++s) {
+      for (const FlatLayout::Piece& piece : layout.PiecesOf(s, r)) per_rank[r].push_back(piece);
     }
-    most = std::max(most, blocks);
+    most = std::max(most, BlocksOf(per_rank[r]));
   }
   const int64_t params_begin = RoundUp8(shard);
   message_bytes_ = params_begin + most * kBlockParamBytes;
@@ -142,6 +167,76 @@ at::Tensor QuantizedGather::RoundTrip(const at::Tensor& shard, at::ScalarType dt
   at::Tensor decoded = at::empty({shard.numel()}, shard.options().dtype(dtype));
   DequantizeBlocks(message, own_table_, decoded);
   return decoded;
+}
+
+QuantizedReduceScatter::QuantizedReduceScatter(const FlatLayout& layout, int world_size,
+                                               CommQuantization quantization, c10::Device device)
+    : world_size_(world_size), quantization_(quantization) {
+  TORCH_CHECK(
+      layout.sharded() && layout.has_trainable_params() && quantization != CommQuantization::kNone,
+      "QuantizedReduceScatter needs a sharded layout with trainable parameters and a "
+      "quantization");
+  const FlatLayout::Segment& trainable = layout.segments().front();
+  chunk_numel_ = trainable.shard_numel;
+  if (quantization == CommQuantization::kBf16) {
+    message_bytes_ = chunk_numel_ * 2;
+    return;
+  }
+  std::vector<std::vector<FlatLayout::Piece>> per_rank;
+  int64_t most = 0;
+  for (int r = 0; r < world_size; ++r) {
+    per_rank.push_back(layout.PiecesOf(0, r));
+    most = std::max(most, BlocksOf(per_rank.back()));
+  }
+  const int64_t params_begin = RoundUp8(chunk_numel_);
+  message_bytes_ = params_begin + most * kBlockParamBytes;
+  // The flat gradient is laid out like the trainable segment, which starts
+  // the flat parameter: its offsets are the flat parameter's.
+  std::vector<QuantizationRun> send, receive;
+  for (int r = 0; r < world_size; ++r) {
+    const int64_t chunk_begin = layout.OwnedBegin(trainable, r);
+    int64_t param = params_begin;
+    for (const FlatLayout::Piece& piece : per_rank[r]) {
+      const int64_t in_chunk = piece.flat_offset - chunk_begin;
+      send.push_back({piece.flat_offset, r * message_bytes_ + in_chunk, r * message_bytes_ + param,
+                      piece.numel});
+      param += QuantizationRun{0, 0, 0, piece.numel}.blocks() * kBlockParamBytes;
+    }
+  }
+  // Every sender coded this rank's chunk with this rank's pieces: one table
+  // decodes any sender's message.
+  const int64_t own_begin = layout.OwnedBegin(trainable, layout.rank());
+  int64_t param = params_begin;
+  for (const FlatLayout::Piece& piece : per_rank[layout.rank()]) {
+    const int64_t in_chunk = piece.flat_offset - own_begin;
+    receive.push_back({in_chunk, in_chunk, param, piece.numel});
+    param += QuantizationRun{0, 0, 0, piece.numel}.blocks() * kBlockParamBytes;
+  }
+  send_table_ = BlockTable(send).To(device);
+  receive_table_ = BlockTable(receive).To(device);
+}
+
+std::unique_ptr<CollectiveWork> QuantizedReduceScatter::Start(const at::Tensor& flat_grad,
+                                                              const at::Tensor& out,
+                                                              Collectives& group) const {
+  TORCH_CHECK(flat_grad.numel() == world_size_ * chunk_numel_ && out.numel() == chunk_numel_,
+              "QuantizedReduceScatter::Start: expected a flat gradient of ",
+              world_size_ * chunk_numel_, " elements and an output of ", chunk_numel_, ", got ",
+              flat_grad.numel(), " and ", out.numel());
+  at::NoGradGuard no_grad;
+  at::Tensor message;
+  if (quantization_ == CommQuantization::kBf16) {
+    message = flat_grad.to(at::kBFloat16);
+  } else {
+    // Zeroed: the gaps between codes and parameters are sent too.
+    message = at::zeros({sent_bytes()}, flat_grad.options().dtype(at::kByte));
+    QuantizeBlocks(flat_grad, message, send_table_);
+  }
+  at::Tensor received = at::empty_like(message);
+  std::unique_ptr<CollectiveWork> exchange = group.AllToAll(received, message);
+  return std::make_unique<ReduceScatterWork>(
+      std::move(exchange), std::move(message), std::move(received), out,
+      quantization_ == CommQuantization::kInt8 ? &receive_table_ : nullptr, world_size_);
 }
 
 }  // namespace fsdp

@@ -27,6 +27,21 @@
 // World size 1 codes and decodes too, though nothing crosses a wire: a run
 // on one rank computes with the values a run on many would.
 //
+// QuantizedReduceScatter: the reduction's counterpart (ResolvedUnitOptions::
+// reduce_quantization; ZeRO++'s qgZ). The unit's flat gradient (its
+// trainable segment, W chunks of S) is coded chunk by chunk, chunk r into
+// the message for rank r (laid out as rank r's all-gather message above,
+// over the trainable segment alone), one all-to-all delivers them, and each
+// rank decodes the W messages for its chunk into float32 and sums them in
+// rank order: the sum is taken in float32 whatever the reduction dtype, and
+// every rank sums its chunk the same way, so that runs repeat bit for bit.
+// Each rank's gradient is approximate before the sum (the error of one
+// block is at most its range / 510); no error feedback is kept. The sum is
+// cast to `out`'s dtype (the reduction dtype), where the runtime divides
+// it. Cost: besides the flat gradient, a coded copy of it (what is sent)
+// and as much received, from Start to the wait, and two float32 chunks
+// (S elements) while decoding.
+//
 // Thread safety: none; its handle drives it.
 #ifndef FSDP_FSDP_QUANTIZED_GATHER_H_
 #define FSDP_FSDP_QUANTIZED_GATHER_H_
@@ -83,6 +98,38 @@ class QuantizedGather {
   BlockTable gather_table_;
   at::Tensor gathered_;  // W messages, while an all-gather is pending.
   at::Tensor message_;   // This rank's message, until the all-gather is done.
+};
+
+class QuantizedReduceScatter {
+ public:
+  // For a sharded `layout` with trainable parameters, of a group of
+  // `world_size` ranks, computing on `device`. REQUIRES: layout.sharded(),
+  // layout.has_trainable_params(), quantization != kNone.
+  QuantizedReduceScatter(const FlatLayout& layout, int world_size, CommQuantization quantization,
+                         c10::Device device);
+  QuantizedReduceScatter(const QuantizedReduceScatter&) = delete;
+  QuantizedReduceScatter& operator=(const QuantizedReduceScatter&) = delete;
+
+  // Codes `flat_grad` (the trainable segment's full gradient, W * S
+  // elements, floating, on the compute device) and issues the all-to-all
+  // over `group`; the work's Wait() leaves in `out` (S elements, floating)
+  // the sum over the ranks of their chunks for this rank. The work holds
+  // what it needs; this object must outlive it.
+  std::unique_ptr<CollectiveWork> Start(const at::Tensor& flat_grad, const at::Tensor& out,
+                                        Collectives& group) const;
+
+  // Bytes each rank sends: W messages.
+  int64_t sent_bytes() const { return world_size_ * message_bytes_; }
+
+ private:
+  const int world_size_;
+  const CommQuantization quantization_;
+  int64_t chunk_numel_ = 0;  // S of the trainable segment.
+  int64_t message_bytes_ = 0;
+  // kInt8: every chunk of the flat gradient coded into the message for its
+  // rank; and any one message this rank receives decoded into its chunk.
+  BlockTable send_table_;
+  BlockTable receive_table_;
 };
 
 }  // namespace fsdp

@@ -1,5 +1,6 @@
 #include "fsdp/quantized_gather.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -103,6 +104,79 @@ TEST(QuantizedGather, Int8DecodesEveryShardAlikeWithinEachParametersResolution) 
   }
 }
 
+// The reduction's counterpart over the same unit (the trainable segment:
+// a weight of 630 values, more than two blocks, a gain, a bias, padding;
+// the frozen segment is not reduced), with every rank's gradient a
+// different multiple of the values, at W = 1..4: this rank's chunk is the
+// rank-order float32 sum of every rank's part coded as this rank's shard
+// would be (RoundTrip), within the sum of their half steps of each
+// parameter's exact sum, and exactly zero over the padding; the all-to-all
+// moves the bytes sent_bytes() says.
+TEST(QuantizedReduceScatter, SumsEveryRanksDecodedChunkInFloat32) {
+  for (int world : {1, 2, 3, 4}) {
+    for (CommQuantization q : {CommQuantization::kInt8, CommQuantization::kBf16}) {
+      absl::Status status = RunOnThreadRanks(world, [q](Collectives& group) {
+        const int w = group.world_size();
+        Unit unit;
+        const FlatLayout layout = FlatLayout::Of(unit.specs, /*sharded=*/true, w, group.rank());
+        const FlatLayout::Segment& trainable = layout.segments().front();
+        // Rank r's gradient: the trainable values times r + 1.
+        auto full_of = [&](int r) {
+          Unit scaled = unit;
+          for (size_t i = 0; i < 3; ++i) scaled.values[i] = unit.values[i] * (r + 1);
+          return scaled;
+        };
+        const at::Tensor flat_grad =
+            full_of(group.rank()).Full(layout).narrow(0, 0, trainable.padded_numel);
+        const QuantizedReduceScatter reduce(layout, w, q, at::kCPU);
+        at::Tensor out = at::full({trainable.shard_numel}, 99.0f);
+        group.ResetCounters();
+        reduce.Start(flat_grad, out, group)->Wait();
+        EXPECT_EQ(group.counters().Bytes(CollectiveOp::kAllToAll), reduce.sent_bytes());
+
+        const QuantizedGather codec(layout, w, q, at::kCPU);
+        at::Tensor expected;
+        for (int r = 0; r < w; ++r) {
+          const at::Tensor decoded =
+              codec.RoundTrip(full_of(r).Shard(layout), at::kFloat).narrow(0, 0, out.numel());
+          expected = r == 0 ? decoded.clone() : expected.add_(decoded);
+        }
+        EXPECT_TRUE(at::equal(out, expected)) << "W = " << w;
+        const int64_t begin = layout.OwnedBegin(trainable, group.rank());
+        const at::Tensor exact_sum =
+            unit.Full(layout).narrow(0, begin, out.numel()) * (w * (w + 1) / 2);
+        for (size_t i = 0; i < 3; ++i) {
+          const FlatParamInfo& p = layout.params()[i];
+          const int64_t from = std::max(p.offset, begin);
+          const int64_t to = std::min(p.offset + p.numel, begin + out.numel());
+          if (from >= to) continue;
+          const at::Tensor v = unit.values[i];
+          // int8: a rank's block of this parameter spans at most its range;
+          // bf16 (8 significant bits): each value is off by at most 2^-8 of itself.
+          const double bound =
+              (q == CommQuantization::kInt8 ? (v.max() - v.min()).item<double>() / 510.0
+                                            : v.abs().max().item<double>() / 256.0) *
+              (w * (w + 1) / 2) * 1.001;
+          EXPECT_LE((out.narrow(0, from - begin, to - from) -
+                     exact_sum.narrow(0, from - begin, to - from))
+                        .abs()
+                        .max()
+                        .item<double>(),
+                    bound)
+              << unit.specs[i].fqn << " at W = " << w;
+        }
+        const int64_t values_end = layout.params()[2].offset + layout.params()[2].numel;
+        if (begin + out.numel() > values_end) {
+          const int64_t pad_from = std::max(values_end, begin) - begin;
+          EXPECT_TRUE(at::equal(out.narrow(0, pad_from, out.numel() - pad_from),
+                                at::zeros({out.numel() - pad_from})));
+        }
+      });
+      EXPECT_TRUE(status.ok()) << status;
+    }
+  }
+}
+
 // bf16: each value is its bfloat16 rounding, decoded into the compute
 // dtype, over both segments.
 TEST(QuantizedGather, Bf16IsTheShardsRoundedToBfloat16) {
@@ -149,6 +223,10 @@ TEST(QuantizedGather, CountersSeeAQuarterOfTheFloat32Bytes) {
     EXPECT_EQ(bytes[1] * 2, bytes[0]);
     EXPECT_LE(bytes[2], 0.27 * bytes[0]) << bytes[2] << " of " << bytes[0];
     EXPECT_LE(bytes[2], 0.53 * bytes[1]);
+    // The reduction sends as much as the all-gather gathers.
+    const int64_t sent =
+        QuantizedReduceScatter(layout, 2, CommQuantization::kInt8, at::kCPU).sent_bytes();
+    EXPECT_LE(sent, 0.27 * bytes[0]) << sent << " of " << bytes[0];
   });
   EXPECT_TRUE(status.ok()) << status;
 }

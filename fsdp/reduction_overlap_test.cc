@@ -82,6 +82,10 @@ class RecordingCollectives final : public Collectives {
   std::unique_ptr<CollectiveWork> DoBroadcast(const at::Tensor& tensor, int root) override {
     return Recorded("broadcast", [&] { return inner_.Broadcast(tensor, root); });
   }
+  std::unique_ptr<CollectiveWork> DoAllToAll(const at::Tensor& output,
+                                             const at::Tensor& input) override {
+    return Recorded("all-to-all", [&] { return inner_.AllToAll(output, input); });
+  }
   void DoBarrier() override {
     CollectiveLabel label(inner_, label_unit(), label_phase());
     inner_.Barrier();

@@ -88,6 +88,7 @@ absl::StatusOr<std::map<const torch::nn::Module*, UnitOptions>> ChooseUnits(
   input.root_options.strategy = options.strategy;
   if (options.mixed_precision.enabled()) input.root_options.mixed_precision = options.mixed_precision;
   input.root_options.all_gather_quantization = options.all_gather_quantization;
+  input.root_options.reduce_quantization = options.reduce_quantization;
   input.can_be_unit = [](const torch::nn::Module& m) {
     return dynamic_cast<const ShardableModule*>(&m) != nullptr;
   };
@@ -156,6 +157,7 @@ void AddUnits(torch::nn::Module& root, const FsdpOptions& options,
   root_unit.strategy = options.strategy;
   root_unit.mixed_precision = options.mixed_precision;
   root_unit.all_gather_quantization = options.all_gather_quantization;
+  root_unit.reduce_quantization = options.reduce_quantization;
   plan.units.push_back(std::move(root_unit));
   for (const auto& item : root.named_modules("", /*include_self=*/false)) {
     auto it = chosen.find(item.value().get());
@@ -169,6 +171,7 @@ void AddUnits(torch::nn::Module& root, const FsdpOptions& options,
     unit.mixed_precision = it->second.mixed_precision.value_or(options.mixed_precision);
     unit.all_gather_quantization =
         it->second.all_gather_quantization.value_or(options.all_gather_quantization);
+    unit.reduce_quantization = it->second.reduce_quantization.value_or(options.reduce_quantization);
     for (const PlannedUnit& other : plan.units) {
       if (!other.fqn.empty() && IsPrefixOf(other.fqn, unit.fqn)) ++unit.depth;
     }
@@ -212,12 +215,16 @@ void AssignParams(torch::nn::Module& root, const Excluded& excluded, WrapPlan& p
   }
 }
 
-// A unit whose all_gather_quantization cannot apply: the first, named.
+// A unit whose all_gather_quantization or reduce_quantization cannot
+// apply: the first, named.
 absl::Status CheckQuantization(const WrapPlan& plan) {
   for (const PlannedUnit& unit : plan.units) {
     if (unit.params.empty()) continue;
     FSDP_RETURN_IF_ERROR(CheckAllGatherQuantization(
         UnitName(unit.fqn), unit.strategy, unit.mixed_precision, unit.all_gather_quantization,
+        unit.params.front().scalar_type(), unit.param_fqns.front()));
+    FSDP_RETURN_IF_ERROR(CheckReduceQuantization(
+        UnitName(unit.fqn), unit.strategy, unit.mixed_precision, unit.reduce_quantization,
         unit.params.front().scalar_type(), unit.param_fqns.front()));
   }
   return absl::OkStatus();
@@ -289,6 +296,7 @@ ResolvedUnitOptions ResolveUnitOptions(const PlannedUnit& unit, const FsdpOption
   resolved.strategy = unit.strategy;
   resolved.mixed_precision = unit.mixed_precision;
   resolved.all_gather_quantization = unit.all_gather_quantization;
+  resolved.reduce_quantization = unit.reduce_quantization;
   resolved.offload_params = options.offload_params;
   resolved.gradient_divide_factor = options.gradient_divide_factor;
   resolved.replicate = groups.replicate;
@@ -310,6 +318,9 @@ std::string WrapPlan::ToString() const {
         unit.mixed_precision.enabled() ? ", " + unit.mixed_precision.ToString() : "",
         unit.all_gather_quantization != CommQuantization::kNone
             ? absl::StrCat(", all-gather ", CommQuantizationName(unit.all_gather_quantization))
+            : "",
+        unit.reduce_quantization != CommQuantization::kNone
+            ? absl::StrCat(", reduce ", CommQuantizationName(unit.reduce_quantization))
             : "",
         unit.numel > 0 && unit.trainable_numel == 0 ? ", frozen" : "", ", ", unit.param_fqns.size(),
         " params, ", unit.numel, " elements",

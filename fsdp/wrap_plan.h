@@ -57,6 +57,7 @@ struct PlannedUnit {
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
   MixedPrecision mixed_precision;  // The root's, or the policy's override.
   CommQuantization all_gather_quantization = CommQuantization::kNone;  // Likewise.
+  CommQuantization reduce_quantization = CommQuantization::kNone;      // Likewise.
   UnitOptions overrides;  // What the policy set for this unit.
   std::vector<std::string> param_fqns;
   std::vector<at::Tensor> params;

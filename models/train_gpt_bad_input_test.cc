@@ -91,14 +91,19 @@ TEST(TrainGpt, BadFlagsAreRefusedNamingTheProblem) {
       {"--sharding_strategy=ful_shard", 2, "unknown sharding strategy 'ful_shard' (valid: "},
       {"--param_dtype=int8", 2, "unknown dtype 'int8' (valid: float32/fp32"},
       {"--all_gather_quantization=int4", 2,
-       "--all_gather_quantization: unknown all-gather quantization 'int4'; valid: none, bf16, "
+       "--all_gather_quantization: unknown quantization 'int4'; valid: none, bf16, "
        "int8"},
       {"--all_gather_quantization=int8 --sharding_strategy=no_shard", 2,
-       "--all_gather_quantization=int8 with --sharding_strategy=no_shard and --param_dtype='': "
+       "--all_gather_quantization=int8 with --sharding_strategy=no_shard, --param_dtype='' and "
+       "--reduce_dtype='': "
        "unit '<root>' has all_gather_quantization=int8 but its strategy is NO_SHARD"},
       {"--all_gather_quantization=bf16 --param_dtype=bf16", 2,
-       "it already all-gathers in BFloat16 (param_dtype or the parameters' dtype): bf16 would "
-       "save nothing"},
+       "it already all-gathers in BFloat16 (mixed precision or the parameters' dtype): bf16 "
+       "would save nothing"},
+      {"--reduce_quantization=bf16 --reduce_dtype=bf16", 2,
+       "--reduce_quantization=bf16 with --sharding_strategy=full_shard, --param_dtype='' and "
+       "--reduce_dtype='bf16': unit '<root>' has reduce_quantization=bf16 but it already "
+       "reduce-scatters in BFloat16"},
       {"--backward_prefetch=sideways", 2,
        "--backward_prefetch=sideways: expected none, backward_pre or backward_post"},
       {"--wrap_policy=nonsense", 2, "no policy named 'nonsense' (registered: "},

@@ -11,6 +11,8 @@
 #include <cstring>
 #include <iterator>
 #include <limits>
+#include <string>
+#include <tuple>
 #include <utility>
 
 #include "absl/flags/flag.h"
@@ -576,6 +578,7 @@ constexpr RecordedSetting kRecordedSettings[] = {
     {"param_dtype", nullptr},
     {"reduce_dtype", nullptr},
     {"all_gather_quantization", nullptr},
+    {"reduce_quantization", nullptr},
     {"wrap_policy", nullptr},
     {"policy_plugin", nullptr},
     {"activation_checkpointing", nullptr},
@@ -729,23 +732,32 @@ absl::StatusOr<fsdp::FsdpOptions> FsdpOptionsFromFlags() {
     if (flag.empty()) continue;
     FSDP_ASSIGN_OR_RETURN(*field, fsdp::ParseDtypeFlag(flag));
   }
-  absl::StatusOr<fsdp::CommQuantization> quantization =
-      fsdp::ParseCommQuantization(absl::GetFlag(FLAGS_all_gather_quantization));
-  if (!quantization.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--all_gather_quantization: ", quantization.status().message()));
-  }
-  options.all_gather_quantization = *quantization;
   // What the root unit would refuse at Wrap on every rank, refused here
   // before any rank starts (the GPT's parameters are float32).
-  if (absl::Status applies =
-          fsdp::CheckAllGatherQuantization("<root>", options.strategy, options.mixed_precision,
-                                           options.all_gather_quantization, at::kFloat, "");
-      !applies.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--all_gather_quantization=", fsdp::CommQuantizationName(*quantization), " with --",
-        "sharding_strategy=", absl::GetFlag(FLAGS_sharding_strategy), " and --param_dtype='",
-        absl::GetFlag(FLAGS_param_dtype), "': ", applies.message()));
+  using Check =
+      absl::Status (*)(const std::string&, fsdp::ShardingStrategy, const fsdp::MixedPrecision&,
+                       fsdp::CommQuantization, at::ScalarType, const std::string&);
+  for (auto [flag, value, field, check] :
+       {std::tuple<const char*, std::string, fsdp::CommQuantization*, Check>{
+            "all_gather_quantization", absl::GetFlag(FLAGS_all_gather_quantization),
+            &options.all_gather_quantization, &fsdp::CheckAllGatherQuantization},
+        {"reduce_quantization", absl::GetFlag(FLAGS_reduce_quantization),
+         &options.reduce_quantization, &fsdp::CheckReduceQuantization}}) {
+    absl::StatusOr<fsdp::CommQuantization> quantization = fsdp::ParseCommQuantization(value);
+    if (!quantization.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, ": ", quantization.status().message()));
+    }
+    *field = *quantization;
+    if (absl::Status applies =
+            check("<root>", options.strategy, options.mixed_precision, *field, at::kFloat, "");
+        !applies.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--", flag, "=", value,
+          " with --sharding_strategy=", absl::GetFlag(FLAGS_sharding_strategy), ", --param_dtype='",
+          absl::GetFlag(FLAGS_param_dtype), "' and --reduce_dtype='",
+          absl::GetFlag(FLAGS_reduce_dtype), "': ", applies.message()));
+    }
   }
   return options;
 }

@@ -111,6 +111,10 @@ ABSL_FLAG(std::string, all_gather_quantization, "none",
           "(blockwise, about 0.26x float32's bytes); the shards and the optimizer step stay "
           "exact, only the gathered parameters forward and backward use are approximate. "
           "Not with no_shard.");
+ABSL_FLAG(std::string, reduce_quantization, "none",
+          "How gradients travel in the reductions: none (the reduction dtype, by "
+          "reduce-scatter), bf16 or int8 (blockwise, about 0.26x float32's bytes) through an "
+          "all-to-all, each rank summing its chunk in float32. Not with no_shard.");
 ABSL_FLAG(std::string, backward_prefetch, "backward_pre",
           "none, backward_pre or backward_post.");
 ABSL_FLAG(bool, forward_prefetch, false, "All-gather the next unit during forward.");

@@ -50,6 +50,7 @@ ABSL_DECLARE_FLAG(int, shard_group_size);
 ABSL_DECLARE_FLAG(std::string, param_dtype);
 ABSL_DECLARE_FLAG(std::string, reduce_dtype);
 ABSL_DECLARE_FLAG(std::string, all_gather_quantization);
+ABSL_DECLARE_FLAG(std::string, reduce_quantization);
 ABSL_DECLARE_FLAG(std::string, backward_prefetch);
 ABSL_DECLARE_FLAG(bool, forward_prefetch);
 ABSL_DECLARE_FLAG(bool, offload_params);

@@ -97,7 +97,7 @@ void PrintRankReport(int rank, const RankReport& r, const fsdp::CollectiveCounte
       "rank %d: peak RSS %.1f MiB (%.1f before the first step, peak %.1f in the %.1f s until "
       "then)%s; held / unsharded: parameters %.2f / %.2f MiB, gradients "
       "%.2f / %.2f MiB, optimizer state %.2f / %.2f MiB; all-gathered %.1f MiB in %d calls, "
-      "reduce-scattered %.1f MiB in %d calls, all-reduced %.1f MiB in %d calls\n",
+      "reduce-scattered %.1f MiB in %d calls, all-reduced %.1f MiB in %d calls%s\n",
       rank, PeakRssBytes() / kMiB, r.rss_before_steps / kMiB, r.peak_rss_before_steps / kMiB,
       r.seconds_before_steps,
       r.peak_device_bytes
@@ -108,7 +108,13 @@ void PrintRankReport(int rank, const RankReport& r, const fsdp::CollectiveCounte
       r.unsharded_optimizer_state_bytes / kMiB, c.Bytes(fsdp::CollectiveOp::kAllGather) / kMiB,
       c.Calls(fsdp::CollectiveOp::kAllGather), c.Bytes(fsdp::CollectiveOp::kReduceScatter) / kMiB,
       c.Calls(fsdp::CollectiveOp::kReduceScatter), c.Bytes(fsdp::CollectiveOp::kAllReduce) / kMiB,
-      c.Calls(fsdp::CollectiveOp::kAllReduce));
+      c.Calls(fsdp::CollectiveOp::kAllReduce),
+      // Only --reduce_quantization's reductions exchange all-to-all.
+      c.Calls(fsdp::CollectiveOp::kAllToAll) == 0
+          ? ""
+          : absl::StrFormat(", exchanged %.1f MiB in %d all-to-all calls",
+                            c.Bytes(fsdp::CollectiveOp::kAllToAll) / kMiB,
+                            c.Calls(fsdp::CollectiveOp::kAllToAll)));
   std::fputs(line.c_str(), stdout);
   std::fflush(stdout);
 }

@@ -77,7 +77,8 @@ constexpr const char* kUnitOptionKeys[] = {"strategy",
                                            "output_dtype",
                                            "keep_low_precision_grads",
                                            "cast_forward_inputs",
-                                           "all_gather_quantization"};
+                                           "all_gather_quantization",
+                                           "reduce_quantization"};
 }  // namespace
 
 absl::Status PolicySpec::CheckKeys(const std::vector<std::string>& known) const {
@@ -144,6 +145,11 @@ absl::StatusOr<UnitOptions> PolicySpec::GetUnitOptions() const {
     absl::StatusOr<CommQuantization> quantization = ParseCommQuantization(*value);
     if (!quantization.ok()) return SpecError(text, quantization.status().message());
     options.all_gather_quantization = *quantization;
+  }
+  if (const std::string* value = Find("reduce_quantization")) {
+    absl::StatusOr<CommQuantization> quantization = ParseCommQuantization(*value);
+    if (!quantization.ok()) return SpecError(text, quantization.status().message());
+    options.reduce_quantization = *quantization;
   }
   // Any mixed-precision key gives the unit a MixedPrecision of its own.
   MixedPrecision mp;

@@ -16,8 +16,9 @@
 //   none                                 the whole model is one unit
 //
 // Every policy accepts strategy=<FULL_SHARD|SHARD_GRAD_OP|NO_SHARD>, the
-// mixed-precision keys (param_dtype=bf16, ...) and
-// all_gather_quantization=<none|bf16|int8>: the per-unit overrides for the
+// mixed-precision keys (param_dtype=bf16, ...),
+// all_gather_quantization=<none|bf16|int8> and
+// reduce_quantization=<none|bf16|int8>: the per-unit overrides for the
 // units it chooses. A key a policy does not know,
 // a missing value or an empty part is an error naming the spec.
 #ifndef FSDP_POLICIES_POLICY_SPEC_H_
@@ -52,8 +53,8 @@ struct PolicySpec {
   // "a|b|c" as a list; `default_value` when the key is absent.
   std::vector<std::string> GetList(const std::string& key,
                                    std::vector<std::string> default_value) const;
-  // strategy=..., the mixed-precision keys and all_gather_quantization=...,
-  // if given.
+  // strategy=..., the mixed-precision keys, all_gather_quantization=...
+  // and reduce_quantization=..., if given.
   absl::StatusOr<UnitOptions> GetUnitOptions() const;
 };
 

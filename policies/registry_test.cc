@@ -94,9 +94,10 @@ TEST(PolicyRegistry, BadSpecsAreErrorsNamingTheProblem) {
             "policy 'size' has no argument 'bogus' (it takes: strategy, "
             "param_dtype, reduce_dtype, buffer_dtype, output_dtype, "
             "keep_low_precision_grads, cast_forward_inputs, all_gather_quantization, "
+            "reduce_quantization, "
             "min_numel, exclude, force_leaf)"},
            {"module:Block,all_gather_quantization=int4",
-            "unknown all-gather quantization 'int4'; valid: none, bf16, int8"},
+            "unknown quantization 'int4'; valid: none, bf16, int8"},
            {"module:Block,param_dtype=fp8", "param_dtype: unknown dtype 'fp8'"},
            // Other scalar types are not mixed-precision dtypes.
            {"module:Block,reduce_dtype=int8", "reduce_dtype: unknown dtype 'int8'"},

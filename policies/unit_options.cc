@@ -135,7 +135,7 @@ absl::StatusOr<CommQuantization> ParseCommQuantization(absl::string_view name) {
   if (lower == "bf16" || lower == "bfloat16") return CommQuantization::kBf16;
   if (lower == "int8") return CommQuantization::kInt8;
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown all-gather quantization '", name, "'; valid: none, bf16, int8"));
+      absl::StrCat("unknown quantization '", name, "'; valid: none, bf16, int8"));
 }
 
 std::string UnitOptions::ToString() const {
@@ -148,6 +148,10 @@ std::string UnitOptions::ToString() const {
   if (all_gather_quantization) {
     parts.push_back(
         absl::StrCat("all_gather_quantization=", CommQuantizationName(*all_gather_quantization)));
+  }
+  if (reduce_quantization) {
+    parts.push_back(
+        absl::StrCat("reduce_quantization=", CommQuantizationName(*reduce_quantization)));
   }
   return absl::StrJoin(parts, ",");
 }

@@ -115,6 +115,14 @@ absl::Status ValidateMixedPrecision(const MixedPrecision& mp);
 // Refused (by Wrap, naming the unit) under NO_SHARD, which all-gathers
 // nothing, for parameters that are not float32, float64, float16 or
 // bfloat16, and kBf16 where the unit already all-gathers in a 16-bit dtype.
+//
+// The same codes for how a unit's gradients travel in its reduction
+// (reduce_quantization; ZeRO++'s qgZ; QuantizedReduceScatter in
+// fsdp/quantized_gather.h): each rank codes each rank's chunk of its flat
+// gradient, an all-to-all delivers them, and each rank decodes its W
+// chunks and sums them in float32. Refused likewise, and kBf16 where the
+// unit already reduces in a 16-bit reduce_dtype; a comm hook cannot be
+// combined with it.
 enum class CommQuantization { kNone, kBf16, kInt8 };
 
 // "none", "bf16", "int8".
@@ -130,10 +138,11 @@ struct UnitOptions {
   // Replaces the root's mixed precision as a whole.
   std::optional<MixedPrecision> mixed_precision;
   std::optional<CommQuantization> all_gather_quantization;
+  std::optional<CommQuantization> reduce_quantization;
 
   bool empty() const {
     return !strategy.has_value() && !mixed_precision.has_value() &&
-           !all_gather_quantization.has_value();
+           !all_gather_quantization.has_value() && !reduce_quantization.has_value();
   }
   // "strategy=NO_SHARD,param_dtype=bfloat16,all_gather_quantization=int8",
   // or "" when empty.

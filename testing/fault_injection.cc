@@ -124,6 +124,19 @@ std::unique_ptr<CollectiveWork> FaultInjectingCollectives::DoAllReduce(const at:
   return Follow(fault, inner_.AllReduce(tensor, op));
 }
 
+std::unique_ptr<CollectiveWork> FaultInjectingCollectives::DoAllToAll(const at::Tensor& output,
+                                                                      const at::Tensor& input) {
+  const std::optional<Fault> fault = Match();
+  if (auto work = Preempt(fault)) return work;
+  CollectiveLabel label(inner_, label_unit(), label_phase());
+  if (fault && fault->kind == FaultKind::kMismatchSize) {
+    const int64_t n = input.numel() - world_size();
+    return inner_.AllToAll(output.narrow(0, 0, n), input.narrow(0, 0, n));
+  }
+  if (fault && fault->kind == FaultKind::kMismatchOp) return inner_.Broadcast(input, 0);
+  return Follow(fault, inner_.AllToAll(output, input));
+}
+
 std::unique_ptr<CollectiveWork> FaultInjectingCollectives::DoBroadcast(const at::Tensor& tensor,
                                                                        int root) {
   const std::optional<Fault> fault = Match();

@@ -73,6 +73,8 @@ class FaultInjectingCollectives final : public Collectives {
                                                   ReduceOp op) override;
   std::unique_ptr<CollectiveWork> DoAllReduce(const at::Tensor& tensor, ReduceOp op) override;
   std::unique_ptr<CollectiveWork> DoBroadcast(const at::Tensor& tensor, int root) override;
+  std::unique_ptr<CollectiveWork> DoAllToAll(const at::Tensor& output,
+                                             const at::Tensor& input) override;
   void DoBarrier() override;
 
  private:

@@ -48,6 +48,9 @@ class SelfGroup final : public fsdp::Collectives {
   std::unique_ptr<fsdp::CollectiveWork> DoBroadcast(const at::Tensor&, int) override {
     std::abort();
   }
+  std::unique_ptr<fsdp::CollectiveWork> DoAllToAll(const at::Tensor&, const at::Tensor&) override {
+    std::abort();
+  }
   void DoBarrier() override { std::abort(); }
 };
 

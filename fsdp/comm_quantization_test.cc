@@ -1,8 +1,9 @@
-// All-gather quantization (all_gather_quantization): parity against a
-// local reference that computes with the values every rank decodes
-// (fsdp/quantized_gather.h) and steps full-precision masters, the bytes
-// the collectives' counters see, exact summoned parameters, per-unit
-// overrides through a policy spec, and the refusals.
+// Quantized communication (all_gather_quantization, reduce_quantization):
+// parity against a local reference that computes with the values every
+// rank decodes (fsdp/quantized_gather.h), sums the gradients each rank
+// decodes in float32 and steps full-precision masters; the bytes the
+// collectives' counters see, exact summoned parameters, per-unit overrides
+// through a policy spec, and the refusals.
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -82,6 +83,46 @@ std::vector<at::Tensor> Decoded(const std::vector<at::Tensor>& params, CommQuant
   return out;
 }
 
+// What rank c holds after a quantized reduce-scatter of a unit's
+// gradients, for every c, put together: each rank's gradients
+// (`per_rank[r]`, registration order, already divided as the runtime
+// pre-divides) laid out flat, chunk c of each coded and decoded as rank c's
+// shard would be, and the W decoded chunks summed in rank order in float32.
+std::vector<at::Tensor> ReducedInChunks(const std::vector<std::vector<at::Tensor>>& per_rank,
+                                        CommQuantization q) {
+  std::vector<FlatLayout::Param> specs;
+  for (size_t i = 0; i < per_rank[0].size(); ++i) {
+    specs.push_back({"p" + std::to_string(i), per_rank[0][i].sizes().vec(), true});
+  }
+  std::vector<at::Tensor> flat(kWorld);
+  at::Tensor sum;
+  for (int c = 0; c < kWorld; ++c) {
+    const FlatLayout layout = FlatLayout::Of(specs, true, kWorld, c);
+    const FlatLayout::Segment& seg = layout.segments().front();
+    if (!sum.defined()) {
+      sum = at::zeros({layout.padded_numel()});
+      for (int r = 0; r < kWorld; ++r) {
+        flat[r] = at::zeros({layout.padded_numel()});
+        for (size_t i = 0; i < specs.size(); ++i) {
+          layout.FullViewOf(flat[r], i).copy_(per_rank[r][i]);
+        }
+      }
+    }
+    const QuantizedGather codec(layout, kWorld, q, at::kCPU);
+    at::Tensor chunk_sum;
+    for (int r = 0; r < kWorld; ++r) {
+      const at::Tensor decoded = codec.RoundTrip(
+          flat[r].narrow(0, layout.OwnedBegin(seg, c), seg.shard_numel), at::kFloat);
+      chunk_sum = r == 0 ? decoded.clone() : chunk_sum.add_(decoded);
+    }
+    sum.narrow(0, layout.OwnedBegin(seg, c), seg.shard_numel).copy_(chunk_sum);
+  }
+  const FlatLayout any = FlatLayout::Of(specs, true, kWorld, 0);
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < specs.size(); ++i) out.push_back(any.FullViewOf(sum, i).clone());
+  return out;
+}
+
 struct Trajectory {
   std::vector<float> losses;
   std::map<std::string, at::Tensor> params;
@@ -89,8 +130,10 @@ struct Trajectory {
 
 // Full-precision masters; each step every replica computes with the
 // decoded values of its units (the root: head; each block: its fc) and the
-// float32 gradients are averaged over the ranks.
-Trajectory TrainLocally(CommQuantization q, at::ScalarType compute) {
+// float32 gradients are averaged over the ranks: exactly, or with
+// `reduce` as ReducedInChunks sums them (float32 compute only).
+Trajectory TrainLocally(CommQuantization q, at::ScalarType compute,
+                        CommQuantization reduce = CommQuantization::kNone) {
   Net master;
   auto optimizer = MakeSgd(master->parameters());
   Trajectory t;
@@ -112,6 +155,7 @@ Trajectory TrainLocally(CommQuantization q, at::ScalarType compute) {
     }
     std::vector<at::Tensor> sums;
     for (const auto& p : master->parameters()) sums.push_back(at::zeros_like(p));
+    std::vector<std::vector<at::Tensor>> grads(kWorld);  // Divided by kWorld, as pre-divided.
     float loss_sum = 0;
     for (int rank = 0; rank < kWorld; ++rank) {
       Net replica;
@@ -127,6 +171,25 @@ Trajectory TrainLocally(CommQuantization q, at::ScalarType compute) {
       loss_sum += loss.item<float>();
       for (size_t i = 0; i < sums.size(); ++i) {
         sums[i] += (replica->parameters()[i].grad().to(compute) / 2).to(at::kFloat);
+        grads[rank].push_back(replica->parameters()[i].grad() / 2);
+      }
+    }
+    if (reduce != CommQuantization::kNone) {
+      std::map<const void*, size_t> index_of;
+      for (size_t i = 0; i < sums.size(); ++i) {
+        index_of[master->parameters()[i].unsafeGetTensorImpl()] = i;
+      }
+      for (const auto& unit : units) {
+        std::vector<std::vector<at::Tensor>> per_rank(kWorld);
+        for (int r = 0; r < kWorld; ++r) {
+          for (const at::Tensor& p : unit) {
+            per_rank[r].push_back(grads[r][index_of.at(p.unsafeGetTensorImpl())]);
+          }
+        }
+        const std::vector<at::Tensor> reduced = ReducedInChunks(per_rank, reduce);
+        for (size_t k = 0; k < unit.size(); ++k) {
+          sums[index_of.at(unit[k].unsafeGetTensorImpl())] = reduced[k];
+        }
       }
     }
     for (size_t i = 0; i < sums.size(); ++i) {
@@ -148,18 +211,19 @@ struct QuantCase {
   CommQuantization quantization;
   std::optional<at::ScalarType> param_dtype;
   bool offload = false;
+  CommQuantization reduce = CommQuantization::kNone;
 };
 
 std::string QuantCaseName(const ::testing::TestParamInfo<QuantCase>& info) {
   return info.param.name;
 }
 
-class AllGatherQuantizationParity : public ::testing::TestWithParam<QuantCase> {};
+class CommQuantizationParity : public ::testing::TestWithParam<QuantCase> {};
 
-TEST_P(AllGatherQuantizationParity, MatchesALocalReferenceThatComputesWithTheDecodedValues) {
+TEST_P(CommQuantizationParity, MatchesALocalReferenceThatComputesWithTheDecodedValues) {
   const QuantCase c = GetParam();
   const at::ScalarType compute = c.param_dtype.value_or(at::kFloat);
-  const Trajectory same_values = TrainLocally(c.quantization, compute);
+  const Trajectory same_values = TrainLocally(c.quantization, compute, c.reduce);
   const Trajectory exact = TrainLocally(CommQuantization::kNone, compute);
   std::vector<float> error(kWorld), error_vs_exact(kWorld);
   ASSERT_TRUE(
@@ -169,18 +233,27 @@ TEST_P(AllGatherQuantizationParity, MatchesALocalReferenceThatComputesWithTheDec
         options.strategy = c.strategy;
         options.mixed_precision.param_dtype = c.param_dtype;
         options.all_gather_quantization = c.quantization;
+        options.reduce_quantization = c.reduce;
         options.offload_params = c.offload;
         auto wrapped =
             FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
         ASSERT_TRUE(wrapped.ok()) << wrapped.status();
         FullyShardedModel& fsdp = **wrapped;
         auto optimizer = MakeSgd(model->parameters());
-        // What one all-gather of each unit moves: W messages.
-        int64_t root_bytes = 0, block_bytes = 0;
+        // What one all-gather of each unit moves: W messages; what the
+        // reductions send, per step.
+        int64_t root_bytes = 0, block_bytes = 0, reduce_bytes = 0;
         for (const auto& unit : fsdp.units()) {
           const FlatLayout& layout = unit->handle()->layout();
           (unit->is_root() ? root_bytes : block_bytes) +=
-              kWorld * QuantizedGather(layout, kWorld, c.quantization, at::kCPU).message_bytes();
+              c.quantization == CommQuantization::kNone
+                  ? kWorld * layout.shard_numel() * 4
+                  : kWorld *
+                        QuantizedGather(layout, kWorld, c.quantization, at::kCPU).message_bytes();
+          reduce_bytes +=
+              c.reduce == CommQuantization::kNone
+                  ? kWorld * layout.shard_numel() * c10::elementSize(compute)
+                  : QuantizedReduceScatter(layout, kWorld, c.reduce, at::kCPU).sent_bytes();
         }
         std::vector<at::ScalarType> seen;
         g_in_block_forward = [&](int index) {
@@ -196,6 +269,13 @@ TEST_P(AllGatherQuantizationParity, MatchesALocalReferenceThatComputesWithTheDec
                                          ? root_bytes + 2 * block_bytes
                                          : root_bytes + block_bytes;
             EXPECT_EQ(comm.counters().Bytes(CollectiveOp::kAllGather), gathered);
+            const bool quantized = c.reduce != CommQuantization::kNone;
+            EXPECT_EQ(comm.counters().Bytes(quantized ? CollectiveOp::kAllToAll
+                                                      : CollectiveOp::kReduceScatter),
+                      reduce_bytes);
+            EXPECT_EQ(comm.counters().Bytes(quantized ? CollectiveOp::kReduceScatter
+                                                      : CollectiveOp::kAllToAll),
+                      0);
           }
           for (const at::Tensor& p : model->parameters()) {
             EXPECT_EQ(p.scalar_type(), at::kFloat);  // The shards stay exact.
@@ -230,17 +310,27 @@ TEST_P(AllGatherQuantizationParity, MatchesALocalReferenceThatComputesWithTheDec
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    Cases, AllGatherQuantizationParity,
-    ::testing::Values(QuantCase{"FullShard_int8", ShardingStrategy::kFullShard,
-                                CommQuantization::kInt8, std::nullopt},
-                      QuantCase{"ShardGradOp_int8", ShardingStrategy::kShardGradOp,
-                                CommQuantization::kInt8, std::nullopt},
-                      QuantCase{"FullShard_bf16", ShardingStrategy::kFullShard,
-                                CommQuantization::kBf16, std::nullopt},
-                      QuantCase{"FullShard_int8_param_bf16", ShardingStrategy::kFullShard,
-                                CommQuantization::kInt8, at::kBFloat16},
-                      QuantCase{"FullShard_int8_offload", ShardingStrategy::kFullShard,
-                                CommQuantization::kInt8, std::nullopt, /*offload=*/true}),
+    Cases, CommQuantizationParity,
+    ::testing::Values(
+        QuantCase{"FullShard_int8", ShardingStrategy::kFullShard, CommQuantization::kInt8,
+                  std::nullopt},
+        QuantCase{"ShardGradOp_int8", ShardingStrategy::kShardGradOp, CommQuantization::kInt8,
+                  std::nullopt},
+        QuantCase{"FullShard_bf16", ShardingStrategy::kFullShard, CommQuantization::kBf16,
+                  std::nullopt},
+        QuantCase{"FullShard_int8_param_bf16", ShardingStrategy::kFullShard,
+                  CommQuantization::kInt8, at::kBFloat16},
+        QuantCase{"FullShard_int8_offload", ShardingStrategy::kFullShard, CommQuantization::kInt8,
+                  std::nullopt, /*offload=*/true},
+        QuantCase{"FullShard_reduce_int8", ShardingStrategy::kFullShard, CommQuantization::kNone,
+                  std::nullopt, false, CommQuantization::kInt8},
+        QuantCase{"FullShard_reduce_bf16", ShardingStrategy::kFullShard, CommQuantization::kNone,
+                  std::nullopt, false, CommQuantization::kBf16},
+        QuantCase{"ShardGradOp_both_int8", ShardingStrategy::kShardGradOp, CommQuantization::kInt8,
+                  std::nullopt, false, CommQuantization::kInt8},
+        QuantCase{"FullShard_reduce_int8_offload", ShardingStrategy::kFullShard,
+                  CommQuantization::kNone, std::nullopt, /*offload=*/true,
+                  CommQuantization::kInt8}),
     QuantCaseName);
 
 // A policy spec sets it per unit: the blocks gather in int8, the root as
@@ -303,33 +393,79 @@ TEST(AllGatherQuantization, RanksThatQuantizeDifferentlyAreNamedAtTheFirstForwar
 }
 
 TEST(AllGatherQuantization, WrapRefusesItWhereItCannotApplyNamingTheUnit) {
+  ASSERT_TRUE(
+      RunOnThreadRanks(kWorld, [&](Collectives& comm) {
+        Net model;
+        FsdpOptions options;
+        options.strategy = ShardingStrategy::kNoShard;
+        options.all_gather_quantization = CommQuantization::kInt8;
+        auto wrapped =
+            FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
+        ASSERT_FALSE(wrapped.ok());
+        EXPECT_NE(wrapped.status().message().find(
+                      "unit '<root>' has all_gather_quantization=int8 but its strategy "
+                      "is NO_SHARD"),
+                  std::string::npos)
+            << wrapped.status();
+        // The model is untouched: it wraps again without the option.
+        options.all_gather_quantization = CommQuantization::kBf16;
+        options.strategy = ShardingStrategy::kFullShard;
+        options.mixed_precision.param_dtype = at::kBFloat16;
+        wrapped =
+            FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
+        ASSERT_FALSE(wrapped.ok());
+        EXPECT_NE(wrapped.status().message().find("already all-gathers in BFloat16"),
+                  std::string::npos)
+            << wrapped.status();
+        options.all_gather_quantization = CommQuantization::kNone;
+        // The same for the reduction: bf16 over a bf16 reduce_dtype...
+        options.mixed_precision.param_dtype = std::nullopt;
+        options.mixed_precision.reduce_dtype = at::kBFloat16;
+        options.reduce_quantization = CommQuantization::kBf16;
+        wrapped =
+            FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
+        ASSERT_FALSE(wrapped.ok());
+        EXPECT_NE(wrapped.status().message().find(
+                      "has reduce_quantization=bf16 but it already reduce-scatters in "
+                      "BFloat16"),
+                  std::string::npos)
+            << wrapped.status();
+        // ... and NO_SHARD.
+        options.mixed_precision.reduce_dtype = std::nullopt;
+        options.reduce_quantization = CommQuantization::kInt8;
+        options.strategy = ShardingStrategy::kNoShard;
+        wrapped =
+            FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>());
+        ASSERT_FALSE(wrapped.ok());
+        EXPECT_NE(wrapped.status().message().find(
+                      "has reduce_quantization=int8 but its strategy is NO_SHARD, which "
+                      "reduce-scatters nothing"),
+                  std::string::npos)
+            << wrapped.status();
+        options.reduce_quantization = CommQuantization::kNone;
+        EXPECT_TRUE(
+            FullyShardedModel::Wrap(model.ptr(), comm, options, *ModuleTypePolicy::Of<BlockImpl>())
+                .ok());
+      }).ok());
+}
+
+// A comm hook replaces the reduction reduce_quantization quantizes: the
+// two are not combined silently.
+TEST(ReduceQuantization, ACommHookIsRefusedNamingTheUnit) {
   ASSERT_TRUE(RunOnThreadRanks(kWorld, [&](Collectives& comm) {
                 Net model;
                 FsdpOptions options;
-                options.strategy = ShardingStrategy::kNoShard;
-                options.all_gather_quantization = CommQuantization::kInt8;
+                options.reduce_quantization = CommQuantization::kInt8;
                 auto wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
                                                        *ModuleTypePolicy::Of<BlockImpl>());
-                ASSERT_FALSE(wrapped.ok());
-                EXPECT_NE(wrapped.status().message().find(
-                              "unit '<root>' has all_gather_quantization=int8 but its strategy "
-                              "is NO_SHARD"),
+                ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+                const absl::Status hooked =
+                    (*wrapped)->RegisterCommHook(std::make_shared<DefaultCommHook>());
+                EXPECT_EQ(hooked.code(), absl::StatusCode::kInvalidArgument);
+                EXPECT_NE(hooked.message().find(
+                              "unit '<root>' has reduce_quantization; a hook replaces it"),
                           std::string::npos)
-                    << wrapped.status();
-                // The model is untouched: it wraps again without the option.
-                options.all_gather_quantization = CommQuantization::kBf16;
-                options.strategy = ShardingStrategy::kFullShard;
-                options.mixed_precision.param_dtype = at::kBFloat16;
-                wrapped = FullyShardedModel::Wrap(model.ptr(), comm, options,
-                                                  *ModuleTypePolicy::Of<BlockImpl>());
-                ASSERT_FALSE(wrapped.ok());
-                EXPECT_NE(wrapped.status().message().find("already all-gathers in BFloat16"),
-                          std::string::npos)
-                    << wrapped.status();
-                options.all_gather_quantization = CommQuantization::kNone;
-                EXPECT_TRUE(FullyShardedModel::Wrap(model.ptr(), comm, options,
-                                                    *ModuleTypePolicy::Of<BlockImpl>())
-                                .ok());
+                    << hooked;
               }).ok());
 }
 
