@@ -173,6 +173,24 @@ set_tests_properties(//comm:gloo_collectives_test PROPERTIES TIMEOUT 300 ENVIRON
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/comm_gloo_collectives_test")
 endif()
 
+# //comm:hierarchical_collectives
+add_library(comm_hierarchical_collectives SHARED ${PROJECT_SOURCE_DIR}/comm/hierarchical_collectives.cc ${PROJECT_SOURCE_DIR}/comm/hierarchical_collectives.h)
+set_target_properties(comm_hierarchical_collectives PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm)
+target_link_libraries(comm_hierarchical_collectives PUBLIC comm_collectives comm_ordered_worker fsdp_torch)
+target_include_directories(comm_hierarchical_collectives PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS comm_hierarchical_collectives EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/comm/hierarchical_collectives.h DESTINATION include/comm)
+
+# //comm:hierarchical_collectives_test
+if(BUILD_TESTING)
+add_executable(comm_hierarchical_collectives_test ${PROJECT_SOURCE_DIR}/comm/hierarchical_collectives_test.cc)
+set_target_properties(comm_hierarchical_collectives_test PROPERTIES OUTPUT_NAME hierarchical_collectives_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm ENABLE_EXPORTS ON)
+target_link_libraries(comm_hierarchical_collectives_test PRIVATE comm_collectives comm_gloo_collectives comm_hierarchical_collectives comm_hybrid_groups third_party_absl_base third_party_c10d_gloo third_party_gtest_main fsdp_torch)
+add_test(NAME //comm:hierarchical_collectives_test COMMAND comm_hierarchical_collectives_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
+set_tests_properties(//comm:hierarchical_collectives_test PROPERTIES TIMEOUT 60 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/comm_hierarchical_collectives_test")
+file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/comm_hierarchical_collectives_test")
+endif()
+
 # //comm:hybrid_groups
 add_library(comm_hybrid_groups SHARED ${PROJECT_SOURCE_DIR}/comm/hybrid_groups.cc ${PROJECT_SOURCE_DIR}/comm/hybrid_groups.h)
 set_target_properties(comm_hybrid_groups PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm)
@@ -209,6 +227,14 @@ set_tests_properties(//comm:launch_environment_test PROPERTIES TIMEOUT 60 ENVIRO
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/comm_launch_environment_test")
 endif()
 
+# //comm:ordered_worker
+add_library(comm_ordered_worker SHARED ${PROJECT_SOURCE_DIR}/comm/ordered_worker.cc ${PROJECT_SOURCE_DIR}/comm/ordered_worker.h)
+set_target_properties(comm_ordered_worker PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm)
+target_link_libraries(comm_ordered_worker PUBLIC comm_collectives third_party_absl_base fsdp_torch)
+target_include_directories(comm_ordered_worker PUBLIC $<INSTALL_INTERFACE:include>)
+install(TARGETS comm_ordered_worker EXPORT fsdp_cpp_targets)
+install(FILES ${PROJECT_SOURCE_DIR}/comm/ordered_worker.h DESTINATION include/comm)
+
 # //comm:rendezvous
 add_library(comm_rendezvous SHARED ${PROJECT_SOURCE_DIR}/comm/rendezvous.cc ${PROJECT_SOURCE_DIR}/comm/rendezvous.h)
 set_target_properties(comm_rendezvous PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm)
@@ -220,7 +246,7 @@ install(FILES ${PROJECT_SOURCE_DIR}/comm/rendezvous.h DESTINATION include/comm)
 # //comm:staged_collectives
 add_library(comm_staged_collectives SHARED ${PROJECT_SOURCE_DIR}/comm/staged_collectives.cc ${PROJECT_SOURCE_DIR}/comm/staged_collectives.h)
 set_target_properties(comm_staged_collectives PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/comm)
-target_link_libraries(comm_staged_collectives PUBLIC comm_collectives base_device_event third_party_absl_base fsdp_torch)
+target_link_libraries(comm_staged_collectives PUBLIC comm_collectives comm_ordered_worker base_device_event third_party_absl_base fsdp_torch)
 target_include_directories(comm_staged_collectives PUBLIC $<INSTALL_INTERFACE:include>)
 install(TARGETS comm_staged_collectives EXPORT fsdp_cpp_targets)
 install(FILES ${PROJECT_SOURCE_DIR}/comm/staged_collectives.h DESTINATION include/comm)
@@ -1655,7 +1681,7 @@ endif()
 if(BUILD_TESTING)
 add_executable(fsdp_hybrid_shard_test ${PROJECT_SOURCE_DIR}/fsdp/hybrid_shard_test.cc ${PROJECT_SOURCE_DIR}/fsdp/test_models.h)
 set_target_properties(fsdp_hybrid_shard_test PROPERTIES OUTPUT_NAME hybrid_shard_test RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/fsdp ENABLE_EXPORTS ON)
-target_link_libraries(fsdp_hybrid_shard_test PRIVATE fsdp_fully_shard fsdp_test_util comm_gloo_collectives comm_hybrid_groups testing_multi_rank third_party_c10d_gloo third_party_gtest_main fsdp_torch)
+target_link_libraries(fsdp_hybrid_shard_test PRIVATE fsdp_fully_shard fsdp_test_util comm_gloo_collectives comm_hierarchical_collectives comm_hybrid_groups testing_multi_rank third_party_c10d_gloo third_party_gtest_main fsdp_torch)
 add_test(NAME //fsdp:hybrid_shard_test COMMAND fsdp_hybrid_shard_test WORKING_DIRECTORY ${CMAKE_BINARY_DIR})
 set_tests_properties(//fsdp:hybrid_shard_test PROPERTIES TIMEOUT 300 ENVIRONMENT "TEST_TMPDIR=${CMAKE_BINARY_DIR}/test_tmp/fsdp_hybrid_shard_test")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/test_tmp/fsdp_hybrid_shard_test")
@@ -2192,7 +2218,7 @@ endif()
 if(BUILD_TESTING)
 add_executable(models_train_step_benchmark ${PROJECT_SOURCE_DIR}/models/train_step_benchmark.cc)
 set_target_properties(models_train_step_benchmark PROPERTIES OUTPUT_NAME train_step_benchmark RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/models ENABLE_EXPORTS ON)
-target_link_libraries(models_train_step_benchmark PRIVATE models_gpt base_status comm_launch_environment launch_local_launcher comm_rendezvous fsdp_fully_shard testing_torch_python third_party_absl_base third_party_benchmark fsdp_torch)
+target_link_libraries(models_train_step_benchmark PRIVATE models_gpt base_status comm_hierarchical_collectives comm_hybrid_groups comm_launch_environment launch_local_launcher comm_rendezvous fsdp_fsdp_options fsdp_fully_shard policies_unit_options testing_netns_hosts testing_torch_python third_party_absl_base third_party_benchmark fsdp_torch)
 configure_file(${PROJECT_SOURCE_DIR}/models/pytorch_step_benchmark.py "${CMAKE_BINARY_DIR}/models/pytorch_step_benchmark.py" COPYONLY)
 configure_file(${PROJECT_SOURCE_DIR}/models/pytorch_step_benchmark.py "${CMAKE_BINARY_DIR}/models/train_step_benchmark.runfiles/fsdp_cpp/models/pytorch_step_benchmark.py" COPYONLY)
 configure_file(${PROJECT_SOURCE_DIR}/models/gpt_interop.py "${CMAKE_BINARY_DIR}/models/gpt_interop.py" COPYONLY)

@@ -1,12 +1,9 @@
 #include "comm/staged_collectives.h"
 
-#include <condition_variable>
-#include <deque>
 #include <functional>
-#include <mutex>
+#include <memory>
 #include <optional>
 #include <string>
-#include <thread>
 #include <utility>
 
 #include "ATen/ATen.h"
@@ -16,6 +13,7 @@
 #include "c10/core/StreamGuard.h"
 #include "c10/core/impl/VirtualGuardImpl.h"
 #include "c10/util/Exception.h"
+#include "comm/ordered_worker.h"
 
 namespace fsdp {
 namespace {
@@ -25,48 +23,13 @@ namespace {
 using HostCollective = std::function<std::unique_ptr<CollectiveWork>(
     Collectives& host, const at::Tensor& output, const at::Tensor& input)>;
 
-// One issued collective, shared by the worker and the work.
+// One issued collective: the caller's tensors, held until it has run.
 struct Job {
   HostCollective run;
-  at::Tensor output;        // The caller's tensors, held until the job has run.
+  at::Tensor output;
   at::Tensor input;         // Undefined for in-place collectives.
   DeviceEvent input_ready;  // Recorded on the caller's current stream at issue.
   std::string unit, phase;  // The label at issue.
-
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  std::string error;  // Empty when the collective succeeded.
-
-  void Finish(std::string failure) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      done = true;
-      error = std::move(failure);
-    }
-    cv.notify_all();
-  }
-  // Returns the error, empty on success.
-  std::string AwaitDone() {
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return done; });
-    return error;
-  }
-};
-
-class StagedWork final : public CollectiveWork {
- public:
-  explicit StagedWork(std::shared_ptr<Job> job) : job_(std::move(job)) {}
-  // An unwaited work waits for its collective (see CollectiveWork).
-  ~StagedWork() override { job_->AwaitDone(); }
-
-  void Wait() override {
-    const std::string error = job_->AwaitDone();
-    TORCH_CHECK(error.empty(), error);
-  }
-
- private:
-  std::shared_ptr<Job> job_;
 };
 
 // A staging buffer for `t` on the host: pinned when `t` is on a device
@@ -88,16 +51,17 @@ class StagedCollectives final : public Collectives {
                   " visible)");
       staging_stream_ = guard.getStreamFromGlobalPool(device_, /*isHighPriority=*/true);
     }
-    worker_ = std::thread([this] { RunJobs(); });
-  }
-
-  ~StagedCollectives() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stopping_ = true;
-    }
-    cv_.notify_all();
-    worker_.join();
+    // The worker copies on the staging stream.
+    worker_.emplace(Describe(), [this]() -> std::shared_ptr<void> {
+      if (!staging_stream_.has_value()) return nullptr;
+      struct Guards {
+        Guards(c10::Device device, c10::Stream stream)
+            : device_guard(device), stream_guard(stream) {}
+        c10::DeviceGuard device_guard;
+        c10::StreamGuard stream_guard;
+      };
+      return std::make_shared<Guards>(device_, *staging_stream_);
+    });
   }
 
   bool HandlesDevice(const c10::Device& device) const override {
@@ -166,52 +130,7 @@ class StagedCollectives final : public Collectives {
     }
     job->unit = label_unit();
     job->phase = label_phase();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      TORCH_CHECK(!stopping_, Describe(), ": staged collectives: the group is being destroyed");
-      jobs_.push_back(job);
-    }
-    cv_.notify_all();
-    return std::make_unique<StagedWork>(std::move(job));
-  }
-
-  void RunJobs() {
-    std::optional<c10::DeviceGuard> device_guard;
-    std::optional<c10::StreamGuard> stream_guard;
-    if (staging_stream_.has_value()) {
-      device_guard.emplace(device_);
-      stream_guard.emplace(*staging_stream_);
-    }
-    std::string first_failure;
-    for (;;) {
-      std::shared_ptr<Job> job;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
-        if (jobs_.empty()) return;
-        job = std::move(jobs_.front());
-        jobs_.pop_front();
-      }
-      if (!first_failure.empty()) {
-        job->Finish(absl::StrCat(Describe(), ": not run: an earlier collective of this group "
-                                             "failed: ",
-                                 first_failure));
-        continue;
-      }
-      try {
-        Run(*job);
-        job->Finish("");
-      } catch (const c10::Error& e) {
-        first_failure = e.what_without_backtrace();
-        job->Finish(first_failure);
-      } catch (const std::exception& e) {
-        first_failure = e.what();
-        job->Finish(first_failure);
-      } catch (...) {
-        first_failure = absl::StrCat(Describe(), ": a collective threw a non-standard exception");
-        job->Finish(first_failure);
-      }
-    }
+    return worker_->Enqueue([this, job] { Run(*job); });
   }
 
   // Copies the input out (after the caller's stream has produced it), runs
@@ -241,11 +160,8 @@ class StagedCollectives final : public Collectives {
   Collectives& host_;
   const c10::Device device_;
   std::optional<c10::Stream> staging_stream_;  // None for host-synchronous devices.
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::shared_ptr<Job>> jobs_;
-  bool stopping_ = false;
-  std::thread worker_;
+  // Last: destroyed (its queue run, its thread joined) before the rest.
+  std::optional<OrderedWorker> worker_;
 };
 
 }  // namespace

@@ -1,6 +1,7 @@
 // Hybrid sharding: FULL_SHARD / SHARD_GRAD_OP within a shard group,
 // replicated across groups, against single-process training on the same
 // global batch; and counted evidence of where the traffic goes.
+#include <cmath>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -11,6 +12,7 @@
 
 #include "ATen/ATen.h"
 #include "comm/gloo_collectives.h"
+#include "comm/hierarchical_collectives.h"
 #include "comm/hybrid_groups.h"
 #include "fsdp/flat_param_handle.h"
 #include "fsdp/fully_shard.h"
@@ -544,6 +546,71 @@ TEST(PostForwardGroup, BackwardGathersWithinTheGroupAndChangesNoNumber) {
     for (const auto& [name, value] : runs[0].params) {
       EXPECT_TRUE(at::equal(value, runs[1].params.at(name))) << name;
     }
+  }
+}
+
+// FULL_SHARD over two-level collectives (comm/hierarchical_collectives.h)
+// at W = 4 as 2 hosts x 2: every loss and parameter as over the flat world
+// group, to float rounding (the reduce-scatter sums a host's ranks first),
+// and the cross-host groups carry half of each all-gather and reduction
+// (counted), where a flat group's ring crosses hosts with all of it.
+TEST(TwoLevelCollectives, FullShardTrainsAsOverOneGroup) {
+  constexpr int kWorld = 4;
+  const HybridShardLayout layout = HybridShardLayout::Create(kWorld, 2).value();
+  std::vector<Trajectory> runs(2);  // [flat, two-level], rank 0's.
+  for (int two_level = 0; two_level < 2; ++two_level) {
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    absl::Status status = RunOnThreadRanks(kWorld, [&](Collectives& world) {
+      GlooOptions gloo;
+      gloo.hostname = "127.0.0.1";
+      gloo.timeout = std::chrono::seconds(60);
+      auto groups = CreateHybridShardCollectives(world.rank(), layout, gloo.group_name,
+                                                 GlooGroupConnector(store, gloo));
+      ASSERT_TRUE(groups.ok()) << groups.status();
+      std::unique_ptr<Collectives> hierarchical =
+          CreateHierarchicalCollectives(world, *groups->shard, *groups->replicate);
+      Net model;
+      auto wrapped = FullyShardedModel::Wrap(model.ptr(), two_level ? *hierarchical : world,
+                                             FsdpOptions(), *ModuleTypePolicy::Of<BlockImpl>());
+      ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+      auto optimizer = MakeSgd(model->parameters());
+      const int64_t rows = kGlobalBatch / kWorld;
+      for (int step = 0; step < kSteps; ++step) {
+        groups->replicate->ResetCounters();
+        hierarchical->ResetCounters();
+        at::Tensor out = model->forward(Inputs(step, 0).narrow(0, world.rank() * rows, rows));
+        at::Tensor loss = at::mse_loss(out, Targets(step, 0).narrow(0, world.rank() * rows, rows));
+        loss.backward();
+        if (two_level == 1) {
+          const CollectiveCounters all = hierarchical->counters();
+          const CollectiveCounters across = groups->replicate->counters();
+          EXPECT_GT(all.Bytes(CollectiveOp::kAllGather), 0);
+          EXPECT_EQ(across.Bytes(CollectiveOp::kAllGather) * 2,
+                    all.Bytes(CollectiveOp::kAllGather));
+          EXPECT_EQ(across.Bytes(CollectiveOp::kReduceScatter) * 2,
+                    all.Bytes(CollectiveOp::kReduceScatter));
+        }
+        at::Tensor mean = loss.detach().clone();
+        world.AllReduce(mean, ReduceOp::kAvg)->Wait();
+        if (world.rank() == 0) runs[two_level].losses.push_back(mean.item<float>());
+        optimizer.step();
+        optimizer.zero_grad();
+      }
+      SummonFullParams full(**wrapped);
+      if (world.rank() != 0) return;
+      for (const auto& item : model->named_parameters()) {
+        runs[two_level].params[item.key()] = item.value().detach().clone();
+      }
+    });
+    ASSERT_TRUE(status.ok()) << status;
+  }
+  ASSERT_EQ(runs[1].losses.size(), static_cast<size_t>(kSteps));
+  for (int step = 0; step < kSteps; ++step) {
+    EXPECT_NEAR(runs[1].losses[step], runs[0].losses[step], 1e-6 * std::abs(runs[0].losses[step]))
+        << "step " << step;
+  }
+  for (const auto& [name, value] : runs[0].params) {
+    EXPECT_TRUE(at::allclose(runs[1].params.at(name), value, 1e-5, 1e-7)) << name;
   }
 }
 

@@ -7,17 +7,20 @@
 // counters show. When a host is lost mid-run (its link cut, or its ranks
 // killed), the other host's ranks stop within their timeouts naming the
 // lost ranks, the cut-off host's ranks stop too, our launchers name the
-// lost node, and the last checkpoint resumes on one host. Needs root and
-// `ip netns`; skipped, saying so, elsewhere.
+// lost node, and the last checkpoint resumes on one host. A link shaped to
+// a rate carries no more than it (what the shaped-link benchmark rests
+// on). Needs root and `ip netns`; skipped, saying so, elsewhere.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <map>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -347,6 +350,88 @@ TEST_F(MultiNode, HybridShardingSendsOnlyTheReplicateAllReduceAcrossHosts) {
               static_cast<long long>(crossed), expected);
   EXPECT_GT(crossed, 0.9 * expected);
   EXPECT_LT(crossed, 1.3 * expected);
+}
+
+// The benchmark's shaped link (models/train_step_benchmark.cc,
+// --shaped_link_rounds): shaped to 100 Mbit/s, 8 MiB take at least the
+// time that rate allows (all but the token bucket's 125 kB) each way, and
+// less than 3 times it (no drops and retransmissions from a bad bucket);
+// unshaped again, they take less than half of it.
+TEST_F(MultiNode, AShapedLinkCarriesNoMoreThanItsRate) {
+  const std::string dir = TempDir("multi_node_shaped");
+  const std::string python = ::fsdp::testing::TorchPython();
+  std::ofstream(dir + "/receive.py") << "import socket, sys\n"
+                                        "server = socket.create_server(('', int(sys.argv[1])))\n"
+                                        "peer, _ = server.accept()\n"
+                                        "received = 0\n"
+                                        "while True:\n"
+                                        "    data = peer.recv(1 << 20)\n"
+                                        "    if not data:\n"
+                                        "        break\n"
+                                        "    received += len(data)\n"
+                                        "peer.sendall(b'k')\n"
+                                        "print(received)\n";
+  std::ofstream(dir + "/send.py")
+      << "import socket, sys, time\n"
+         "deadline = time.monotonic() + 20\n"
+         "while True:\n"
+         "    try:\n"
+         "        peer = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)\n"
+         "        break\n"
+         "    except OSError as e:\n"
+         "        if time.monotonic() > deadline:\n"
+         "            sys.exit('no receiver at %s:%s after 20 s: %s' % (sys.argv[1], sys.argv[2], "
+         "e))\n"
+         "        time.sleep(0.05)\n"
+         "start = time.perf_counter()\n"
+         "peer.sendall(b'x' * (8 << 20))\n"
+         "peer.shutdown(socket.SHUT_WR)\n"
+         "assert peer.recv(1) == b'k'\n"
+         "print('%.4f' % (time.perf_counter() - start))\n";
+  // Seconds to send 8 MiB from host `from` to the other, with the
+  // receiver's count and the sender's link counter checked.
+  int port = 29700;
+  const auto send_seconds = [&](int from) -> double {
+    const int to = 1 - from;
+    ++port;
+    RunCommand(absl::StrCat(hosts_->Prefix(to), "timeout 60 ", python, " ", dir, "/receive.py ",
+                            port, " > ", dir, "/received_", port, " 2>&1 &"));
+    const int64_t before = hosts_->TxBytes(from).value();
+    const CommandResult sent =
+        RunCommand(absl::StrCat(hosts_->Prefix(from), "timeout 60 ", python, " ", dir, "/send.py ",
+                                hosts_->name(to), " ", port));
+    EXPECT_EQ(sent.exit_code, 0) << sent.output;
+    EXPECT_GE(hosts_->TxBytes(from).value() - before, 8 << 20);
+    for (int i = 0; i < 50 && ReadText(absl::StrCat(dir, "/received_", port)).empty(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    EXPECT_EQ(absl::StripAsciiWhitespace(ReadText(absl::StrCat(dir, "/received_", port))),
+              std::to_string(8 << 20));
+    double seconds = -1;
+    EXPECT_TRUE(absl::SimpleAtod(absl::StripAsciiWhitespace(sent.output), &seconds)) << sent.output;
+    return seconds;
+  };
+  if (const absl::Status shaped = hosts_->ShapeLink(100'000'000); !shaped.ok()) {
+    // Where tc or its tbf qdisc is missing, no link can be shaped here.
+    if (absl::StrContains(shaped.message(), "not found") ||
+        absl::StrContains(shaped.message(), "qdisc kind is unknown")) {
+      GTEST_SKIP() << "no tc tbf here: " << shaped;
+    }
+    FAIL() << shaped;
+  }
+  const double at_rate = (8 << 20) * 8.0 / 100e6;  // 0.67 s
+  for (int from : {0, 1}) {
+    SCOPED_TRACE(absl::StrCat("from ", hosts_->name(from)));
+    const double shaped = send_seconds(from);
+    EXPECT_GE(shaped, at_rate - 125e3 * 8 / 100e6) << "faster than the link's rate";
+    EXPECT_LT(shaped, 3 * at_rate) << "far slower than the link's rate";
+    std::printf("8 MiB from %s: %.3f s shaped to 100 Mbit/s (%.3f s at that rate)\n",
+                hosts_->name(from).c_str(), shaped, at_rate);
+  }
+  ASSERT_TRUE(hosts_->ShapeLink(0).ok());
+  const double unshaped = send_seconds(0);
+  EXPECT_LT(unshaped, at_rate / 2) << "the limit stayed on";
+  std::printf("8 MiB unshaped: %.3f s\n", unshaped);
 }
 
 // A node lost mid-run: its ranks killed, or its link cut (its processes run

@@ -10,10 +10,17 @@ this torch lacks the wrapper.
   python3 pytorch_step_benchmark.py WRAPPER OUT_DIR n_layer n_head n_embd block batch \
       warmup steps
 
-WRAPPER: ddp, fsdp1 (FULL_SHARD, one unit per block and the root, as ours)
-or fsdp2 (fully_shard on each block and the root).
+WRAPPER: ddp, fsdp1 (FULL_SHARD, one unit per block and the root, as ours),
+fsdp2 (fully_shard on each block and the root), fsdp2_zero2 (the blocks with
+reshard_after_forward=False, as SHARD_GRAD_OP), fsdp2_hpz (the blocks with
+reshard_after_forward=LOCAL_WORLD_SIZE: backward all-gathers inside a host)
+or hsdp (fully_shard over a 2-D mesh: shard within a host's
+LOCAL_WORLD_SIZE ranks, replicate across hosts). Under the shaped-link
+cases (FSDP_LINK_TX_BYTES names this host's link counter) the line also has
+"link_mib=... host=...": what the host sent over the link per timed step.
 """
 import os
+import socket
 import sys
 import time
 
@@ -41,6 +48,16 @@ def bytes_written():
             if line.startswith("wchar:"):
                 return int(line.split()[1])
     return 0
+
+
+def link_bytes_sent():
+    """What this host's end of the link has sent so far (the counter file
+    the shaped-link benchmark names), or None outside those cases."""
+    path = os.environ.get("FSDP_LINK_TX_BYTES")
+    if not path:
+        return None
+    with open(path) as counter:
+        return int(counter.read())
 
 
 def model_state_bytes(wrapped, optimizer):
@@ -75,14 +92,25 @@ def wrap(wrapper, model):
         return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
                                         sharding_strategy=ShardingStrategy.FULL_SHARD,
                                         device_id=torch.device("cpu"))
-    if wrapper == "fsdp2":
+    if wrapper in ("fsdp2", "fsdp2_zero2", "fsdp2_hpz", "hsdp"):
         try:
             from torch.distributed.fsdp import fully_shard
         except ImportError:
             return "torch %s has no fully_shard (FSDP2)" % torch.__version__
+        kwargs = {}
+        if wrapper == "hsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+            local = int(os.environ["LOCAL_WORLD_SIZE"])
+            kwargs["mesh"] = init_device_mesh("cpu", (dist.get_world_size() // local, local),
+                                              mesh_dim_names=("replicate", "shard"))
+        block_kwargs = dict(kwargs)
+        if wrapper == "fsdp2_zero2":
+            block_kwargs["reshard_after_forward"] = False
+        elif wrapper == "fsdp2_hpz":
+            block_kwargs["reshard_after_forward"] = int(os.environ["LOCAL_WORLD_SIZE"])
         for block in model.transformer.h:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, **block_kwargs)
+        fully_shard(model, **kwargs)
         return model
     raise ValueError("unknown wrapper " + wrapper)
 
@@ -107,11 +135,13 @@ def main():
     torch.manual_seed(100 + rank)
     times = []
     sent_before = 0
+    link_before = None
     for step in range(warmup + steps):
         if step == warmup:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
             sent_before = bytes_written()
+            link_before = link_bytes_sent()
         tokens = torch.randint(256, (batch, block + 1))
         start = time.perf_counter()
         logits = wrapped(tokens[:, :-1])
@@ -124,10 +154,15 @@ def main():
         if step >= warmup:
             times.append((time.perf_counter() - start) * 1e3)
     sent_mib = (bytes_written() - sent_before) / steps / 1048576.0
+    link_after = link_bytes_sent()
     times.sort()
+    line = ("step_ms=%.3f peak_rss_mib=%.1f model_state_mib=%.2f sent_mib=%.3f"
+            % (times[len(times) // 2], vm_hwm_mib(), state_bytes / 1048576.0, sent_mib))
+    if link_after is not None:
+        line += " link_mib=%.3f host=%s" % ((link_after - link_before) / steps / 1048576.0,
+                                            socket.gethostname())
     with open(out_path, "w") as out:
-        out.write("step_ms=%.3f peak_rss_mib=%.1f model_state_mib=%.2f sent_mib=%.3f\n"
-                  % (times[len(times) // 2], vm_hwm_mib(), state_bytes / 1048576.0, sent_mib))
+        out.write(line + "\n")
     dist.destroy_process_group()
     # With torch 2.15, one rank in a few aborts at interpreter exit after its
     # Gloo group was destroyed ("terminate called without an active

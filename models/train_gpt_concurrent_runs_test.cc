@@ -30,11 +30,14 @@ using ::testing::HasSubstr;
 // sanitizer checks: three times there.
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 constexpr int kAttempts = 3;
-constexpr double kRefusedWithinSeconds = 6;  // Instrumented, the job starts slower.
 #else
 constexpr int kAttempts = 20;
-constexpr double kRefusedWithinSeconds = 2;
 #endif
+// The refusal names the holder's pid, which it can only know while the
+// holder runs: that it did not wait for the directory is shown by the
+// message. The bound says "at once" for a process start on a loaded 2-core
+// machine: 2 s failed at 2.1-2.9 s with other work beside the test.
+constexpr double kRefusedWithinSeconds = 10;
 
 constexpr char kTrainGpt[] = "models/train_gpt";
 constexpr char kLaunch[] = "launch/fsdp_launch";
@@ -77,8 +80,8 @@ std::vector<std::string> ReportedCheckpoints(const std::string& output) {
   return paths;
 }
 
-// Exactly one of `runs` ran; the other was refused within 2 s (its start,
-// libtorch's loading included) naming the
+// Exactly one of `runs` ran; the other was refused within
+// kRefusedWithinSeconds (its start, libtorch's loading included) naming the
 // directory `flag`=`dir` and the runner's pid. Returns the one that ran.
 const TimedRun& ExactlyOneRan(const std::pair<TimedRun, TimedRun>& runs, const std::string& flag,
                               const std::string& dir) {

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -126,15 +127,40 @@ std::string NetnsHosts::Prefix(int host) const {
                       names_[host], " ");
 }
 
+std::string NetnsHosts::TxBytesPath(int host) const {
+  return absl::StrCat("/sys/class/net/", interfaces_[host], "/statistics/tx_bytes");
+}
+
 absl::StatusOr<int64_t> NetnsHosts::TxBytes(int host) const {
   std::string output;
-  const std::string command =
-      absl::StrCat(Prefix(host), "cat /sys/class/net/", interfaces_[host], "/statistics/tx_bytes");
+  const std::string command = absl::StrCat(Prefix(host), "cat ", TxBytesPath(host));
   int64_t value = 0;
   if (Run(command, &output) != 0 || !absl::SimpleAtoi(absl::StripAsciiWhitespace(output), &value)) {
     return absl::InternalError(absl::StrCat("`", command, "`: ", output));
   }
   return value;
+}
+
+absl::Status NetnsHosts::ShapeLink(int64_t bits_per_second) {
+  if (bits_per_second < 0) return absl::InvalidArgumentError("a link rate cannot be negative");
+  for (int h = 0; h < size(); ++h) {
+    if (bits_per_second == 0) {
+      // No qdisc to delete is not an error here: the link is unshaped.
+      Run(absl::StrCat("tc -n ", namespaces_[h], " qdisc del dev ", interfaces_[h], " root"));
+      continue;
+    }
+    // The bucket holds 10 ms of the rate, at least 64 KiB: tbf reaches its
+    // rate only with a bucket of rate / HZ or more, and a veth passes
+    // packets of up to 64 KiB (GSO), which a smaller bucket would split.
+    const int64_t burst = std::max<int64_t>(bits_per_second / 8 / 100, 64 << 10);
+    if (absl::Status s = RunOrError(absl::StrCat("tc -n ", namespaces_[h], " qdisc replace dev ",
+                                                 interfaces_[h], " root tbf rate ", bits_per_second,
+                                                 "bit burst ", burst, " latency 50ms"));
+        !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status NetnsHosts::TakeLinkDown(int host) {

@@ -1,7 +1,7 @@
 // Two test hosts on one machine: network namespaces joined by a veth pair, each
 // with its own address on a subnet that exists only between them, so that a
 // multi-node job's traffic crosses a real (virtual) link that a test can
-// count, cut, and that no traffic leaves. Needs root and iproute2's
+// count, cut, or limit to a rate, and that no traffic leaves. Needs root and iproute2's
 // `ip netns`; Available() says why not otherwise, for a skip.
 //
 //   auto hosts = NetnsHosts::Create();      // node0 10.211.0.1, node1 .2
@@ -43,6 +43,13 @@ class NetnsHosts {
   std::string Prefix(int host) const;
   // Bytes the host's end of the link has sent, from the kernel's counter.
   absl::StatusOr<int64_t> TxBytes(int host) const;
+  // That counter's file as processes on the host see it (their own sysfs).
+  std::string TxBytesPath(int host) const;
+  // Limits what each end of the link sends to `bits_per_second` (a token
+  // bucket filter, `tc qdisc ... tbf`, on both ends: a full-duplex link of
+  // that rate); 0 takes the limit off. Rate only: this kernel has no netem,
+  // so no added delay.
+  absl::Status ShapeLink(int64_t bits_per_second);
   // A lost host, as the others see it: its link goes down (its processes
   // run on, cut off), or every process on it is killed (SIGKILL).
   absl::Status TakeLinkDown(int host);
