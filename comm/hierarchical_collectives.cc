@@ -1,5 +1,6 @@
 #include "comm/hierarchical_collectives.h"
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -8,12 +9,58 @@
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "ATen/core/grad_mode.h"
 #include "absl/strings/str_cat.h"
 #include "c10/util/Exception.h"
 #include "comm/ordered_worker.h"
+#include "comm/work_result.h"
 
 namespace fsdp {
 namespace {
+
+class HierarchicalCollectives;
+
+// The works of one stage: the job that issues it, and the collective's
+// work the job leaves in `work` (read only once the job is done).
+struct Stage {
+  std::shared_ptr<CollectiveWork> job;
+  std::shared_ptr<std::unique_ptr<CollectiveWork>> work =
+      std::make_shared<std::unique_ptr<CollectiveWork>>();
+};
+
+// A two-level collective: done when its second stage's job (which waited
+// for the first stage) and that stage's collective are done; then `then`
+// runs on the waiting thread. On a failure, both levels fail what they
+// have not started (HierarchicalCollectives::Fail), and this waits for a
+// first stage still in flight here, on the waiting thread, not on a
+// worker, whose later jobs must fail at once. Errors name `what`.
+class StageWork final : public CollectiveWork {
+ public:
+  StageWork(HierarchicalCollectives* group, std::string what, Stage first, Stage second,
+            std::function<void()> then)
+      : group_(group),
+        what_(std::move(what)),
+        first_(std::move(first)),
+        second_(std::move(second)),
+        then_(std::move(then)) {}
+  ~StageWork() override {
+    if (result_.done()) return;
+    try {
+      Wait();
+    } catch (...) {
+      // Destructors cannot throw; the caller chose not to wait for the error.
+    }
+  }
+  void Wait() override;
+
+ private:
+  HierarchicalCollectives* group_;
+  const std::string what_;
+  Stage first_;
+  Stage second_;
+  std::function<void()> then_;
+  WorkResult result_;
+};
 
 class HierarchicalCollectives final : public Collectives {
  public:
@@ -41,7 +88,10 @@ class HierarchicalCollectives final : public Collectives {
                   " of its host group and ", across, " of its cross-host group, which makes it ",
                   across * host.world_size() + in_host, " (ranks must be numbered host by host)");
     }
-    worker_.emplace(Describe());
+    // Their copies record no autograd history, whatever the tensors.
+    const auto no_grad = [] { return std::make_shared<at::NoGradGuard>(); };
+    cross_worker_.emplace(absl::StrCat(Describe(), " (across hosts)"), no_grad);
+    host_worker_.emplace(absl::StrCat(Describe(), " (within the host)"), no_grad);
   }
 
   bool HandlesDevice(const c10::Device& device) const override { return device.is_cpu(); }
@@ -51,17 +101,30 @@ class HierarchicalCollectives final : public Collectives {
   // rank's local index across hosts, then the host's L bundles of them.
   std::unique_ptr<CollectiveWork> DoAllGather(const at::Tensor& output,
                                               const at::Tensor& input) override {
-    return worker_->Enqueue([this, output, input, unit = label_unit(), phase = label_phase()] {
-      CollectiveLabel label(cross_, &host_, unit, phase);
-      const int64_t hosts = cross_.world_size(), per_host = host_.world_size();
-      const int64_t n = input.numel();
-      at::Tensor across = at::empty({hosts * n}, input.options());
-      cross_.AllGatherIntoTensor(across, input)->Wait();
-      // bundles[l][h] = shard of rank (h, l).
-      at::Tensor bundles = at::empty({per_host * hosts * n}, input.options());
-      host_.AllGatherIntoTensor(bundles, across)->Wait();
-      output.view({hosts, per_host, n}).copy_(bundles.view({per_host, hosts, n}).transpose(0, 1));
-    });
+    const int64_t hosts = cross_.world_size(), per_host = host_.world_size();
+    const int64_t n = input.numel();
+    at::Tensor across = at::empty({hosts * n}, input.options());
+    // bundles[l][h] = shard of rank (h, l).
+    at::Tensor bundles = at::empty({per_host * hosts * n}, input.options());
+    Stage first, second;
+    first.job = cross_worker_->Enqueue(Guarded(
+        [this, across, input, slot = first.work, unit = label_unit(), phase = label_phase()] {
+          CollectiveLabel label(cross_, unit, phase);
+          *slot = cross_.AllGatherIntoTensor(across, input);
+        }));
+    second.job = host_worker_->Enqueue(Guarded([this, first, slot = second.work, across, bundles,
+                                                unit = label_unit(), phase = label_phase()] {
+      first.job->Wait();
+      (*first.work)->Wait();
+      CollectiveLabel label(host_, unit, phase);
+      *slot = host_.AllGatherIntoTensor(bundles, across);
+    }));
+    return std::make_unique<StageWork>(
+        this, What("all-gather", output), std::move(first), std::move(second),
+        [output, bundles, hosts, per_host, n] {
+          output.view({hosts, per_host, n})
+              .copy_(bundles.view({per_host, hosts, n}).transpose(0, 1));
+        });
   }
 
   // Chunk l of the arranged input is the segments of ranks (0, l) ...
@@ -69,16 +132,27 @@ class HierarchicalCollectives final : public Collectives {
   // sum of segment h of that on rank (h, l).
   std::unique_ptr<CollectiveWork> DoReduceScatter(const at::Tensor& output, const at::Tensor& input,
                                                   ReduceOp op) override {
-    return worker_->Enqueue([this, output, input, op, unit = label_unit(), phase = label_phase()] {
-      CollectiveLabel label(cross_, &host_, unit, phase);
-      const int64_t hosts = cross_.world_size(), per_host = host_.world_size();
-      const int64_t n = output.numel();
-      const at::Tensor arranged =
-          input.view({hosts, per_host, n}).transpose(0, 1).contiguous().view({-1});
-      at::Tensor host_sum = at::empty({hosts * n}, output.options());
-      host_.ReduceScatterTensor(host_sum, arranged, op)->Wait();
-      cross_.ReduceScatterTensor(output, host_sum, op)->Wait();
-    });
+    const int64_t hosts = cross_.world_size(), per_host = host_.world_size();
+    const int64_t n = output.numel();
+    at::Tensor host_sum = at::empty({hosts * n}, output.options());
+    Stage first, second;
+    first.job = host_worker_->Enqueue(
+        Guarded([this, host_sum, input, op, hosts, per_host, n, slot = first.work,
+                 unit = label_unit(), phase = label_phase()] {
+          CollectiveLabel label(host_, unit, phase);
+          const at::Tensor arranged =
+              input.view({hosts, per_host, n}).transpose(0, 1).contiguous().view({-1});
+          *slot = host_.ReduceScatterTensor(host_sum, arranged, op);
+        }));
+    second.job = cross_worker_->Enqueue(Guarded([this, first, slot = second.work, host_sum, output,
+                                                 op, unit = label_unit(), phase = label_phase()] {
+      first.job->Wait();
+      (*first.work)->Wait();
+      CollectiveLabel label(cross_, unit, phase);
+      *slot = cross_.ReduceScatterTensor(output, host_sum, op);
+    }));
+    return std::make_unique<StageWork>(this, What("reduce-scatter", input), std::move(first),
+                                       std::move(second), nullptr);
   }
 
   // The world group's, labelled with this group's label so that its
@@ -96,24 +170,75 @@ class HierarchicalCollectives final : public Collectives {
     CollectiveLabel label(world_, label_unit(), label_phase());
     return world_.AllToAll(output, input);
   }
-  // Behind the queued collectives, as issued: a barrier of every host, then
-  // of every cross-host group, is one of the world.
+  // Behind the queued collectives, as issued: a barrier of every
+  // cross-host group, then of every host, is one of the world.
   void DoBarrier() override {
-    worker_
-        ->Enqueue([this] {
+    std::shared_ptr<CollectiveWork> across =
+        cross_worker_->Enqueue(Guarded([this] { cross_.Barrier(); }));
+    host_worker_
+        ->Enqueue(Guarded([this, across] {
+          across->Wait();
           host_.Barrier();
-          cross_.Barrier();
-        })
+        }))
         ->Wait();
   }
 
  private:
+  // `body` as a job of either level: a failure fails what neither level
+  // has started (each worker already fails its own later jobs), so that
+  // neither goes on with collectives the other has abandoned, each waiting
+  // its timeout.
+  std::function<void()> Guarded(std::function<void()> body) {
+    return [this, body = std::move(body)] {
+      const std::string error = ErrorMessageOf(body);
+      if (error.empty()) return;
+      Fail(error);
+      TORCH_CHECK(false, error);
+    };
+  }
+  friend class StageWork;
+  void Fail(const std::string& failure) {
+    cross_worker_->Fail(failure);
+    host_worker_->Fail(failure);
+  }
+  std::string What(const char* op, const at::Tensor& full) const {
+    return absl::StrCat(Describe(), " of a two-level group: ", op, " of ", full.numel(), " ",
+                        c10::toString(full.scalar_type()), " elements");
+  }
+
   Collectives& world_;
   Collectives& host_;
   Collectives& cross_;
-  // Last: destroyed (its queue run, its thread joined) before the rest.
-  std::optional<OrderedWorker> worker_;
+  // Last: destroyed (their queues run, their threads joined) before the
+  // rest. The host level's first: its jobs wait on cross-level jobs queued
+  // before them, which the cross worker, still running, completes; the
+  // cross level's jobs then find the host-level ones they wait on done.
+  std::optional<OrderedWorker> cross_worker_;
+  std::optional<OrderedWorker> host_worker_;
 };
+
+void StageWork::Wait() {
+  result_.Wait([this] {
+    std::string error = ErrorMessageOf([this] {
+      second_.job->Wait();
+      // Set by the job before it completed, read after it.
+      if (*second_.work != nullptr) (*second_.work)->Wait();
+      if (then_) then_();
+    });
+    then_ = nullptr;
+    if (!error.empty()) {
+      if (error.rfind(what_, 0) != 0) error = absl::StrCat(what_, " failed: ", error);
+      group_->Fail(error);
+      // A first stage the second's job did not wait for (it failed or did
+      // not run) is waited for here, on the waiting thread; its error is
+      // the cause of the one above or a consequence of it.
+      ErrorMessageOf([this] { first_.job->Wait(); });
+    }
+    first_.work->reset();
+    second_.work->reset();
+    return error;
+  });
+}
 
 }  // namespace
 

@@ -19,8 +19,8 @@
 // first, then the hosts), so float32 sums can differ in the last bits, and
 // 16-bit ones are rounded once per level (a flat Gloo reduction rounds
 // once); the all-gather copies values and is exact. AllReduce, Broadcast
-// and AllToAll are the world group's, unchanged; Barrier waits behind the
-// queued collectives.
+// and AllToAll are the world group's, unchanged; Barrier queues behind the
+// issued collectives (at each level).
 //
 // Ranks are numbered host by host (rank = h * L + l for local index l of L
 // ranks per host: torchrun, this project's launcher and SLURM do so), and
@@ -30,12 +30,18 @@
 //   auto group = fsdp::CreateHierarchicalCollectives(*world, *g.shard, *g.replicate);
 //   fsdp::FullyShardedModel::Wrap(model, *group, options, policy);
 //
-// The three groups are not owned, must outlive this one and must not be
-// used by anyone else meanwhile. As comm/staged_collectives.h's, one worker
-// thread runs the collectives in issue order (the order every rank issues
-// them), so issuing does not block; after a collective fails, the ones
-// queued behind it fail at once quoting it. Host (CPU) tensors only: on
-// GPUs, NCCL's own algorithms see the topology.
+// The three groups are not owned and must outlive this one; the host and
+// cross-host groups must not be used by anyone else meanwhile, and the
+// world group only from the thread that issues this group's collectives.
+// Two worker threads, one per level, issue each level's stages in issue
+// order (the order every rank issues them), so issuing does not block; a
+// worker waits only for the first stage of a collective before it issues
+// the second, never for the stages it issued itself, so the cross-host
+// stages of the collectives in flight keep the link busy while a host
+// gathers or sums, and the levels cannot wait on each other in a cycle.
+// After a collective fails, the ones queued behind it, at either level,
+// fail at once quoting it. Host (CPU) tensors only: on GPUs, NCCL's own
+// algorithms see the topology.
 #ifndef FSDP_COMM_HIERARCHICAL_COLLECTIVES_H_
 #define FSDP_COMM_HIERARCHICAL_COLLECTIVES_H_
 

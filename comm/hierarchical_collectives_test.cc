@@ -2,10 +2,11 @@
 // at W = 4 as 2 hosts x 2 and W = 6 as 2 x 3 and 3 x 2, over Gloo in one
 // process: the same results as a flat group's, with only 1/L of the buffer
 // on the cross-host group; queued collectives fail behind a failed one and
-// a barrier waits for them; groups in the wrong order are refused on every
+// a barrier queues behind them; groups in the wrong order are refused on every
 // rank.
 #include "comm/hierarchical_collectives.h"
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <string>
@@ -59,6 +60,14 @@ std::vector<std::string> RunRanks(
   }
   for (std::thread& t : threads) t.join();
   return errors;
+}
+
+// `error`, of a collective queued behind `first` (a collective whose ranks
+// gave shards of different sizes), says it did not run and quotes `first`.
+void ExpectNotRunAfterAMismatch(const std::string& first, const std::string& error) {
+  EXPECT_THAT(first, HasSubstr("the ranks issued different collectives here"));
+  EXPECT_THAT(error, HasSubstr("not run: an earlier collective of this group failed: "));
+  EXPECT_THAT(error, HasSubstr("the ranks issued different collectives here"));
 }
 
 class TwoLevel : public ::testing::TestWithParam<Layout> {};
@@ -146,9 +155,12 @@ TEST(TwoLevelGroups, GroupsInTheWrongOrderAreRefusedOnEveryRank) {
   for (int r = 0; r < 6; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
 }
 
-// A barrier waits behind the collectives queued before it: issued right
-// after an all-gather, on return the all-gather is complete.
-TEST(TwoLevelGroups, ABarrierWaitsForTheQueuedCollectives) {
+// A barrier queues behind the collectives issued before it, at both
+// levels: issued right after an all-gather (whose stages are then still
+// queued or in flight), it returns on every rank, and the all-gather
+// completes with every rank's values. Issued out of order on some rank, a
+// level's barrier would pair with another rank's all-gather stage and fail.
+TEST(TwoLevelGroups, ABarrierQueuesBehindTheIssuedCollectives) {
   const std::vector<std::string> errors =
       RunRanks({4, 2}, [&](Collectives& world, Collectives& host, Collectives& cross) {
         auto group = CreateHierarchicalCollectives(world, host, cross);
@@ -156,8 +168,8 @@ TEST(TwoLevelGroups, ABarrierWaitsForTheQueuedCollectives) {
         std::unique_ptr<CollectiveWork> work =
             group->AllGatherIntoTensor(out, at::full({1000}, 1.0f + world.rank()));
         group->Barrier();
-        EXPECT_EQ(out.sum().item<float>(), 1000.0f * (1 + 2 + 3 + 4));
         work->Wait();
+        EXPECT_EQ(out.sum().item<float>(), 1000.0f * (1 + 2 + 3 + 4));
       });
   for (int r = 0; r < 4; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
 }
@@ -185,10 +197,50 @@ TEST(TwoLevelGroups, ACollectiveQueuedBehindAFailedOneFailsQuotingIt) {
           behind->Wait();
           ADD_FAILURE() << "the collective behind a failed one ran";
         } catch (const c10::Error& e) {
-          EXPECT_THAT(e.what_without_backtrace(),
-                      HasSubstr("not run: an earlier collective of this group failed: "));
-          EXPECT_THAT(e.what_without_backtrace(), HasSubstr(first.substr(0, 40)));
+          ExpectNotRunAfterAMismatch(first, e.what_without_backtrace());
         }
+      });
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+// A failure at one level stops the other level's later collectives too:
+// the ranks with local index 1 give longer shards, so every host group's
+// all-gather is refused (the cross-host groups pair equal shards and
+// succeed). The first host's ranks then issue another all-gather; the
+// second host's never do, but keep their groups open. Its cross-host stage
+// must not run (it would wait the 30 s timeout for peers that never come):
+// it fails at once, quoting the first failure.
+TEST(TwoLevelGroups, AFailureAtOneLevelStopsTheOtherLevelsLaterCollectives) {
+  std::atomic<int> first_host_done{0};
+  const std::vector<std::string> errors =
+      RunRanks({4, 2}, [&](Collectives& world, Collectives& host, Collectives& cross) {
+        auto group = CreateHierarchicalCollectives(world, host, cross);
+        const int64_t n = host.rank() == 0 ? 3 : 4;
+        at::Tensor out = at::empty({4 * n});
+        std::string first;
+        try {
+          group->AllGatherIntoTensor(out, at::ones({n}))->Wait();
+          ADD_FAILURE() << "a host group gathered shards of different sizes";
+        } catch (const c10::Error& e) {
+          first = e.what_without_backtrace();
+        }
+        if (cross.rank() == 1) {
+          for (int i = 0; i < 600 && first_host_done.load() < 2; ++i) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(100));
+          }
+          return;
+        }
+        const auto start = std::chrono::steady_clock::now();
+        try {
+          group->AllGatherIntoTensor(out, at::ones({n}))->Wait();
+          ADD_FAILURE() << "an all-gather ran after a failed one";
+        } catch (const c10::Error& e) {
+          ExpectNotRunAfterAMismatch(first, e.what_without_backtrace());
+        }
+        const double waited_s =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        EXPECT_LT(waited_s, 10) << "rank " << world.rank() << " waited for the cross-host stage";
+        ++first_host_done;
       });
   for (int r = 0; r < 4; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
 }

@@ -83,17 +83,25 @@ std::unique_ptr<CollectiveWork> OrderedWorker::Enqueue(std::function<void()> bod
   return std::make_unique<OrderedWork>(std::move(job));
 }
 
+void OrderedWorker::Fail(const std::string& failure) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (first_failure_.empty()) {
+    first_failure_ = failure.empty() ? absl::StrCat(describe_, ": a collective failed") : failure;
+  }
+}
+
 void OrderedWorker::Run(std::function<std::shared_ptr<void>()> thread_setup) {
   const std::shared_ptr<void> setup = thread_setup ? thread_setup() : nullptr;
-  std::string first_failure;
   for (;;) {
     std::shared_ptr<OrderedJob> job;
+    std::string first_failure;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
       if (jobs_.empty()) return;
       job = std::move(jobs_.front());
       jobs_.pop_front();
+      first_failure = first_failure_;
     }
     if (!first_failure.empty()) {
       job->body = nullptr;
@@ -118,7 +126,7 @@ void OrderedWorker::Run(std::function<std::shared_ptr<void>()> thread_setup) {
     } catch (...) {
       failure = absl::StrCat(describe_, ": a collective threw a non-standard exception");
     }
-    first_failure = failure;
+    if (!failure.empty()) Fail(failure);
     job->Finish(std::move(failure));
   }
 }

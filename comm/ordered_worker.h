@@ -10,8 +10,9 @@
 //
 // A job that throws fails its work with the exception's message; every job
 // queued after it then fails at once, quoting that message, instead of
-// each waiting for its own timeout on a group that is already broken. The
-// destructor runs what is queued and joins the thread.
+// each waiting for its own timeout on a group that is already broken (Fail
+// does the same for a failure seen elsewhere). The destructor runs what is
+// queued and joins the thread.
 #ifndef FSDP_COMM_ORDERED_WORKER_H_
 #define FSDP_COMM_ORDERED_WORKER_H_
 
@@ -46,6 +47,12 @@ class OrderedWorker {
   // the worker is being destroyed.
   std::unique_ptr<CollectiveWork> Enqueue(std::function<void()> job);
 
+  // Fails the jobs that have not started, and every later one, quoting
+  // `failure`, as if a job had thrown it: for a failure seen outside a job
+  // (a collective the job started and another thread waited for). The
+  // first failure is the one quoted. Any thread.
+  void Fail(const std::string& failure);
+
  private:
   void Run(std::function<std::shared_ptr<void>()> thread_setup);
 
@@ -54,6 +61,7 @@ class OrderedWorker {
   std::condition_variable cv_;
   std::deque<std::shared_ptr<internal::OrderedJob>> jobs_;
   bool stopping_ = false;
+  std::string first_failure_;  // Empty while no job has failed.
   std::thread thread_;
 };
 

@@ -113,11 +113,12 @@ TEST(CommHooks, CompressedHooksHalveTheBytesAndStayClose) {
       const TrainingRun hooked =
           Train(strategy, 3, [&] { return std::make_shared<LowPrecisionCommHook>(dtype); });
       const float difference = MaxDifference(plain, hooked);
-      std::printf("| %s | %s_compress | gradient bytes/step %lld vs %lld | max |param diff| "
-                  "%.2e |\n",
-                  ShardingStrategyName(strategy), DtypeFlagName(dtype),
-                  static_cast<long long>(hooked.gradient_bytes_per_step),
-                  static_cast<long long>(plain.gradient_bytes_per_step), difference);
+      std::printf(
+          "| %s | %s_compress | gradient bytes/step %lld vs %lld | max |param diff| "
+          "%.2e |\n",
+          ShardingStrategyName(strategy), DtypeFlagName(dtype).c_str(),
+          static_cast<long long>(hooked.gradient_bytes_per_step),
+          static_cast<long long>(plain.gradient_bytes_per_step), difference);
       EXPECT_EQ(2 * hooked.gradient_bytes_per_step, plain.gradient_bytes_per_step);
       EXPECT_GT(difference, 0);     // It did communicate something else...
       EXPECT_LT(difference, 2e-2);  // ...close to the full-precision values.

@@ -11,6 +11,7 @@
 // a rate carries no more than it (what the shaped-link benchmark rests
 // on). Needs root and `ip netns`; skipped, saying so, elsewhere.
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -350,6 +351,41 @@ TEST_F(MultiNode, HybridShardingSendsOnlyTheReplicateAllReduceAcrossHosts) {
               static_cast<long long>(crossed), expected);
   EXPECT_GT(crossed, 0.9 * expected);
   EXPECT_LT(crossed, 1.3 * expected);
+}
+
+// --shard_collectives=two_level: FULL_SHARD's all-gathers and
+// reduce-scatters go across the hosts once, then within each host, so the
+// link carries half the bytes of the same job on one flat group, and the
+// job trains as on one host up to the order of its gradient sums (a host's
+// ranks first, then the hosts: float32's last bits).
+TEST_F(MultiNode, TwoLevelCollectivesHalveTheBytesAcrossTheLink) {
+  const std::vector<double> want = OneHostLosses(kJob);
+  ASSERT_EQ(want.size(), 4u);
+  int64_t crossed[2] = {0, 0};
+  const char* modes[] = {"flat", "two_level"};
+  std::string dirs[2];
+  for (int i = 0; i < 2; ++i) {
+    dirs[i] = TempDir(absl::StrCat("multi_node_", modes[i]));
+    const int64_t before = LinkBytes(*hosts_);
+    const absl::Status ran =
+        RunAll(*hosts_,
+               SlurmLaunch(absl::StrCat(kJob, " --shard_collectives=", modes[i],
+                                        " --metrics_jsonl=", dirs[i], "/losses.jsonl")),
+               dirs[i]);
+    ASSERT_TRUE(ran.ok()) << modes[i] << ": " << ran.message();
+    crossed[i] = LinkBytes(*hosts_) - before;
+  }
+  EXPECT_EQ(LossesOf(dirs[0] + "/losses.jsonl"), want);
+  const std::vector<double> two_level = LossesOf(dirs[1] + "/losses.jsonl");
+  ASSERT_EQ(two_level.size(), want.size());
+  for (size_t step = 0; step < want.size(); ++step) {
+    EXPECT_NEAR(two_level[step], want[step], 1e-5 * std::abs(want[step])) << "step " << step + 1;
+  }
+  std::printf("flat: %lld bytes crossed the link; two-level: %lld\n",
+              static_cast<long long>(crossed[0]), static_cast<long long>(crossed[1]));
+  EXPECT_LT(crossed[1], 0.6 * crossed[0]);
+  EXPECT_GT(crossed[1], 0.3 * crossed[0]);
+  EXPECT_THAT(ReadText(dirs[1] + "/log0"), HasSubstr("two-level collectives: 2 hosts of 2 ranks"));
 }
 
 // The benchmark's shaped link (models/train_step_benchmark.cc,

@@ -153,6 +153,13 @@ TEST(TrainGpt, BadFlagsAreRefusedNamingTheProblem) {
        "--TEST_flip_bit_in=gradient: must be parameter or optimizer"},
       {"--collectives=pigeon", 2, "--collectives=pigeon: must be auto, gloo, nccl or staged"},
       {"--collectives=nccl", 2, "--collectives=nccl needs --device=cuda or cuda:N"},
+      {"--shard_collectives=tree", 2, "--shard_collectives=tree: must be flat or two_level"},
+      {"--shard_collectives=two_level --sharding_strategy=hybrid_shard", 2,
+       "--shard_collectives=two_level with --sharding_strategy=hybrid_shard: applies to "
+       "full_shard and shard_grad_op"},
+      {"--shard_collectives=two_level --sharding_strategy=no_shard", 2,
+       "--shard_collectives=two_level with --sharding_strategy=no_shard: applies to "
+       "full_shard and shard_grad_op"},
       {"--resume", 2, "--resume: needs --checkpoint_dir"},
       {"--overwrite_checkpoints", 2,
        "--overwrite_checkpoints: only for a new run (no --resume) with --checkpoint_dir"},

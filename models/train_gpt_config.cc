@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "models/train_gpt_flags.h"
+#include "policies/unit_options.h"
 #include "torch/cuda.h"
 
 namespace train_gpt {
@@ -35,6 +36,37 @@ models::GptConfig GptConfigFromFlags() {
   config.dropout = absl::GetFlag(FLAGS_dropout);
   return config;
 }
+
+namespace {
+
+// --shard_collectives against the transport `collectives` resolved to and
+// the strategy: whether FSDP's group is two-level.
+absl::StatusOr<bool> ResolveTwoLevel(const std::string& collectives) {
+  const std::string levels = absl::GetFlag(FLAGS_shard_collectives);
+  if (levels != "flat" && levels != "two_level") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--shard_collectives=", fsdp::PrintableText(levels), ": must be flat or two_level"));
+  }
+  if (levels == "flat") return false;
+  if (collectives != "gloo") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--shard_collectives=two_level runs over Gloo's host groups; --collectives=", collectives,
+        " is not (on GPUs, NCCL's own algorithms see the hosts)"));
+  }
+  const std::string strategy = absl::GetFlag(FLAGS_sharding_strategy);
+  // An unknown strategy is the strategy flag's error, reported with it.
+  const absl::StatusOr<fsdp::ShardingStrategy> parsed = fsdp::ParseShardingStrategy(strategy);
+  if (parsed.ok() && *parsed != fsdp::ShardingStrategy::kFullShard &&
+      *parsed != fsdp::ShardingStrategy::kShardGradOp) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--shard_collectives=two_level with --sharding_strategy=", strategy,
+        ": applies to full_shard and shard_grad_op, whose all-gathers and reduce-scatters "
+        "span the hosts (no_shard has none; a hybrid strategy keeps them within a host)"));
+  }
+  return true;
+}
+
+}  // namespace
 
 absl::StatusOr<Placement> ResolvePlacement(int local_rank, int ranks_on_host) {
   const std::string device_flag = absl::GetFlag(FLAGS_device);
@@ -103,6 +135,7 @@ absl::StatusOr<Placement> ResolvePlacement(int local_rank, int ranks_on_host) {
         "--collectives=nccl: this build has no NCCL (the CMake build with -DFSDP_CUDA=ON has "
         "it); --collectives=staged works without");
   }
+  FSDP_ASSIGN_OR_RETURN(placement.two_level, ResolveTwoLevel(chosen));
   return placement;
 }
 

@@ -17,12 +17,15 @@ namespace train_gpt {
 // --block_size, --n_layer, --n_head, --n_embd, --seed and --dropout.
 models::GptConfig GptConfigFromFlags();
 
-// Where this rank computes and how it talks: --device and --collectives
-// resolved for it. Checked once before any rank starts (ResolvePlacement
+// Where this rank computes and how it talks: --device, --collectives and
+// --shard_collectives resolved for it. Checked once before any rank starts (ResolvePlacement
 // with the host's ranks), then per rank.
 struct Placement {
   c10::Device device = c10::Device(c10::kCPU);
   std::string collectives;  // gloo, nccl or staged.
+  // --shard_collectives=two_level: FSDP's group is two-level over the
+  // host groups of LOCAL_WORLD_SIZE ranks and the groups across them.
+  bool two_level = false;
 };
 
 // The placement of local rank `local_rank` of `ranks_on_host`: an error

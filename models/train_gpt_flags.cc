@@ -277,6 +277,12 @@ ABSL_FLAG(std::string, collectives, "auto",
           "CUDA builds), staged (device tensors through host buffers over Gloo: ranks may "
           "share a GPU, comm/staged_collectives.h), or auto: gloo on the CPU, nccl when every "
           "rank of this host has a GPU of its own and this build has NCCL, else staged.");
+ABSL_FLAG(std::string, shard_collectives, "flat",
+          "How the sharded strategies' all-gathers and reduce-scatters cross hosts: flat (one "
+          "group of every rank) or two_level (across hosts, then within each host of "
+          "LOCAL_WORLD_SIZE ranks: the link between hosts carries each byte once, half a "
+          "flat group's bytes at two hosts; comm/hierarchical_collectives.h). two_level: "
+          "--collectives=gloo, full_shard or shard_grad_op.");
 ABSL_FLAG(int, verify_collectives_every, 0,
           "Every this many steps, compare every rank's collective fingerprints through the "
           "store (FsdpOptions::verify_collectives_every); 0: never.");

@@ -95,6 +95,7 @@ ABSL_DECLARE_FLAG(int, collective_timeout_s);
 ABSL_DECLARE_FLAG(bool, check_collective_headers);
 ABSL_DECLARE_FLAG(std::string, device);
 ABSL_DECLARE_FLAG(std::string, collectives);
+ABSL_DECLARE_FLAG(std::string, shard_collectives);
 ABSL_DECLARE_FLAG(int, verify_collectives_every);
 
 #endif  // FSDP_MODELS_TRAIN_GPT_FLAGS_H_

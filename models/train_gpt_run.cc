@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "base/status.h"
 #include "comm/collectives.h"
+#include "comm/hierarchical_collectives.h"
 #include "comm/hybrid_groups.h"
 #include "comm/rendezvous.h"
 #include "comm/staged_collectives.h"
@@ -25,8 +26,9 @@ namespace {
 
 // The groups one rank trains on: the world (data split, loss) and, under
 // hybrid sharding, the shard and replicate groups FSDP runs on. Under
-// staged collectives, `host` holds the Gloo groups that carry them;
-// declared first, they are destroyed last.
+// staged collectives, `host` holds the Gloo groups that carry them, and
+// under two-level ones the world, host and cross-host groups that `world`
+// runs on; declared first, they are destroyed last.
 struct RankGroups {
   std::vector<std::unique_ptr<fsdp::Collectives>> host;
   std::unique_ptr<fsdp::Collectives> world;
@@ -79,7 +81,19 @@ RankGroups ConnectGroups(const fsdp::LaunchEnvironment& env, const Placement& pl
   // finish explaining the failure before they are killed.
   gloo.fingerprints.report_timeout = std::chrono::seconds(5);
   gloo.check_collective_headers = absl::GetFlag(FLAGS_check_collective_headers);
-  if (hybrid) {
+  if (placement.two_level) {
+    // The host groups are hybrid sharding's shard groups of one host each.
+    fsdp::HybridGroupsFromEnvironment made =
+        fsdp::ValueOrThrow(fsdp::CreateHybridGlooCollectivesFromEnvironment(env, 0, gloo));
+    groups.host.push_back(std::move(made.world));
+    groups.host.push_back(std::move(made.hybrid.shard));
+    groups.host.push_back(std::move(made.hybrid.replicate));
+    groups.world =
+        fsdp::CreateHierarchicalCollectives(*groups.host[0], *groups.host[1], *groups.host[2]);
+    groups.layout_note =
+        absl::StrFormat(" (two-level collectives: %d hosts of %d ranks)",
+                        made.layout.num_shard_groups(), made.layout.shard_group_size());
+  } else if (hybrid) {
     fsdp::HybridGroupsFromEnvironment made = fsdp::ValueOrThrow(
         fsdp::CreateHybridGlooCollectivesFromEnvironment(
             env, absl::GetFlag(FLAGS_shard_group_size), gloo));
