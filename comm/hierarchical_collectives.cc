@@ -20,29 +20,26 @@ namespace {
 
 class HierarchicalCollectives;
 
-// The works of one stage: the job that issues it, and the collective's
-// work the job leaves in `work` (read only once the job is done).
+// The works of one stage: the job that issues it, and the collectives'
+// works the job leaves in `works` (read only once the job is done).
 struct Stage {
+  using Works = std::vector<std::unique_ptr<CollectiveWork>>;
   std::shared_ptr<CollectiveWork> job;
-  std::shared_ptr<std::unique_ptr<CollectiveWork>> work =
-      std::make_shared<std::unique_ptr<CollectiveWork>>();
+  std::shared_ptr<Works> works = std::make_shared<Works>();
 };
 
 // A two-level collective: done when its second stage's job (which waited
-// for the first stage) and that stage's collective are done; then `then`
-// runs on the waiting thread. On a failure, both levels fail what they
-// have not started (HierarchicalCollectives::Fail), and this waits for a
-// first stage still in flight here, on the waiting thread, not on a
-// worker, whose later jobs must fail at once. Errors name `what`.
+// for the first stage) and that stage's collectives are done. On a failure, both levels fail what
+// they have not started (HierarchicalCollectives::Fail), and this waits for a first stage still in
+// flight here, on the waiting thread, not on a worker, whose later jobs must fail at once. Errors
+// name `what`.
 class StageWork final : public CollectiveWork {
  public:
-  StageWork(HierarchicalCollectives* group, std::string what, Stage first, Stage second,
-            std::function<void()> then)
+  StageWork(HierarchicalCollectives* group, std::string what, Stage first, Stage second)
       : group_(group),
         what_(std::move(what)),
         first_(std::move(first)),
-        second_(std::move(second)),
-        then_(std::move(then)) {}
+        second_(std::move(second)) {}
   ~StageWork() override {
     if (result_.done()) return;
     try {
@@ -58,7 +55,6 @@ class StageWork final : public CollectiveWork {
   const std::string what_;
   Stage first_;
   Stage second_;
-  std::function<void()> then_;
   WorkResult result_;
 };
 
@@ -98,38 +94,38 @@ class HierarchicalCollectives final : public Collectives {
 
  protected:
   // out[(h * L + l) * n] = shard of rank (h, l): the H shards of this
-  // rank's local index across hosts, then the host's L bundles of them.
+  // rank's local index across hosts, then, for each host h, the host's L
+  // shards h gathered straight into out's rows for host h (contiguous), so
+  // that nothing rearranges them afterwards.
   std::unique_ptr<CollectiveWork> DoAllGather(const at::Tensor& output,
                                               const at::Tensor& input) override {
     const int64_t hosts = cross_.world_size(), per_host = host_.world_size();
     const int64_t n = input.numel();
     at::Tensor across = at::empty({hosts * n}, input.options());
-    // bundles[l][h] = shard of rank (h, l).
-    at::Tensor bundles = at::empty({per_host * hosts * n}, input.options());
     Stage first, second;
     first.job = cross_worker_->Enqueue(Guarded(
-        [this, across, input, slot = first.work, unit = label_unit(), phase = label_phase()] {
+        [this, across, input, works = first.works, unit = label_unit(), phase = label_phase()] {
           CollectiveLabel label(cross_, unit, phase);
-          *slot = cross_.AllGatherIntoTensor(across, input);
+          works->push_back(cross_.AllGatherIntoTensor(across, input));
         }));
-    second.job = host_worker_->Enqueue(Guarded([this, first, slot = second.work, across, bundles,
-                                                unit = label_unit(), phase = label_phase()] {
-      first.job->Wait();
-      (*first.work)->Wait();
-      CollectiveLabel label(host_, unit, phase);
-      *slot = host_.AllGatherIntoTensor(bundles, across);
-    }));
-    return std::make_unique<StageWork>(
-        this, What("all-gather", output), std::move(first), std::move(second),
-        [output, bundles, hosts, per_host, n] {
-          output.view({hosts, per_host, n})
-              .copy_(bundles.view({per_host, hosts, n}).transpose(0, 1));
-        });
+    second.job = host_worker_->Enqueue(
+        Guarded([this, first, works = second.works, across, out = output.view({-1}), hosts,
+                 per_host, n, unit = label_unit(), phase = label_phase()] {
+          WaitFor(first);
+          CollectiveLabel label(host_, unit, phase);
+          for (int64_t h = 0; h < hosts; ++h) {
+            works->push_back(host_.AllGatherIntoTensor(
+                out.narrow(0, h * per_host * n, per_host * n), across.narrow(0, h * n, n)));
+          }
+        }));
+    return std::make_unique<StageWork>(this, What("all-gather", output), std::move(first),
+                                       std::move(second));
   }
 
-  // Chunk l of the arranged input is the segments of ranks (0, l) ...
-  // (H-1, l); this host's sum of it lands on local rank l, and the hosts'
-  // sum of segment h of that on rank (h, l).
+  // Segment h of the input (ranks (h, 0) ... (h, L-1)) is reduce-scattered
+  // over this host, so that local rank l holds this host's sum of the
+  // chunks of ranks (0, l) ... (H-1, l) without a copy arranging them; the
+  // hosts' sum of chunk h of that lands on rank (h, l).
   std::unique_ptr<CollectiveWork> DoReduceScatter(const at::Tensor& output, const at::Tensor& input,
                                                   ReduceOp op) override {
     const int64_t hosts = cross_.world_size(), per_host = host_.world_size();
@@ -137,22 +133,23 @@ class HierarchicalCollectives final : public Collectives {
     at::Tensor host_sum = at::empty({hosts * n}, output.options());
     Stage first, second;
     first.job = host_worker_->Enqueue(
-        Guarded([this, host_sum, input, op, hosts, per_host, n, slot = first.work,
+        Guarded([this, host_sum, in = input.view({-1}), op, hosts, per_host, n, works = first.works,
                  unit = label_unit(), phase = label_phase()] {
           CollectiveLabel label(host_, unit, phase);
-          const at::Tensor arranged =
-              input.view({hosts, per_host, n}).transpose(0, 1).contiguous().view({-1});
-          *slot = host_.ReduceScatterTensor(host_sum, arranged, op);
+          for (int64_t h = 0; h < hosts; ++h) {
+            works->push_back(host_.ReduceScatterTensor(
+                host_sum.narrow(0, h * n, n), in.narrow(0, h * per_host * n, per_host * n), op));
+          }
         }));
-    second.job = cross_worker_->Enqueue(Guarded([this, first, slot = second.work, host_sum, output,
-                                                 op, unit = label_unit(), phase = label_phase()] {
-      first.job->Wait();
-      (*first.work)->Wait();
-      CollectiveLabel label(cross_, unit, phase);
-      *slot = cross_.ReduceScatterTensor(output, host_sum, op);
-    }));
+    second.job =
+        cross_worker_->Enqueue(Guarded([this, first, works = second.works, host_sum, output, op,
+                                        unit = label_unit(), phase = label_phase()] {
+          WaitFor(first);
+          CollectiveLabel label(cross_, unit, phase);
+          works->push_back(cross_.ReduceScatterTensor(output, host_sum, op));
+        }));
     return std::make_unique<StageWork>(this, What("reduce-scatter", input), std::move(first),
-                                       std::move(second), nullptr);
+                                       std::move(second));
   }
 
   // The world group's, labelled with this group's label so that its
@@ -197,6 +194,11 @@ class HierarchicalCollectives final : public Collectives {
     };
   }
   friend class StageWork;
+  // A first stage, from the job that issues the second.
+  static void WaitFor(const Stage& first) {
+    first.job->Wait();
+    for (const std::unique_ptr<CollectiveWork>& work : *first.works) work->Wait();
+  }
   void Fail(const std::string& failure) {
     cross_worker_->Fail(failure);
     host_worker_->Fail(failure);
@@ -221,11 +223,9 @@ void StageWork::Wait() {
   result_.Wait([this] {
     std::string error = ErrorMessageOf([this] {
       second_.job->Wait();
-      // Set by the job before it completed, read after it.
-      if (*second_.work != nullptr) (*second_.work)->Wait();
-      if (then_) then_();
+      // Filled by the job before it completed, read after it.
+      for (const std::unique_ptr<CollectiveWork>& work : *second_.works) work->Wait();
     });
-    then_ = nullptr;
     if (!error.empty()) {
       if (error.rfind(what_, 0) != 0) error = absl::StrCat(what_, " failed: ", error);
       group_->Fail(error);
@@ -234,8 +234,8 @@ void StageWork::Wait() {
       // the cause of the one above or a consequence of it.
       ErrorMessageOf([this] { first_.job->Wait(); });
     }
-    first_.work->reset();
-    second_.work->reset();
+    first_.works->clear();
+    second_.works->clear();
     return error;
   });
 }

@@ -9,12 +9,19 @@
 // receive the other hosts' parts once):
 //   * AllGather: the cross-host group (the ranks with this rank's local
 //     index on every host) all-gathers the shards, so each rank holds the
-//     H shards of its local index; the host group (loopback) all-gathers
-//     those; a copy puts them in rank order.
-//   * ReduceScatter: a copy arranges the input so that local rank l's chunk
-//     holds the segments of the ranks with local index l; the host group
-//     reduce-scatters it (summing this host's ranks); the cross-host group
-//     reduce-scatters that (summing across hosts).
+//     H shards of its local index; then, once per host h, the host group
+//     (loopback) all-gathers shard h of every local rank straight into the
+//     output's rows for host h.
+//   * ReduceScatter: once per host h, the host group reduce-scatters the
+//     input's rows for host h (summing this host's ranks), so that local
+//     rank l holds this host's sums of the chunks of the ranks with local
+//     index l; the cross-host group reduce-scatters those (summing across
+//     hosts).
+//   H host-level collectives instead of one, and no rearranging copy: the
+//   output and input are read and written in place (the transport stages
+//   them as it does any collective's). Each of the H has its own header
+//   exchange, so a host peer that died can cost up to H header timeouts
+//   before the error.
 // The reduce-scatter sums in another order than a flat one (a host's ranks
 // first, then the hosts), so float32 sums can differ in the last bits, and
 // 16-bit ones are rounded once per level (a flat Gloo reduction rounds

@@ -10,9 +10,11 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "absl/strings/str_cat.h"
 #include "comm/gloo_collectives.h"
 #include "comm/hybrid_groups.h"
 #include "fsdp/fully_shard.h"
@@ -181,6 +183,67 @@ TEST(CommHooks, AStatefulErrorFeedbackHookChangesWhatIsSentAndConverges) {
   std::printf("error feedback: loss %.5f -> %.5f (uncompressed %.5f -> %.5f)\n",
               hooked.losses.front(), hooked.losses.back(), plain.losses.front(),
               plain.losses.back());
+}
+
+// The contract a hook's reduction is given (comm_hooks.h): Advance() once,
+// when the next unit's reduction is issued, and Wait() once. The runtime
+// advances its own reductions a second time (a quantized replicate sum's
+// second stage), never a hook's. Four units per backward: the first three
+// reductions are advanced once each, the last one never.
+class CountingHook : public CommHook {
+ public:
+  std::string Name() const override { return "counting"; }
+  std::unique_ptr<PendingReduction> Reduce(const CommHookContext& context, at::Tensor grad,
+                                           at::Tensor out) override {
+    calls_.push_back(std::make_shared<Calls>());
+    return std::make_unique<Counted>(DefaultCommHook().Reduce(context, grad, out), calls_.back());
+  }
+  struct Calls {
+    int advances = 0;
+    int waits = 0;
+  };
+  const std::vector<std::shared_ptr<Calls>>& calls() const { return calls_; }
+
+ private:
+  class Counted : public PendingReduction {
+   public:
+    Counted(std::unique_ptr<PendingReduction> inner, std::shared_ptr<Calls> calls)
+        : inner_(std::move(inner)), calls_(std::move(calls)) {}
+    void Advance() override {
+      ++calls_->advances;
+      inner_->Advance();
+    }
+    void Wait() override {
+      ++calls_->waits;
+      inner_->Wait();
+    }
+
+   private:
+    std::unique_ptr<PendingReduction> inner_;
+    std::shared_ptr<Calls> calls_;
+  };
+  std::vector<std::shared_ptr<Calls>> calls_;
+};
+
+TEST(CommHooks, AHooksReductionIsAdvancedAtMostOnceAndWaitedOnce) {
+  constexpr int kSteps = 2;
+  std::vector<std::shared_ptr<CountingHook>> hooks;
+  std::mutex mutex;
+  Train(ShardingStrategy::kFullShard, kSteps, [&] {
+    auto hook = std::make_shared<CountingHook>();
+    std::lock_guard<std::mutex> lock(mutex);
+    hooks.push_back(hook);
+    return hook;
+  });
+  ASSERT_EQ(hooks.size(), 2u);
+  for (const auto& hook : hooks) {
+    ASSERT_EQ(hook->calls().size(), 4u * kSteps);
+    for (size_t i = 0; i < hook->calls().size(); ++i) {
+      SCOPED_TRACE(absl::StrCat("reduction ", i % 4, " of step ", i / 4));
+      EXPECT_EQ(hook->calls()[i]->advances, i % 4 == 3 ? 0 : 1);
+      EXPECT_EQ(hook->calls()[i]->waits, 1);
+    }
+  }
 }
 
 // FSDP2's set_gradient_divide_factor: 1 makes the reduction a sum. At W = 2

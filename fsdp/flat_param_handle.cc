@@ -224,6 +224,15 @@ FlatParamHandle::FlatParamHandle(std::string unit_name, std::vector<FlatParamEnt
     reduction.sum_scatter = [this](const at::Tensor& flat_grad, const at::Tensor& out) {
       return quantized_reduce_->Start(flat_grad, out, group_);
     };
+    if (Collectives* replicate = options_.replicate;
+        replicate != nullptr && replicate->world_size() > 1) {
+      quantized_replicate_sum_ = std::make_unique<QuantizedAllReduce>(
+          layout_, replicate->world_size(), replicate->rank(), options_.reduce_quantization,
+          placement_.compute_device);
+      reduction.replicate_sum = [this, replicate](const at::Tensor& chunk) {
+        return quantized_replicate_sum_->Start(chunk, *replicate);
+      };
+    }
   }
   reduction_ = std::make_unique<GradientReduction>(unit_name_, Describe(), layout_, group_,
                                                    placement_, reduction);

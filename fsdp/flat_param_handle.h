@@ -145,6 +145,7 @@ namespace fsdp {
 
 class QuantizedGather;         // fsdp/quantized_gather.h
 class QuantizedReduceScatter;  // Likewise.
+class QuantizedAllReduce;      // Likewise.
 
 // Which buffer the parameters point at. Sharded and unsharded as NOTE [Flat
 // parameter] says; kShardedKeepingFull: on their shards, with the full
@@ -382,6 +383,8 @@ class FlatParamHandle {
   // Sharded units with trainable parameters and reduce_quantization; read
   // by reduction_'s works, so declared before it.
   std::unique_ptr<QuantizedReduceScatter> quantized_reduce_;
+  // The same under hybrid sharding, for the replicate group's sum.
+  std::unique_ptr<QuantizedAllReduce> quantized_replicate_sum_;
   // Declared after layout_, which it reads.
   std::unique_ptr<GradientReduction> reduction_;
   // Sharded units with all_gather_quantization; before pending_unshard_,

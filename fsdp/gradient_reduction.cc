@@ -1,5 +1,6 @@
 #include "fsdp/gradient_reduction.h"
 
+#include <functional>
 #include <utility>
 
 #include "ATen/ATen.h"
@@ -12,28 +13,38 @@ namespace {
 
 // The runtime's own reduction in flight: the shard group's collective, then
 // under hybrid sharding the replicate group's all-reduce of this rank's
-// shard. User hooks never run under hybrid sharding (RegisterCommHook
-// refuses them, as PyTorch does), so this is the only reduction that
-// crosses the replicate group; it also runs a sum_scatter (quantized
-// reduce-scatter), which hooks cannot be combined with.
+// shard (or the quantized sum that replaces it, in two stages). User hooks
+// never run under hybrid sharding (RegisterCommHook refuses them, as
+// PyTorch does), so this is the only reduction that crosses the replicate
+// group; it also runs a sum_scatter (quantized reduce-scatter), which hooks
+// cannot be combined with.
 class ShardGroupReduction : public PendingReduction {
  public:
   // `replicate` null: no replicate group. `partial`: the all-reduce is left
   // out and `out` keeps the shard group's sum before the post-divide.
   // `carry`: an earlier partial sum, added to `out` before the all-reduce.
-  ShardGroupReduction(std::unique_ptr<CollectiveWork> shard_group_work, at::Tensor grad,
-                      at::Tensor out, Collectives* replicate, double postdivide, bool partial,
-                      at::Tensor carry)
+  // `replicate_sum` (GradientReductionOptions): replaces the all-reduce.
+  ShardGroupReduction(
+      std::unique_ptr<CollectiveWork> shard_group_work, at::Tensor grad, at::Tensor out,
+      Collectives* replicate,
+      const std::function<std::unique_ptr<PendingReduction>(const at::Tensor&)>& replicate_sum,
+      double postdivide, bool partial, at::Tensor carry)
       : grad_(std::move(grad)),
         out_(std::move(out)),
         carry_(std::move(carry)),
         replicate_(replicate),
+        replicate_sum_(replicate_sum),
         postdivide_(postdivide),
         partial_(partial),
         shard_group_work_(std::move(shard_group_work)) {}
 
+  // The first call waits for the shard group's collective and issues the
+  // replicate group's; a later one advances a replicate_sum's stages.
   void Advance() override {
-    if (shard_group_work_ == nullptr) return;
+    if (shard_group_work_ == nullptr) {
+      if (replicate_sum_work_ != nullptr) replicate_sum_work_->Advance();
+      return;
+    }
     shard_group_work_->Wait();
     shard_group_work_.reset();
     grad_ = at::Tensor();  // The flat gradient is no longer read.
@@ -43,7 +54,12 @@ class ShardGroupReduction : public PendingReduction {
       carry_ = at::Tensor();
     }
     // Only this rank's shard crosses shard groups.
-    if (replicate_ != nullptr) replicate_work_ = replicate_->AllReduce(out_, ReduceOp::kSum);
+    if (replicate_ == nullptr) return;
+    if (replicate_sum_) {
+      replicate_sum_work_ = replicate_sum_(out_);
+    } else {
+      replicate_work_ = replicate_->AllReduce(out_, ReduceOp::kSum);
+    }
   }
 
   void Wait() override {
@@ -51,6 +67,10 @@ class ShardGroupReduction : public PendingReduction {
     if (replicate_work_ != nullptr) {
       replicate_work_->Wait();
       replicate_work_.reset();
+    }
+    if (replicate_sum_work_ != nullptr) {
+      replicate_sum_work_->Wait();
+      replicate_sum_work_.reset();
     }
     if (postdivide_ != 1 && !partial_) out_.div_(postdivide_);
     out_ = at::Tensor();
@@ -63,10 +83,12 @@ class ShardGroupReduction : public PendingReduction {
   at::Tensor out_;
   at::Tensor carry_;
   Collectives* replicate_;
+  std::function<std::unique_ptr<PendingReduction>(const at::Tensor&)> replicate_sum_;
   const double postdivide_;
   const bool partial_;
   std::unique_ptr<CollectiveWork> shard_group_work_;
   std::unique_ptr<CollectiveWork> replicate_work_;
+  std::unique_ptr<PendingReduction> replicate_sum_work_;
 };
 
 }  // namespace
@@ -190,6 +212,7 @@ void GradientReduction::Start(const std::vector<FlatParamEntry>& params, bool al
   // Without a replicate group to cross, every reduction all-reduces.
   const bool partial = hybrid() && !all_reduce;
   pending_ = Issue(std::move(flat_grad), reduced, !partial);
+  pending_advances_ = 0;
   reduced_ = std::move(reduced);
   pending_is_partial_ = partial;
 }
@@ -206,6 +229,7 @@ std::unique_ptr<PendingReduction> GradientReduction::Issue(at::Tensor flat_grad,
     TORCH_CHECK(pending != nullptr, who_, ": the comm hook '",
                 hook_ != nullptr ? hook_->Name() : "default",
                 "' returned no reduction (a synchronous hook returns CompletedReduction())");
+    pending_is_hooks_ = true;
     return pending;
   }
   Collectives* replicate = hybrid() ? options_.replicate : nullptr;
@@ -222,13 +246,16 @@ std::unique_ptr<PendingReduction> GradientReduction::Issue(at::Tensor flat_grad,
   at::Tensor carry;
   if (all_reduce) carry = std::exchange(partial_, at::Tensor());
   TORCH_INTERNAL_ASSERT(!carry.defined() || carry.sizes() == reduced.sizes());
+  pending_is_hooks_ = false;
   return std::make_unique<ShardGroupReduction>(std::move(work), std::move(flat_grad), reduced,
-                                               replicate, divisors.post, !all_reduce,
-                                               std::move(carry));
+                                               replicate, options_.replicate_sum, divisors.post,
+                                               !all_reduce, std::move(carry));
 }
 
 void GradientReduction::Advance() {
   if (!pending()) return;
+  if (pending_is_hooks_ && pending_advances_ > 0) return;
+  ++pending_advances_;
   try {
     pending_->Advance();
   } catch (...) {

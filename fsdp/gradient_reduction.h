@@ -4,8 +4,8 @@
 // layout, cast to the reduction dtype, the reduction itself (the comm hook,
 // DefaultCommHook unless a user registered one; under hybrid sharding or
 // with a sum_scatter (reduce_quantization) the built-in shard-group sum, the
-// replicate group's all-reduce and the partial-sum carry of
-// SetRequiresAllReduce(false)), the cast to the
+// replicate group's all-reduce (or its replicate_sum) and the partial-sum
+// carry of SetRequiresAllReduce(false)), the cast to the
 // gradient dtype and the accumulation into the sharded gradient, on the
 // compute device even when that gradient lives on the host.
 //
@@ -73,6 +73,11 @@ struct GradientReductionOptions {
   // hook cannot be combined with it.
   std::function<std::unique_ptr<CollectiveWork>(const at::Tensor& flat_grad, const at::Tensor& out)>
       sum_scatter;
+  // Issues the replicate group's sum of this rank's reduced chunk, in
+  // place, instead of its all-reduce: the unit's reduce_quantization under
+  // hybrid sharding (QuantizedAllReduce in quantized_gather.h), a reduction
+  // in two stages. Null: the all-reduce.
+  std::function<std::unique_ptr<PendingReduction>(const at::Tensor& chunk)> replicate_sum;
 };
 
 class GradientReduction {
@@ -100,6 +105,10 @@ class GradientReduction {
   // output). REQUIRES: trainable parameters, nothing pending.
   void Start(const std::vector<FlatParamEntry>& params, bool all_reduce);
   // PendingReduction::Advance of the reduction in flight; no-op without one.
+  // The runtime calls it when it issues the next unit's reduction and
+  // again at the one after: a comm hook's reduction is advanced the first
+  // time only (its contract), the runtime's own reduction at each call (a
+  // replicate_sum's second stage issues at the second).
   void Advance();
   // Waits for the reduction and adds the result into the sharded gradient
   // (or, partial, into the carried sum). Returns whether .grad must be
@@ -145,6 +154,8 @@ class GradientReduction {
   std::unique_ptr<PendingReduction> pending_;
   at::Tensor reduced_;
   bool pending_is_partial_ = false;  // The pending reduction leaves out the all-reduce.
+  bool pending_is_hooks_ = false;    // A comm hook's (DefaultCommHook's too).
+  int pending_advances_ = 0;
   at::Tensor partial_;               // has_partial(); reduction dtype, compute device.
 };
 

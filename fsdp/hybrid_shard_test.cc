@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "comm/collectives.h"
+#include "comm/fingerprint.h"
 #include "comm/gloo_collectives.h"
 #include "comm/hierarchical_collectives.h"
 #include "comm/hybrid_groups.h"
@@ -174,12 +176,15 @@ INSTANTIATE_TEST_SUITE_P(
     CaseName);
 
 // reduce_quantization under hybrid sharding: the shard group's sum is the
-// quantized all-to-all, the replicate group's all-reduce stays in float32.
-// With both replicas fed the same rows (by shard-group rank), HYBRID_SHARD
-// 2 x 2 must equal FULL_SHARD over 2 ranks with the same option bit for
-// bit: the shard groups sum what FULL_SHARD's group sums (both pre-divide
-// by 2), and the replicate group adds two equal sums and halves them.
-TEST(HybridShard, ReduceQuantizationSumsWithinTheShardGroupOnly) {
+// quantized all-to-all, and the replicate group's all-reduce is
+// QuantizedAllReduce's two stages (an all-to-all, then an all-gather of
+// the coded sums): no float all-reduce crosses the replicate group. With
+// both replicas fed the same rows (by shard-group rank), HYBRID_SHARD 2 x 2
+// must hold replica-identical parameters, bit for bit, and track FULL_SHARD
+// over 2 ranks with the same option within the replicate sum's coding
+// error (the replicas add two equal decoded sums and code the result once
+// more: a half step of each block's range per step).
+TEST(HybridShard, ReduceQuantizationCodesTheReplicateSumToo) {
   auto train = [](int world_size, int shard_group_size) {
     const HybridShardLayout layout =
         HybridShardLayout::Create(world_size, shard_group_size).value();
@@ -193,13 +198,13 @@ TEST(HybridShard, ReduceQuantizationSumsWithinTheShardGroupOnly) {
                                                  GlooGroupConnector(store, gloo));
       ASSERT_TRUE(groups.ok()) << groups.status();
       Collectives& shard = *groups->shard;
+      const bool hybrid = world_size > shard_group_size;
       Net model;
       FsdpOptions options;
-      options.strategy = world_size > shard_group_size ? ShardingStrategy::kHybridShard
-                                                       : ShardingStrategy::kFullShard;
+      options.strategy = hybrid ? ShardingStrategy::kHybridShard : ShardingStrategy::kFullShard;
       options.reduce_quantization = CommQuantization::kInt8;
       ProcessGroups fsdp_groups(shard);
-      if (world_size > shard_group_size) fsdp_groups.replicate = groups->replicate.get();
+      if (hybrid) fsdp_groups.replicate = groups->replicate.get();
       auto wrapped = FullyShardedModel::Wrap(model.ptr(), fsdp_groups, options,
                                              *ModuleTypePolicy::Of<BlockImpl>());
       ASSERT_TRUE(wrapped.ok()) << wrapped.status();
@@ -208,12 +213,29 @@ TEST(HybridShard, ReduceQuantizationSumsWithinTheShardGroupOnly) {
       Trajectory& t = runs[world.rank()];
       for (int step = 0; step < kSteps; ++step) {
         shard.ResetCounters();
+        if (hybrid) groups->replicate->ResetCounters();
         at::Tensor x = Inputs(step, 0).narrow(0, shard.rank() * rows, rows);
         at::Tensor y = Targets(step, 0).narrow(0, shard.rank() * rows, rows);
         at::Tensor loss = at::mse_loss(model->forward(x), y);
         loss.backward();
         EXPECT_EQ(shard.counters().Calls(CollectiveOp::kAllToAll), 4);  // Root, three blocks.
         EXPECT_EQ(shard.counters().Calls(CollectiveOp::kReduceScatter), 0);
+        if (hybrid) {
+          const CollectiveCounters& across = groups->replicate->counters();
+          EXPECT_EQ(across.Calls(CollectiveOp::kAllToAll), 4);
+          EXPECT_EQ(across.Calls(CollectiveOp::kAllGather), 4);
+          EXPECT_EQ(across.Calls(CollectiveOp::kAllReduce), 0);
+          // Each unit's second stage is issued before the next unit's first
+          // (during backward: UnitScheduler advances the reduction two
+          // back), not all after the backward.
+          const std::vector<CollectiveRecord> recent = groups->replicate->fingerprints().Recent();
+          ASSERT_GE(recent.size(), 8u);
+          for (size_t i = recent.size() - 8; i < recent.size(); i += 2) {
+            EXPECT_EQ(recent[i].op, CollectiveOp::kAllToAll) << "record " << i;
+            EXPECT_EQ(recent[i + 1].op, CollectiveOp::kAllGather) << "record " << i + 1;
+            EXPECT_EQ(recent[i + 1].unit, recent[i].unit) << "record " << i + 1;
+          }
+        }
         t.losses.push_back(loss.item<float>());
         optimizer.step();
         optimizer.zero_grad();
@@ -232,11 +254,24 @@ TEST(HybridShard, ReduceQuantizationSumsWithinTheShardGroupOnly) {
   ASSERT_EQ(hybrid.size(), 4u);
   for (int r = 0; r < 4; ++r) {
     SCOPED_TRACE(absl::StrCat("hybrid rank ", r));
-    const Trajectory& expected = full_shard[r % 2];  // Its shard-group rank's run.
-    EXPECT_EQ(hybrid[r].losses, expected.losses);
-    for (const auto& [name, value] : expected.params) {
+    EXPECT_EQ(hybrid[r].losses, hybrid[r % 2].losses);  // Its replica's: the same rows.
+    for (const auto& [name, value] : hybrid[0].params) {
       EXPECT_TRUE(at::equal(hybrid[r].params.at(name), value)) << name;
     }
+    const Trajectory& expected = full_shard[r % 2];  // Its shard-group rank's run.
+    for (int step = 0; step < kSteps; ++step) {
+      EXPECT_NEAR(hybrid[r].losses[step], expected.losses[step], 1e-4 * expected.losses[step])
+          << "step " << step;
+    }
+    bool any_differs = false;  // FULL_SHARD's sum is not coded a second time.
+    for (const auto& [name, value] : expected.params) {
+      const at::Tensor& got = hybrid[r].params.at(name);
+      const double scale = value.abs().max().item<double>();
+      const double diff = (got - value).abs().max().item<double>();
+      any_differs = any_differs || diff > 0;
+      EXPECT_LE(diff, 2e-3 * scale) << name;
+    }
+    EXPECT_TRUE(any_differs);
   }
 }
 

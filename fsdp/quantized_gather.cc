@@ -239,4 +239,166 @@ std::unique_ptr<CollectiveWork> QuantizedReduceScatter::Start(const at::Tensor& 
       quantization_ == CommQuantization::kInt8 ? &receive_table_ : nullptr, world_size_);
 }
 
+// Stage one in flight, then stage two (QuantizedAllReduce at the top of
+// the header).
+class QuantizedAllReduce::Work final : public PendingReduction {
+ public:
+  Work(const QuantizedAllReduce& plan, std::unique_ptr<CollectiveWork> exchange, at::Tensor sent,
+       at::Tensor received, at::Tensor chunk, Collectives& replicate)
+      : plan_(plan),
+        replicate_(replicate),
+        sent_(std::move(sent)),
+        received_(std::move(received)),
+        chunk_(std::move(chunk)),
+        exchange_(std::move(exchange)) {}
+
+  void Advance() override {
+    if (exchange_ == nullptr) return;
+    exchange_->Wait();
+    exchange_.reset();
+    at::NoGradGuard no_grad;
+    // Written by the all-to-all's stream, read here on the current one.
+    RecordUseOnCurrentStream(received_);
+    RecordUseOnCurrentStream(sent_);
+    const int64_t message = received_.numel() / plan_.replicas_;
+    const bool int8 = plan_.quantization_ == CommQuantization::kInt8;
+    at::Tensor sum;
+    if (plan_.own_numel_ > 0) {
+      at::Tensor decoded;
+      for (int r = 0; r < plan_.replicas_; ++r) {
+        const at::Tensor theirs = received_.narrow(0, r * message, message);
+        if (int8) {
+          if (!decoded.defined()) {
+            decoded = at::empty({plan_.own_numel_}, chunk_.options().dtype(at::kFloat));
+          }
+          DequantizeBlocks(theirs, plan_.own_table_, decoded);
+        } else {
+          decoded = theirs.narrow(0, 0, plan_.own_numel_).to(at::kFloat);
+        }
+        sum = r == 0 ? decoded.clone() : sum.add_(decoded);
+      }
+    }
+    sent_ = received_ = at::Tensor();
+    // Zeroed: the gaps, and the part a replica with an empty one sends.
+    at::Tensor own = at::zeros({message}, chunk_.options().dtype(int8 ? at::kByte : at::kBFloat16));
+    if (sum.defined()) {
+      if (int8) {
+        QuantizeBlocks(sum, own, plan_.own_table_);
+      } else {
+        own.narrow(0, 0, plan_.own_numel_).copy_(sum);
+      }
+    }
+    gathered_ = at::empty({plan_.replicas_ * message}, own.options());
+    own_ = std::move(own);
+    gather_ = replicate_.AllGatherIntoTensor(gathered_, own_);
+  }
+
+  void Wait() override {
+    Advance();
+    TORCH_CHECK(gather_ != nullptr,
+                "QuantizedAllReduce: the all-gather of the replicas' sums was never issued (stage "
+                "two failed earlier, or this reduction was already waited for)");
+    gather_->Wait();
+    gather_.reset();
+    at::NoGradGuard no_grad;
+    RecordUseOnCurrentStream(gathered_);
+    RecordUseOnCurrentStream(own_);
+    if (plan_.quantization_ == CommQuantization::kInt8) {
+      DequantizeBlocks(gathered_, plan_.parts_table_, chunk_);
+    } else {
+      chunk_.copy_(gathered_.narrow(0, 0, plan_.chunk_numel_));
+    }
+    gathered_ = own_ = chunk_ = at::Tensor();
+  }
+
+ private:
+  const QuantizedAllReduce& plan_;
+  Collectives& replicate_;
+  // Declared before the works, so that an unwaited reduction waits for
+  // them before it lets go of their buffers.
+  at::Tensor sent_;
+  at::Tensor received_;
+  at::Tensor chunk_;
+  at::Tensor own_;       // This replica's part's sum, coded.
+  at::Tensor gathered_;  // Every replica's.
+  std::unique_ptr<CollectiveWork> exchange_;
+  std::unique_ptr<CollectiveWork> gather_;
+};
+
+QuantizedAllReduce::QuantizedAllReduce(const FlatLayout& layout, int replicas, int replica,
+                                       CommQuantization quantization, c10::Device device)
+    : replicas_(replicas), quantization_(quantization) {
+  TORCH_CHECK(layout.sharded() && layout.has_trainable_params() &&
+                  quantization != CommQuantization::kNone && replicas >= 1 && replica >= 0 &&
+                  replica < replicas,
+              "QuantizedAllReduce needs a sharded layout with trainable parameters, a "
+              "quantization and a replica rank below the replica count");
+  const FlatLayout::Segment& trainable = layout.segments().front();
+  chunk_numel_ = trainable.shard_numel;
+  part_numel_ = (chunk_numel_ + replicas - 1) / replicas;
+  const int64_t own_begin = std::min<int64_t>(chunk_numel_, replica * part_numel_);
+  own_numel_ = std::min(chunk_numel_, own_begin + part_numel_) - own_begin;
+  if (quantization == CommQuantization::kBf16) {
+    message_bytes_ = part_numel_ * 2;
+    return;
+  }
+  // Each part's stretches of the chunk's pieces, in chunk offsets.
+  struct Stretch {
+    int64_t begin;
+    int64_t length;
+  };
+  std::vector<std::vector<Stretch>> parts(replicas);
+  const int64_t chunk_begin = layout.OwnedBegin(trainable, layout.rank());
+  for (const FlatLayout::Piece& piece : layout.PiecesOf(0, layout.rank())) {
+    const int64_t begin = piece.flat_offset - chunk_begin;
+    for (int j = 0; j < replicas; ++j) {
+      const int64_t from = std::max(begin, j * part_numel_);
+      const int64_t to = std::min(begin + piece.numel, (j + 1) * part_numel_);
+      if (from < to) parts[j].push_back({from, to - from});
+    }
+  }
+  int64_t most = 0;
+  for (const std::vector<Stretch>& part : parts) {
+    int64_t blocks = 0;
+    for (const Stretch& s : part) blocks += QuantizationRun{0, 0, 0, s.length}.blocks();
+    most = std::max(most, blocks);
+  }
+  const int64_t params_begin = RoundUp8(part_numel_);
+  message_bytes_ = params_begin + most * kBlockParamBytes;
+  std::vector<QuantizationRun> all, own;
+  for (int j = 0; j < replicas; ++j) {
+    const int64_t base = j * message_bytes_;
+    int64_t param = params_begin;
+    for (const Stretch& s : parts[j]) {
+      const int64_t in_part = s.begin - j * part_numel_;
+      all.push_back({s.begin, base + in_part, base + param, s.length});
+      if (j == replica) own.push_back({in_part, in_part, param, s.length});
+      param += QuantizationRun{0, 0, 0, s.length}.blocks() * kBlockParamBytes;
+    }
+  }
+  parts_table_ = BlockTable(all).To(device);
+  if (!own.empty()) own_table_ = BlockTable(own).To(device);
+}
+
+std::unique_ptr<PendingReduction> QuantizedAllReduce::Start(const at::Tensor& chunk,
+                                                            Collectives& replicate) const {
+  TORCH_CHECK(chunk.numel() == chunk_numel_ && replicate.world_size() == replicas_,
+              "QuantizedAllReduce::Start: expected a chunk of ", chunk_numel_, " elements across ",
+              replicas_, " replicas, got ", chunk.numel(), " across ", replicate.world_size());
+  at::NoGradGuard no_grad;
+  at::Tensor sent;
+  if (quantization_ == CommQuantization::kBf16) {
+    sent = at::zeros({replicas_ * part_numel_}, chunk.options().dtype(at::kBFloat16));
+    sent.narrow(0, 0, chunk_numel_).copy_(chunk);
+  } else {
+    // Zeroed: the gaps between codes and parameters are sent too.
+    sent = at::zeros({replicas_ * message_bytes_}, chunk.options().dtype(at::kByte));
+    QuantizeBlocks(chunk, sent, parts_table_);
+  }
+  at::Tensor received = at::empty_like(sent);
+  std::unique_ptr<CollectiveWork> exchange = replicate.AllToAll(received, sent);
+  return std::make_unique<Work>(*this, std::move(exchange), std::move(sent), std::move(received),
+                                chunk, replicate);
+}
+
 }  // namespace fsdp

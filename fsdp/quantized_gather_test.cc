@@ -2,11 +2,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "ATen/ATen.h"
+#include "absl/strings/str_cat.h"
 #include "comm/block_quantization.h"
+#include "fsdp/comm_hooks.h"
 #include "fsdp/fsdp_options.h"
 #include "gtest/gtest.h"
 #include "testing/multi_rank.h"
@@ -54,6 +57,42 @@ struct Unit {
     return at::cat(parts);
   }
 };
+
+// Expects each trainable parameter's part of `out` (the flat parameter's
+// values from `begin` on, a sum of `times` x the unit's values coded
+// along the way) within `half_steps` of its coding's half steps of the
+// exact sum, and the padding's zeros exact. int8: a block of a parameter
+// spans at most its range (a half step: range / 510); bf16 (8 significant
+// bits): each value is off by at most 2^-8 of the largest.
+void ExpectNearTheExactSum(const Unit& unit, const FlatLayout& layout, const at::Tensor& out,
+                           int64_t begin, double times, double half_steps, CommQuantization q,
+                           const std::string& config) {
+  const at::Tensor exact_sum = unit.Full(layout).narrow(0, begin, out.numel()) * times;
+  for (size_t i = 0; i < 3; ++i) {
+    const FlatParamInfo& p = layout.params()[i];
+    const int64_t from = std::max(p.offset, begin);
+    const int64_t to = std::min(p.offset + p.numel, begin + out.numel());
+    if (from >= to) continue;
+    const at::Tensor v = unit.values[i];
+    const double bound = (q == CommQuantization::kInt8 ? (v.max() - v.min()).item<double>() / 510.0
+                                                       : v.abs().max().item<double>() / 256.0) *
+                         times * half_steps * 1.001;
+    EXPECT_LE(
+        (out.narrow(0, from - begin, to - from) - exact_sum.narrow(0, from - begin, to - from))
+            .abs()
+            .max()
+            .item<double>(),
+        bound)
+        << unit.specs[i].fqn << ", " << config;
+  }
+  const int64_t values_end = layout.params()[2].offset + layout.params()[2].numel;
+  if (begin + out.numel() > values_end) {
+    const int64_t pad_from = std::max(values_end, begin) - begin;
+    EXPECT_TRUE(at::equal(out.narrow(0, pad_from, out.numel() - pad_from),
+                          at::zeros({out.numel() - pad_from})))
+        << config;
+  }
+}
 
 // Every rank decodes the same full parameter; each value is within half a
 // step of a block that holds only its own parameter's values, so within
@@ -142,38 +181,80 @@ TEST(QuantizedReduceScatter, SumsEveryRanksDecodedChunkInFloat32) {
           expected = r == 0 ? decoded.clone() : expected.add_(decoded);
         }
         EXPECT_TRUE(at::equal(out, expected)) << "W = " << w;
-        const int64_t begin = layout.OwnedBegin(trainable, group.rank());
-        const at::Tensor exact_sum =
-            unit.Full(layout).narrow(0, begin, out.numel()) * (w * (w + 1) / 2);
-        for (size_t i = 0; i < 3; ++i) {
-          const FlatParamInfo& p = layout.params()[i];
-          const int64_t from = std::max(p.offset, begin);
-          const int64_t to = std::min(p.offset + p.numel, begin + out.numel());
-          if (from >= to) continue;
-          const at::Tensor v = unit.values[i];
-          // int8: a rank's block of this parameter spans at most its range;
-          // bf16 (8 significant bits): each value is off by at most 2^-8 of itself.
-          const double bound =
-              (q == CommQuantization::kInt8 ? (v.max() - v.min()).item<double>() / 510.0
-                                            : v.abs().max().item<double>() / 256.0) *
-              (w * (w + 1) / 2) * 1.001;
-          EXPECT_LE((out.narrow(0, from - begin, to - from) -
-                     exact_sum.narrow(0, from - begin, to - from))
-                        .abs()
-                        .max()
-                        .item<double>(),
-                    bound)
-              << unit.specs[i].fqn << " at W = " << w;
-        }
-        const int64_t values_end = layout.params()[2].offset + layout.params()[2].numel;
-        if (begin + out.numel() > values_end) {
-          const int64_t pad_from = std::max(values_end, begin) - begin;
-          EXPECT_TRUE(at::equal(out.narrow(0, pad_from, out.numel() - pad_from),
-                                at::zeros({out.numel() - pad_from})));
-        }
+        ExpectNearTheExactSum(unit, layout, out, layout.OwnedBegin(trainable, group.rank()),
+                              w * (w + 1) / 2, /*half_steps=*/1, q, absl::StrCat("W = ", w));
       });
       EXPECT_TRUE(status.ok()) << status;
     }
+  }
+}
+
+// The replicate group's sum under hybrid sharding, at R = 1..4 replicas
+// of shard-group rank 1 of 2 (the chunk that holds the gain, the bias and
+// the padding), replica r's chunk the unit's times r + 1: every replica
+// ends with the same chunk bit for bit, within two codings' half steps of
+// each parameter's exact sum, and the padding's zeros exact; each stage
+// moves R messages, with Advance() called before Wait() or not.
+TEST(QuantizedAllReduce, EveryReplicaHoldsTheSameSumWithinTwoCodings) {
+  for (int replicas : {1, 2, 3, 4}) {
+    for (CommQuantization q : {CommQuantization::kInt8, CommQuantization::kBf16}) {
+      for (bool advance : {false, true}) {
+        std::vector<at::Tensor> results(replicas);
+        absl::Status status = RunOnThreadRanks(replicas, [&](Collectives& replicate) {
+          const int r = replicate.rank();
+          Unit unit;
+          const FlatLayout layout = FlatLayout::Of(unit.specs, /*sharded=*/true, 2, 1);
+          const FlatLayout::Segment& trainable = layout.segments().front();
+          const int64_t begin = layout.OwnedBegin(trainable, 1);
+          at::Tensor chunk = unit.Full(layout).narrow(0, begin, trainable.shard_numel) * (r + 1);
+          const QuantizedAllReduce sum(layout, replicas, r, q, at::kCPU);
+          replicate.ResetCounters();
+          std::unique_ptr<PendingReduction> work = sum.Start(chunk, replicate);
+          if (advance) work->Advance();
+          work->Wait();
+          EXPECT_EQ(replicate.counters().Bytes(CollectiveOp::kAllToAll),
+                    replicas * sum.message_bytes());
+          EXPECT_EQ(replicate.counters().Bytes(CollectiveOp::kAllGather),
+                    replicas * sum.message_bytes());
+          results[r] = chunk;
+        });
+        ASSERT_TRUE(status.ok()) << status;
+        const std::string config = absl::StrCat("R = ", replicas, ", ", CommQuantizationName(q),
+                                                advance ? ", advanced" : "");
+        for (int r = 1; r < replicas; ++r) {
+          EXPECT_TRUE(at::equal(results[r], results[0])) << config << ", replica " << r;
+        }
+        Unit unit;
+        const FlatLayout layout = FlatLayout::Of(unit.specs, /*sharded=*/true, 2, 1);
+        const int64_t begin = layout.OwnedBegin(layout.segments().front(), 1);
+        const int64_t values_end = layout.params()[2].offset + layout.params()[2].numel;
+        ASSERT_GT(begin + results[0].numel(), values_end);  // The chunk ends in padding.
+        // Each contribution's half step, then the sum's: as many again.
+        ExpectNearTheExactSum(unit, layout, results[0], begin, replicas * (replicas + 1) / 2.0,
+                              /*half_steps=*/2, q, config);
+      }
+    }
+  }
+}
+
+// A chunk of 3 values across 4 replicas: parts of 1 value, the last empty.
+// The replica with nothing to sum still exchanges and gathers (every
+// replica takes part in both collectives), and the sums are exact: a block
+// of one value codes exactly in int8, and these values and their sums are
+// bfloat16 numbers.
+TEST(QuantizedAllReduce, AReplicaWithAnEmptyPartStillTakesPart) {
+  for (CommQuantization q : {CommQuantization::kInt8, CommQuantization::kBf16}) {
+    absl::Status status = RunOnThreadRanks(4, [q](Collectives& replicate) {
+      const FlatLayout layout =
+          FlatLayout::Of({{"t", {3}, true}}, /*sharded=*/true, /*world_size=*/1, /*rank=*/0);
+      ASSERT_EQ(layout.segments().front().shard_numel, 3);
+      const at::Tensor values = at::tensor({0.5f, -1.25f, 2.0f});
+      at::Tensor chunk = values * (replicate.rank() + 1);
+      const QuantizedAllReduce sum(layout, 4, replicate.rank(), q, at::kCPU);
+      sum.Start(chunk, replicate)->Wait();
+      EXPECT_TRUE(at::equal(chunk, values * 10)) << CommQuantizationName(q) << ": " << chunk;
+    });
+    EXPECT_TRUE(status.ok()) << status;
   }
 }
 

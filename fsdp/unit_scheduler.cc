@@ -111,7 +111,16 @@ void UnitScheduler::ReduceGradients(FlatParamHandle& handle, bool all_reduce) {
   c10::StreamGuard on_reduce_scatter(streams_.reduce_scatter());
   // Before the wait on compute below: what an earlier reduction issues
   // next (hybrid's replicate all-reduce) needs nothing this backward
-  // computed since.
+  // computed since. The one two back is advanced again first: a quantized
+  // replicate sum's second stage (GradientReduction::Advance) waits for
+  // the exchange its first stage issued one reduction ago, so that it
+  // rarely waits, and its all-gather crosses the link during backward
+  // instead of after it.
+  if (reducing_.size() >= 2) {
+    FlatParamHandle* earlier = reducing_[reducing_.size() - 2];
+    CollectiveLabel label(*groups_.shard, groups_.replicate, earlier->unit_name(), "backward");
+    earlier->AdvanceReduction();
+  }
   for (; advanced_ < reducing_.size(); ++advanced_) {
     FlatParamHandle* earlier = reducing_[advanced_];
     CollectiveLabel label(*groups_.shard, groups_.replicate, earlier->unit_name(), "backward");

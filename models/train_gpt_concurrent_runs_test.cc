@@ -158,8 +158,12 @@ TEST(ConcurrentRuns, OtherLaunchersDcpCheckpointsAndExports) {
   const std::string root = TempDir("other_outputs");
   {
     const std::string dir = root + "/launched";
-    const std::string job =
-        absl::StrCat(kTrainGpt, kSmall, " --steps=4 --checkpoint_every=2 --checkpoint_dir=", dir);
+    // 300 steps (about 4 s, against 1.7 s for 4): the two launchers start
+    // their ranks at different times under load, and a job that had
+    // already finished would leave the other nothing to be refused by
+    // (under ctest's parallel load one once started after it).
+    const std::string job = absl::StrCat(
+        kTrainGpt, kSmall, " --steps=300 --checkpoint_every=150 --checkpoint_dir=", dir);
     // Ours as the other launcher: its rank 0 is the holder, and the job
     // that lost is refused by its rank 0 (the launcher reports the failure).
     const std::string launched =

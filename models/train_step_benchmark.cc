@@ -168,6 +168,8 @@ struct WorkerGroups {
 //   :hpz         FSDP2's reshard_after_forward as this host's group (ZeRO++'s
 //                hpZ): the backward all-gathers stay inside a host;
 //   :int8        int8 blockwise all-gathers and gradient reductions;
+//   :int8_reduce int8 gradient reductions only (under a hybrid strategy,
+//                what crosses hosts: the all-gathers stay inside one);
 //   :forward_prefetch  the next unit's all-gather issued during forward;
 //   :hier        all-gathers and reduce-scatters in two levels, within a
 //                host and across hosts (comm/hierarchical_collectives.h).
@@ -197,6 +199,8 @@ WorkerMode ParseWorkerMode(const std::string& text) {
          m.options.all_gather_quantization = fsdp::CommQuantization::kInt8;
          m.options.reduce_quantization = fsdp::CommQuantization::kInt8;
        }},
+      {"int8_reduce",
+       [](WorkerMode& m) { m.options.reduce_quantization = fsdp::CommQuantization::kInt8; }},
   };
   for (size_t i = 1; i < parts.size(); ++i) {
     const auto it = modifiers.find(parts[i]);
@@ -700,13 +704,13 @@ void RegisterShapedLinkCases(int rounds) {
   const std::pair<const char*, StepConfig> models[] = {{"gpt", gpt}, {"gpt_wide", wide}};
   const std::pair<const char*, int64_t> rates[] = {{"1Gbit", 1'000'000'000},
                                                    {"10Gbit", 10'000'000'000}};
-  // hybrid_shard:int8 quantizes what stays inside a host: the replicate
-  // all-reduce that crosses the link is float32 (its row shows that).
-  const char* modes[] = {
-      "pytorch_fsdp2",        "full_shard",        "full_shard:int8", "full_shard:hier",
-      "full_shard:hier:int8", "pytorch_hsdp",      "hybrid_shard",    "hybrid_shard:int8",
-      "full_shard:hpz",       "pytorch_fsdp2_hpz", "shard_grad_op",   "pytorch_fsdp2_zero2",
-      "pytorch_ddp",          "no_shard"};
+  // Under hybrid sharding only the gradients' replicate sum crosses the
+  // link: hybrid_shard:int8_reduce codes the reductions alone.
+  const char* modes[] = {"pytorch_fsdp2",       "full_shard",           "full_shard:int8",
+                         "full_shard:hier",     "full_shard:hier:int8", "pytorch_hsdp",
+                         "hybrid_shard",        "hybrid_shard:int8",    "hybrid_shard:int8_reduce",
+                         "full_shard:hpz",      "pytorch_fsdp2_hpz",    "shard_grad_op",
+                         "pytorch_fsdp2_zero2", "pytorch_ddp",          "no_shard"};
   for (int round = 1; round <= rounds; ++round) {
     for (const auto& [rate_name, rate] : rates) {
       for (const auto& [model_name, config] : models) {

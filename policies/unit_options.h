@@ -120,9 +120,10 @@ absl::Status ValidateMixedPrecision(const MixedPrecision& mp);
 // (reduce_quantization; ZeRO++'s qgZ; QuantizedReduceScatter in
 // fsdp/quantized_gather.h): each rank codes each rank's chunk of its flat
 // gradient, an all-to-all delivers them, and each rank decodes its W
-// chunks and sums them in float32. Refused likewise, and kBf16 where the
-// unit already reduces in a 16-bit reduce_dtype; a comm hook cannot be
-// combined with it.
+// chunks and sums them in float32; under hybrid sharding the replicate
+// group's all-reduce is coded likewise (QuantizedAllReduce). Refused
+// likewise, and kBf16 where the unit already reduces in a 16-bit
+// reduce_dtype; a comm hook cannot be combined with it.
 enum class CommQuantization { kNone, kBf16, kInt8 };
 
 // "none", "bf16", "int8".

@@ -30,8 +30,9 @@ CASES = [
     ("shard_grad_op", "SHARD_GRAD_OP", "pytorch_fsdp2_zero2"),
     ("pytorch_hsdp", "PyTorch HSDP (fully_shard, 2 x 2 mesh)", None),
     ("hybrid_shard", "HYBRID_SHARD (shard within host)", "pytorch_hsdp"),
-    ("hybrid_shard:int8", "HYBRID_SHARD, int8 inside hosts (replicate all-reduce float32)",
+    ("hybrid_shard:int8", "HYBRID_SHARD, int8 all-gather + int8 reduction (across hosts too)",
      "pytorch_hsdp"),
+    ("hybrid_shard:int8_reduce", "HYBRID_SHARD, int8 reduction only", "pytorch_hsdp"),
     ("pytorch_ddp", "PyTorch DDP", None),
     ("no_shard", "NO_SHARD", "pytorch_ddp"),
 ]
